@@ -1,0 +1,105 @@
+"""The eviction-policy interface and the policy registry.
+
+One policy instance serves one tier. The store calls:
+
+- `on_insert(info)` when a committed block enters the tier (a put, a
+  demotion into it, or a promotion into it);
+- `on_access(keys)` when a chain of blocks is hit (acquired), keys root first;
+- `on_remove(key)` when a block leaves the tier (evicted, demoted, promoted, dropped);
+- `on_feedback(key, attention)` when an engine reports an attention estimate;
+- `victims(n_bytes, evictable)` when the tier needs `n_bytes` of room.
+
+`victims` answers with keys for which `evictable(key)` is true *now* (the
+store's predicate: committed, unpinned, and a leaf of the prefix tree within
+this tier), whose sizes add up to at least `n_bytes` if it can, or `None` when
+it can name nothing. It changes nothing itself: the store removes the victims
+and calls `on_remove` for each, then asks again if it still needs room (a parent
+becomes a leaf only once its last child has gone).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Hashable, Sequence
+
+Key = Hashable
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What a policy may know of a block. `depth` is its index in its chain (0 = first block)."""
+
+    key: Key
+    parent: Key | None
+    depth: int
+    nbytes: int
+    block_tokens: int = 16
+    attention: float | None = None
+
+
+class EvictionPolicy(ABC):
+    """Base class; subclasses override the event hooks they need and `victims`."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self.clock = clock
+
+    @abstractmethod
+    def on_insert(self, info: BlockInfo) -> None: ...
+
+    @abstractmethod
+    def on_access(self, keys: Sequence[Key]) -> None: ...
+
+    @abstractmethod
+    def on_remove(self, key: Key) -> None: ...
+
+    def on_feedback(self, key: Key, attention: float) -> None:
+        """An attention estimate for a block; policies without an attention term ignore it."""
+
+    @abstractmethod
+    def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None: ...
+
+    @abstractmethod
+    def __contains__(self, key: Key) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+_REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {}
+
+
+def register_policy(name: str, factory: Callable[..., EvictionPolicy]) -> None:
+    _REGISTRY[name] = factory
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, clock: Clock = time.monotonic) -> EvictionPolicy:
+    """A new policy instance by registered name; ValueError lists the known names."""
+    _load_builtin()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(clock=clock)
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers their policies; a module that is absent
+    # (not yet written) simply contributes nothing.
+    import importlib
+
+    for module in ("eviction.lru", "eviction.lfu", "eviction.arc", "eviction.s3fifo", "eviction.attention"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise

@@ -1,0 +1,181 @@
+"""The host tier: one POSIX shared-memory arena, cut into fixed-size pages.
+
+The daemon creates the arena file (under /dev/shm, mode 0600), sizes it to the
+byte budget rounded down to whole pages, and prefaults it so that no store pays
+first-touch page faults. Local clients map the same file (`map_arena`) and copy
+payloads directly; payload bytes never cross the socket for them.
+
+A block occupies ceil(nbytes / page_bytes) pages. The allocator hands out pages
+from a free stack that yields ascending page numbers, and describes an
+allocation as *extents*, a list of `[offset, length]` runs; on a fresh or
+lightly fragmented arena a block is one extent, so a copy is one memcpy.
+
+Invariants (see `check`): a page is either free or owned by exactly one
+allocation; used + free == capacity; allocation never exceeds capacity.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+Extents = list  # list of [offset, length] pairs, in payload order
+
+_OS_PAGE = mmap.PAGESIZE
+
+
+class HostArena:
+    """Owner side (the daemon): creates, prefaults, allocates and frees pages."""
+
+    def __init__(self, path: str, capacity_bytes: int, page_bytes: int, prefault: bool = True) -> None:
+        if page_bytes <= 0 or page_bytes % _OS_PAGE:
+            raise ValueError(f"page_bytes must be a positive multiple of {_OS_PAGE}, got {page_bytes}")
+        num_pages = capacity_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"host capacity {capacity_bytes} B is smaller than one page ({page_bytes} B)")
+        self.path = path
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.capacity_bytes = num_pages * page_bytes
+        if os.path.exists(path):
+            os.unlink(path)  # a stale arena of a previous daemon with the same name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity_bytes)
+            self._mm = mmap.mmap(fd, self.capacity_bytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        if prefault:
+            self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+
+    # -- allocation -------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return len(self._free) * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity_bytes - self.free_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return self.pages_for(nbytes) <= len(self._free)
+
+    def allocate(self, nbytes: int) -> Extents | None:
+        """Extents covering exactly `nbytes`, or None if there are not enough free pages."""
+        n = self.pages_for(nbytes)
+        if n > len(self._free) or nbytes <= 0:
+            return None
+        pages = sorted(self._free[-n:])
+        del self._free[-n:]
+        extents: Extents = []
+        pb = self.page_bytes
+        remaining = nbytes
+        run_start = prev = pages[0]
+        for p in pages[1:] + [None]:
+            if p is not None and p == prev + 1:
+                prev = p
+                continue
+            length = min((prev - run_start + 1) * pb, remaining)
+            extents.append([run_start * pb, length])
+            remaining -= length
+            if p is not None:
+                run_start = prev = p
+        return extents
+
+    def free(self, extents: Extents) -> None:
+        pages: list[int] = []
+        pb = self.page_bytes
+        for offset, length in extents:
+            first = offset // pb
+            pages.extend(range(first, first + -(-length // pb)))
+        self._free.extend(sorted(pages, reverse=True))
+
+    # -- daemon-side byte access (TCP inline payloads, demotion) ------------
+    def read(self, extents: Extents) -> bytes:
+        return b"".join(self.buf[o : o + n].tobytes() for o, n in extents)
+
+    def write(self, extents: Extents, data) -> None:
+        copy_in(self.buf, extents, data)
+
+    # -- invariants ---------------------------------------------------------
+    def check(self, allocations: Iterable[Extents]) -> list[str]:
+        """Problems found, comparing the free stack with the live allocations (empty = clean)."""
+        problems: list[str] = []
+        owner = np.zeros(self.num_pages, dtype=np.int32)
+        pb = self.page_bytes
+        for extents in allocations:
+            for offset, length in extents:
+                if offset % pb or length <= 0 or offset + length > self.capacity_bytes:
+                    problems.append(f"bad extent [{offset}, {length}]")
+                    continue
+                owner[offset // pb : offset // pb + -(-length // pb)] += 1
+        for p in self._free:
+            owner[p] += 1
+        if len(set(self._free)) != len(self._free):
+            problems.append("a page is on the free stack twice")
+        if (owner > 1).any():
+            problems.append(f"{int((owner > 1).sum())} pages owned twice")
+        if (owner == 0).any():
+            problems.append(f"{int((owner == 0).sum())} pages leaked (neither free nor allocated)")
+        return problems
+
+    def close(self, unlink: bool = True) -> None:
+        self.buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def map_arena(path: str, size: int) -> np.ndarray:
+    """Client side: map an existing arena read-write, page tables prefaulted, as a uint8 array."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def _as_u8(data) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def copy_in(arena: np.ndarray, extents: Sequence, data) -> None:
+    """Copy a payload (any buffer) into its extents of the arena."""
+    src = _as_u8(data)
+    pos = 0
+    for offset, length in extents:
+        arena[offset : offset + length] = src[pos : pos + length]
+        pos += length
+    if pos != src.size:
+        raise ValueError(f"payload is {src.size} B but the extents hold {pos} B")
+
+
+def copy_out(arena: np.ndarray, extents: Sequence, out=None) -> np.ndarray:
+    """Copy a block out of the arena into `out` (a writable buffer) or a new array."""
+    total = sum(length for _, length in extents)
+    dst = np.empty(total, dtype=np.uint8) if out is None else _as_u8(out)
+    if dst.size != total:
+        raise ValueError(f"destination is {dst.size} B but the block is {total} B")
+    pos = 0
+    for offset, length in extents:
+        dst[pos : pos + length] = arena[offset : offset + length]
+        pos += length
+    return dst
