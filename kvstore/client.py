@@ -1,0 +1,213 @@
+"""The client engines and tools use to talk to the daemon.
+
+Local clients connect over the Unix socket and map the daemon's shared arena:
+`reserve`/`commit` and `acquire`/`release` exchange extents ([offset, length]
+runs in the arena) and the payload bytes are copied by the client, never sent
+over the socket. Remote clients connect over TCP with a token and use
+`put`/`get`, which carry payloads inline. `put` and `get` work for both.
+
+Errors are exceptions (kvstore.errors), re-raised with the class the daemon
+raised; a miss is None. `DaemonUnavailable` means the daemon could not be
+reached or did not answer in time; the connection is then closed and the next
+call reconnects. One client is one connection: not shared between threads
+without the internal lock (every call takes it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.config import default_socket_path
+from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, ProtocolError
+from kvstore.keys import Namespace
+from kvstore.protocol import HEADER, pack_frame, unpack_body
+from kvstore.store import LookupResult
+from tiers.host import Extents, copy_in, copy_out, map_arena
+
+Block = tuple  # (hash, parent hash or None, payload buffer)
+
+
+class KVClient:
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        tcp: tuple[str, int] | None = None,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        name: str = "",
+        connect: bool = True,
+    ) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.tcp = tcp
+        self.token = token
+        self.timeout_s = timeout_s
+        self.name = name
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._arena: np.ndarray | None = None
+        self.server_info: dict = {}
+        if connect:
+            self.connect()
+
+    # -- connection -----------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                return
+            try:
+                if self.tcp is not None:
+                    sock = socket.create_connection(self.tcp, timeout=self.timeout_s)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                else:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(self.timeout_s)
+                    sock.connect(self.socket_path)
+            except OSError as exc:
+                where = f"{self.tcp[0]}:{self.tcp[1]}" if self.tcp else self.socket_path
+                raise DaemonUnavailable(f"cannot reach the kvstore daemon at {where}: {exc}") from None
+            self._sock = sock
+            try:
+                self.server_info = self._call("hello", {"token": self.token, "client": self.name})
+            except BaseException:
+                self.close()
+                raise
+            if self.tcp is None and self._arena is None:
+                self._arena = map_arena(self.server_info["arena_path"], self.server_info["arena_bytes"])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.close()
+                finally:
+                    self._sock = None
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def arena(self) -> np.ndarray:
+        if self._arena is None:
+            raise KVStoreError("no arena: remote (TCP) clients use put/get")
+        return self._arena
+
+    # -- the RPC ------------------------------------------------------------------
+    def call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            return self._call(op, args)
+
+    def _call(self, op: str, args: dict) -> Any:
+        sock = self._sock
+        assert sock is not None
+        msgid = next(self._ids)
+        try:
+            sock.sendall(pack_frame([msgid, op, args]))
+            (length,) = HEADER.unpack(self._recv_exactly(HEADER.size))
+            reply = unpack_body(self._recv_exactly(length))
+        except (OSError, EOFError) as exc:  # socket.timeout is an OSError
+            self.close()
+            raise DaemonUnavailable(f"kvstore daemon did not answer {op}: {exc or type(exc).__name__}") from None
+        if not (isinstance(reply, list) and len(reply) == 3):
+            self.close()
+            raise ProtocolError("malformed reply from the daemon")
+        rid, error, result = reply
+        if error is not None:
+            cls = ERRORS_BY_NAME.get(error.get("type"), KVStoreError)
+            if rid == 0:  # the daemon could not read our frame and closed the stream
+                self.close()
+            raise cls(error.get("message", ""))
+        if rid != msgid:
+            self.close()
+            raise ProtocolError(f"reply {rid} does not match request {msgid}")
+        return result
+
+    def _recv_exactly(self, n: int) -> bytes:
+        sock = self._sock
+        assert sock is not None
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("connection closed by the daemon")
+            got += k
+        return bytes(buf)
+
+    # -- namespaces and queries --------------------------------------------------
+    def register(self, ns: Namespace) -> str:
+        return self.call("register", namespace=ns.to_dict())["ns"]
+
+    def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
+        r = self.call("lookup", ns=ns_id, hashes=list(hashes))
+        return LookupResult(r["hits"], tuple(r["tiers"]))
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def ping(self) -> bool:
+        return bool(self.call("ping")["pong"])
+
+    # -- zero-copy, two-phase (local clients) -------------------------------------
+    def reserve(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]]) -> list[Extents | None]:
+        return self.call("reserve", ns=ns_id, blocks=[[h, p] for h, p in blocks])["extents"]
+
+    def commit(self, ns_id: str, hashes: Sequence[bytes], attention: Sequence[float] | None = None) -> int:
+        args: dict = {"ns": ns_id, "hashes": list(hashes)}
+        if attention is not None:
+            args["attention"] = [float(a) for a in attention]
+        return self.call("commit", **args)["committed"]
+
+    def abort(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        self.call("abort", ns=ns_id, hashes=list(hashes))
+
+    def acquire(self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True) -> list[Extents | None]:
+        return self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix)["extents"]
+
+    def release(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self.call("release", ns=ns_id, hashes=list(hashes))
+
+    # -- convenience: whole payloads ------------------------------------------------
+    def put(self, ns_id: str, blocks: Sequence[Block]) -> int:
+        """Store blocks given as (hash, parent, payload); returns how many were newly stored."""
+        if self.tcp is not None:
+            wire = [[h, p, bytes(memoryview(data).cast("B"))] for h, p, data in blocks]
+            return self.call("put", ns=ns_id, blocks=wire)["stored"]
+        slots = self.reserve(ns_id, [(h, p) for h, p, _ in blocks])
+        written = []
+        try:
+            for extents, (h, _, data) in zip(slots, blocks):
+                if extents is not None:
+                    copy_in(self.arena, extents, data)
+                    written.append(h)
+        except BaseException:
+            self.abort(ns_id, [h for ext, (h, _, _) in zip(slots, blocks) if ext is not None])
+            raise
+        return self.commit(ns_id, written) if written else 0
+
+    def get(self, ns_id: str, hashes: Sequence[bytes]) -> list[np.ndarray | None]:
+        """Payloads of the given blocks (None where missing); pins are released before returning."""
+        if self.tcp is not None:
+            return [None if p is None else np.frombuffer(p, np.uint8) for p in self.call("get", ns=ns_id, hashes=list(hashes))["payloads"]]
+        extents = self.acquire(ns_id, hashes, prefix=False)
+        try:
+            return [None if ext is None else copy_out(self.arena, ext) for ext in extents]
+        finally:
+            self.release(ns_id, [h for h, ext in zip(hashes, extents) if ext is not None])

@@ -1,0 +1,220 @@
+"""Configuration: one frozen dataclass tree, loaded once (defaults < TOML file < flags).
+
+Every value is validated in `__post_init__` with a message a user can act on.
+Environment variables are read here and nowhere else:
+
+- KVSTORE_SOCKET: the daemon's Unix socket (clients and `kvstore serve`).
+- XDG_RUNTIME_DIR / XDG_STATE_HOME: where the per-user socket and data folders go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1 << 40}
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an int or a string like "4GiB", "512M", "65536"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+            return int(float(m.group(1)) * _UNITS[unit])
+    raise ConfigError(f"{what}: expected a size such as 4GiB or 65536, got {value!r}")
+
+
+def runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "kvstore" if base else Path(f"/tmp/kvstore-{os.getuid()}")
+
+
+def state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "kvstore"
+
+
+def default_socket_path() -> str:
+    return os.environ.get("KVSTORE_SOCKET") or str(runtime_dir() / "kvstore.sock")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket_path: str = field(default_factory=default_socket_path)
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int | None = None  # None: no TCP listener
+    tcp_token: str | None = None
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = 8321  # None: no admin HTTP
+    max_frame_bytes: int = 64 * MiB
+    max_batch_blocks: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.socket_path, str) and self.socket_path != "", "server.socket must be a path")
+        _require(len(self.socket_path.encode()) < 104, f"server.socket path too long for AF_UNIX: {self.socket_path}")
+        for name in ("tcp_port", "admin_port"):
+            port = getattr(self, name)
+            _require(port is None or (_is_int(port) and 0 <= port < 65536), f"server.{name} must be 0..65535, got {port!r}")
+        if self.tcp_port is not None:
+            _require(
+                isinstance(self.tcp_token, str) and len(self.tcp_token) >= 16,
+                "server.tcp_token (at least 16 characters) is required when TCP is enabled",
+            )
+        _require(_is_int(self.max_frame_bytes) and self.max_frame_bytes >= 4 * KiB, "server.max_frame_bytes must be >= 4KiB")
+        _require(_is_int(self.max_batch_blocks) and self.max_batch_blocks >= 1, "server.max_batch_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    capacity_bytes: int = 4 * GiB
+    page_bytes: int = 256 * KiB
+    shm_path: str = ""  # default: /dev/shm/kvstore-<uid>-<name>
+    prefault: bool = True
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
+                 f"host.page_size must be a multiple of 4KiB, got {self.page_bytes!r}")
+        _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= self.page_bytes,
+                 f"host.capacity must hold at least one page, got {self.capacity_bytes!r}")
+        _require(isinstance(self.prefault, bool), "host.prefault must be true or false")
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    enabled: bool = True
+    path: str = ""  # default: <state dir>/<name>/disk
+    capacity_bytes: int = 8 * GiB
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "disk.enabled must be true or false")
+        _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= 1 * MiB, "disk.capacity must be >= 1MiB")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "default"
+    policy: str = "lru"
+    log_level: str = "INFO"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name) is not None,
+                 f"name must be 1-64 of [A-Za-z0-9_.-], got {self.name!r}")
+        _require(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), f"log_level: bad value {self.log_level!r}")
+        from eviction.base import policy_names
+
+        _require(self.policy in policy_names(), f"policy must be one of {policy_names()}, got {self.policy!r}")
+
+    @property
+    def shm_path(self) -> str:
+        return self.host.shm_path or f"/dev/shm/kvstore-{os.getuid()}-{self.name}"
+
+    @property
+    def disk_path(self) -> str:
+        return self.disk.path or str(state_dir() / self.name / "disk")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# TOML keys -> (section, dataclass field, converter)
+_TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
+    "server": {
+        "socket": ("socket_path", str),
+        "tcp_host": ("tcp_host", str),
+        "tcp_port": ("tcp_port", None),
+        "tcp_token": ("tcp_token", None),
+        "admin_host": ("admin_host", str),
+        "admin_port": ("admin_port", None),
+        "max_frame": ("max_frame_bytes", "size"),
+        "max_batch_blocks": ("max_batch_blocks", None),
+    },
+    "host": {
+        "capacity": ("capacity_bytes", "size"),
+        "page_size": ("page_bytes", "size"),
+        "shm_path": ("shm_path", str),
+        "prefault": ("prefault", None),
+    },
+    "disk": {
+        "enabled": ("enabled", None),
+        "path": ("path", str),
+        "capacity": ("capacity_bytes", "size"),
+    },
+}
+_TOP_KEYS = {"name", "policy", "log_level"}
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then `overrides` ("section.key" or top-level key -> value)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.rpartition(".")
+        (raw.setdefault(section, {}) if section else raw)[key] = value
+    return _build(raw)
+
+
+def _build(raw: dict[str, Any]) -> Config:
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {s: {} for s in _TOML_KEYS}
+    for key, value in raw.items():
+        if key in _TOML_KEYS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{key}] must be a table")
+            for sub, v in value.items():
+                if sub not in _TOML_KEYS[key]:
+                    raise ConfigError(f"unknown key {key}.{sub}; known: {', '.join(sorted(_TOML_KEYS[key]))}")
+                fname, conv = _TOML_KEYS[key][sub]
+                sections[key][fname] = parse_size(v, f"{key}.{sub}") if conv == "size" else v
+        elif key in _TOP_KEYS:
+            top[key] = value
+        else:
+            raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(_TOP_KEYS | set(_TOML_KEYS)))}")
+    try:
+        return Config(
+            server=ServerConfig(**sections["server"]),
+            host=HostConfig(**sections["host"]),
+            disk=DiskConfig(**sections["disk"]),
+            **top,
+        )
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,105 @@
+"""The data-plane wire format, shared by the daemon and the client.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+A request is `[msgid, op, args]` (int, str, map); a reply is
+`[msgid, error, result]` where error is None or `{"type": name, "message": text}`.
+Requests are batches (a list of hashes per call): one round trip per engine
+step, never one per block.
+
+Validation helpers (`want_*`) raise ProtocolError with a message naming the
+offending field; the daemon turns that into an error reply and changes nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from kvstore.errors import ProtocolError
+from kvstore.keys import HASH_BYTES
+
+HEADER = struct.Struct(">I")
+PROTOCOL_VERSION = 1
+
+
+def pack_frame(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def unpack_body(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=len(body))
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}") from None
+
+
+def parse_request(obj: Any) -> tuple[int, str, dict]:
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise ProtocolError("a request must be [msgid, op, args]")
+    msgid, op, args = obj
+    if not isinstance(msgid, int) or isinstance(msgid, bool) or not 0 <= msgid < 2**63:
+        raise ProtocolError("msgid must be a non-negative int")
+    if not isinstance(op, str):
+        raise ProtocolError("op must be a string")
+    if not isinstance(args, dict):
+        raise ProtocolError("args must be a map")
+    return msgid, op, args
+
+
+def want(args: dict, name: str, kind: type | tuple, optional: bool = False) -> Any:
+    if name not in args:
+        if optional:
+            return None
+        raise ProtocolError(f"missing argument {name!r}")
+    value = args[name]
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ProtocolError(f"argument {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def want_hash(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
+        raise ProtocolError(f"{what} must be {HASH_BYTES} bytes")
+    return value
+
+
+def want_hashes(args: dict, limit: int, name: str = "hashes") -> list[bytes]:
+    hashes = want(args, name, list)
+    if len(hashes) > limit:
+        raise ProtocolError(f"{len(hashes)} blocks in one request; the limit is {limit}")
+    return [want_hash(h, f"{name}[{i}]") for i, h in enumerate(hashes)]
+
+
+def want_blocks(args: dict, limit: int, with_payload: bool) -> list[tuple]:
+    """`blocks`: [[hash, parent|None(, payload)], ...]."""
+    blocks = want(args, "blocks", list)
+    if len(blocks) > limit:
+        raise ProtocolError(f"{len(blocks)} blocks in one request; the limit is {limit}")
+    width = 3 if with_payload else 2
+    out = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, list) or len(b) != width:
+            raise ProtocolError(f"blocks[{i}] must be a list of {width} items")
+        h = want_hash(b[0], f"blocks[{i}] hash")
+        parent = None if b[1] is None else want_hash(b[1], f"blocks[{i}] parent")
+        if with_payload:
+            if not isinstance(b[2], bytes):
+                raise ProtocolError(f"blocks[{i}] payload must be bytes")
+            out.append((h, parent, b[2]))
+        else:
+            out.append((h, parent))
+    return out
+
+
+def want_floats(args: dict, name: str, count: int) -> list[float] | None:
+    values = want(args, name, list, optional=True)
+    if values is None:
+        return None
+    if len(values) != count or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ProtocolError(f"{name!r} must be a list of {count} numbers")
+    return [float(v) for v in values]

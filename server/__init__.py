@@ -1,0 +1,1 @@
+"""The daemon: data-plane RPC (Unix socket + TCP), admin HTTP (aiohttp), metrics."""

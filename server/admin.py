@@ -1,0 +1,119 @@
+"""The admin plane: aiohttp on loopback by default.
+
+GET /healthz  -> {"status": "ok"}
+GET /metrics  -> Prometheus text: blocks and bytes per tier, hits, misses,
+                 evictions, errors, sessions
+GET /stats    -> the store's stats as JSON, plus sessions and error counts
+POST /clear   -> drop every unpinned committed block
+
+Typed app state (web.AppKey), errors mapped to JSON in one middleware, no
+global registries: metrics are read from the store at scrape time by a
+collector on the daemon's own registry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from server.daemon import Daemon
+
+DAEMON = web.AppKey("daemon", object)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+
+
+def full_stats(daemon: "Daemon") -> dict:
+    stats = daemon.store.stats()
+    stats["sessions"] = len(daemon.sessions)
+    stats["errors"] = dict(daemon.errors)
+    stats["gpu"] = daemon.handlers.info["gpu"]
+    return stats
+
+
+class StoreCollector:
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+
+    def collect(self):
+        s = full_stats(self.daemon)
+        blocks = GaugeMetricFamily("kvstore_blocks", "Committed blocks per tier", labels=["tier"])
+        nbytes = GaugeMetricFamily("kvstore_bytes", "Bytes of committed blocks per tier", labels=["tier"])
+        hits = CounterMetricFamily("kvstore_hits", "Blocks acquired (hits) per tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvstore_evictions", "Blocks evicted per tier", labels=["tier"])
+        for tier, t in s["tiers"].items():
+            blocks.add_metric([tier], t["blocks"])
+            nbytes.add_metric([tier], t["bytes"])
+            hits.add_metric([tier], t["hits"])
+            evictions.add_metric([tier], t["evictions"])
+        yield from (blocks, nbytes, hits, evictions)
+        c = s["counters"]
+        yield CounterMetricFamily("kvstore_misses", "Blocks asked for and not present", value=c.get("miss_blocks", 0))
+        yield CounterMetricFamily("kvstore_lookup_blocks", "Blocks looked up", value=c.get("lookup_blocks", 0))
+        yield CounterMetricFamily("kvstore_lookup_hit_blocks", "Blocks found by lookups", value=c.get("lookup_hit_blocks", 0))
+        yield CounterMetricFamily("kvstore_put_blocks", "Blocks committed", value=c.get("put_blocks", 0))
+        errors = CounterMetricFamily("kvstore_errors", "Requests answered with an error", labels=["type"])
+        for kind, n in s["errors"].items():
+            errors.add_metric([kind], n)
+        yield errors
+        cap = GaugeMetricFamily("kvstore_capacity_bytes", "Tier capacity", labels=["tier"])
+        cap.add_metric(["host"], s["tiers"]["host"]["capacity_bytes"])
+        yield cap
+        yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except KVStoreError as exc:
+        return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=400)
+    except Exception as exc:
+        return web.json_response({"error": "internal", "message": str(exc)}, status=500)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.Response(text=json.dumps(full_stats(request.app[DAEMON]), indent=1), content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def clear(request: web.Request) -> web.Response:
+    return web.json_response({"removed": request.app[DAEMON].store.clear()})
+
+
+def make_app(daemon: "Daemon") -> web.Application:
+    app = web.Application(middlewares=[errors_middleware])
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(StoreCollector(daemon))
+    app[DAEMON] = daemon
+    app[REGISTRY] = registry
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/clear", clear)
+    return app
+
+
+async def start_admin(daemon: "Daemon", host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(make_app(daemon), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sock = site._server.sockets[0]  # type: ignore[union-attr]
+    return runner, sock.getsockname()[1]

@@ -1,0 +1,202 @@
+"""The daemon: one asyncio process serving the data plane and the admin plane.
+
+Data plane: length-prefixed msgpack RPC (kvstore/protocol.py) over a Unix
+socket (mode 0600, local clients, payloads through the shared arena) and,
+optionally, TCP (remote clients, payloads inline, token required). Each
+connection is a session; its pins and reservations are leases that die with
+the connection. Frames larger than `max_frame_bytes` close the connection
+(the stream cannot be resynchronised); any other bad request gets an error
+reply and the connection stays usable.
+
+SIGTERM/SIGINT drain: listeners close, requests in progress finish, the store
+is closed (lower tiers flush), the socket and the arena are removed, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+from collections import Counter
+
+from kvstore.config import Config
+from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
+from kvstore.store import TieredStore
+from server.rpc import Handlers, Session, error_reply
+from tiers.host import HostArena
+
+log = logging.getLogger(__name__)
+
+
+def build_store(config: Config) -> TieredStore:
+    """The store for a config: the host arena, plus the lower tiers the config enables."""
+    host = HostArena(config.shm_path, config.host.capacity_bytes, config.host.page_bytes, config.host.prefault)
+    try:
+        from kvstore.disk_store import open_store  # the disk tier, where present
+    except ModuleNotFoundError:
+        return TieredStore(host, policy=config.policy)
+    return open_store(host, config)
+
+
+def gpu_info() -> dict:
+    try:
+        from tiers.gpu import cuda_available
+    except ModuleNotFoundError:
+        return {"available": False, "reason": "GPU tier not built"}
+    ok, reason = cuda_available()
+    return {"available": ok, "reason": reason}
+
+
+class Daemon:
+    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else build_store(config)
+        info = {
+            "arena_path": self.store.host.path,
+            "arena_bytes": self.store.host.capacity_bytes,
+            "page_bytes": self.store.host.page_bytes,
+            "gpu": gpu_info(),
+        }
+        self.handlers = Handlers(self.store, config.server.tcp_token, config.server.max_batch_blocks, info)
+        self.errors: Counter = Counter()
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+        self._admin_runner = None
+        self.tcp_port: int | None = None
+        self.admin_port: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        sc = self.config.server
+        sock = sc.socket_path
+        os.makedirs(os.path.dirname(sock) or ".", mode=0o700, exist_ok=True)
+        if os.path.exists(sock):
+            os.unlink(sock)  # a stale socket of a daemon that died; a live one would have the arena locked
+        limit = sc.max_frame_bytes + HEADER.size
+        old_umask = os.umask(0o177)
+        try:
+            self._servers.append(await asyncio.start_unix_server(self._serve_unix, path=sock, limit=limit))
+        finally:
+            os.umask(old_umask)
+        if sc.tcp_port is not None:
+            srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit)
+            self.tcp_port = srv.sockets[0].getsockname()[1]
+            self._servers.append(srv)
+        if sc.admin_port is not None:
+            from server.admin import start_admin
+
+            self._admin_runner, self.admin_port = await start_admin(self, sc.admin_host, sc.admin_port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopped.set)
+        log.info(
+            "kvstore serving on %s (tcp %s, admin %s); host tier %d MiB at %s, policy %s",
+            sock, self.tcp_port, self.admin_port, self.store.host.capacity_bytes >> 20,
+            self.store.host.path, self.config.policy,
+        )
+
+    async def run(self) -> None:
+        await self.start()
+        print(f"kvstore ready socket={self.config.server.socket_path} admin_port={self.admin_port} "
+              f"tcp_port={self.tcp_port}", flush=True)
+        await self._stopped.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        log.info("draining")
+        for srv in self._servers:
+            srv.close()
+        for srv in self._servers:
+            await srv.wait_closed()
+        # Let requests in progress finish, then end the idle connections.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while any(s.busy for s in self.sessions.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            await asyncio.get_running_loop().run_in_executor(None, close)
+        self.store.host.close(unlink=True)
+        try:
+            os.unlink(self.config.server.socket_path)
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+
+    # -- connections ----------------------------------------------------------
+    async def _serve_unix(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, "unix")
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, "tcp")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        session = Session(owner=next(self._ids), transport=transport)
+        self.sessions[session.owner] = session
+        try:
+            while not self._stopped.is_set():
+                try:
+                    header = await reader.readexactly(HEADER.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                (length,) = HEADER.unpack(header)
+                if length > self.config.server.max_frame_bytes:
+                    self.errors["ProtocolError"] += 1
+                    err = ProtocolError(f"frame of {length} B exceeds the limit of {self.config.server.max_frame_bytes} B")
+                    writer.write(pack_frame([0, error_reply(err), None]))
+                    await writer.drain()
+                    return
+                try:
+                    body = await reader.readexactly(length)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # truncated frame: the client went away mid-request
+                session.busy = True
+                try:
+                    writer.write(pack_frame(await self._handle(session, body)))
+                finally:
+                    session.busy = False
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            return
+        finally:
+            self.store.release_owner(session.owner)
+            del self.sessions[session.owner]
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _handle(self, session: Session, body: bytes) -> list:
+        msgid = 0
+        try:
+            msgid, op, args = parse_request(unpack_body(body))
+            return [msgid, None, await self.handlers.dispatch(session, op, args)]
+        except KVStoreError as exc:
+            self.errors[type(exc).__name__] += 1
+            return [msgid, error_reply(exc), None]
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("internal error handling a request")
+            self.errors["internal"] += 1
+            return [msgid, error_reply(exc), None]
+
+
+def serve(config: Config) -> int:
+    """Run a daemon until SIGTERM/SIGINT; the CLI's `serve`."""
+    async def main() -> None:
+        await Daemon(config).run()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,183 @@
+"""Data-plane request handlers: one function per op, over one TieredStore.
+
+A handler validates every argument before it changes anything, so a bad
+request gets an error reply and leaves the store as it was. Pins and
+reservations are owned by the connection (`Session.owner`); when the
+connection goes away the daemon calls `store.release_owner` (lease expiry).
+
+Local (Unix-socket) clients move payloads through the shared arena:
+`reserve`/`commit` and `acquire`/`release` return and take extents. Remote
+(TCP) clients cannot map the arena: `put` and `get` carry payloads inline.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
+from kvstore.keys import Namespace
+from kvstore.protocol import PROTOCOL_VERSION, want, want_blocks, want_floats, want_hashes
+from kvstore.store import TieredStore
+
+
+@dataclass
+class Session:
+    owner: int
+    transport: str  # "unix" or "tcp"
+    authed: bool = False
+    client_name: str = ""
+    requests: int = 0
+    busy: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Handlers:
+    def __init__(self, store: TieredStore, token: str | None, max_batch: int, info: dict[str, Any]) -> None:
+        self.store = store
+        self.token = token
+        self.max_batch = max_batch
+        self.info = info  # static facts for hello: arena path and size, gpu availability
+        self.ops: dict[str, Callable[[Session, dict], Any]] = {
+            "hello": self.hello,
+            "ping": self.ping,
+            "register": self.register,
+            "lookup": self.lookup,
+            "reserve": self.reserve,
+            "commit": self.commit,
+            "abort": self.abort,
+            "acquire": self.acquire,
+            "release": self.release,
+            "put": self.put,
+            "get": self.get,
+            "stats": self.stats,
+        }
+
+    async def dispatch(self, session: Session, op: str, args: dict) -> Any:
+        handler = self.ops.get(op)
+        if handler is None:
+            raise ProtocolError(f"unknown op {op!r}")
+        if op != "hello" and not session.authed:
+            raise AuthError("say hello first" if self.token is None or session.transport == "unix" else "authenticate with hello first")
+        session.requests += 1
+        result = handler(session, args)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    # -- session --------------------------------------------------------------
+    def hello(self, s: Session, args: dict) -> dict:
+        token = want(args, "token", str, optional=True)
+        s.client_name = want(args, "client", str, optional=True) or ""
+        if s.transport == "tcp":
+            if self.token is None or token is None or not hmac.compare_digest(token.encode(), self.token.encode()):
+                raise AuthError("bad or missing token")
+        s.authed = True
+        reply = {"version": PROTOCOL_VERSION, "transport": s.transport, "pid": os.getpid(), **self.info}
+        if s.transport == "tcp":
+            reply.pop("arena_path", None)  # remote clients cannot map it
+        return reply
+
+    def ping(self, s: Session, args: dict) -> dict:
+        return {"pong": True}
+
+    def register(self, s: Session, args: dict) -> dict:
+        raw = want(args, "namespace", dict)
+        try:
+            ns = Namespace.from_dict(raw)
+        except ValueError as exc:
+            raise NamespaceError(str(exc)) from None
+        return {"ns": self.store.register_namespace(ns)}
+
+    def stats(self, s: Session, args: dict) -> dict:
+        return self.store.stats()
+
+    # -- reads ----------------------------------------------------------------
+    def lookup(self, s: Session, args: dict) -> dict:
+        ns = want(args, "ns", str)
+        res = self.store.lookup(ns, want_hashes(args, self.max_batch))
+        return {"hits": res.hits, "tiers": list(res.tiers)}
+
+    async def acquire(self, s: Session, args: dict) -> dict:
+        self._local_only(s, "acquire")
+        ns = want(args, "ns", str)
+        hashes = want_hashes(args, self.max_batch)
+        prefix = want(args, "prefix", bool, optional=True)
+        entries = await self._acquire(s, ns, hashes, prefix is not False)
+        return {"extents": [e.location if e is not None else None for e in entries]}
+
+    async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> list:
+        entries = self.store.acquire(ns, hashes, s.owner, prefix=prefix)
+        prepare = getattr(self.store, "prepare_read", None)
+        if prepare is not None and any(e is not None and e.tier != "host" for e in entries):
+            entries = await prepare(entries, s.owner)  # promotes lower-tier blocks into the arena
+        return entries
+
+    def release(self, s: Session, args: dict) -> dict:
+        self.store.release(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
+        return {}
+
+    async def get(self, s: Session, args: dict) -> dict:
+        ns = want(args, "ns", str)
+        hashes = want_hashes(args, self.max_batch)
+        entries = await self._acquire(s, ns, hashes, prefix=False)
+        held = [e.key[1] for e in entries if e is not None]
+        try:
+            payloads = [self.store.host.read(e.location) if e is not None else None for e in entries]
+        finally:
+            self.store.release(ns, held, s.owner)
+        return {"payloads": payloads}
+
+    # -- writes ---------------------------------------------------------------
+    def reserve(self, s: Session, args: dict) -> dict:
+        self._local_only(s, "reserve")
+        ns = want(args, "ns", str)
+        entries = self.store.reserve(ns, want_blocks(args, self.max_batch, with_payload=False), s.owner)
+        return {"extents": [e.location if e is not None else None for e in entries]}
+
+    def commit(self, s: Session, args: dict) -> dict:
+        ns = want(args, "ns", str)
+        hashes = want_hashes(args, self.max_batch)
+        attention = want_floats(args, "attention", len(hashes))
+        return {"committed": self.store.commit(ns, hashes, s.owner, attention)}
+
+    def abort(self, s: Session, args: dict) -> dict:
+        self.store.abort(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
+        return {}
+
+    def put(self, s: Session, args: dict) -> dict:
+        ns = want(args, "ns", str)
+        blocks = want_blocks(args, self.max_batch, with_payload=True)
+        block_bytes = self.store.namespace(ns).block_bytes
+        for i, (_, _, payload) in enumerate(blocks):
+            if len(payload) != block_bytes:
+                raise NamespaceError(f"blocks[{i}] payload is {len(payload)} B; the namespace's blocks are {block_bytes} B")
+        entries = self.store.reserve(ns, [(h, p) for h, p, _ in blocks], s.owner)
+        written = []
+        try:
+            for entry, (h, _, payload) in zip(entries, blocks):
+                if entry is not None:
+                    self.store.host.write(entry.location, payload)
+                    written.append(h)
+        except BaseException:
+            self.store.abort(ns, [e.key[1] for e in entries if e is not None], s.owner)
+            raise
+        self.store.commit(ns, written, s.owner)
+        return {"stored": len(written)}
+
+    @staticmethod
+    def _local_only(s: Session, op: str) -> None:
+        if s.transport != "unix":
+            raise ProtocolError(f"{op} hands out arena extents and is for local clients; remote clients use put/get")
+
+
+def error_reply(exc: BaseException) -> dict:
+    name = type(exc).__name__ if isinstance(exc, KVStoreError) else "KVStoreError"
+    message = str(exc) if isinstance(exc, KVStoreError) else f"internal error: {type(exc).__name__}: {exc}"
+    return {"type": name, "message": message}
+
+
+AsyncHandler = Callable[[Session, str, dict], Awaitable[Any]]

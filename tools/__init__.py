@@ -1,0 +1,1 @@
+"""The `kvstore` command line (serve, stats, replay, ...) and the benchmark scripts."""

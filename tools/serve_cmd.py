@@ -1,0 +1,72 @@
+"""`kvstore serve`: run the daemon with embedded defaults, a TOML file (--config) and flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvstore.config import load_config, parse_size
+from kvstore.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--config", help="TOML file; flags override it")
+    p.add_argument("--name", help="instance name (arena and data folder names)")
+    p.add_argument("--socket", help="Unix socket path")
+    p.add_argument("--host-bytes", help="host tier size, e.g. 4GiB")
+    p.add_argument("--page-bytes", help="host tier page size, e.g. 256KiB")
+    p.add_argument("--no-prefault", action="store_true", help="do not prefault the arena")
+    p.add_argument("--tcp-port", type=int, help="also listen on TCP (needs --tcp-token)")
+    p.add_argument("--tcp-host", help="TCP bind address (default 127.0.0.1)")
+    p.add_argument("--tcp-token", help="shared token for TCP clients")
+    p.add_argument("--admin-port", type=int, help="admin HTTP port (0 = any free port)")
+    p.add_argument("--no-admin", action="store_true", help="no admin HTTP listener")
+    p.add_argument("--disk-path", help="disk tier folder")
+    p.add_argument("--disk-bytes", help="disk tier size, e.g. 8GiB")
+    p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("--policy", help="eviction policy")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(run=run)
+
+
+def overrides_from(args: argparse.Namespace) -> dict:
+    size = lambda v, what: None if v is None else parse_size(v, what)  # noqa: E731
+    return {
+        "name": args.name,
+        "policy": args.policy,
+        "log_level": args.log_level,
+        "server.socket": args.socket,
+        "server.tcp_port": args.tcp_port,
+        "server.tcp_host": args.tcp_host,
+        "server.tcp_token": args.tcp_token,
+        "server.admin_port": args.admin_port,
+        "host.capacity": size(args.host_bytes, "--host-bytes"),
+        "host.page_size": size(args.page_bytes, "--page-bytes"),
+        "host.prefault": False if args.no_prefault else None,
+        "disk.path": args.disk_path,
+        "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
+        "disk.enabled": False if args.no_disk else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, overrides_from(args))
+        if args.no_admin:
+            import dataclasses
+
+            config = dataclasses.replace(config, server=dataclasses.replace(config.server, admin_port=None))
+    except ConfigError as exc:
+        print(f"kvstore: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    import logging
+
+    logging.getLogger().setLevel(config.log_level)
+    from server.daemon import serve
+
+    try:
+        return serve(config)
+    except (OSError, ValueError) as exc:
+        print(f"kvstore: cannot start: {exc}", file=sys.stderr)
+        return 1

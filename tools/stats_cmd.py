@@ -1,0 +1,44 @@
+"""`kvstore stats [--json]`: the daemon's stats, over its socket."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvstore.client import KVClient
+from kvstore.errors import KVStoreError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stats", help="show the daemon's stats")
+    p.add_argument("--socket", help="Unix socket path (default: $KVSTORE_SOCKET or the per-user default)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(run=run)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with KVClient(args.socket, name="kvstore-stats") as client:
+            stats = client.stats()
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    print(f"policy {stats['policy']}  namespaces {stats['namespaces']}  blocks {stats['blocks']}  "
+          f"reserved {stats['reserved_blocks']}  pinned {stats['pinned_blocks']}")
+    for tier, t in stats["tiers"].items():
+        line = f"  {tier:5} blocks {t['blocks']:>8}  bytes {_mib(t['bytes']):>12}  hits {t['hits']:>8}  evictions {t['evictions']:>8}"
+        if "capacity_bytes" in t:
+            line += f"  capacity {_mib(t['capacity_bytes'])}"
+        print(line)
+    c = stats["counters"]
+    print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
+          f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")
+    return 0
