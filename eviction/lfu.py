@@ -1,0 +1,191 @@
+"""Leaf-first LFU, and `LeafQueues`, the lazy leaf heaps the score-based policies share.
+
+LFU orders blocks by `(hit count, last touch)`, SGLang's order: an insert
+counts one, every block of a hit chain counts one more. A hit on a child is a
+hit on its parent, so counts never decrease going up a chain.
+
+`LeafQueues` is the candidate structure behind LFU, ARC, S3-FIFO, Belady and
+the attention policy. It mirrors the prefix tree as far as the policy sees it
+(each key's parent, a count of tracked children) and keeps one lazy min-heap of
+*leaves* per named queue. Invariants:
+
+- a heap entry `(prio, token, key)` is live iff `token` is the key's current
+  token; a key has a token only while it is tracked and has no tracked child,
+  so non-leaves never reach the top and stale entries are skipped lazily;
+- `pick` returns only keys for which the store's `evictable` is true now, and
+  pushes back every live entry it popped, so it changes nothing (the store
+  calls `on_remove` for the victims it takes);
+- a heap is rebuilt once it holds twice as many entries as keys, so its size
+  stays O(tracked keys) and each operation O(log n).
+
+Children counts are kept even for untracked parents (a child can sit in a
+tier whose policy has not seen the parent yet), so a parent arriving later
+knows it is not a leaf.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from typing import Callable, Sequence
+
+from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+
+
+class LeafQueues:
+    """Tracked keys, their tree links, and one lazy min-heap of leaves per queue."""
+
+    def __init__(self) -> None:
+        self.queue: dict[Key, str] = {}
+        self.prio: dict[Key, object] = {}
+        self.nbytes: dict[Key, int] = {}
+        self.parent: dict[Key, Key | None] = {}
+        self.children: Counter = Counter()
+        self.count: Counter = Counter()  # queue -> keys in it (leaves or not)
+        self.bytes: Counter = Counter()  # queue -> bytes in it
+        self._token: dict[Key, int] = {}
+        self._heaps: dict[str, list] = {}
+        self._tokens = itertools.count()
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def is_leaf(self, key: Key) -> bool:
+        return not self.children.get(key)
+
+    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object) -> None:
+        if key in self.queue:
+            self.update(key, queue, prio)
+            return
+        self.queue[key], self.prio[key], self.nbytes[key], self.parent[key] = queue, prio, nbytes, parent
+        self.count[queue] += 1
+        self.bytes[queue] += nbytes
+        if parent is not None:
+            self.children[parent] += 1
+            self._token.pop(parent, None)  # no longer a leaf
+        if self.is_leaf(key):
+            self._push(key)
+
+    def update(self, key: Key, queue: str, prio: object) -> None:
+        old = self.queue[key]
+        if old != queue:
+            nbytes = self.nbytes[key]
+            self.count[old] -= 1
+            self.bytes[old] -= nbytes
+            self.count[queue] += 1
+            self.bytes[queue] += nbytes
+            self.queue[key] = queue
+        self.prio[key] = prio
+        if self.is_leaf(key):
+            self._push(key)
+
+    def remove(self, key: Key) -> None:
+        queue = self.queue.pop(key, None)
+        if queue is None:
+            return
+        del self.prio[key]
+        nbytes = self.nbytes.pop(key)
+        self.count[queue] -= 1
+        self.bytes[queue] -= nbytes
+        self._token.pop(key, None)
+        parent = self.parent.pop(key)
+        if parent is not None:
+            left = self.children[parent] - 1
+            if left > 0:
+                self.children[parent] = left
+            else:
+                del self.children[parent]
+                if parent in self.queue:
+                    self._push(parent)  # it just became a leaf
+
+    def _push(self, key: Key) -> None:
+        token = next(self._tokens)
+        self._token[key] = token
+        queue = self.queue[key]
+        heap = self._heaps.setdefault(queue, [])
+        heapq.heappush(heap, (self.prio[key], token, key))
+        if len(heap) > 2 * self.count[queue] + 1024:
+            self._rebuild(queue)
+
+    def _rebuild(self, queue: str) -> None:
+        token = self._token
+        heap = [(p, token[k], k) for p, t, k in self._heaps[queue] if token.get(k) == t]
+        heapq.heapify(heap)
+        self._heaps[queue] = heap
+
+    def pick(
+        self,
+        queue: str,
+        n_bytes: int,
+        evictable: Callable[[Key], bool],
+        exclude: frozenset | set = frozenset(),
+        limit: int | None = None,
+    ) -> list[Key]:
+        """The lowest-priority evictable leaves of `queue` covering `n_bytes` (fewer if it cannot)."""
+        heap = self._heaps.get(queue)
+        if not heap:
+            return []
+        token = self._token
+        chosen: list[Key] = []
+        held: list = []
+        freed = 0
+        while heap and freed < n_bytes and (limit is None or len(chosen) < limit):
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            if token.get(key) != entry[1]:
+                continue  # stale: re-prioritised, no longer a leaf, or gone
+            held.append(entry)
+            if key not in exclude and evictable(key):
+                chosen.append(key)
+                freed += self.nbytes[key]
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return chosen
+
+    def peek_prio(self, queue: str, evictable: Callable[[Key], bool], exclude=frozenset()) -> object | None:
+        """Priority of the lowest evictable leaf of `queue`, or None."""
+        keys = self.pick(queue, 1, evictable, exclude, limit=1)
+        return self.prio[keys[0]] if keys else None
+
+
+class LFUPolicy(EvictionPolicy):
+    """Evicts the leaf with the fewest hits, the least recently touched among equals."""
+
+    name = "lfu"
+
+    def __init__(self, clock=None, **kwargs) -> None:
+        super().__init__(**({"clock": clock} if clock else {}))
+        self._leaves = LeafQueues()
+        self._hits: dict[Key, int] = {}
+        self._tick = itertools.count()
+
+    def on_insert(self, info: BlockInfo) -> None:
+        self._hits[info.key] = 1
+        self._leaves.add(info.key, info.parent, info.nbytes, "lfu", (1, next(self._tick)))
+
+    def on_access(self, keys: Sequence[Key]) -> None:
+        leaves, hits = self._leaves, self._hits
+        for key in reversed(keys):  # tail first: a parent is never staler than its child
+            if key in hits:
+                hits[key] += 1
+                leaves.update(key, "lfu", (hits[key], next(self._tick)))
+
+    def on_remove(self, key: Key) -> None:
+        self._hits.pop(key, None)
+        self._leaves.remove(key)
+
+    def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+        return self._leaves.pick("lfu", n_bytes, evictable) or None
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._leaves
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+
+register_policy("lfu", LFUPolicy)

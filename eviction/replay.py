@@ -1,0 +1,123 @@
+"""Replay helpers that need no store: trace parsing, block expansion, next-use index, tallies.
+
+A Mooncake-format trace (FAST'25 release) is JSONL, one request per line:
+`timestamp` (ms), `input_length` (tokens), `hash_ids` (prefix-chained ids of
+512-token blocks; the parent of `hash_ids[i]` is `hash_ids[i-1]`, the first
+has none). `expand` turns a request into the chain of store block hashes at
+`block_tokens` tokens per block: trace id i becomes 512/T sub-blocks (i, j),
+the request's last trace block only ceil(rest/T) of them, where rest is the
+tokens it actually holds. The block hash is 16 bytes, `<QQ` of (id, j): equal
+prefixes give equal hashes, and a sub-block's parent is the previous one in
+the request, so the tree of the trace is preserved.
+
+The store-driving loop lives in tools/replay.py (tools may import kvstore;
+eviction/ may not).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+TRACE_BLOCK_TOKENS = 512
+_PACK = struct.Struct("<QQ").pack
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    timestamp_s: float
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str, limit: int | None = None) -> list[Request]:
+    """The first `limit` requests (all when None) of a Mooncake JSONL trace."""
+    out: list[Request] = []
+    with open(path, "r", encoding="utf-8") as f:
+        for line in f:
+            if limit is not None and len(out) >= limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            ids = tuple(int(i) for i in rec["hash_ids"])
+            if not ids:
+                continue
+            out.append(Request(float(rec.get("timestamp", 0)) / 1000.0, int(rec["input_length"]), ids))
+    return out
+
+
+def expand(req: Request, block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[list[bytes], list[int]]:
+    """Block hashes and token counts of one request at `block_tokens` per block."""
+    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
+        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+    per = TRACE_BLOCK_TOKENS // block_tokens
+    n = len(req.hash_ids)
+    last_tokens = req.input_length - TRACE_BLOCK_TOKENS * (n - 1)
+    if not 0 < last_tokens <= TRACE_BLOCK_TOKENS:
+        last_tokens = TRACE_BLOCK_TOKENS  # a trace that breaks ceil(len/512); keep every block
+    hashes: list[bytes] = []
+    tokens: list[int] = []
+    for i, hid in enumerate(req.hash_ids):
+        if i < n - 1:
+            subs, rest = per, TRACE_BLOCK_TOKENS
+        else:
+            subs, rest = -(-last_tokens // block_tokens), last_tokens
+        for j in range(subs):
+            hashes.append(_PACK(hid, j))
+            tokens.append(min(block_tokens, rest - j * block_tokens))
+    return hashes, tokens
+
+
+def next_use_index(chains: Iterable[Sequence[bytes]], ns_id: str) -> dict[tuple, list[int]]:
+    """For Belady: store key -> sorted request positions at which it is referenced."""
+    future: dict[tuple, list[int]] = defaultdict(list)
+    for pos, hashes in enumerate(chains):
+        for h in hashes:
+            future[(ns_id, h)].append(pos)
+    return dict(future)
+
+
+@dataclass(slots=True)
+class Tally:
+    """Counts of one replay; `summary` turns them into the reported numbers."""
+
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    tokens: int = 0
+    hit_tokens: int = 0
+    rejected_blocks: int = 0
+    hits_by_tier: dict = field(default_factory=dict)
+
+    def add(self, tokens: Sequence[int], hits: int, tiers: Iterable[str]) -> None:
+        self.requests += 1
+        self.blocks += len(tokens)
+        self.hit_blocks += hits
+        self.tokens += sum(tokens)
+        self.hit_tokens += sum(tokens[:hits])
+        for t in tiers:
+            self.hits_by_tier[t] = self.hits_by_tier.get(t, 0) + 1
+
+    def summary(self) -> dict:
+        return {
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "hit_blocks": self.hit_blocks,
+            "hit_ratio": self.hit_blocks / self.blocks if self.blocks else 0.0,
+            "tokens": self.tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_ratio": self.hit_tokens / self.tokens if self.tokens else 0.0,
+            "prefill_tokens_saved": self.hit_tokens,
+            "rejected_blocks": self.rejected_blocks,
+            "hits_by_tier": dict(self.hits_by_tier),
+        }
+
+
+def iter_chains(requests: Sequence[Request], block_tokens: int) -> Iterator[tuple[list[bytes], list[int]]]:
+    for req in requests:
+        yield expand(req, block_tokens)

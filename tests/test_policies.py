@@ -1,0 +1,351 @@
+"""One contract suite over every eviction policy, plus store-level scenarios with each.
+
+Policies: lru, lfu, arc, s3fifo, attention (registered) and belady (offline,
+built here with a known future). Time is an injected clock; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+
+import pytest
+
+from eviction.attention import AttentionPolicy, block_key_norm_score
+from eviction.base import BlockInfo, make_policy, policy_names
+from eviction.belady import BeladyPolicy
+from kvstore.errors import CapacityError
+from kvstore.keys import Namespace
+from kvstore.store import TieredStore
+from tiers.host import HostArena
+
+POLICIES = ["lru", "lfu", "arc", "s3fifo", "attention", "belady"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build(name: str, clock: FakeClock, future: dict | None = None):
+    if name == "belady":
+        return BeladyPolicy(future or {}, now=lambda: int(clock.now), clock=clock)
+    return make_policy(name, clock=clock)
+
+
+def test_registry_has_every_online_policy_and_not_belady():
+    names = policy_names()
+    for name in ("lru", "lfu", "arc", "s3fifo", "attention"):
+        assert name in names
+    assert "belady" not in names
+
+
+class Model:
+    """A dict model of the tree the policy has been told about."""
+
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def children(self, key) -> int:
+        return sum(1 for p in self.parent.values() if p == key)
+
+    def leaves(self) -> list:
+        return [k for k in self.parent if self.children(k) == 0]
+
+    def chain(self, key) -> list:
+        out = []
+        while key is not None:
+            out.append(key)
+            key = self.parent[key]
+        return out[::-1]
+
+
+def info(key, parent, depth, nbytes=100) -> BlockInfo:
+    return BlockInfo(key, parent, depth, nbytes, 16)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_empty_policy_names_nothing(name):
+    p = build(name, FakeClock())
+    assert len(p) == 0
+    assert p.victims(100, lambda k: True) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_none_when_nothing_is_evictable(name):
+    p = build(name, FakeClock())
+    for i in range(5):
+        p.on_insert(info(i, None, 0))
+    assert p.victims(100, lambda k: False) is None
+    assert len(p) == 5  # victims changed nothing
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_victims_cover_the_request_when_possible(name):
+    p = build(name, FakeClock())
+    for i in range(10):
+        p.on_insert(info(i, None, 0, nbytes=100))
+    got = p.victims(350, lambda k: True)
+    assert got is not None and len(set(got)) == len(got)
+    assert 100 * len(got) >= 350
+    allowed = {1, 3, 5}
+    got = p.victims(1000, lambda k: k in allowed)
+    assert got is not None and set(got) <= allowed
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_only_leaves_offered_by_the_predicate_are_named(name):
+    p = build(name, FakeClock())
+    model = Model()
+    for key, parent, depth in [("a", None, 0), ("b", "a", 1), ("c", "b", 2), ("d", "a", 1)]:
+        p.on_insert(info(key, parent, depth))
+        model.parent[key] = parent
+    p.on_access(["a", "b", "c"])
+    leaves = set(model.leaves())
+    got = p.victims(10_000, lambda k: k in leaves)
+    assert got and set(got) <= leaves == {"c", "d"}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_on_remove_forgets(name):
+    p = build(name, FakeClock())
+    p.on_insert(info("a", None, 0))
+    p.on_insert(info("b", "a", 1))
+    p.on_remove("b")
+    assert "b" not in p and "a" in p and len(p) == 1
+    assert p.victims(100, lambda k: True) == ["a"]  # a is a leaf again
+    p.on_remove("a")
+    assert len(p) == 0 and p.victims(100, lambda k: True) is None
+    p.on_remove("zzz")  # unknown keys are ignored
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_against_a_model(name, seed):
+    rng = random.Random(seed)
+    clock = FakeClock()
+    future = {k: sorted(rng.sample(range(400), 5)) for k in range(60)}
+    p = build(name, clock, future)
+    model = Model()
+    pinned: set = set()
+    next_key = 0
+    for step in range(400):
+        clock.now = step
+        op = rng.random()
+        if op < 0.4 and next_key < 60:
+            parent = rng.choice([None, *model.parent]) if model.parent else None
+            depth = len(model.chain(parent)) if parent is not None else 0
+            p.on_insert(info(next_key, parent, depth, nbytes=rng.choice([100, 200])))
+            model.parent[next_key] = parent
+            next_key += 1
+        elif op < 0.65 and model.parent:
+            p.on_access(model.chain(rng.choice(list(model.parent))))
+        elif op < 0.75 and model.parent:
+            pinned ^= {rng.choice(list(model.parent))}
+        elif op < 0.8:
+            p.on_feedback(rng.choice([*model.parent, "unknown"]), rng.random())
+        elif model.parent:
+            leaves = set(model.leaves()) - pinned
+            got = p.victims(rng.choice([1, 250, 500]), lambda k: k in leaves)
+            if not leaves:
+                assert got is None
+            else:
+                assert got and set(got) <= leaves and len(set(got)) == len(got)
+                victim = got[0]
+                p.on_remove(victim)
+                del model.parent[victim]
+                pinned.discard(victim)
+        assert len(p) == len(model.parent)
+        for key in model.parent:
+            assert key in p
+
+
+def test_lfu_keeps_the_most_hit_leaf():
+    p = build("lfu", FakeClock())
+    for k in "abc":
+        p.on_insert(info(k, None, 0))
+    p.on_access(["a"]); p.on_access(["a"]); p.on_access(["c"])
+    assert p.victims(100, lambda k: True) == ["b"]
+
+
+def test_belady_evicts_the_furthest_next_use():
+    clock = FakeClock()
+    p = build("belady", clock, {"a": [0, 5], "b": [0, 2], "c": [0]})
+    for k in "abc":
+        p.on_insert(info(k, None, 0))
+    assert p.victims(100, lambda k: True) == ["c"]  # never used again
+    assert p.victims(200, lambda k: k != "c") == ["a", "b"]
+
+
+def test_attention_values_are_monotone_along_chains():
+    clock = FakeClock()
+    p = AttentionPolicy(clock=clock)
+    chain = [f"k{i}" for i in range(12)]
+    for i, k in enumerate(chain):
+        p.on_insert(BlockInfo(k, chain[i - 1] if i else None, i, 100, 512))
+    branch = ["k0", "k1", "x2", "x3"]
+    p.on_insert(BlockInfo("x2", "k1", 2, 100, 512))
+    p.on_insert(BlockInfo("x3", "x2", 3, 100, 512))
+    for t in range(1, 50):
+        clock.now = t * 7.0
+        p.on_access(chain[: 1 + t % 12])
+        if t % 5 == 0:
+            p.on_access(branch)
+            p.on_feedback("x3", 1.0)
+        for seq in (chain, branch):
+            values = [p.value(k) for k in seq]
+            assert all(a >= b for a, b in zip(values, values[1:])), values
+
+
+def test_attention_hits_and_attention_raise_value():
+    clock = FakeClock()
+    p = AttentionPolicy(clock=clock)
+    for k in "abc":
+        p.on_insert(BlockInfo(k, None, 0, 100, 16))
+    p.on_access(["b"])
+    assert p.victims(100, lambda k: True) in (["a"], ["c"])
+    p.on_feedback("a", 1.0)
+    p.on_feedback("c", 0.0)
+    assert p.victims(100, lambda k: True) == ["c"]
+
+
+def test_key_norm_score_prefers_low_norm_blocks():
+    import numpy as np
+
+    keys = np.ones((64, 2, 8), dtype=np.float32)
+    keys[:16] *= 0.1  # block 0: low key norm -> most attention expected
+    keys[48:] *= 10.0  # block 3: high norm -> least
+    score = block_key_norm_score(keys, 16)
+    assert score.shape == (4,) and score.min() >= 0 and score.max() <= 1
+    assert score[0] == 1.0 and score[3] == 0.0
+    assert block_key_norm_score(keys[:20], 16).shape == (2,)
+
+
+# -- store-level scenarios -------------------------------------------------------------------
+BLOCK = 4096
+
+
+@pytest.fixture
+def make_store():
+    arenas = []
+
+    def _make(name: str, capacity_blocks: int, future: dict | None = None):
+        clock = FakeClock()
+        path = f"/dev/shm/kvstore-test-policies-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        host = HostArena(path, capacity_blocks * BLOCK, BLOCK, prefault=False)
+        arenas.append(host)
+        store = TieredStore(host, policy="lru" if name == "belady" else name, clock=clock)
+        ns = Namespace("test", "bf16", 1, 1, 1, 16, BLOCK)
+        if name == "belady":
+            store.policies["host"] = BeladyPolicy(
+                {(ns.id, k): v for k, v in (future or {}).items()}, now=lambda: int(clock.now), clock=clock
+            )
+        return store, store.register_namespace(ns), clock
+
+    yield _make
+    for host in arenas:
+        host.close()
+
+
+def h(*parts) -> bytes:
+    return ("/".join(map(str, parts))).encode().ljust(16, b"\0")[:16]
+
+
+def put_chain(store, ns, hashes, owner="w") -> int:
+    parents = [None] + hashes[:-1]
+    entries = store.reserve(ns, list(zip(hashes, parents)), owner)
+    ok = 0
+    while ok < len(entries) and entries[ok] is not None:
+        ok += 1
+    if ok:
+        store.commit(ns, hashes[:ok], owner)
+    return ok
+
+
+def no_orphans(store) -> bool:
+    return all(e.parent is None or e.parent in store.entries for e in store.iter_entries())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_store_pinned_blocks_survive_pressure(name, make_store):
+    store, ns, clock = make_store(name, 8)
+    hot = [h("hot", i) for i in range(3)]
+    assert put_chain(store, ns, hot) == 3
+    store.acquire(ns, hot, "reader")
+    for r in range(10):
+        clock.now = r + 1
+        put_chain(store, ns, [h("cold", r, i) for i in range(4)])
+        assert store.check() == [] and no_orphans(store)
+        assert store.lookup(ns, hot).hits == 3
+    store.release(ns, hot, "reader")
+    assert store.check() == []
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_store_uncommitted_blocks_are_never_evicted(name, make_store):
+    store, ns, clock = make_store(name, 6)
+    pending = [h("pending", i) for i in range(3)]
+    entries = store.reserve(ns, list(zip(pending, [None] + pending[:-1])), "writer")
+    assert all(e is not None for e in entries)
+    for r in range(6):
+        clock.now = r + 1
+        put_chain(store, ns, [h("other", r, i) for i in range(2)])
+        assert all((ns, k) in store.entries for k in pending)
+        assert store.check() == []
+    store.commit(ns, pending, "writer")
+    assert store.lookup(ns, pending).hits == 3
+    assert store.check() == [] and no_orphans(store)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_store_full_of_pins_refuses_instead_of_evicting(name, make_store):
+    store, ns, _ = make_store(name, 4)
+    chain = [h("p", i) for i in range(4)]
+    assert put_chain(store, ns, chain) == 4
+    store.acquire(ns, chain, "reader")
+    assert put_chain(store, ns, [h("q", 0)]) == 0
+    with pytest.raises(CapacityError):
+        store._make_room("host", lambda: BLOCK)
+    assert store.lookup(ns, chain).hits == 4
+    store.release(ns, chain, "reader")
+    assert put_chain(store, ns, [h("q", 0)]) == 1
+    assert store.check() == [] and no_orphans(store)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_store_random_workload_stays_consistent(name, make_store):
+    rng = random.Random(7)
+    convs = [[h("c", c, i) for i in range(rng.randint(2, 9))] for c in range(12)]
+    plan = [rng.randrange(len(convs)) for _ in range(150)]
+    future = {}
+    for pos, c in enumerate(plan):
+        for k in convs[c]:
+            future.setdefault(k, []).append(pos)
+    store, ns, clock = make_store(name, 24, future)
+    hits = 0
+    for pos, c in enumerate(plan):
+        clock.now = pos
+        chain = convs[c]
+        n = store.lookup(ns, chain).hits
+        hits += n
+        if n:
+            store.acquire(ns, chain[:n], "engine")
+            store.release(ns, chain[:n], "engine")
+        rest = chain[n:]
+        if rest:
+            parents = [chain[n - 1] if n else None] + rest[:-1]
+            entries = store.reserve(ns, list(zip(rest, parents)), "engine")
+            ok = 0
+            while ok < len(entries) and entries[ok] is not None:
+                ok += 1
+            if ok:
+                store.commit(ns, rest[:ok], "engine", attention=[rng.random() for _ in range(ok)])
+        if pos % 10 == 0:
+            assert store.check() == [] and no_orphans(store)
+    assert store.check() == [] and no_orphans(store)
+    assert hits > 0
+    assert store.host.used_bytes <= store.host.capacity_bytes
