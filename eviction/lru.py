@@ -1,10 +1,14 @@
 """Leaf-first LRU.
 
 Recency is kept tail-first: a hit on a chain touches the deepest block first
-and the root last, and an insert refreshes the parent, so ancestors are never
-older than their descendants and the oldest evictable entry is (almost always)
-a leaf. The store's `evictable` predicate enforces leaf-only eviction anyway;
-the scan skips the rare non-leaf.
+and the root last, and an insert refreshes the parent, so ancestors tend to be
+newer than their descendants and the oldest entry is usually a leaf.
+
+A chain written root-first over many steps still leaves old ancestors at the
+LRU end. The scan moves every entry it has to skip (a non-leaf, or a pinned
+block: both are in use by something newer) to the MRU end, in reverse scan
+order, so a chain ends up deepest-first and each key is skipped about once:
+eviction stays amortised O(1) instead of rescanning the chain on every call.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class LRUPolicy(EvictionPolicy):
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         chosen: list[Key] = []
+        skipped: list[Key] = []
         freed = 0
         for key, nbytes in self._order.items():
             if evictable(key):
@@ -46,6 +51,10 @@ class LRUPolicy(EvictionPolicy):
                 freed += nbytes
                 if freed >= n_bytes:
                     break
+            else:
+                skipped.append(key)
+        for key in reversed(skipped):
+            self._order.move_to_end(key)
         return chosen or None
 
     def __contains__(self, key: Key) -> bool:

@@ -16,6 +16,7 @@ without the internal lock (every call takes it).
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import socket
 import threading
 from typing import Any, Sequence
@@ -53,6 +54,8 @@ class KVClient:
         self._lock = threading.RLock()
         self._arena: np.ndarray | None = None
         self.server_info: dict = {}
+        self._pending: deque = deque()  # (msgid, op) sent, reply not yet read
+        self._replies: dict[int, tuple] = {}
         if connect:
             self.connect()
 
@@ -87,6 +90,8 @@ class KVClient:
 
     def close(self) -> None:
         with self._lock:
+            self._pending.clear()
+            self._replies.clear()
             if self._sock is not None:
                 try:
                     self._sock.close()
@@ -108,34 +113,61 @@ class KVClient:
     # -- the RPC ------------------------------------------------------------------
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
+            return self.wait(self.send(op, **args))
+
+    def send(self, op: str, **args: Any) -> int:
+        """Send a request without waiting for its reply; `wait(msgid)` collects it.
+
+        The daemon answers a connection's requests in order, so a client may keep
+        several in flight (e.g. reserve the next batch while copying this one).
+        """
+        with self._lock:
             if self._sock is None:
                 self.connect()
-            return self._call(op, args)
+            msgid = next(self._ids)
+            try:
+                self._sock.sendall(pack_frame([msgid, op, args]))  # type: ignore[union-attr]
+            except OSError as exc:
+                self.close()
+                raise DaemonUnavailable(f"kvstore daemon did not take {op}: {exc}") from None
+            self._pending.append((msgid, op))
+            return msgid
+
+    def wait(self, msgid: int) -> Any:
+        with self._lock:
+            while msgid not in self._replies:
+                if not self._pending:
+                    raise KVStoreError(f"no request {msgid} in flight")
+                expected, op = self._pending.popleft()
+                self._replies[expected] = self._read_reply(expected, op)
+            error, result = self._replies.pop(msgid)
+            if error is not None:
+                raise error
+            return result
 
     def _call(self, op: str, args: dict) -> Any:
-        sock = self._sock
-        assert sock is not None
-        msgid = next(self._ids)
+        return self.wait(self.send(op, **args))
+
+    def _read_reply(self, msgid: int, op: str) -> tuple[BaseException | None, Any]:
         try:
-            sock.sendall(pack_frame([msgid, op, args]))
             (length,) = HEADER.unpack(self._recv_exactly(HEADER.size))
             reply = unpack_body(self._recv_exactly(length))
-        except (OSError, EOFError) as exc:  # socket.timeout is an OSError
+        except (OSError, EOFError, ProtocolError) as exc:  # socket.timeout is an OSError
             self.close()
             raise DaemonUnavailable(f"kvstore daemon did not answer {op}: {exc or type(exc).__name__}") from None
-        if not (isinstance(reply, list) and len(reply) == 3):
+        if not (isinstance(reply, list) and len(reply) == 3 and isinstance(reply[0], int)):
             self.close()
             raise ProtocolError("malformed reply from the daemon")
         rid, error, result = reply
         if error is not None:
-            cls = ERRORS_BY_NAME.get(error.get("type"), KVStoreError)
             if rid == 0:  # the daemon could not read our frame and closed the stream
                 self.close()
-            raise cls(error.get("message", ""))
+            cls = ERRORS_BY_NAME.get(error.get("type"), KVStoreError) if isinstance(error, dict) else KVStoreError
+            return cls(error.get("message", "") if isinstance(error, dict) else str(error)), None
         if rid != msgid:
             self.close()
             raise ProtocolError(f"reply {rid} does not match request {msgid}")
-        return result
+        return None, result
 
     def _recv_exactly(self, n: int) -> bytes:
         sock = self._sock
@@ -185,29 +217,84 @@ class KVClient:
             self.call("release", ns=ns_id, hashes=list(hashes))
 
     # -- convenience: whole payloads ------------------------------------------------
-    def put(self, ns_id: str, blocks: Sequence[Block]) -> int:
-        """Store blocks given as (hash, parent, payload); returns how many were newly stored."""
+    def put(self, ns_id: str, blocks: Sequence[Block], chunk: int = 32) -> int:
+        """Store blocks given as (hash, parent, payload); returns how many were newly stored.
+
+        Locally, chunks are pipelined: the reserve of chunk k+1 is in flight while
+        chunk k is copied into the arena, and commits are not waited for until the end.
+        """
         if self.tcp is not None:
             wire = [[h, p, bytes(memoryview(data).cast("B"))] for h, p, data in blocks]
             return self.call("put", ns=ns_id, blocks=wire)["stored"]
-        slots = self.reserve(ns_id, [(h, p) for h, p, _ in blocks])
-        written = []
-        try:
-            for extents, (h, _, data) in zip(slots, blocks):
-                if extents is not None:
-                    copy_in(self.arena, extents, data)
-                    written.append(h)
-        except BaseException:
-            self.abort(ns_id, [h for ext, (h, _, _) in zip(slots, blocks) if ext is not None])
-            raise
-        return self.commit(ns_id, written) if written else 0
+        with self._lock:
+            chunks = [blocks[i : i + chunk] for i in range(0, len(blocks), chunk)]
+            commits: list[int] = []
+            next_reserve = self._send_reserve(ns_id, chunks[0]) if chunks else None
+            for k, part in enumerate(chunks):
+                slots = self.wait(next_reserve)["extents"]
+                if k + 1 < len(chunks):
+                    next_reserve = self._send_reserve(ns_id, chunks[k + 1])
+                written = []
+                try:
+                    for extents, (h, _, data) in zip(slots, part):
+                        if extents is not None:
+                            copy_in(self.arena, extents, data)
+                            written.append(h)
+                except BaseException:
+                    self.abort(ns_id, [h for ext, (h, _, _) in zip(slots, part) if ext is not None])
+                    raise
+                if written:
+                    commits.append(self.send("commit", ns=ns_id, hashes=written))
+            return sum(self.wait(m)["committed"] for m in commits)
+
+    def _send_reserve(self, ns_id: str, part: Sequence[Block]) -> int:
+        return self.send("reserve", ns=ns_id, blocks=[[h, p] for h, p, _ in part])
+
+    def get_into(self, ns_id: str, hashes: Sequence[bytes], outs: Sequence, chunk: int = 32) -> list[bool]:
+        """Copy blocks into the given writable buffers; True where the block was present.
+
+        Pipelined like `put`: the acquire of chunk k+1 is in flight while chunk k
+        is copied out, and releases are not waited for until the end.
+        """
+        if self.tcp is not None:
+            found = []
+            for data, out in zip(self.get(ns_id, hashes), outs):
+                if data is not None:
+                    np.frombuffer(out, np.uint8)[:] = data  # type: ignore[call-overload]
+                found.append(data is not None)
+            return found
+        with self._lock:
+            parts = [list(range(i, min(i + chunk, len(hashes)))) for i in range(0, len(hashes), chunk)]
+            found = [False] * len(hashes)
+            releases: list[int] = []
+            send_acquire = lambda idx: self.send("acquire", ns=ns_id, hashes=[hashes[i] for i in idx], prefix=False)  # noqa: E731
+            next_acquire = send_acquire(parts[0]) if parts else None
+            for k, idx in enumerate(parts):
+                extents = self.wait(next_acquire)["extents"]
+                if k + 1 < len(parts):
+                    next_acquire = send_acquire(parts[k + 1])
+                held = []
+                try:
+                    for i, ext in zip(idx, extents):
+                        if ext is not None:
+                            copy_out(self.arena, ext, outs[i])
+                            found[i] = True
+                            held.append(hashes[i])
+                finally:
+                    if held:
+                        releases.append(self.send("release", ns=ns_id, hashes=held))
+            for m in releases:
+                self.wait(m)
+            return found
 
     def get(self, ns_id: str, hashes: Sequence[bytes]) -> list[np.ndarray | None]:
         """Payloads of the given blocks (None where missing); pins are released before returning."""
         if self.tcp is not None:
-            return [None if p is None else np.frombuffer(p, np.uint8) for p in self.call("get", ns=ns_id, hashes=list(hashes))["payloads"]]
-        extents = self.acquire(ns_id, hashes, prefix=False)
-        try:
-            return [None if ext is None else copy_out(self.arena, ext) for ext in extents]
-        finally:
-            self.release(ns_id, [h for h, ext in zip(hashes, extents) if ext is not None])
+            payloads = self.call("get", ns=ns_id, hashes=list(hashes))["payloads"]
+            return [None if p is None else np.frombuffer(p, np.uint8) for p in payloads]
+        with self._lock:
+            extents = self.acquire(ns_id, hashes, prefix=False)
+            try:
+                return [None if ext is None else copy_out(self.arena, ext) for ext in extents]
+            finally:
+                self.release(ns_id, [h for h, ext in zip(hashes, extents) if ext is not None])

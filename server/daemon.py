@@ -19,6 +19,8 @@ import itertools
 import logging
 import os
 import signal
+import socket
+import fcntl
 from collections import Counter
 
 from kvstore.config import Config
@@ -29,6 +31,28 @@ from server.rpc import Handlers, Session, error_reply
 from tiers.host import HostArena
 
 log = logging.getLogger(__name__)
+
+
+def _socket_answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _lock_instance(config: Config) -> int:
+    """Hold an exclusive lock for this instance name while the daemon lives (fd kept open)."""
+    fd = os.open(config.shm_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(f"another kvstore daemon named {config.name!r} is running (lock {config.shm_path}.lock)") from None
+    return fd
 
 
 def build_store(config: Config) -> TieredStore:
@@ -53,6 +77,7 @@ def gpu_info() -> dict:
 class Daemon:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
+        self._lock_fd = _lock_instance(config) if store is None else None
         self.store = store if store is not None else build_store(config)
         info = {
             "arena_path": self.store.host.path,
@@ -77,7 +102,9 @@ class Daemon:
         sock = sc.socket_path
         os.makedirs(os.path.dirname(sock) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(sock):
-            os.unlink(sock)  # a stale socket of a daemon that died; a live one would have the arena locked
+            if _socket_answers(sock):
+                raise OSError(f"another kvstore daemon is serving on {sock}")
+            os.unlink(sock)  # a stale socket of a daemon that died
         limit = sc.max_frame_bytes + HEADER.size
         old_umask = os.umask(0o177)
         try:
@@ -133,6 +160,8 @@ class Daemon:
             os.unlink(self.config.server.socket_path)
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
         log.info("stopped")
 
     # -- connections ----------------------------------------------------------

@@ -1,0 +1,175 @@
+"""Benchmark the store's data path against single-thread memcpy, in one run.
+
+Starts a daemon in its own process; this script is the separate client
+process. For each block size (2 MiB = one 16-token block of a Llama-8B-shaped
+model: 32 layers x 8 KV heads x 128 head dim x 2 (K,V) x 2 B x 16 tokens; and
+256 KiB) it measures:
+
+- memcpy: numpy copy of the same blocks between prefaulted private buffers;
+- put: `KVClient.put`: reserve a batch (one RPC) -> copy into the shared arena ->
+  commit (one RPC), pipelined so the next reserve is in flight during the copy;
+- get: `KVClient.get_into`: acquire a batch -> copy out of the arena -> release,
+  pipelined the same way;
+
+and prints bandwidths and the ratios put/memcpy, get/memcpy (median of rounds).
+It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashing
+included, against a store that holds the whole prompt (p50/p90/p99).
+
+    python tools/bench_store.py [--json] [--rounds 5] [--total-mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvstore.client import KVClient  # noqa: E402
+from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from tiers.host import copy_in, copy_out  # noqa: E402
+
+MiB = 1 << 20
+
+
+def start_daemon(tmp: str, host_bytes: int) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(tmp, "bench.sock")
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--name", f"bench-{os.getpid()}", "--socket", sock,
+           "--host-bytes", str(host_bytes), "--page-bytes", "256KiB", "--no-admin", "--no-disk", "--log-level", "WARNING"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # "kvstore ready ..." once listening
+    if "ready" not in line:
+        proc.kill()
+        raise SystemExit(f"daemon did not start: {line!r}")
+    return proc, sock
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf[:] = 1
+    return buf
+
+
+def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int) -> dict:
+    n = total_bytes // block_bytes
+    ns = client.register(Namespace(f"bench-{block_bytes}", "bf16", 32, 8, 128, 16, block_bytes))
+    src = prefaulted(n * block_bytes).reshape(n, block_bytes)
+    src[:] = np.random.default_rng(0).integers(0, 255, size=(1, block_bytes), dtype=np.uint8)
+    dst = prefaulted(n * block_bytes).reshape(n, block_bytes)
+    memcpy, put, get = [], [], []
+    for r in range(rounds):
+        t = time.perf_counter()
+        for i in range(n):
+            np.copyto(dst[i], src[i])
+        memcpy.append(time.perf_counter() - t)
+
+        # Requests of `chain` blocks each (e.g. 64 x 2 MiB = a 1k-token prompt of Llama-8B).
+        blocks = []
+        for c in range(0, n, chain):
+            hs = hash_blocks(np.arange(min(chain, n - c) * 16) + (r * n + c) * 1000, 16)
+            blocks += list(zip(hs, [None] + hs[:-1], src[c : c + len(hs)]))
+        hashes = [b[0] for b in blocks]
+        t = time.perf_counter()
+        stored = client.put(ns, blocks, chunk=batch)
+        put.append(time.perf_counter() - t)
+        if stored != n:
+            raise SystemExit(f"put stored {stored} of {n} blocks")
+
+        t = time.perf_counter()
+        found = client.get_into(ns, hashes, dst, chunk=batch)
+        get.append(time.perf_counter() - t)
+        if not all(found) or not np.array_equal(dst[n - 1], src[n - 1]):
+            raise SystemExit("get missed blocks or returned different bytes")
+    gbps = lambda secs: total_bytes / statistics.median(secs) / 1e9  # noqa: E731
+    return {
+        "block_bytes": block_bytes,
+        "blocks": n,
+        "memcpy_gbps": gbps(memcpy),
+        "put_gbps": gbps(put),
+        "get_gbps": gbps(get),
+        "put_vs_memcpy": statistics.median(memcpy) / statistics.median(put),
+        "get_vs_memcpy": statistics.median(memcpy) / statistics.median(get),
+    }
+
+
+def bench_lookup(client: KVClient, iters: int) -> dict:
+    ns = client.register(Namespace("bench-lookup", "bf16", 1, 1, 8, 16, 4096))
+    tokens = np.random.default_rng(1).integers(0, 128_000, size=32 * 1024)
+    hashes = hash_blocks(tokens, 16)
+    parents = [None] + hashes[:-1]
+    for s in range(0, len(hashes), 1024):
+        client.reserve(ns, list(zip(hashes[s : s + 1024], parents[s : s + 1024])))
+        client.commit(ns, hashes[s : s + 1024])
+    times, hash_times = [], []
+    for _ in range(iters):
+        t = time.perf_counter()
+        hs = hash_blocks(tokens, 16)
+        t_hash = time.perf_counter()
+        res = client.lookup(ns, hs)
+        times.append(time.perf_counter() - t)
+        hash_times.append(t_hash - t)
+        if res.hits != len(hashes):
+            raise SystemExit(f"lookup found {res.hits} of {len(hashes)} blocks")
+    q = statistics.quantiles(times, n=100)
+    return {
+        "lookup_32k_p50_ms": statistics.median(times) * 1e3,
+        "lookup_32k_p90_ms": q[89] * 1e3,
+        "lookup_32k_p99_ms": q[98] * 1e3,
+        "hash_32k_p50_ms": statistics.median(hash_times) * 1e3,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--total-mib", type=int, default=512, help="bytes moved per round per block size")
+    ap.add_argument("--batch", type=int, default=32, help="blocks per RPC")
+    ap.add_argument("--chain", type=int, default=64, help="blocks per request chain")
+    ap.add_argument("--lookup-iters", type=int, default=200)
+    args = ap.parse_args()
+    total = args.total_mib * MiB
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, sock = start_daemon(tmp, host_bytes=total + 640 * MiB)
+        try:
+            with KVClient(sock, name="bench") as client:
+                sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain) for b in (2 * MiB, 256 * 1024)]
+                lookup = bench_lookup(client, args.lookup_iters)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    big, small = sizes
+    result = {
+        "get_vs_memcpy": big["get_vs_memcpy"],
+        "put_vs_memcpy": big["put_vs_memcpy"],
+        "get_vs_memcpy_256k": small["get_vs_memcpy"],
+        "put_vs_memcpy_256k": small["put_vs_memcpy"],
+        **lookup,
+        "sizes": sizes,
+        "rounds": args.rounds,
+        "batch": args.batch,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for s in sizes:
+        print(f"{s['block_bytes'] >> 10:>5} KiB blocks x{s['blocks']}: memcpy {s['memcpy_gbps']:.2f} GB/s | "
+              f"put {s['put_gbps']:.2f} GB/s = {s['put_vs_memcpy']:.2f}x memcpy | "
+              f"get {s['get_gbps']:.2f} GB/s = {s['get_vs_memcpy']:.2f}x memcpy")
+    print(f"lookup of a 32k-token prompt (2,048 blocks, hashing included): p50 {lookup['lookup_32k_p50_ms']:.2f} ms, "
+          f"p90 {lookup['lookup_32k_p90_ms']:.2f} ms, p99 {lookup['lookup_32k_p99_ms']:.2f} ms "
+          f"(hashing alone p50 {lookup['hash_32k_p50_ms']:.2f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
