@@ -1,0 +1,456 @@
+"""The disk tier and its store integration, in process: real files, O_DIRECT, LMDB.
+
+Every scenario ends with `store.check() == []`. Payloads are derived from the
+block hash (`payload_for`), so any served byte can be verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.disk_store import DiskSlot, DiskTieredStore, record_key
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace, hash_blocks
+from tiers.disk import DATA_FILE, DiskTier, PageAllocator
+from tiers.host import HostArena
+
+BLOCK = 64 * 1024
+PAGE = 64 * 1024
+NS = Namespace("m", "bf16", 2, 2, 64, 16, BLOCK)
+
+
+def payload_for(h: bytes, nbytes: int = BLOCK) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+    return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def chain(n: int, salt: int = 0) -> list[bytes]:
+    return hash_blocks(np.arange(salt * 100_000, salt * 100_000 + 16 * n), 16)
+
+
+class Harness:
+    """A store over a fresh host arena and a disk tier in `folder`; reopenable."""
+
+    def __init__(self, folder, host_blocks=8, disk_blocks=48, direct=None):
+        self.folder, self.host_blocks, self.disk_blocks, self.direct = str(folder), host_blocks, disk_blocks, direct
+        self.store: DiskTieredStore | None = None
+        self.open()
+
+    def open(self) -> DiskTieredStore:
+        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
+        disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, direct=self.direct)
+        self.store = DiskTieredStore(host, disk)
+        self.store.register_namespace(NS)
+        return self.store
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store.host.close()
+            self.store = None
+
+    def reopen(self) -> DiskTieredStore:
+        self.close()
+        return self.open()
+
+    def put(self, hashes, parent=None, owner="w") -> int:
+        """Put a chain one block per reserve/commit (a batch cannot exceed the tiny host tier)."""
+        store = self.store
+        ns_id = store.register_namespace(NS)
+        stored, prev = 0, parent
+        for h in hashes:
+            (e,) = store.reserve(ns_id, [(h, prev)], owner)
+            prev = h
+            if e is not None:
+                store.host.write(e.location, payload_for(h))
+                store.commit(ns_id, [h], owner)
+                stored += 1
+        return stored
+
+    def spill(self, *chains) -> None:
+        """Put `chains`, then filler chains until every block of `chains` is on disk."""
+        for c in chains:
+            self.put(c)
+        for salt in range(1000, 1100):
+            if all(t == "disk" for c in chains for t in self.store.lookup(NS.id, c).tiers):
+                return
+            self.put(chain(2, salt=salt))
+        raise AssertionError("the chains never reached the disk")
+
+    def get(self, hashes, owner="r") -> list[bytes | None]:
+        """Acquire (promoting), copy out, release: what a client would see."""
+        store = self.store
+        entries = store.acquire(NS.id, hashes, owner)
+        entries = asyncio.run(store.prepare_read(entries, owner))
+        out = [store.host.read(e.location) if e is not None else None for e in entries]
+        store.release(NS.id, [e.key[1] for e in entries if e is not None], owner)
+        return out
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path / "disk")
+    yield h
+    h.close()
+
+
+def test_page_allocator_extents_and_check():
+    alloc = PageAllocator(8, 4096)
+    a = alloc.allocate(3 * 4096 - 10)
+    assert a == [[0, 3 * 4096 - 10]]
+    b = alloc.allocate(4096)
+    alloc.free(a)
+    c = alloc.allocate(5 * 4096)
+    assert sum(n for _, n in c) == 5 * 4096
+    assert alloc.check([b, c]) == []
+    assert alloc.check([b]) != []  # c's pages leaked
+    assert alloc.allocate(4 * 4096) is None
+
+
+def test_direct_io_is_used_on_this_disk(harness):
+    disk = harness.store.disk
+    assert disk.direct, disk.direct_reason
+    assert os.path.getsize(os.path.join(harness.folder, DATA_FILE)) == disk.capacity_bytes
+
+
+def test_buffered_fallback_logs_its_reason(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="tiers.disk"):
+        h = Harness(tmp_path / "disk", host_blocks=4, disk_blocks=16)
+    try:
+        assert not h.store.disk.direct
+        assert "refuses O_DIRECT" in h.store.disk.direct_reason
+        assert "refuses O_DIRECT" in caplog.text
+        chains = [chain(2, salt=s) for s in range(5)]
+        for c in chains:
+            assert h.put(c) == 2
+        assert h.store.lookup(NS.id, chains[0]).tiers == ("disk", "disk")
+        h.store.flush()
+        assert h.get(chains[0]) == [payload_for(x) for x in chains[0]]
+        assert h.store.check() == []
+    finally:
+        h.close()
+
+
+def test_demotion_instead_of_drop_and_promotion_identical_bytes(harness):
+    store = harness.store
+    chains = [chain(4, salt=s) for s in range(5)]
+    for c in chains:
+        assert harness.put(c) == 4
+    tiers = [t for c in chains for t in store.lookup(NS.id, c).tiers]
+    assert tiers.count("host") == 8 and tiers.count("disk") == 12
+    for c in chains:  # the root is in the fastest tier of its chain
+        t = store.lookup(NS.id, c).tiers
+        assert list(t) == sorted(t, key=["gpu", "host", "disk"].index)
+    assert store.check() == []  # flushes: every demoted block is durable now
+    st = store.stats()["tiers"]
+    assert st["disk"]["blocks"] == 12 and st["disk"]["demotions_in"] == 12
+    assert st["disk"]["durable_blocks"] == 12 and st["disk"]["pending_writes"] == 0
+    assert st["host"]["evictions"] == 12 and st["disk"]["evictions"] == 0
+    assert store.lookup(NS.id, chains[0]).tiers == ("disk",) * 4
+    assert harness.get(chains[0]) == [payload_for(x) for x in chains[0]]
+    assert store.stats()["tiers"]["disk"]["hits"] == 4
+    assert store.lookup(NS.id, chains[0]).tiers == ("host",) * 4
+    assert store.check() == []
+
+
+def test_disk_chain_is_promoted_root_first(harness):
+    store = harness.store
+    first, others = chain(4, salt=1), [chain(4, salt=s) for s in range(2, 6)]
+    harness.put(first)
+    for c in others:
+        harness.put(c)  # pushes all of `first` to disk
+    assert store.lookup(NS.id, first).tiers == ("disk",) * 4
+    got = harness.get(first)
+    assert got == [payload_for(x) for x in first]
+    assert store.lookup(NS.id, first).tiers == ("host",) * 4
+    assert sum(t == "disk" for c in others for t in store.lookup(NS.id, c).tiers) == 12  # made room for `first`
+    st = store.stats()["tiers"]
+    assert st["host"]["promotions_in"] == 4 and st["disk"]["promotions_out"] == 4
+    assert st["disk"]["hits"] == 4
+    assert store.check() == []
+
+
+def test_promotion_from_staging_before_the_write_lands(harness):
+    store = harness.store
+    first = chain(4, salt=1)
+    for s in range(1, 6):
+        harness.put(chain(4, salt=s))
+    assert store.lookup(NS.id, first).tiers == ("disk",) * 4
+    # Whatever the writer has done by now, the bytes are served (staging or disk).
+    assert harness.get(first) == [payload_for(x) for x in first]
+    assert store.check() == []
+
+
+def test_restart_round_trip(harness):
+    chains = [chain(5, salt=s) for s in range(6)]
+    harness.spill(*chains)
+    store = harness.store
+    on_disk = {e.key[1] for e in store.iter_entries() if e.tier == "disk"}
+    assert {h for c in chains for h in c} <= on_disk
+    assert store.check() == []
+    store = harness.reopen()
+    assert NS.id in store.namespaces  # namespaces survive
+    assert store.check() == []
+    assert {e.key[1] for e in store.iter_entries()} >= on_disk  # close() also persisted the host tier
+    for c in chains:
+        assert store.lookup(NS.id, c).tiers == ("disk",) * 5
+        assert harness.get(c) == [payload_for(h) for h in c]
+    assert store.check() == []
+
+
+def test_sigterm_path_persists_the_host_tier(harness):
+    """close() (the daemon's drain) writes host blocks to disk: a restart serves everything."""
+    chains = [chain(3, salt=s) for s in range(5)]
+    for c in chains:
+        harness.put(c)
+    store = harness.store
+    assert any(e.tier == "host" for e in store.iter_entries())
+    everything = {e.key[1] for e in store.iter_entries()}
+    store = harness.reopen()
+    assert {e.key[1] for e in store.iter_entries()} == everything
+    for c in chains:
+        assert harness.get(c) == [payload_for(h) for h in c]
+    assert store.check() == []
+
+
+def test_restart_serves_every_disk_block_one_at_a_time(harness):
+    hashes = chain(6)
+    harness.spill(hashes)
+    store = harness.store
+    on_disk = [h for h, t in zip(hashes, store.lookup(NS.id, hashes).tiers) if t == "disk"]
+    store = harness.reopen()
+    assert store.check() == []
+    recovered = {e.key[1] for e in store.iter_entries()}
+    assert recovered >= set(on_disk)
+    # One block at a time keeps the host tier (4 blocks) from being the limit.
+    for h in on_disk:
+        assert store.lookup(NS.id, [h]).hits == 1
+        e = store.acquire(NS.id, [h], "r", prefix=False)
+        e = asyncio.run(store.prepare_read(e, "r"))
+        if e[0] is None:  # its parent is on disk: promotion keeps the tree rule
+            store.release(NS.id, [], "r")
+            assert store.counters["promotions_skipped_parent_on_disk"] >= 1
+            continue
+        assert store.host.read(e[0].location) == payload_for(h)
+        store.release(NS.id, [h], "r")
+    assert store.check() == []
+
+
+def test_corruption_is_detected_and_never_served(harness):
+    hashes = chain(8)
+    harness.spill(hashes)
+    store = harness.store
+    store.flush()
+    victim = store.entries[(NS.id, hashes[6])]
+    offset = victim.location.extents[0][0]
+    harness.close()
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(offset + 1000)
+        f.write(b"\xff\x00\xee")
+    store = harness.open()
+    assert store.check() == []  # the index is consistent; corruption is found on read
+    got = harness.get(hashes[:8])
+    assert got[:6] == [payload_for(x) for x in hashes[:6]] or got[0] is not None
+    assert got[6] is None and got[7] is None
+    assert store.stats()["tiers"]["disk"]["checksum_failures"] == 1
+    assert store.lookup(NS.id, hashes).hits == 6  # the corrupt block and its subtree are gone
+    store.flush()
+    assert record_key((NS.id, victim.key[1])) not in store.disk.index_records()
+    assert store.check() == []
+    store = harness.reopen()  # and stay gone after a restart
+    assert store.lookup(NS.id, hashes).hits <= 6
+    assert store.check() == []
+
+
+def test_corruption_while_running_with_other_pins(harness):
+    hashes = chain(8)
+    harness.spill(hashes)
+    store = harness.store
+    store.flush()
+    e = store.entries[(NS.id, hashes[2])]
+    assert e.tier == "disk"
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(e.location.extents[0][0])
+        f.write(b"garbage!")
+        f.flush()
+        os.fsync(f.fileno())
+    other = store.acquire(NS.id, hashes, "other")
+    assert all(x is not None for x in other)
+    entries = store.acquire(NS.id, hashes, "r")
+    got = asyncio.run(store.prepare_read(entries, "r"))
+    assert [x is not None for x in got] == [True, True, False, False, False, False, False, False]
+    store.release(NS.id, hashes[:2], "r")
+    store.release(NS.id, hashes, "other")  # ghost pins of removed blocks are accepted
+    with pytest.raises(KVStoreError):
+        store.release(NS.id, hashes[:1], "other")
+    assert store.check() == []
+
+
+def test_disk_budget_is_never_exceeded(tmp_path):
+    h = Harness(tmp_path / "disk", host_blocks=2, disk_blocks=6)
+    try:
+        store = h.store
+        for s in range(12):
+            h.put(chain(3, salt=s))
+            assert store.disk.used_bytes <= store.disk.capacity_bytes
+            assert store.stats()["tiers"]["disk"]["bytes"] <= store.disk.capacity_bytes
+        assert store.tier_stats["disk"].evictions > 0
+        assert os.path.getsize(os.path.join(h.folder, DATA_FILE)) == store.disk.capacity_bytes
+        assert store.check() == []
+        store = h.reopen()
+        assert store.disk.used_bytes <= store.disk.capacity_bytes
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_smaller_budget_at_restart_drops_what_no_longer_fits(tmp_path):
+    h = Harness(tmp_path / "disk", host_blocks=2, disk_blocks=16)
+    try:
+        for s in range(6):
+            h.put(chain(3, salt=s))
+        h.close()
+        h.disk_blocks = 4
+        store = h.open()
+        assert store.disk.used_bytes <= 4 * BLOCK
+        assert os.path.getsize(os.path.join(h.folder, DATA_FILE)) == 4 * BLOCK
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_tree_rule_across_tiers_under_random_operations(harness):
+    rng = np.random.default_rng(7)
+    store = harness.store
+    chains = [chain(int(rng.integers(1, 7)), salt=s) for s in range(30)]
+    for step in range(120):
+        c = chains[int(rng.integers(len(chains)))]
+        op = rng.random()
+        if op < 0.5:
+            harness.put(c)
+        elif op < 0.9:
+            got = harness.get(c)
+            for h, data in zip(c, got):
+                if data is not None:
+                    assert data == payload_for(h)
+        else:
+            store.remove(NS.id, c[:1])
+        for e in store.iter_entries():
+            if e.parent is not None:
+                parent = store.entries[e.parent]
+                assert ["gpu", "host", "disk"].index(e.tier) >= ["gpu", "host", "disk"].index(parent.tier)
+        if step % 30 == 0:
+            assert store.check() == []
+    assert store.check() == []
+    harness.reopen()
+    assert harness.store.check() == []
+
+
+def test_put_under_a_disk_parent_is_skipped(harness):
+    store = harness.store
+    first = chain(2, salt=1)
+    harness.spill(first)
+    assert store.lookup(NS.id, first).tiers == ("disk", "disk")
+    child = chain(3, salt=1)[2]
+    assert harness.put([child], parent=first[1]) == 0
+    assert store.counters["put_parent_on_disk_blocks"] == 1
+    assert store.check() == []
+
+
+def test_orphan_records_are_dropped_at_open(harness):
+    hashes = chain(8)
+    harness.spill(hashes)
+    store = harness.store
+    store.flush()
+    parent = store.entries[(NS.id, hashes[5])]
+    assert parent.tier == "disk"
+    disk = store.disk
+    harness.close()
+    # Delete a middle record behind the store's back: its descendants become orphans.
+    import lmdb
+
+    env = lmdb.open(os.path.join(harness.folder, "index.lmdb"), max_dbs=4, subdir=True)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        assert txn.delete(record_key(parent.key))
+    env.close()
+    store = harness.open()
+    assert store.lookup(NS.id, hashes).hits == 5
+    assert store.counters["disk_orphans_dropped"] == 2
+    assert store.check() == []
+    del disk
+
+
+def test_check_catches_a_missing_index_record(harness):
+    hashes = chain(8)
+    harness.spill(hashes)
+    store = harness.store
+    store.flush()
+    e = next(e for e in store.iter_entries() if e.tier == "disk")
+    with store.disk.env.begin(write=True, db=store.disk._db_blocks) as txn:
+        txn.delete(record_key(e.key))
+    assert any("no index record" in p for p in store.check())
+    with store.disk.env.begin(write=True, db=store.disk._db_blocks) as txn:
+        txn.put(b"stray", msgpack.packb({"e": [], "n": 0, "x": 0}))
+    assert any("belong to no disk block" in p for p in store.check())
+
+
+def test_check_catches_leaked_and_double_owned_disk_pages(harness):
+    hashes = chain(4)
+    harness.spill(hashes)
+    store = harness.store
+    leaked = store.disk.allocate(BLOCK)
+    assert any("disk pages leaked" in p for p in store.check())
+    store.disk.alloc.free(leaked)
+    assert store.check() == []
+    e = store.entries[(NS.id, hashes[3])]
+    store.disk.alloc.free(e.location.extents)  # free a live block's pages behind the store's back
+    assert any("disk pages owned twice" in p for p in store.check())
+    store.disk.alloc.allocate(BLOCK)  # take them back (the stack hands out the same pages)
+    assert store.check() == []
+
+
+def test_write_failure_drops_the_block(harness, monkeypatch):
+    store = harness.store
+    disk = store.disk
+
+    def broken(job):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk, "_write_job", broken)
+    chains = [chain(4, salt=s) for s in range(4)]
+    for c in chains:
+        harness.put(c)
+    store.flush()
+    assert store.counters["disk_write_failures"] == 8
+    assert store.stats()["tiers"]["disk"]["blocks"] == 0
+    assert store.check() == []
+
+
+def test_slot_reuse_never_serves_the_old_block(harness):
+    """Evict from disk, reuse the slot, restart: the evicted block is gone and the new one intact."""
+    store = harness.store
+    for s in range(20):
+        harness.put(chain(2, salt=s))
+    store = harness.reopen()
+    for e in list(store.iter_entries()):
+        assert isinstance(e.location, DiskSlot)
+    for s in range(20):
+        c = chain(2, salt=s)
+        for h, data in zip(c, harness.get(c)):
+            assert data is None or data == payload_for(h)
+    assert store.check() == []

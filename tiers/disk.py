@@ -1,0 +1,591 @@
+"""The disk tier: one preallocated data file, aligned I/O, an LMDB index.
+
+Layout of the tier's folder:
+
+    blocks.dat    the data file, preallocated (fallocate) to the byte budget rounded
+                  down to whole pages; a block occupies ceil(nbytes / page_bytes)
+                  pages, described as extents (`[offset, length]` runs) exactly like
+                  the host arena; the free-page stack hands out ascending pages, so
+                  a block is usually one extent and one syscall.
+    index.lmdb/   LMDB, three sub-databases: `blocks` (key -> record), `namespaces`
+                  (namespace id -> its fields), `meta` (format version, page size).
+
+A block record holds its extents, length, xxh3_64 checksum of the payload, the
+parent hash, depth, attention and the wall-clock time it reached the disk (its
+last access: a disk block that is hit is promoted and leaves the disk).
+
+I/O is O_DIRECT where the filesystem accepts it (probed at open: open + one
+aligned read); otherwise buffered with a logged reason (`direct_reason`).
+Every write comes from a page-aligned anonymous mmap (a staging buffer), at
+page-aligned offsets, with lengths rounded up to 4096.
+
+Durability rule: a block is *acknowledged* (durable) exactly when its LMDB
+record is committed. The writer thread commits a record only after the block's
+bytes were written and the data file was fdatasync'd, and LMDB commits with
+sync=True. So after a crash every record points at complete bytes, and a slot
+without a record is free. A record is still trusted only after its checksum
+verifies on read (lazy verification at promotion): a mismatch is a miss and the
+record is removed by the caller. Deletions of records are committed before any
+data of the same batch is written, so a freed slot is never rewritten while a
+record still points at it.
+
+Threads: everything but the writer thread and `read_block` runs on the owner's
+thread (the daemon's event loop). The writer thread takes batches of queued
+operations (namespace puts, record deletes, block writes), collapses them per
+key (the last operation wins), commits deletes, writes data, fdatasyncs once,
+and commits the new records in one transaction (group commit). `read_block`
+is blocking and runs in the caller's executor threads.
+
+Staging buffers are bounded (`staging_bytes`): when they are all in flight,
+`stage` waits for the writer (backpressure) instead of growing without limit.
+
+Invariants (see `check`): a page is free or owned by exactly one block;
+used + free == capacity; no record outside the data file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+import xxhash
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+FORMAT_VERSION = 1
+DATA_FILE = "blocks.dat"
+INDEX_DIR = "index.lmdb"
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(slots=True, eq=False)
+class DiskWrite:
+    """One queued block write. The writer sets `checksum`, then `done` (and `error` on failure)."""
+
+    key: bytes
+    record: dict
+    extents: list
+    nbytes: int
+    buf: mmap.mmap
+    checksum: int | None = None
+    done: bool = False
+    error: str | None = None
+
+    def view(self) -> np.ndarray:
+        return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    writes: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    fsyncs: int = 0
+    batches: int = 0
+    write_errors: int = 0
+    recovered_records: int = 0
+    dropped_records: int = 0
+    backpressure_waits: int = 0
+
+
+class PageAllocator:
+    """Free-page stack over `num_pages` pages; allocations are extents of byte offsets."""
+
+    def __init__(self, num_pages: int, page_bytes: int, used: Iterable[int] = ()) -> None:
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        taken = np.zeros(num_pages, dtype=bool)
+        taken[list(used)] = True
+        self._free: list[int] = np.flatnonzero(~taken)[::-1].tolist()  # pop() yields ascending pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def allocate(self, nbytes: int) -> list | None:
+        n = self.pages_for(nbytes)
+        if nbytes <= 0 or n > len(self._free):
+            return None
+        pages = sorted(self._free[-n:])
+        del self._free[-n:]
+        pb, extents, remaining = self.page_bytes, [], nbytes
+        run_start = prev = pages[0]
+        for p in pages[1:] + [None]:
+            if p is not None and p == prev + 1:
+                prev = p
+                continue
+            length = min((prev - run_start + 1) * pb, remaining)
+            extents.append([run_start * pb, length])
+            remaining -= length
+            if p is not None:
+                run_start = prev = p
+        return extents
+
+    def pages_of(self, extents: Sequence) -> list[int]:
+        pb, pages = self.page_bytes, []
+        for offset, length in extents:
+            pages.extend(range(offset // pb, offset // pb + -(-length // pb)))
+        return pages
+
+    def free(self, extents: Sequence) -> None:
+        self._free.extend(sorted(self.pages_of(extents), reverse=True))
+
+    def check(self, allocations: Iterable[Sequence]) -> list[str]:
+        owner = np.zeros(self.num_pages, dtype=np.int32)
+        problems: list[str] = []
+        for extents in allocations:
+            for offset, length in extents:
+                if offset % self.page_bytes or length <= 0 or offset + length > self.num_pages * self.page_bytes:
+                    problems.append(f"bad disk extent [{offset}, {length}]")
+                    continue
+                owner[offset // self.page_bytes : offset // self.page_bytes + -(-length // self.page_bytes)] += 1
+        np.add.at(owner, self._free, 1)
+        if (owner > 1).any():
+            problems.append(f"{int((owner > 1).sum())} disk pages owned twice")
+        if (owner == 0).any():
+            problems.append(f"{int((owner == 0).sum())} disk pages leaked (neither free nor allocated)")
+        return problems
+
+
+class StagingPool:
+    """Page-aligned anonymous buffers, recycled by size, bounded by `budget_bytes` (one always allowed)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._idle: dict[int, list[mmap.mmap]] = defaultdict(list)
+        self.held_bytes = 0  # idle + in use
+        self.used_bytes = 0
+
+    def take(self, nbytes: int) -> mmap.mmap | None:
+        size = round_up(nbytes)
+        idle = self._idle.get(size)
+        if idle:
+            buf = idle.pop()
+        else:
+            if self.held_bytes + size > self.budget_bytes and self.used_bytes:
+                self._trim(self.held_bytes + size - self.budget_bytes)
+                if self.held_bytes + size > self.budget_bytes:
+                    return None
+            buf = mmap.mmap(-1, size)
+            self.held_bytes += size
+        self.used_bytes += size
+        return buf
+
+    def give(self, buf: mmap.mmap) -> None:
+        self.used_bytes -= len(buf)
+        self._idle[len(buf)].append(buf)
+
+    def _trim(self, excess: int) -> None:
+        for bufs in self._idle.values():
+            while bufs and excess > 0:
+                buf = bufs.pop()
+                excess -= len(buf)
+                self.held_bytes -= len(buf)
+                buf.close()
+
+
+class DiskTier:
+    """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index."""
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        page_bytes: int = 64 * 1024,
+        direct: bool | None = None,
+        staging_bytes: int = 256 << 20,
+        batch_bytes: int = 64 << 20,
+    ) -> None:
+        if page_bytes <= 0 or page_bytes % ALIGN:
+            raise ValueError(f"disk page_bytes must be a positive multiple of {ALIGN}, got {page_bytes}")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self.path = path
+        self.counters = DiskCounters()
+        self.env = lmdb.open(
+            os.path.join(path, INDEX_DIR), map_size=1 << 34, max_dbs=4, subdir=True,
+            sync=True, metasync=True, lock=True,
+        )
+        self._db_blocks = self.env.open_db(b"blocks")
+        self._db_ns = self.env.open_db(b"namespaces")
+        self._db_meta = self.env.open_db(b"meta")
+        self.page_bytes = self._load_meta(page_bytes)
+        self.num_pages = capacity_bytes // self.page_bytes
+        if self.num_pages < 1:
+            raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one page ({self.page_bytes} B)")
+        self.capacity_bytes = self.num_pages * self.page_bytes
+        self._open_data_file(direct)
+        self.recovered: list[tuple[bytes, dict]] = []  # records found at open, for the store to adopt
+        used = self._load_records()
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, used)
+        self.staging = StagingPool(staging_bytes)
+        self.batch_bytes = batch_bytes
+        self._ops: list[tuple] = []  # ("ns", key, value) | ("del", key) | ("put", DiskWrite)
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closing = False
+        self._finished: list[DiskWrite] = []  # done jobs whose staging buffer is still held
+        self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
+        self._tls = threading.local()
+        self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
+        self._thread.start()
+
+    # -- opening ----------------------------------------------------------------
+    def _load_meta(self, page_bytes: int) -> int:
+        with self.env.begin(write=True, db=self._db_meta) as txn:
+            raw = txn.get(b"meta")
+            if raw is None:
+                txn.put(b"meta", msgpack.packb({"version": FORMAT_VERSION, "page_bytes": page_bytes}))
+                return page_bytes
+        meta = msgpack.unpackb(raw)
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"disk tier at {self.path} has format {meta.get('version')}, expected {FORMAT_VERSION}")
+        if meta["page_bytes"] != page_bytes:
+            log.warning("disk tier at %s keeps its page size %d B (asked for %d B)", self.path, meta["page_bytes"], page_bytes)
+        return int(meta["page_bytes"])
+
+    def _open_data_file(self, direct: bool | None) -> None:
+        data_path = os.path.join(self.path, DATA_FILE)
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size > self.capacity_bytes:
+                os.ftruncate(fd, self.capacity_bytes)  # records beyond the new budget are dropped at load
+            os.posix_fallocate(fd, 0, self.capacity_bytes)
+        finally:
+            os.close(fd)
+        self.direct, self.direct_reason = False, "disabled by configuration"
+        flags = os.O_RDWR
+        if direct is not False:
+            try:
+                fd = os.open(data_path, flags | os.O_DIRECT)
+                probe = mmap.mmap(-1, ALIGN)
+                try:
+                    os.preadv(fd, [probe], 0)
+                finally:
+                    probe.close()
+                self.fd, self.direct, self.direct_reason = fd, True, ""
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_reason = f"the filesystem of {self.path} refuses O_DIRECT ({exc.strerror})"
+                log.warning("disk tier: buffered I/O with fdatasync: %s", self.direct_reason)
+        self.fd = os.open(data_path, flags)
+
+    def _load_records(self) -> list[int]:
+        """Read every record; drop the ones outside the file or overlapping another. Returns used pages."""
+        taken = np.zeros(self.num_pages, dtype=bool)
+        used: list[int] = []
+        bad: list[bytes] = []
+        pb = self.page_bytes
+        with self.env.begin(db=self._db_blocks) as txn:
+            for key, raw in txn.cursor():
+                try:
+                    rec = msgpack.unpackb(raw)
+                    pages = []
+                    total = 0
+                    for offset, length in rec["e"]:
+                        if offset % pb or length <= 0 or offset + length > self.capacity_bytes:
+                            raise ValueError("extent outside the data file")
+                        pages.extend(range(offset // pb, offset // pb + -(-length // pb)))
+                        total += length
+                    if total != rec["n"] or taken[pages].any():
+                        raise ValueError("length mismatch or overlap")
+                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+                    bad.append(bytes(key))
+                    continue
+                taken[pages] = True
+                used.extend(pages)
+                self.recovered.append((bytes(key), rec))
+        if bad:
+            with self.env.begin(write=True, db=self._db_blocks) as txn:
+                for key in bad:
+                    txn.delete(key)
+            log.warning("disk tier: dropped %d unusable index records", len(bad))
+        self.counters.recovered_records = len(self.recovered)
+        self.counters.dropped_records += len(bad)
+        return used
+
+    def load_namespaces(self) -> list[tuple[bytes, dict]]:
+        with self.env.begin(db=self._db_ns) as txn:
+            return [(bytes(k), msgpack.unpackb(v)) for k, v in txn.cursor()]
+
+    # -- allocation (owner thread) ---------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - self.alloc.free_pages) * self.page_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < self.alloc.pages_for(nbytes) <= self.num_pages
+
+    def shortfall(self, nbytes: int) -> int:
+        """Bytes that must still be freed before `nbytes` can be allocated (<= 0: none)."""
+        return (self.alloc.pages_for(nbytes) - self.alloc.free_pages) * self.page_bytes
+
+    def allocate(self, nbytes: int) -> list | None:
+        return self.alloc.allocate(nbytes)
+
+    def release(self, extents: Sequence, key: bytes | None) -> None:
+        """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
+        self.alloc.free(extents)
+        if key is not None:
+            self._submit(("del", key))
+
+    # -- writes ------------------------------------------------------------------
+    def stage(self, key: bytes, record: dict, extents: list, nbytes: int) -> DiskWrite:
+        """A write job with a staging buffer to fill; waits for the writer while staging is exhausted."""
+        self.reap()
+        while (buf := self.staging.take(nbytes)) is None:
+            self.counters.backpressure_waits += 1
+            with self._cv:
+                while not self._finished and (self._ops or self._busy):
+                    self._cv.wait()
+            self.reap()
+        return DiskWrite(key, record, extents, nbytes, buf)
+
+    def submit(self, job: DiskWrite) -> None:
+        self._submit(("put", job))
+
+    def put_namespace(self, key: bytes, fields: dict) -> None:
+        self._submit(("ns", key, msgpack.packb(fields)))
+
+    def _submit(self, op: tuple) -> None:
+        with self._cv:
+            if self._closing:
+                raise OSError(errno.ESHUTDOWN, "disk tier is closed")
+            self._ops.append(op)
+            self._cv.notify_all()
+
+    def reap(self) -> None:
+        """Recycle the staging buffers of finished writes; failed ones wait in `take_failed`."""
+        with self._cv:
+            finished, self._finished = self._finished, []
+        for job in finished:
+            self.staging.give(job.buf)
+            if job.error is not None:
+                self._failed.append(job)
+
+    def take_failed(self) -> list[DiskWrite]:
+        """Writes that failed since the last call (their bytes are lost; the owner drops the blocks)."""
+        self.reap()
+        failed, self._failed = self._failed, []
+        return failed
+
+    @property
+    def pending_writes(self) -> int:
+        with self._cv:
+            return sum(1 for op in self._ops if op[0] == "put") + (1 if self._busy else 0)
+
+    def flush(self) -> None:
+        """Block until every queued operation is on disk and in the index."""
+        with self._cv:
+            while self._ops or self._busy:
+                self._cv.wait()
+
+    # -- the writer thread ---------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ops and not self._closing:
+                    self._cv.wait()
+                if not self._ops:
+                    return
+                batch, nbytes = [], 0
+                while self._ops and nbytes < self.batch_bytes:
+                    op = self._ops.pop(0)
+                    batch.append(op)
+                    if op[0] == "put":
+                        nbytes += op[1].nbytes
+                self._busy = True
+            try:
+                done = self._write_batch(batch)
+            except BaseException as exc:  # never let the thread die silently
+                log.exception("disk writer failed")
+                done = [op[1] for op in batch if op[0] == "put"]
+                for job in done:
+                    job.error = job.error or f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                for job in done:
+                    job.done = True
+                self._finished.extend(done)
+                self._busy = False
+                self._cv.notify_all()
+
+    def _write_batch(self, batch: list[tuple]) -> list[DiskWrite]:
+        final: dict[bytes, tuple] = {}
+        deleted: set[bytes] = set()
+        namespaces: list[tuple] = []
+        for op in batch:
+            if op[0] == "ns":
+                namespaces.append(op)
+            elif op[0] == "del":
+                final[op[1]] = op
+                deleted.add(op[1])
+            else:
+                final[op[1].key] = op
+        jobs = [op[1] for op in batch if op[0] == "put"]
+        puts = [job for job in jobs if final.get(job.key) == ("put", job)]
+        if deleted or namespaces:
+            with self.env.begin(write=True) as txn:
+                for _, key, value in namespaces:
+                    txn.put(key, value, db=self._db_ns)
+                for key in deleted:
+                    txn.delete(key, db=self._db_blocks)
+        written = []
+        for job in puts:
+            try:
+                self._write_job(job)
+                written.append(job)
+            except OSError as exc:
+                self.counters.write_errors += 1
+                job.error = f"write failed: {exc}"
+                log.error("disk tier: %s", job.error)
+        if written:
+            os.fdatasync(self.fd)
+            self.counters.fsyncs += 1
+            with self.env.begin(write=True, db=self._db_blocks) as txn:
+                for job in written:
+                    rec = dict(job.record, e=job.extents, n=job.nbytes, x=job.checksum)
+                    txn.put(job.key, msgpack.packb(rec))
+        self.counters.batches += 1
+        return jobs
+
+    def _write_job(self, job: DiskWrite) -> None:
+        job.checksum = xxhash.xxh3_64_intdigest(job.view())
+        mv = memoryview(job.buf)
+        pos = 0
+        for offset, length in job.extents:
+            span = round_up(length) if self.direct else length
+            self._pwrite_all(mv[pos : pos + span], offset)
+            pos += length
+        self.counters.writes += 1
+        self.counters.bytes_written += job.nbytes
+
+    def _pwrite_all(self, mv: memoryview, offset: int) -> None:
+        while len(mv):
+            n = os.pwrite(self.fd, mv, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            mv, offset = mv[n:], offset + n
+
+    # -- reads (any thread) -----------------------------------------------------
+    def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:
+        """Read a block into `dst` (uint8 arrays covering nbytes, in order); True if the checksum verifies.
+
+        With O_DIRECT and page-aligned destinations the disk DMA goes straight
+        into `dst`; otherwise through a per-thread aligned bounce buffer.
+        """
+        if sum(d.size for d in dst) != nbytes:
+            raise ValueError("destination does not cover the block")
+        aligned = self.direct and nbytes % ALIGN == 0 and all(
+            d.ctypes.data % ALIGN == 0 and d.size % ALIGN == 0 for d in dst
+        )
+        if aligned:
+            segments = list(dst)
+            for offset, length in extents:
+                bufs, need = [], length
+                while need:
+                    seg = segments[0]
+                    take = min(need, seg.size)
+                    bufs.append(seg[:take])
+                    segments[0] = seg[take:]
+                    if segments[0].size == 0:
+                        segments.pop(0)
+                    need -= take
+                self._preadv_all(bufs, offset, length)
+        else:
+            bounce = self._bounce(round_up(nbytes))
+            pos = 0
+            for offset, length in extents:
+                span = round_up(length) if self.direct else length
+                self._preadv_all([bounce[pos : pos + span]], offset, span)
+                pos += length
+            pos = 0
+            for d in dst:
+                d[:] = bounce[pos : pos + d.size]
+                pos += d.size
+        self.counters.reads += 1
+        self.counters.bytes_read += nbytes
+        h = xxhash.xxh3_64()
+        for d in dst:
+            h.update(d)
+        return h.intdigest() == checksum
+
+    def _preadv_all(self, bufs: list, offset: int, length: int) -> None:
+        got = os.preadv(self.fd, bufs, offset)
+        if got != length:
+            raise OSError(errno.EIO, f"short read of {got} B of {length} B at {offset}")
+
+    def _bounce(self, size: int) -> np.ndarray:
+        buf = getattr(self._tls, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = mmap.mmap(-1, size)
+            self._tls.buf = buf
+        return np.frombuffer(buf, dtype=np.uint8, count=size)
+
+    # -- the index, for checks --------------------------------------------------
+    def index_records(self) -> dict[bytes, dict]:
+        with self.env.begin(db=self._db_blocks) as txn:
+            return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
+
+    def check(self, allocations: Iterable[Sequence]) -> list[str]:
+        problems = self.alloc.check(allocations)
+        if self.used_bytes > self.capacity_bytes:
+            problems.append("disk tier over budget")
+        if os.fstat(self.fd).st_size > self.capacity_bytes:
+            problems.append("disk data file is larger than the budget")
+        return problems
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            "path": self.path,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "page_bytes": self.page_bytes,
+            "direct_io": self.direct,
+            "direct_io_fallback_reason": self.direct_reason,
+            "pending_writes": self.pending_writes,
+            "staging_bytes": self.staging.used_bytes,
+            "bytes_written": c.bytes_written,
+            "bytes_read": c.bytes_read,
+            "writes": c.writes,
+            "reads": c.reads,
+            "fsyncs": c.fsyncs,
+            "write_errors": c.write_errors,
+            "backpressure_waits": c.backpressure_waits,
+            "recovered_records": c.recovered_records,
+            "dropped_records": c.dropped_records,
+        }
+
+    def close(self) -> None:
+        """Finish every queued write, stop the writer, close the index and the file."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+        self.reap()
+        self.env.close()
+        os.close(self.fd)
+
+
+def now_wall() -> float:
+    return time.time()
