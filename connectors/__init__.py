@@ -1,0 +1,1 @@
+"""Engine adapters. Only this package imports inference engines (vLLM); see connectors/vllm.py."""

@@ -1,0 +1,156 @@
+"""vLLM KV connector: engines share prefix KV through the kvstore daemon.
+
+Load it with
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"socket": "/path/kvstore.sock"}}'
+
+or the same dict as `vllm.LLM(kv_transfer_config=...)`. The extra config keys
+are `connectors.vllm_meta.ConnectorConfig`. "recompute" is the right failure
+policy for a cache (a failed load is recomputed, never an error); the
+connector sets it when the config says "fail" (vLLM's default), with a log line.
+
+This class is thin: it picks the scheduler side (`vllm_scheduler.SchedulerSide`,
+in EngineCore) or the worker side (`vllm_worker.WorkerSide`, in each Worker)
+and forwards vLLM's hooks to it. If the engine's KV layout is one the store
+cannot key (hybrid models, pipeline parallelism), the connector logs a warning
+and does nothing: the engine runs as if it had no connector. Written against
+vLLM 0.32 and 0.33 (3-argument constructor).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from connectors.vllm_meta import ConnectorConfig, StepMeta, engine_namespaces, layer_order
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST  # acquire promotes disk hits into the host arena
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.scheduler = None
+        self.worker = None
+        try:
+            if kv_cache_config is None:
+                raise ValueError("vLLM passed no kv_cache_config")
+            namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id)
+        except ValueError as exc:
+            log.warning("kvstore connector disabled: %s", exc)
+            return
+        if role == KVConnectorRole.SCHEDULER:
+            from connectors.vllm_scheduler import SchedulerSide
+
+            self._prefer_recompute()
+            self.scheduler = SchedulerSide(self.config, namespaces, namespaces[0].block_tokens)
+        else:
+            from connectors.vllm_worker import WorkerSide
+
+            rank = _tp_rank()
+            self.worker = WorkerSide(self.config, namespaces[rank], layer_order(kv_cache_config), kv_cache_config.num_blocks)
+
+    def _prefer_recompute(self) -> None:
+        cfg = self._kv_transfer_config
+        if getattr(cfg, "kv_load_failure_policy", "recompute") != "recompute":
+            try:
+                cfg.kv_load_failure_policy = "recompute"
+                log.info("kvstore connector: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+            except Exception:  # a frozen config: say what to set
+                log.warning('kvstore connector: set "kv_load_failure_policy": "recompute" so failed loads are recomputed')
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # -- worker side --------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, StepMeta):
+            self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # saves happen once per step in wait_for_save, after the draft model too
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, StepMeta):
+            self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished() if self.worker is not None else (None, None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
+    # -- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.scheduler is None:
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.scheduler is None:
+            return StepMeta(step=-1)
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request)
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.shutdown()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (single process, tests)
+        return 0

@@ -1,0 +1,170 @@
+"""What both sides of the vLLM connector share: its config, the namespace, the per-step metadata.
+
+The namespace is derived from the engine config alone, identically in the
+scheduler (EngineCore) and the workers: model (plus quantization and draft
+model), KV dtype, layer count including draft layers, KV heads, head size,
+block size, payload layout, TP rank/size. Engines whose KV bytes differ in any
+of these never share a block. The worker checks the derived block size
+against its real KV tensors and disables itself on a mismatch.
+
+Metadata crosses process boundaries (EngineCore -> Worker by pickle) and holds
+only plain values: block ids, hashes, step numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstore.config import default_socket_path
+from kvstore.keys import Namespace
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config` keys (all optional)."""
+
+    socket: str = ""  # daemon socket; default: $KVSTORE_SOCKET or the per-user default
+    timeout_s: float = 5.0  # per RPC; past it the daemon counts as unavailable
+    retry_s: float = 2.0  # how often to try reconnecting while the daemon is away
+    load_async: bool = False  # report hits as asynchronous loads (completion through get_finished)
+    save: bool = True  # store newly computed blocks
+    load: bool = True  # look up and load hits
+    model_id: str = ""  # namespace model name; default: the engine's model path/name
+    attention_scores: bool = True  # send a key-norm attention estimate with each commit
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys for the kvstore connector: {unknown}")
+        cfg = cls(**extra)
+        if cfg.timeout_s <= 0 or cfg.retry_s < 0:
+            raise ValueError("timeout_s must be > 0 and retry_s >= 0")
+        return cfg
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or default_socket_path()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "") -> list[Namespace]:
+    """One namespace per TP rank (index = rank) for this engine's KV layout.
+
+    Raises ValueError for layouts the connector does not handle (several KV
+    cache groups, non-attention specs, pipeline parallelism).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"{len(groups)} KV cache groups (hybrid models are not supported)")
+    spec = groups[0].kv_cache_spec
+    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, name):
+            raise ValueError(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("pipeline parallelism is not supported")
+    num_layers = len(groups[0].layer_names)
+    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
+    elt = torch.empty(0, dtype=spec.dtype).element_size()
+    layer_block_bytes = spec.block_size * spec.num_kv_heads * (spec.head_size + head_size_v) * elt
+    model = vllm_config.model_config
+    name = model_id or str(model.model)
+    if getattr(model, "quantization", None):
+        name += f"|quant={model.quantization}"
+    spec_cfg = vllm_config.speculative_config
+    draft = getattr(getattr(spec_cfg, "draft_model_config", None), "model", None) if spec_cfg else None
+    if draft and spec_cfg.method not in ("ngram", "suffix"):
+        name += f"|draft={spec_cfg.method}:{draft}"
+    from vllm.platforms import current_platform
+
+    layout = f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
+    if getattr(spec, "use_mla", False):
+        layout += "/mla"
+    tp_size = parallel.tensor_parallel_size
+    return [
+        Namespace(
+            model=name,
+            dtype=_dtype_name(spec.dtype),
+            num_layers=num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            block_tokens=spec.block_size,
+            block_bytes=num_layers * layer_block_bytes,
+            layout=layout,
+            tp_rank=rank,
+            tp_size=tp_size,
+            revision=str(model.revision or ""),
+        )
+        for rank in range(tp_size)
+    ]
+
+
+def layer_order(kv_cache_config: "KVCacheConfig") -> list[str]:
+    """Layer names in payload order (the group's order: the same in every engine of a namespace)."""
+    return list(kv_cache_config.kv_cache_groups[0].layer_names)
+
+
+# -- per-step metadata -----------------------------------------------------------------
+@dataclass
+class LoadJob:
+    """Copy stored blocks into a request's newly allocated blocks."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+    is_async: bool
+
+
+@dataclass
+class SaveBatch:
+    """Newly completed full blocks of verified tokens, in chain order (a parent before its child)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    parents: list[bytes | None] = field(default_factory=list)
+
+    def add(self, block_id: int, block_hash: bytes, parent: bytes | None) -> None:
+        self.block_ids.append(block_id)
+        self.hashes.append(block_hash)
+        self.parents.append(parent)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    step: int
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: SaveBatch = field(default_factory=SaveBatch)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler each step: how many workers finished the loads of each step."""
+
+    loads_done: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "WorkerReport":
+        assert isinstance(other, WorkerReport)
+        merged = dict(self.loads_done)
+        for step, n in other.loads_done.items():
+            merged[step] = merged.get(step, 0) + n
+        return WorkerReport(merged)

@@ -1,0 +1,183 @@
+"""Helpers for the vLLM end-to-end tests and benchmarks: the test models, a daemon, engine subprocesses.
+
+Every engine runs in its own subprocess (tests/engine_runner.py), one at a
+time, with its own TMPDIR; the daemon is a `kvstore serve` subprocess on a
+socket in a temporary folder with a small host tier and no disk tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = REPO / "tests" / "engine_runner.py"
+CONNECTOR_CLASS = "KVStoreConnector"
+CONNECTOR_MODULE = "connectors.vllm"
+
+
+def vllm_available() -> tuple[bool, str]:
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return False, "vllm is not installed (pip install -e '.[vllm]')"
+    except Exception as exc:  # a broken install
+        return False, f"vllm cannot be imported: {exc}"
+    return True, ""
+
+
+def build_model(which: str) -> str:
+    """Path of a test model folder (built once into .cache/models)."""
+    from tools.build_models import build
+
+    return str(build(which)[0])
+
+
+def base_env(tmpdir: str, threads: int = 2, multiprocess: bool = False) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        TMPDIR=tmpdir,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.pop("PYTHONHASHSEED", None)
+    return env
+
+
+@dataclass
+class Daemon:
+    socket: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def client(self):
+        from kvstore.client import KVClient
+
+        return KVClient(self.socket, timeout_s=10.0)
+
+
+def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = None) -> Daemon:
+    """A daemon on `socket` (default: <workdir>/kvstore.sock); returns once it answers a ping."""
+    socket = socket or os.path.join(workdir, "kvstore.sock")
+    name = f"vt-{uuid.uuid4().hex[:10]}"
+    log_path = os.path.join(workdir, f"daemon-{name}.log")
+    cmd = [
+        sys.executable, "-m", "tools.cli", "serve", "--name", name, "--socket", socket,
+        "--host-bytes", host_bytes, "--no-admin", "--no-disk", "--log-level", "WARNING",
+    ]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=base_env(workdir))
+    daemon = Daemon(socket, proc, log_path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: {Path(log_path).read_text()[-2000:]}")
+        if os.path.exists(socket):
+            try:
+                c = daemon.client()
+                c.ping()
+                c.close()
+                return daemon
+            except Exception:
+                pass
+        time.sleep(0.1)
+    daemon.stop()
+    raise RuntimeError("daemon did not come up in 30 s")
+
+
+def connector_config(socket: str, **extra) -> dict:
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": socket, "retry_s": 0.5, **extra},
+    }
+
+
+@dataclass
+class EngineResult:
+    runs: list[dict]
+    startup_s: float
+    stderr: str
+
+    def outputs(self, run: int) -> list[dict]:
+        return self.runs[run]["outputs"]
+
+    def tokens(self, run: int, i: int = 0) -> list[int]:
+        return self.runs[run]["outputs"][i]["token_ids"]
+
+    def cached(self, run: int, i: int = 0) -> int:
+        return self.runs[run]["outputs"][i]["num_cached_tokens"]
+
+    def counter(self, run: int, name: str) -> float:
+        return self.runs[run]["counters"].get(name, 0.0)
+
+
+def run_engine(spec: dict, workdir: str, multiprocess: bool = False, timeout_s: float = 300,
+               threads: int = 2, env_extra: dict | None = None) -> EngineResult:
+    """Run tests/engine_runner.py on `spec` in a subprocess; raise with its stderr tail if it fails."""
+    tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
+    spec_path = os.path.join(tmp, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = base_env(tmp, threads=threads, multiprocess=multiprocess)
+    env.update(env_extra or {})
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=timeout_s,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
+    data = json.loads(lines[-1][len("ENGINE_RESULT "):])
+    return EngineResult(data["runs"], data["startup_s"], proc.stderr)
+
+
+def engine_spec(model: str, runs: list[dict], **kw) -> dict:
+    spec = {"model": model, "runs": runs}
+    spec.update({k: v for k, v in kw.items() if v is not None})
+    return spec
+
+
+def tokenize(model: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def corpus_text(num_chars: int, offset: int = 0) -> str:
+    """Deterministic English text from /usr/share/common-licenses (the tiny model's training text too)."""
+    parts = []
+    for p in sorted(Path("/usr/share/common-licenses").iterdir()):
+        if p.is_file():
+            parts.append(p.read_text(errors="ignore"))
+    text = " ".join(" ".join(parts).split())
+    return text[offset : offset + num_chars]
