@@ -1,0 +1,190 @@
+"""The disk tier against a real daemon process: SIGKILL in a write storm, SIGTERM restarts.
+
+Acknowledged (tiers/disk.py): a block is durable once its LMDB record is
+committed. A chain is servable from its root only, so after a crash the blocks
+a restart must serve are the *prefix-closed* acknowledged set: records whose
+ancestors all have records too (a block demoted before its parent, whose parent
+was still only in the host tier at the kill, is an orphan and is dropped).
+
+Each round: start the daemon on the same disk folder, verify every block of
+the previous round's acknowledged set is served byte-identical (and nothing
+ever served differs from what was put), run a put storm from a thread, and
+SIGKILL the daemon after a random number of acknowledged puts. The index is
+then opened read-only (it must open cleanly) to get the acknowledged set.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.client import KVClient
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace, hash_blocks
+from tests.conftest import start_daemon
+
+BLOCK = 64 * 1024
+NS = Namespace("crash-model", "bf16", 2, 2, 64, 16, BLOCK)
+
+
+def payload_for(h: bytes) -> np.ndarray:
+    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+    return rng.integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def chain_hashes(salt: int, n: int) -> list[bytes]:
+    return hash_blocks(np.arange(salt * 1000, salt * 1000 + 16 * n), 16)
+
+
+def poll(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def acknowledged(disk_path: str) -> tuple[dict[bytes, bytes | None], list[bytes]]:
+    """Open the index read-only (it must open cleanly): records as {hash: parent}, and the prefix-closed ones."""
+    env = lmdb.open(os.path.join(disk_path, "index.lmdb"), subdir=True, readonly=True, max_dbs=4, lock=True)
+    try:
+        parents = {}
+        with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+            for key, raw in txn.cursor():
+                ns_id, h = msgpack.unpackb(key)
+                assert ns_id == NS.id
+                parents[h] = msgpack.unpackb(raw)["p"]
+    finally:
+        env.close()
+    closed: dict[bytes, bool] = {}
+
+    def servable(h: bytes) -> bool:
+        path = []
+        while h not in closed:
+            path.append(h)
+            p = parents.get(h, ...)
+            if p is ...:
+                closed[h] = False
+                break
+            if p is None:
+                closed[h] = True
+                break
+            h = p
+        result = closed[h]
+        for x in path:
+            closed[x] = result
+        return result
+
+    return parents, [h for h in parents if servable(h)]
+
+
+class Storm:
+    """Puts random chains from a thread until the daemon dies; counts acknowledged puts."""
+
+    def __init__(self, socket_path: str, first_salt: int) -> None:
+        self.client = KVClient(socket_path=socket_path, timeout_s=10)
+        self.ns_id = self.client.register(NS)
+        self.salt = first_salt
+        self.chains: list[list[bytes]] = []
+        self.acked = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        rng = random.Random(self.salt)
+        try:
+            while True:
+                hashes = chain_hashes(self.salt, rng.randint(1, 6))
+                self.salt += 1
+                self.chains.append(hashes)
+                blocks, parent = [], None
+                for h in hashes:
+                    blocks.append((h, parent, payload_for(h)))
+                    parent = h
+                self.client.put(self.ns_id, blocks)
+                self.acked += 1
+        except (KVStoreError, OSError) as exc:  # the daemon was killed under us
+            self.error = exc
+
+
+def verify(socket_path: str, must_serve: list[bytes], chains: list[list[bytes]]) -> int:
+    """Every block of `must_serve` is served intact and nothing of `chains` is served wrong; returns the
+    number of blocks served. Chains are read root first (a deep block alone is not promoted)."""
+    must = set(must_serve)
+    served = 0
+    with KVClient(socket_path=socket_path, timeout_s=30) as client:
+        ns_id = client.register(NS)
+        for hashes in chains:
+            for h, data in zip(hashes, client.get(ns_id, hashes)):
+                if data is None:
+                    assert h not in must, f"acknowledged block {h.hex()[:16]} is not served after the restart"
+                    continue
+                served += 1
+                must.discard(h)
+                assert np.array_equal(data, payload_for(h)), f"block {h.hex()[:16]} served with wrong bytes"
+    assert not must, f"{len(must)} acknowledged blocks belong to no chain the test put"
+    return served
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_write_storm_then_restart(tmp_path):
+    disk_path = str(tmp_path / "disk")
+    args = ("--disk-path", disk_path, "--disk-bytes", "256MiB")
+    rng = random.Random(1234)
+    must_serve: list[bytes] = []
+    all_chains: list[list[bytes]] = []
+    total_acknowledged = 0
+    for round_no in range(5):
+        d = start_daemon(tmp_path, *args, host_bytes="2MiB", page_bytes="64KiB", disk=True)
+        try:
+            verify(d.socket_path, must_serve, all_chains)
+            assert d.check() == []
+            stats = d.stats()["tiers"]["disk"]
+            assert stats["checksum_failures"] == 0, "a torn block reached the index"
+            assert stats["used_bytes"] <= stats["capacity_bytes"]
+            storm = Storm(d.socket_path, first_salt=1000 * (round_no + 1))
+            target = rng.randint(10, 80)
+            poll(lambda: storm.acked >= target or storm.error is not None, 60, f"{target} acknowledged puts")
+            assert storm.error is None, storm.error
+            d.proc.send_signal(signal.SIGKILL)
+            assert d.proc.wait(timeout=30) == -signal.SIGKILL
+            storm.thread.join(timeout=30)
+            assert not storm.thread.is_alive()
+            storm.client.close()
+        finally:
+            if d.alive():
+                d.stop(signal.SIGKILL)
+        all_chains += storm.chains
+        records, must_serve = acknowledged(disk_path)
+        total_acknowledged += len(must_serve)
+        assert set(must_serve) <= set(records)
+        print(f"round {round_no}: killed after {storm.acked} puts; {len(records)} records, "
+              f"{len(must_serve)} servable, {len(records) - len(must_serve)} orphans")
+    assert total_acknowledged > 50, "the storms never reached the disk: the test proves nothing"
+    # A clean stop persists the host tier too: a SIGTERM restart serves everything the daemon held.
+    d = start_daemon(tmp_path, *args, host_bytes="2MiB", page_bytes="64KiB", disk=True)
+    try:
+        verify(d.socket_path, must_serve, all_chains)
+        with KVClient(socket_path=d.socket_path) as client:
+            ns_id = client.register(NS)
+            held = [h for c in all_chains for h, t in zip(c, client.lookup(ns_id, c).tiers)]
+        assert d.check() == []
+        assert d.stop(signal.SIGTERM) == 0
+        _, after_stop = acknowledged(disk_path)
+        assert set(held) <= set(after_stop)
+        d = start_daemon(tmp_path, *args, host_bytes="2MiB", page_bytes="64KiB", disk=True)
+        verify(d.socket_path, held, all_chains)
+        assert d.check() == []
+        assert d.stats()["tiers"]["disk"]["checksum_failures"] == 0
+    finally:
+        if d.alive():
+            assert d.stop(signal.SIGTERM) == 0
