@@ -72,7 +72,10 @@ def want_hashes(args: dict, limit: int, name: str = "hashes") -> list[bytes]:
     hashes = want(args, name, list)
     if len(hashes) > limit:
         raise ProtocolError(f"{len(hashes)} blocks in one request; the limit is {limit}")
-    return [want_hash(h, f"{name}[{i}]") for i, h in enumerate(hashes)]
+    if hashes and (set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {HASH_BYTES}):
+        for i, h in enumerate(hashes):  # name the first offender
+            want_hash(h, f"{name}[{i}]")
+    return hashes
 
 
 def want_blocks(args: dict, limit: int, with_payload: bool) -> list[tuple]:

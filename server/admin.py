@@ -4,6 +4,7 @@ GET /healthz  -> {"status": "ok"}
 GET /metrics  -> Prometheus text: blocks and bytes per tier, hits, misses,
                  evictions, errors, sessions
 GET /stats    -> the store's stats as JSON, plus sessions and error counts
+GET /check    -> the store's consistency check: {"ok": bool, "problems": [...]}
 POST /clear   -> drop every unpinned committed block
 
 Typed app state (web.AppKey), errors mapped to JSON in one middleware, no
@@ -93,6 +94,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def check(request: web.Request) -> web.Response:
+    problems = request.app[DAEMON].store.check()
+    return web.json_response({"ok": not problems, "problems": problems})
+
+
 async def clear(request: web.Request) -> web.Response:
     return web.json_response({"removed": request.app[DAEMON].store.clear()})
 
@@ -106,6 +112,7 @@ def make_app(daemon: "Daemon") -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/check", check)
     app.router.add_post("/clear", clear)
     return app
 
