@@ -27,15 +27,16 @@ import torch
 def block_major(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """A view of `t` whose dim 0 indexes the engine's blocks.
 
-    The block dim is the first whose size is a multiple of `num_blocks`
-    (`k * num_blocks` when the kernel splits each block into `k` sub-blocks;
+    The block dim is the first of size `num_blocks`, else the first of a
+    multiple of it (`k * num_blocks` when the kernel splits each block into `k` sub-blocks;
     those are kept together as one block).
     """
-    for dim, size in enumerate(t.shape):
-        if size % num_blocks == 0 and size >= num_blocks:
-            v = t.movedim(dim, 0)
-            k = size // num_blocks
-            return v if k == 1 else v.unflatten(0, (num_blocks, k))
+    exact = [d for d, size in enumerate(t.shape) if size == num_blocks]
+    multiple = [d for d, size in enumerate(t.shape) if size > num_blocks and size % num_blocks == 0]
+    for dim in exact[:1] or multiple[:1]:
+        v = t.movedim(dim, 0)
+        k = t.shape[dim] // num_blocks
+        return v if k == 1 else v.unflatten(0, (num_blocks, k))
     raise ValueError(f"no dimension of KV tensor {tuple(t.shape)} is a multiple of {num_blocks} blocks")
 
 

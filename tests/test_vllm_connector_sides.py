@@ -1,0 +1,198 @@
+"""The connector's scheduler and worker sides against a real daemon, with stand-in vLLM objects.
+
+No engine runs here (fast); vLLM is imported only for the metadata base classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from connectors.vllm_meta import ConnectorConfig, LoadJob, StepMeta, WorkerReport  # noqa: E402
+from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.keys import ExtraKeys, Namespace, hash_blocks  # noqa: E402
+
+BT, NB, H, D, L = 32, 16, 2, 8, 3  # block tokens, blocks, kv heads, head size, layers
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+def namespace() -> Namespace:
+    return Namespace(model="unit", dtype="float32", num_layers=L, num_kv_heads=H, head_size=D,
+                     block_tokens=BT, block_bytes=L * H * BT * 2 * D * 4)
+
+
+def request(req_id: str, tokens: list[int], salt: str | None = None):
+    return SimpleNamespace(request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens),
+                           prompt_embeds=None, lora_request=None, cache_salt=salt, mm_features=[])
+
+
+def blocks(ids: list[int]):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def sched_output(new=(), cached=(), scheduled=None):
+    """new: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids, num_computed)]."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(b,) if b else None for _, b, _ in cached],
+            num_computed_tokens=[n for _, _, n in cached]),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def kv_tensors(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(NB, H, BT, 2 * D, generator=g) for name in LAYERS}
+
+
+@pytest.fixture
+def sides(daemon):
+    cfg = ConnectorConfig(socket=daemon.socket_path, retry_s=0.0, attention_scores=True)
+    ns = namespace()
+
+    def make_worker(seed: int) -> tuple[WorkerSide, dict]:
+        w = WorkerSide(cfg, ns, LAYERS, NB)
+        kv = kv_tensors(seed)
+        w.register_kv_caches(kv)
+        assert w.kv is not None
+        return w, kv
+
+    return SchedulerSide(cfg, [ns], BT), make_worker
+
+
+def run_step(sched: SchedulerSide, worker: WorkerSide, so) -> StepMeta:
+    meta = sched.build_connector_meta(so)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    report = worker.build_worker_meta()
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    return meta
+
+
+def test_save_then_load_in_another_engine_copies_the_bytes(sides):
+    sched_a, make_worker = sides
+    worker_a, kv_a = make_worker(1)
+    tokens = list(range(1000, 1000 + 5 * BT + 7))  # 5 full blocks + 7 tokens
+    req = request("a", tokens)
+    assert sched_a.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched_a.update_state_after_alloc(req, blocks([3, 4, 5, 6, 7, 8]), 0)
+    meta = run_step(sched_a, worker_a, sched_output(new=[("a", [3, 4, 5, 6, 7, 8], 0)], scheduled={"a": len(tokens)}))
+    assert meta.saves.block_ids == [3, 4, 5, 6, 7]  # full blocks only
+    assert meta.saves.hashes == hash_blocks(tokens, BT)
+    assert meta.saves.parents[0] is None and meta.saves.parents[1] == meta.saves.hashes[0]
+
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, kv_b = make_worker(2)
+    req_b = request("b", tokens[: 4 * BT] + [7] * 40)  # shares 4 blocks
+    num, is_async = sched_b.get_num_new_matched_tokens(req_b, 0)
+    assert (num, is_async) == (4 * BT, False)
+    sched_b.update_state_after_alloc(req_b, blocks([9, 10, 11, 12, 13, 14]), num)
+    meta = run_step(sched_b, worker_b, sched_output(new=[("b", [9, 10, 11, 12, 13, 14], num)], scheduled={"b": 40}))
+    assert [j.block_ids for j in meta.loads] == [[9, 10, 11, 12]]
+    for name in LAYERS:
+        assert torch.equal(kv_b[name][9:13], kv_a[name][3:7])
+    assert worker_b.get_block_ids_with_load_errors() == set()
+    stats = sched_b.link.client().stats()
+    assert stats["pinned_blocks"] == 0  # scheduler pins released once the worker reported the load
+
+
+def test_hit_never_covers_the_whole_prompt(sides):
+    sched, make_worker = sides
+    worker, _ = make_worker(3)
+    tokens = list(range(4 * BT))  # exactly 4 blocks
+    req = request("a", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+    run_step(sched, worker, sched_output(new=[("a", [0, 1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    again = SchedulerSide(sched.config, [namespace()], BT)
+    assert again.get_num_new_matched_tokens(request("b", tokens), 0) == (3 * BT, False)
+    # a local prefix-cache hit of 2 blocks: only what lies beyond it is reported
+    assert again.get_num_new_matched_tokens(request("c", tokens), 2 * BT) == (1 * BT, False)
+
+
+def test_cache_salt_separates_chains(sides):
+    sched, make_worker = sides
+    worker, _ = make_worker(4)
+    tokens = list(range(3 * BT + 1))
+    req = request("x", tokens, salt="X")
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+    run_step(sched, worker, sched_output(new=[("x", [0, 1, 2, 3], 0)], scheduled={"x": len(tokens)}))
+    other = SchedulerSide(sched.config, [namespace()], BT)
+    assert other.get_num_new_matched_tokens(request("y", tokens, salt="Y"), 0)[0] == 0
+    assert other.get_num_new_matched_tokens(request("n", tokens), 0)[0] == 0
+    assert other.get_num_new_matched_tokens(request("x2", tokens, salt="X"), 0)[0] == 3 * BT
+    assert ExtraKeys(cache_salt="X") != ExtraKeys(cache_salt="Y")
+
+
+def test_speculative_tokens_are_never_saved(sides):
+    sched, make_worker = sides
+    worker, _ = make_worker(5)
+    prompt = list(range(2 * BT - 2))
+    req = request("a", prompt)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([0, 1]), 0)
+    meta = run_step(sched, worker, sched_output(new=[("a", [0, 1], 0)], scheduled={"a": len(prompt)}))
+    assert len(meta.saves) == 1
+    # decode step with 3 draft tokens: computed 62 + scheduled 4 reaches 66 > 64, but only 63 tokens
+    # are verified (62 prompt + 1 sampled): block 1 is not complete in verified tokens.
+    req.all_token_ids.append(5)
+    req.num_tokens += 1
+    meta = run_step(sched, worker, sched_output(cached=[("a", [2], len(prompt))], scheduled={"a": 4}))
+    assert len(meta.saves) == 0
+    req.all_token_ids.append(6)
+    req.num_tokens += 1  # 64 verified tokens: block 1 is complete
+    meta = run_step(sched, worker, sched_output(cached=[("a", [], len(prompt) + 1)], scheduled={"a": 4}))
+    assert meta.saves.block_ids == [1]
+    assert meta.saves.hashes == hash_blocks(req.all_token_ids, BT)[1:2]
+
+
+def test_missing_block_is_reported_as_a_load_error(sides):
+    sched, make_worker = sides
+    worker, kv = make_worker(6)
+    before = {n: t.clone() for n, t in kv.items()}
+    missing = hash_blocks(list(range(BT)), BT)
+    meta = StepMeta(step=0, loads=[LoadJob("r", [2, 3], missing + missing, False)])
+    worker.start_load_kv(meta)
+    assert worker.get_block_ids_with_load_errors() == {2, 3}
+    assert worker.build_worker_meta() == WorkerReport({0: 1})
+    for n in LAYERS:
+        assert torch.equal(kv[n], before[n])
+
+
+def test_daemon_down_means_misses_and_load_errors_never_exceptions(tmp_path, caplog):
+    cfg = ConnectorConfig(socket=str(tmp_path / "absent.sock"), retry_s=0.0, timeout_s=0.5)
+    ns = namespace()
+    sched = SchedulerSide(cfg, [ns], BT)
+    worker = WorkerSide(cfg, ns, LAYERS, NB)
+    worker.register_kv_caches(kv_tensors(7))
+    tokens = list(range(3 * BT))
+    with caplog.at_level(logging.WARNING):
+        assert sched.get_num_new_matched_tokens(request("a", tokens), 0) == (0, False)
+        meta = StepMeta(step=0, loads=[LoadJob("a", [0, 1], hash_blocks(tokens, BT)[:2], True)])
+        meta.saves.add(2, b"h" * 16, None)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {0, 1}
+    assert worker.get_finished() == (None, {"a"})  # async loads still complete (as failed)
+    assert any("daemon unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_block_size_mismatch_disables_the_worker(daemon, caplog):
+    cfg = ConnectorConfig(socket=daemon.socket_path)
+    bad = Namespace(model="unit", dtype="float32", num_layers=L, num_kv_heads=H, head_size=D,
+                    block_tokens=BT, block_bytes=123)
+    w = WorkerSide(cfg, bad, LAYERS, NB)
+    with caplog.at_level(logging.WARNING):
+        w.register_kv_caches(kv_tensors(8))
+    assert w.kv is None
+    assert any("disabled" in r.getMessage() for r in caplog.records)
