@@ -67,7 +67,7 @@ def replay(
     host = HostArena(path, capacity_blocks * block_bytes, block_bytes, prefault=False)
     try:
         ns = Namespace("replay", "none", 1, 1, 1, block_tokens, block_bytes)
-        store = TieredStore(host, policy="lru" if policy == "belady" else policy, clock=clock)
+        store = TieredStore(host, policy="lru" if policy == "belady" or factory else policy, clock=clock)
         if factory is not None:
             store.policies["host"] = factory(clock)
         elif policy == "belady":

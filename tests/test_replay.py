@@ -1,0 +1,109 @@
+"""`kvstore replay` end to end on an excerpt of the Mooncake conversation trace.
+
+The excerpt (the first 300 requests) is read from shared/traces at test time,
+never copied into the repository; the test skips, saying why, when the trace
+is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eviction.replay import expand, next_use_index, read_trace, Request
+from tools import cli
+from tools.replay import ALL_POLICIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACE = os.path.join(os.path.dirname(ROOT), "shared", "traces", "mooncake_conversation_trace.jsonl")
+if not os.path.exists(TRACE):
+    TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
+
+
+def test_expand_keeps_the_tree_and_the_partial_last_block():
+    req = Request(0.0, 512 + 40, (7, 9))
+    hashes, tokens = expand(req, 16)
+    assert len(hashes) == 32 + 3 and tokens[-1] == 8 and sum(tokens) == 552
+    assert len(set(hashes)) == len(hashes)
+    again, _ = expand(Request(1.0, 1024, (7, 11)), 16)
+    assert again[:32] == hashes[:32] and again[32] != hashes[32]
+    assert expand(req)[1] == [512, 40]
+    with pytest.raises(ValueError):
+        expand(req, 100)
+
+
+def test_next_use_index_lists_positions_in_order():
+    future = next_use_index([[b"a", b"b"], [b"a"], [b"a", b"c"]], "ns")
+    assert future[("ns", b"a")] == [0, 1, 2] and future[("ns", b"c")] == [2]
+
+
+@needs_trace
+def test_replay_cli_json_all_policies(capsys):
+    rc = cli.main(["replay", TRACE, "--limit", "300", "--policy", "all", "--capacity-blocks", "300",
+                   "--check-every", "50", "--json", "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert doc["orphans"] == 0 and doc["check_problems"] == 0
+    runs = {r["policy"]: r for r in doc["runs"]}
+    assert set(runs) == set(ALL_POLICIES)
+    for r in runs.values():
+        for key in ("hit_ratio", "token_hit_ratio", "orphans", "prefill_tokens_saved", "hits_by_tier",
+                    "evictions", "demotions", "capacity_blocks"):
+            assert key in r, key
+        assert 0.0 <= r["hit_ratio"] <= 1.0 and 0.0 <= r["token_hit_ratio"] <= 1.0
+        assert r["orphans"] == 0 and r["requests"] == 300
+        assert r["evictions"] > 0  # the excerpt overflows 300 blocks, so policies did choose
+        assert sum(r["hits_by_tier"].values()) == r["hit_blocks"]
+    for name, r in runs.items():
+        assert runs["belady"]["hit_ratio"] >= r["hit_ratio"], name
+
+
+@needs_trace
+def test_replay_single_run_has_top_level_keys_and_random_attention(capsys):
+    rc = cli.main(["replay", TRACE, "--limit", "300", "--policy", "attention", "--capacity-blocks", "200",
+                   "--attention", "random", "--block-tokens", "128", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert doc["policy"] == "attention" and doc["orphans"] == 0 and 0 <= doc["hit_ratio"] <= 1
+    assert doc["blocks"] > 4 * 300  # 512-token ids became 128-token blocks
+
+
+@needs_trace
+def test_replay_subprocess_text_output():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "replay", TRACE, "--limit", "100", "--policy", "lru,belady",
+         "--capacity-blocks", "100"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [l for l in out.stdout.splitlines() if "hit=" in l]
+    assert len(lines) == 2 and all("orphans=0" in l for l in lines)
+
+
+def test_replay_rejects_unknown_policy(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n')
+    assert cli.main(["replay", str(trace), "--policy", "nope"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+
+
+def test_replay_tiny_trace_counts_hits(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1500, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1000, "input_length": 1600, "hash_ids": [1, 2, 4, 5]},
+        {"timestamp": 2000, "input_length": 1100, "hash_ids": [1, 2, 4]},
+    ]
+    trace.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    for policy in ALL_POLICIES:
+        assert cli.main(["replay", str(trace), "--policy", policy, "--capacity-blocks", "100", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["hit_blocks"] == 5 and doc["blocks"] == 10, policy  # 2 + 3 hits, nothing evicted
+        assert doc["hit_tokens"] == 2 * 512 + 1100 and doc["orphans"] == 0
+    assert read_trace(str(trace), limit=2)[1].hash_ids == (1, 2, 4, 5)
