@@ -115,6 +115,7 @@ class DiskTieredStore(TieredStore):
                 if ns.id != raw_id.decode():
                     raise ValueError("namespace id does not match its fields")
                 super().register_namespace(ns)
+                self.disk.prewarm(ns.block_bytes)
                 self._persisted_ns.add(ns.id)
             except (ValueError, NamespaceError) as exc:
                 log.warning("disk tier: namespace %r not restored: %s", raw_id, exc)
@@ -168,6 +169,7 @@ class DiskTieredStore(TieredStore):
         ns_id = super().register_namespace(ns)
         if ns_id not in self._persisted_ns:
             self.disk.put_namespace(ns_id.encode(), ns.to_dict())
+            self.disk.prewarm(ns.block_bytes)
             self._persisted_ns.add(ns_id)
         return ns_id
 

@@ -45,7 +45,8 @@ class Harness:
 
     def open(self) -> DiskTieredStore:
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
-        disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, direct=self.direct)
+        disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, direct=self.direct,
+                        staging_bytes=16 * BLOCK)
         self.store = DiskTieredStore(host, disk)
         self.store.register_namespace(NS)
         return self.store
