@@ -4,36 +4,36 @@ Device-agnostic torch: the same code runs on CPU (tests, CPU engines) and on
 CUDA. A step moves all its blocks with one `index_select` / `index_copy_` per
 layer (or one for all layers, see "fused" below) plus one copy per run of
 adjacent bytes between the staging buffer and the arena or GPU pool; never one
-copy per block.
+copy per block. `kv_copy` (the CPU connector's block-at-a-time path) defines
+the same payload; this module is its batched, streamed counterpart.
 
-Per-layer KV layouts (the tensor vLLM passes to `register_kv_caches`)
----------------------------------------------------------------------
-- "BHNC": logical `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, K and
-  V concatenated in the last dim. This is vLLM >= 0.32 (RFC #42082) for every
-  backend: the CPU backend (physical LBHNC: contiguous) and flash-attn on CUDA
-  (which reads `kv.transpose(1, 2).split(head_size, -1)`; physical LBNHC makes
-  the view strided). Any stride order works as long as the last dim is dense.
-- "2BNHD": `[2, num_blocks, block_size, num_kv_heads, head_size]`, the older
-  flash-attn "NHD" layout (K plane, V plane).
-- "B2NHD": `[num_blocks, 2, block_size, num_kv_heads, head_size]`, the older
-  FlashInfer NHD layout.
+Per-layer KV layouts tested (the tensors vLLM passes to `register_kv_caches`)
+----------------------------------------------------------------------------
+- `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, K and V concatenated
+  in the last dim: vLLM >= 0.32 (RFC #42082) for every backend. The CPU backend
+  uses physical LBHNC (contiguous); flash-attn on CUDA reads it as
+  `kv.transpose(1, 2).split(head_size, -1)` and is usually physical LBNHC, so
+  the view is strided. All layers are views into one allocation.
+- `[2, num_blocks, block_size, num_kv_heads, head_size]`: the older flash-attn
+  "NHD" layout (a K plane and a V plane per layer).
+- `[num_blocks, 2, block_size, num_kv_heads, head_size]`: the older FlashInfer NHD layout.
+Any stride order works as long as the innermost dim is dense.
 
-Block payload
--------------
-Block b's payload is, for each layer in registration order, the bytes of the
-layer's block view `[b]` in *logical* row-major order (BHNC: H, N, 2D; 2BNHD:
-K block then V block). For physically contiguous layouts that is a plain byte
-copy; for strided ones (LBNHC) the gather kernel does the permutation, so the
-payload does not depend on the physical layout. Layers that alias one tensor
-(vLLM cross-layer KV sharing) must be passed once (`unique_layers`).
+Block payload (shared with kv_copy)
+-----------------------------------
+The block dim is the first dim of size `num_blocks` (`kv_copy.block_major`).
+Block b's payload is, for each layer in registration order, the layer's block
+slice in *logical* row-major order (new layout: H, N, 2D; old flash-attn: the K
+block then the V block). For physically contiguous layouts that is a plain byte
+copy; for strided ones (LBNHC) the gather kernel does the permutation. When a
+manager block is split into k kernel blocks the tensor has k * num_blocks
+blocks and a payload layer holds the k kernel blocks in order. Layers that
+alias one tensor (vLLM cross-layer KV sharing) are passed once (`unique_layers`).
 
-Block ids index dim 0 of the block view: vLLM *kernel* blocks. When the kernel
-block is smaller than the manager block, expand ids with `kernel_block_ids`.
-
-Fused path: when all layers are views into one allocation at a constant
-layer stride with dense blocks (vLLM >= 0.32 allocates one buffer; LBHNC
-qualifies), `PagedKV.fused` is a `[num_blocks, L, layer_bytes]` byte view and a
-whole step's gather or scatter is a single kernel.
+Fused path: when all layers are views into one allocation at a constant layer
+stride with dense blocks (vLLM >= 0.32 with LBHNC or BLHNC), `PagedKV.fused` is
+a `[num_blocks, L, layer_bytes]` byte view and a step's gather or scatter is a
+single kernel.
 
 `StreamedCopier` runs a save or load on a side CUDA stream (tiers.gpu owns the
 stream and events) and returns a `Ticket`; on CPU it runs synchronously and
@@ -42,14 +42,14 @@ the ticket is done at once. Nothing here synchronizes the device.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from connectors.kv_copy import block_major
 from tiers import gpu
-
-LAYOUTS = ("BHNC", "2BNHD", "B2NHD")
 
 
 @dataclass(frozen=True)
@@ -82,40 +82,26 @@ def unique_layers(kv_caches: dict) -> list:
     return out
 
 
-def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
-    """Manager block ids -> kernel block ids when one manager block is `ratio` kernel blocks."""
-    return [b * ratio + j for b in block_ids for j in range(ratio)]
+def paged_kv(layers: Sequence[torch.Tensor], num_blocks: int) -> PagedKV:
+    """Byte views of a worker's KV tensors (same shape, dtype, device), block dim first.
 
-
-def block_view(kv: torch.Tensor, layout: str) -> torch.Tensor:
-    """A uint8 view with the block as dim 0; raises ValueError for an unknown layout."""
-    dims = {"BHNC": 4, "2BNHD": 5, "B2NHD": 5}
-    if layout not in dims:
-        raise ValueError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
-    if kv.dim() != dims[layout]:
-        raise ValueError(f"layout {layout} wants a {dims[layout]}-d tensor, got shape {tuple(kv.shape)}")
-    if layout == "2BNHD":
-        if kv.shape[0] != 2:
-            raise ValueError(f"layout 2BNHD wants dim 0 == 2 (K, V), got shape {tuple(kv.shape)}")
-        kv = kv.transpose(0, 1)
-    elif layout == "B2NHD" and kv.shape[1] != 2:
-        raise ValueError(f"layout B2NHD wants dim 1 == 2 (K, V), got shape {tuple(kv.shape)}")
-    if kv.stride(-1) != 1:
-        raise ValueError("the innermost KV dim must be dense (stride 1)")
-    return kv.view(torch.uint8)
-
-
-def paged_kv(layers: Sequence[torch.Tensor], layout: str) -> PagedKV:
-    """Validate a worker's KV tensors (same shape, dtype, device) and build their byte views."""
+    The block dim is found as `kv_copy.block_major` finds it, so a payload is
+    byte-identical to the CPU connector's. Kernel blocks that split a manager
+    block stay together: ids are always manager block ids.
+    """
     if not layers:
         raise ValueError("no KV layers")
-    views = tuple(block_view(kv, layout) for kv in layers)
+    views = []
+    for kv in layers:
+        v = block_major(kv, num_blocks)
+        if v.stride(-1) != 1:
+            raise ValueError(f"the innermost dim of KV tensor {tuple(kv.shape)} must be dense (stride 1)")
+        views.append(v.view(torch.uint8))
     first = views[0]
-    for v in views[1:]:
-        if v.shape != first.shape or v.device != first.device:
-            raise ValueError("all KV layers must have one shape, dtype and device")
+    if any(v.shape != first.shape or v.device != first.device for v in views):
+        raise ValueError("all KV layers must have one shape, dtype and device")
     layer_bytes = first[0].numel()
-    return PagedKV(views, first.shape[0], layer_bytes, _fused_view(views, layer_bytes))
+    return PagedKV(tuple(views), num_blocks, layer_bytes, _fused_view(tuple(views), layer_bytes))
 
 
 def _fused_view(views: tuple, layer_bytes: int) -> torch.Tensor | None:
@@ -174,31 +160,39 @@ def scatter(kv: PagedKV, ids: torch.Tensor, src: torch.Tensor) -> None:
 # -- staged transfers with events ---------------------------------------------
 @dataclass
 class Ticket:
-    """One submitted save or load. Holds its buffers alive until it is done."""
+    """One submitted save or load. Events are None on CPU, where all is done at once."""
 
-    copier: "StreamedCopier"
-    done_event: object = None  # torch.cuda.Event, None on CPU
+    stream: object  # gpu.TransferStream, or None on CPU
+    done_event: object = None
     layer_events: list = field(default_factory=list)  # loads: one per layer, in order
-    keep: tuple = ()
+    gathered_event: object = None  # saves: the KV blocks have been read into staging
+    keep: tuple = ()  # buffers the copies still use
 
     def ready(self) -> bool:
-        """Polls without blocking (for get_finished / commit)."""
-        return self.done_event is None or self.copier.stream.is_done(self.done_event)
+        """Polls without blocking (for get_finished / commit / release)."""
+        return self.done_event is None or self.stream.is_done(self.done_event)
 
     def wait_layer(self, layer: int) -> None:
         """Compute waits (on the GPU) until this layer's blocks are in place: wait_for_layer_load."""
-        if self.layer_events:
-            self.copier.stream.make_current_wait(self.layer_events[layer])
+        self._current_waits(self.layer_events[layer] if self.layer_events else self.done_event)
 
     def wait_all(self) -> None:
         """Compute waits (on the GPU) for the whole transfer: a non-layerwise load."""
-        if self.done_event is not None:
-            self.copier.stream.make_current_wait(self.done_event)
+        self._current_waits(self.done_event)
+
+    def fence_source(self) -> None:
+        """Compute waits (on the GPU) until a save has read its KV blocks: call before a
+        step whose forward may overwrite them (vLLM can free and reuse a saved block)."""
+        self._current_waits(self.gathered_event)
 
     def synchronize(self) -> None:
         """The host blocks until done; never on the forward path."""
         if self.done_event is not None:
-            self.copier.stream.synchronize(self.done_event)
+            self.stream.synchronize(self.done_event)
+
+    def _current_waits(self, event) -> None:
+        if event is not None:
+            self.stream.make_current_wait(event)
 
 
 class StreamedCopier:
@@ -216,40 +210,42 @@ class StreamedCopier:
     def save(self, kv: PagedKV, block_ids: Sequence[int], flat: torch.Tensor, extents: Sequence) -> Ticket:
         ids = _check_ids(block_ids, kv.num_blocks, unique=False)
         runs = self._runs(kv, extents, len(ids), to_staging=False)
-        if self.stream is None:
+        with self._submit():
             staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            gather(kv, torch.tensor(ids, dtype=torch.int64), staging)
+            gather(kv, self._index(ids), staging)
+            gathered = self._record()
             gpu.copy_runs(flat, staging.view(-1), runs)
-            return Ticket(self)
-        with self.stream.submit():
-            staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            gather(kv, self.stream.to_device(ids), staging)
-            gpu.copy_runs(flat, staging.view(-1), runs)
-            return Ticket(self, self.stream.record(), keep=(staging,))
+            return Ticket(self.stream, self._record(), gathered_event=gathered, keep=(staging,))
 
     def load(self, kv: PagedKV, block_ids: Sequence[int], flat: torch.Tensor, extents: Sequence,
              layerwise: bool = True) -> Ticket:  # fmt: skip
         """Copy blocks in; with `layerwise`, one event per layer for wait_for_layer_load."""
         ids = _check_ids(block_ids, kv.num_blocks, unique=True)
         runs = self._runs(kv, extents, len(ids), to_staging=True)
-        if self.stream is None:
+        with self._submit():
             staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            gpu.copy_runs(staging.view(-1), flat, runs)
-            scatter(kv, torch.tensor(ids, dtype=torch.int64), staging)
-            return Ticket(self)
-        with self.stream.submit():
-            staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            ids_t = self.stream.to_device(ids)
+            ids_t = self._index(ids)
             gpu.copy_runs(staging.view(-1), flat, runs)
             events = []
             if layerwise:
                 for layer in range(len(kv.layers)):
                     scatter_layer(kv, layer, ids_t, staging)
-                    events.append(self.stream.record())
+                    events.append(self._record())
             else:
                 scatter(kv, ids_t, staging)
-            done = events[-1] if events else self.stream.record()
-            return Ticket(self, done, events, keep=(staging,))
+            done = events[-1] if events else self._record()
+            return Ticket(self.stream, done, events if self.stream else [], keep=(staging,))
+
+    def _submit(self):
+        return self.stream.submit() if self.stream is not None else contextlib.nullcontext()
+
+    def _record(self):
+        return self.stream.record() if self.stream is not None else None
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        if self.stream is not None:
+            return self.stream.to_device(ids)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _runs(kv: PagedKV, extents: Sequence, n: int, to_staging: bool) -> list:
