@@ -94,7 +94,7 @@ class DiskTieredStore(TieredStore):
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        read_threads: int = 2,
+        read_threads: int = 4,
     ) -> None:
         super().__init__(host, policy, clock)
         self.disk = disk

@@ -48,12 +48,21 @@ class StoreCollector:
         nbytes = GaugeMetricFamily("kvstore_bytes", "Bytes of committed blocks per tier", labels=["tier"])
         hits = CounterMetricFamily("kvstore_hits", "Blocks acquired (hits) per tier", labels=["tier"])
         evictions = CounterMetricFamily("kvstore_evictions", "Blocks evicted per tier", labels=["tier"])
+        promotions = CounterMetricFamily("kvstore_promotions", "Blocks promoted into a tier", labels=["tier"])
+        demotions = CounterMetricFamily("kvstore_demotions", "Blocks demoted into a tier", labels=["tier"])
         for tier, t in s["tiers"].items():
             blocks.add_metric([tier], t["blocks"])
             nbytes.add_metric([tier], t["bytes"])
             hits.add_metric([tier], t["hits"])
             evictions.add_metric([tier], t["evictions"])
-        yield from (blocks, nbytes, hits, evictions)
+            promotions.add_metric([tier], t.get("promotions_in", 0))
+            demotions.add_metric([tier], t.get("demotions_in", 0))
+        yield from (blocks, nbytes, hits, evictions, promotions, demotions)
+        disk = s["tiers"].get("disk", {})
+        if "checksum_failures" in disk:  # the disk tier is configured
+            yield CounterMetricFamily("kvstore_disk_checksum_failures", "Disk blocks whose checksum did not verify (dropped)",
+                                      value=disk["checksum_failures"])
+            yield GaugeMetricFamily("kvstore_disk_pending_writes", "Demotions not yet durable", value=disk["pending_writes"])
         c = s["counters"]
         yield CounterMetricFamily("kvstore_misses", "Blocks asked for and not present", value=c.get("miss_blocks", 0))
         yield CounterMetricFamily("kvstore_lookup_blocks", "Blocks looked up", value=c.get("lookup_blocks", 0))
@@ -65,6 +74,8 @@ class StoreCollector:
         yield errors
         cap = GaugeMetricFamily("kvstore_capacity_bytes", "Tier capacity", labels=["tier"])
         cap.add_metric(["host"], s["tiers"]["host"]["capacity_bytes"])
+        if "capacity_bytes" in disk:
+            cap.add_metric(["disk"], disk["capacity_bytes"])
         yield cap
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
 

@@ -188,3 +188,30 @@ def test_kill_9_during_a_write_storm_then_restart(tmp_path):
     finally:
         if d.alive():
             assert d.stop(signal.SIGTERM) == 0
+
+
+def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
+    d = start_daemon(tmp_path, "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "32MiB",
+                     host_bytes="1MiB", page_bytes="64KiB", disk=True)
+    try:
+        chains = [chain_hashes(s, 4) for s in range(1, 11)]  # 40 blocks, the host tier holds 16
+        with KVClient(socket_path=d.socket_path) as client:
+            ns_id = client.register(NS)
+            for hashes in chains:
+                client.put(ns_id, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
+            assert client.lookup(ns_id, chains[0]).tiers == ("disk",) * 4  # lookups report disk hits
+            got = client.get(ns_id, chains[0])
+            assert all(np.array_equal(g, payload_for(h)) for g, h in zip(got, chains[0]))
+            disk = client.stats()["tiers"]["disk"]
+        assert disk["demotions_in"] >= 24 and disk["promotions_out"] == 4 and disk["hits"] == 4
+        assert disk["checksum_failures"] == 0 and disk["direct_io"] is True
+        assert disk["used_bytes"] <= disk["capacity_bytes"] == 32 << 20
+        status, body = d.http("/metrics")
+        text = body.decode()
+        assert status == 200
+        assert 'kvstore_demotions_total{tier="disk"}' in text and 'kvstore_promotions_total{tier="host"} 4.0' in text
+        assert "kvstore_disk_checksum_failures_total 0.0" in text
+        assert 'kvstore_capacity_bytes{tier="disk"}' in text
+        assert d.check() == []
+    finally:
+        assert d.stop(signal.SIGTERM) == 0
