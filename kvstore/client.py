@@ -53,6 +53,7 @@ class KVClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._arena: np.ndarray | None = None
+        self._arena_id: str | None = None
         self.server_info: dict = {}
         self._pending: deque = deque()  # (msgid, op) sent, reply not yet read
         self._replies: dict[int, tuple] = {}
@@ -85,8 +86,10 @@ class KVClient:
             except BaseException:
                 self.close()
                 raise
-            if self.tcp is None and self._arena is None:
+            if self.tcp is None and self.server_info.get("arena_id") != self._arena_id:
+                # A (re)started daemon has a new arena: map it, never keep writing into the old one.
                 self._arena = map_arena(self.server_info["arena_path"], self.server_info["arena_bytes"])
+                self._arena_id = self.server_info.get("arena_id")
 
     def close(self) -> None:
         with self._lock:

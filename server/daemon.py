@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import uuid
 import fcntl
 from collections import Counter
 
@@ -81,6 +82,7 @@ class Daemon:
         self.store = store if store is not None else build_store(config)
         info = {
             "arena_path": self.store.host.path,
+            "arena_id": uuid.uuid4().hex,  # clients remap when a restarted daemon has a new arena
             "arena_bytes": self.store.host.capacity_bytes,
             "page_bytes": self.store.host.page_bytes,
             "gpu": gpu_info(),

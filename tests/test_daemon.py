@@ -1,0 +1,188 @@
+"""The daemon in its own process: sharing through the arena, TCP, admin plane, drain."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvstore.client import KVClient
+from kvstore.errors import AuthError, DaemonUnavailable, NamespaceError
+from kvstore.keys import Namespace, hash_blocks
+
+from tests.conftest import ROOT
+
+NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
+
+
+def chain(seed: int, n: int):
+    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
+    return hs, [None] + hs[:-1]
+
+
+def run_client(code: str, sock: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SOCK": sock}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_two_client_processes_share_blocks_through_the_arena(daemon):
+    writer = run_client("""
+        import os, numpy as np
+        from kvstore.client import KVClient
+        from tests.test_daemon import NS, chain
+        hs, ps = chain(1, 8)
+        with KVClient(os.environ["SOCK"]) as c:
+            ns = c.register(NS)
+            payloads = [np.random.default_rng(i).integers(0, 256, NS.block_bytes, dtype=np.uint8) for i in range(8)]
+            print(c.put(ns, list(zip(hs, ps, payloads))))
+    """, daemon.socket_path)
+    assert writer.returncode == 0, writer.stderr
+    assert writer.stdout.strip() == "8"
+    readers = [run_client("""
+        import os, numpy as np
+        from kvstore.client import KVClient
+        from tests.test_daemon import NS, chain
+        hs, ps = chain(1, 8)
+        with KVClient(os.environ["SOCK"]) as c:
+            ns = c.register(NS)
+            assert c.lookup(ns, hs).hits == 8
+            got = c.get(ns, hs)
+            want = [np.random.default_rng(i).integers(0, 256, NS.block_bytes, dtype=np.uint8) for i in range(8)]
+            print(all(np.array_equal(g, w) for g, w in zip(got, want)))
+    """, daemon.socket_path) for _ in range(2)]
+    for r in readers:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "True"
+    stats = daemon.stats()
+    assert stats["tiers"]["host"]["blocks"] == 8
+    assert stats["tiers"]["host"]["hits"] == 16
+    assert stats["sessions"] == 0  # clients went away
+    assert daemon.check() == []
+
+
+def test_lookup_counts_leading_blocks_only(daemon):
+    hs, ps = chain(2, 6)
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(NS)
+        payload = np.zeros(NS.block_bytes, np.uint8)
+        assert c.put(ns, [(h, p, payload) for h, p in zip(hs[:4], ps[:4])]) == 4
+        assert c.lookup(ns, hs).hits == 4
+        assert c.lookup(ns, hs[1:]).hits == 3  # leading run from where asked
+        other, _ = chain(3, 2)
+        assert c.lookup(ns, other + hs).hits == 0
+        assert c.put(ns, [(hs[5], hs[4], payload)]) == 0, "a block whose parent is absent is not stored"
+    assert daemon.check() == []
+
+
+def test_namespaces_do_not_share_blocks(daemon):
+    hs, ps = chain(4, 2)
+    with KVClient(daemon.socket_path) as c:
+        a = c.register(NS)
+        b = c.register(Namespace("test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024, tp_rank=1, tp_size=2))
+        c.put(a, [(h, p, np.ones(NS.block_bytes, np.uint8)) for h, p in zip(hs, ps)])
+        assert c.lookup(a, hs).hits == 2 and c.lookup(b, hs).hits == 0
+        with pytest.raises(NamespaceError):
+            c.lookup("ns-unknown", hs)
+
+
+def test_tcp_clients_need_the_token_and_carry_payloads_inline(daemon_factory):
+    token = "t" * 24
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", token)
+    hs, ps = chain(5, 3)
+    payloads = [np.full(NS.block_bytes, i, np.uint8) for i in range(3)]
+    with KVClient(tcp=("127.0.0.1", d.tcp_port), token=token) as remote:
+        ns = remote.register(NS)
+        assert remote.put(ns, list(zip(hs, ps, payloads))) == 3
+        assert all(np.array_equal(g, w) for g, w in zip(remote.get(ns, hs), payloads))
+        with pytest.raises(Exception, match="local clients"):
+            remote.reserve(ns, [(hs[0], None)])
+    with KVClient(d.socket_path) as local:
+        assert all(np.array_equal(g, w) for g, w in zip(local.get(local.register(NS), hs), payloads))
+    for bad in ("wrong-token-wrong-token", None):
+        with pytest.raises(AuthError):
+            KVClient(tcp=("127.0.0.1", d.tcp_port), token=bad)
+    assert d.check() == []
+
+
+def test_admin_plane(daemon):
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(NS)
+        hs, ps = chain(6, 2)
+        c.put(ns, [(h, p, np.ones(NS.block_bytes, np.uint8)) for h, p in zip(hs, ps)])
+        c.get(ns, hs)
+        with pytest.raises(Exception):
+            c.call("no-such-op")
+    status, body = daemon.http("/healthz")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, body = daemon.http("/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'kvstore_blocks{tier="host"} 2.0' in text
+    assert 'kvstore_hits_total{tier="host"} 2.0' in text
+    assert 'kvstore_errors_total{type="ProtocolError"} 1.0' in text
+    assert "kvstore_evictions_total" in text and "kvstore_misses_total" in text
+    stats = daemon.stats()
+    assert stats["blocks"] == 2 and stats["gpu"]["available"] is False and stats["gpu"]["reason"]
+    assert daemon.http("/clear", method="POST")[0] == 200
+    assert daemon.stats()["blocks"] == 0
+
+
+def test_stats_cli(daemon):
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--json", "--socket", daemon.socket_path],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tiers"]["host"]["capacity_bytes"] == 64 << 20
+    human = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", daemon.socket_path],
+                           cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert "host" in human.stdout and "capacity 64.0 MiB" in human.stdout
+
+
+def test_stats_cli_reports_a_daemon_that_is_down(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", str(tmp_path / "none.sock")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "cannot reach the kvstore daemon" in out.stderr
+
+
+def test_sigterm_drains_and_cleans_up(daemon):
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(NS)
+        hs, ps = chain(7, 1)
+        c.put(ns, [(hs[0], None, np.ones(NS.block_bytes, np.uint8))])
+        arena = c.server_info["arena_path"]
+        assert os.path.exists(arena)
+        assert daemon.stop(signal.SIGTERM) == 0
+        with pytest.raises(DaemonUnavailable):
+            c.lookup(ns, hs)
+    assert not os.path.exists(daemon.socket_path)
+    assert not os.path.exists(arena)
+
+
+def test_second_daemon_with_the_same_name_refuses_to_start(daemon, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--name", daemon.name, "--socket",
+                          str(tmp_path / "other.sock"), "--host-bytes", "16MiB", "--no-admin", "--no-disk"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "another kvstore daemon" in out.stderr
+    with KVClient(daemon.socket_path) as c:
+        assert c.ping()  # the first one is untouched
+
+
+def test_client_reconnects_after_daemon_restart(daemon_factory, tmp_path):
+    d = daemon_factory(name="restart-me")
+    c = KVClient(d.socket_path, timeout_s=2)
+    assert c.ping()
+    d.stop()
+    with pytest.raises(DaemonUnavailable):
+        c.ping()
+    d2 = daemon_factory(name="restart-me")
+    assert d2.socket_path == d.socket_path
+    assert c.ping()  # reconnects on the next call
+    ns = c.register(NS)
+    hs, _ = chain(8, 1)
+    c.put(ns, [(hs[0], None, np.full(NS.block_bytes, 7, np.uint8))])  # must land in the new arena
+    with KVClient(d2.socket_path) as fresh:
+        assert np.array_equal(fresh.get(ns, hs)[0], np.full(NS.block_bytes, 7, np.uint8))
+    c.close()
