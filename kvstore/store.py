@@ -176,6 +176,7 @@ class TieredStore:
         absent (inserting it would orphan it), or no room can be made.
         """
         ns = self.namespace(ns_id)
+        self._room_for_batch(ns, ns_id, blocks)
         out: list[Entry | None] = []
         for h, parent_hash in blocks:
             key = (ns_id, h)
@@ -309,17 +310,38 @@ class TieredStore:
 
     def _allocate_host(self, nbytes: int, protect: Key | None = None) -> Extents:
         host = self.host
-        self._make_room("host", lambda: host.pages_for(nbytes) * host.page_bytes - host.free_bytes, protect)
         extents = host.allocate(nbytes)
-        assert extents is not None
+        if extents is None:
+            self._make_room("host", lambda: host.pages_for(nbytes) * host.page_bytes - host.free_bytes, protect)
+            extents = host.allocate(nbytes)
+            assert extents is not None
         return extents
 
-    def _make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | None = None) -> None:
+    def _room_for_batch(self, ns: Namespace, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """Make room for a whole reserve batch with one eviction pass (not one pass per block).
+
+        Best effort: blocks that still find no room are skipped by `reserve` one by one.
+        """
+        new = [(h, p) for h, p in blocks if (ns_id, h) not in self.entries]
+        host = self.host
+        need = len(new) * host.pages_for(ns.block_bytes) * host.page_bytes
+        if need <= host.free_bytes:
+            return
+        protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in self.entries}
+        try:
+            self._make_room("host", lambda: need - host.free_bytes, protect)
+        except CapacityError:
+            pass
+
+    def _make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
         """Evict leaves of `tier` until `shortfall()` (bytes still missing) is <= 0.
 
-        Raises CapacityError, having evicted what it could, when nothing more is evictable.
+        `protect` (a key or a set of keys) is never evicted: the parents of blocks
+        being inserted. Raises CapacityError, having evicted what it could, when
+        nothing more is evictable.
         """
         policy = self.policies[tier]
+        protected = protect if isinstance(protect, (set, frozenset)) else {protect}
 
         def evictable(key: Key) -> bool:
             e = self.entries.get(key)
@@ -328,7 +350,7 @@ class TieredStore:
                 and e.tier == tier
                 and e.committed
                 and e.pins == 0
-                and key != protect
+                and key not in protected
                 and self.is_leaf_in(e, tier)
             )
 
