@@ -311,10 +311,13 @@ class DiskTieredStore(TieredStore):
                 tasks[i] = task
         if not tasks:
             return list(entries)
-        results = await asyncio.gather(*(asyncio.shield(t) for t in tasks.values()))
+        results = await asyncio.gather(*(asyncio.shield(t) for t in tasks.values()), return_exceptions=True)
         out = list(entries)
         for (i, _), ok in zip(tasks.items(), results):
-            if not ok:
+            if isinstance(ok, BaseException):
+                log.error("disk tier: promotion failed", exc_info=ok)
+                self.counters["promotions_failed_error"] += 1
+            if ok is not True:
                 e = out[i]
                 out[i] = None
                 self._unpin_failed(e, owner)  # type: ignore[arg-type]

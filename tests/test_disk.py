@@ -455,3 +455,9 @@ def test_slot_reuse_never_serves_the_old_block(harness):
         for h, data in zip(c, harness.get(c)):
             assert data is None or data == payload_for(h)
     assert store.check() == []
+
+
+def test_a_folder_has_one_owner(harness):
+    with pytest.raises(OSError, match="in use"):
+        DiskTier(harness.folder, 8 * BLOCK, page_bytes=PAGE)
+    assert harness.store.check() == []

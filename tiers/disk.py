@@ -7,6 +7,7 @@ Layout of the tier's folder:
                   pages, described as extents (`[offset, length]` runs) exactly like
                   the host arena; the free-page stack hands out ascending pages, so
                   a block is usually one extent and one syscall.
+    owner.lock    flock'd by the owning process: one daemon per folder.
     index.lmdb/   LMDB, three sub-databases: `blocks` (key -> record), `namespaces`
                   (namespace id -> its fields), `meta` (format version, page size).
 
@@ -57,6 +58,7 @@ used + free == capacity; no record outside the data file.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -77,6 +79,7 @@ ALIGN = 4096
 FORMAT_VERSION = 1
 DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
+LOCK_FILE = "owner.lock"
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -252,6 +255,12 @@ class DiskTier:
             raise ValueError(f"disk page_bytes must be a positive multiple of {ALIGN}, got {page_bytes}")
         os.makedirs(path, mode=0o700, exist_ok=True)
         self.path = path
+        self._lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one owner per folder, until close()
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise OSError(errno.EBUSY, f"disk tier folder {path} is in use by another process") from None
         self.counters = DiskCounters()
         self.env = lmdb.open(
             os.path.join(path, INDEX_DIR), map_size=1 << 34, max_dbs=4, subdir=True,
@@ -694,6 +703,7 @@ class DiskTier:
         self.reap()
         self.env.close()
         os.close(self.fd)
+        os.close(self._lock_fd)
 
 
 def now_wall() -> float:
