@@ -57,6 +57,9 @@ HIT_CREDIT = 1.0
 ATTN_CONTEXT_TOKENS = 32768
 ATTENTION_WEIGHT = 0.2
 GHOST_FACTOR = 1.0
+INHERIT = 0.0
+DEPTH_PRIOR = True
+PRIOR_DECAY_EVENTS = 20000
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,8 @@ class AttentionParams:
     attn_context_tokens: float = ATTN_CONTEXT_TOKENS
     attention_weight: float = ATTENTION_WEIGHT
     ghost_factor: float = GHOST_FACTOR
+    inherit: float = INHERIT
+    depth_prior: bool = DEPTH_PRIOR
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or self.attn_context_tokens <= 0:
@@ -90,6 +95,10 @@ class AttentionPolicy(EvictionPolicy):
         self._static: dict[Key, float] = {}  # log2 (C_b / S_b * W_b)
         self._cost: dict[Key, float] = {}  # log2 (C_b / S_b)
         self._ghost: OrderedDict[Key, float] = OrderedDict()
+        self._bucket: dict[Key, int] = {}
+        self._prior_ins = [1.0] * 32
+        self._prior_hit = [1.0] * 32
+        self._prior_events = 0
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
@@ -122,7 +131,17 @@ class AttentionPolicy(EvictionPolicy):
             parent = leaves.parent.get(parent)
 
     def _own(self, key: Key) -> float:
-        return self._freq[key] + self._static[key]
+        val = self._freq[key] + self._static[key]
+        if self.params.depth_prior:
+            b = self._bucket[key]
+            val += math.log2(self._prior_hit[b] / self._prior_ins[b])
+        return val
+
+    def _tick_prior(self) -> None:
+        self._prior_events += 1
+        if self._prior_events % PRIOR_DECAY_EVENTS == 0:
+            self._prior_ins = [max(x * 0.5, 1.0) for x in self._prior_ins]
+            self._prior_hit = [max(x * 0.5, 1.0) for x in self._prior_hit]
 
     # -- events -------------------------------------------------------------
     def on_insert(self, info: BlockInfo) -> None:
@@ -133,9 +152,19 @@ class AttentionPolicy(EvictionPolicy):
         if ghost is not None:
             self._freq[key] = ghost
         self._credit(key, p.insert_credit, now_h)
+        parent = info.parent
+        if p.inherit > 0 and parent is not None and parent in self._freq:
+            siblings = self._leaves.children.get(parent, 0) + 1
+            inherited = p.inherit * 2.0 ** (self._freq[parent] - now_h) / siblings
+            if math.log2(max(inherited, 1e-300)) + now_h > self._freq[key]:
+                self._freq[key] = math.log2(inherited) + now_h
         depth_tokens = info.depth * info.block_tokens
         cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens)
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
+        bucket = min(int(math.log2(1 + depth_tokens / 512)), 31)
+        self._bucket[key] = bucket
+        self._prior_ins[bucket] += 1
+        self._tick_prior()
         self._static[key] = self._cost[key] + self._attention_log(info.attention)
         own = self._own(key)
         self._leaves.add(key, info.parent, info.nbytes, "v", own)
@@ -150,6 +179,7 @@ class AttentionPolicy(EvictionPolicy):
             if key not in leaves:
                 continue
             self._credit(key, p.hit_credit, now_h)
+            self._prior_hit[self._bucket[key]] += 1
             top = max(top, self._own(key), leaves.prio[key])  # type: ignore[type-var]
             leaves.update(key, "v", top)
         if keys and keys[0] in leaves:
@@ -171,7 +201,7 @@ class AttentionPolicy(EvictionPolicy):
         if key not in self._leaves:
             return
         self._leaves.remove(key)
-        del self._static[key], self._cost[key]
+        del self._static[key], self._cost[key], self._bucket[key]
         self._ghost[key] = self._freq.pop(key)
         limit = int(self.params.ghost_factor * len(self._leaves))
         while len(self._ghost) > limit:

@@ -10,6 +10,10 @@ tokens it actually holds. The block hash is 16 bytes, `<QQ` of (id, j): equal
 prefixes give equal hashes, and a sub-block's parent is the previous one in
 the request, so the tree of the trace is preserved.
 
+`Tally.compute_hit_ratio` weights each hit by the prefill FLOPs it saves,
+tokens * (1 + context / ATTN_CONTEXT_TOKENS) with context the tokens before
+the block's middle: deep hits save more than shallow ones.
+
 The store-driving loop lives in tools/replay.py (tools may import kvstore;
 eviction/ may not).
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 TRACE_BLOCK_TOKENS = 512
+ATTN_CONTEXT_TOKENS = 32768  # same cost model as eviction/attention.py: attention FLOPs = linear FLOPs here
 _PACK = struct.Struct("<QQ").pack
 
 
@@ -92,6 +97,8 @@ class Tally:
     tokens: int = 0
     hit_tokens: int = 0
     rejected_blocks: int = 0
+    compute: float = 0.0
+    hit_compute: float = 0.0
     hits_by_tier: dict = field(default_factory=dict)
 
     def add(self, tokens: Sequence[int], hits: int, tiers: Iterable[str]) -> None:
@@ -100,6 +107,14 @@ class Tally:
         self.hit_blocks += hits
         self.tokens += sum(tokens)
         self.hit_tokens += sum(tokens[:hits])
+        before = 0
+        for i, n in enumerate(tokens):
+            # prefill FLOPs of the block's tokens, in units of one token's linear FLOPs
+            flops = n * (1.0 + (before + n / 2) / ATTN_CONTEXT_TOKENS)
+            self.compute += flops
+            if i < hits:
+                self.hit_compute += flops
+            before += n
         for t in tiers:
             self.hits_by_tier[t] = self.hits_by_tier.get(t, 0) + 1
 
@@ -113,6 +128,7 @@ class Tally:
             "hit_tokens": self.hit_tokens,
             "token_hit_ratio": self.hit_tokens / self.tokens if self.tokens else 0.0,
             "prefill_tokens_saved": self.hit_tokens,
+            "compute_hit_ratio": self.hit_compute / self.compute if self.compute else 0.0,
             "rejected_blocks": self.rejected_blocks,
             "hits_by_tier": dict(self.hits_by_tier),
         }

@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 def _line(r: dict) -> str:
     tiers = " ".join(f"{t}={n}" for t, n in r["hits_by_tier"].items()) or "-"
     return (f"{r['policy']:>9} cap={r['capacity_blocks']:>6}  hit={r['hit_ratio']:.4f}  "
-            f"token_hit={r['token_hit_ratio']:.4f}  saved_tokens={r['prefill_tokens_saved']}  hits[{tiers}]  "
+            f"token_hit={r['token_hit_ratio']:.4f}  compute_hit={r['compute_hit_ratio']:.4f}  saved_tokens={r['prefill_tokens_saved']}  hits[{tiers}]  "
             f"evictions={r['evictions']} demotions={r['demotions']} orphans={r['orphans']} "
             f"check={r['check_problems']}  {r['elapsed_s']:.1f}s")
 
