@@ -7,7 +7,7 @@ max_num_batched_tokens (optional), enable_prefix_caching (default true),
 kv_transfer_config (optional dict), speculative_config (optional dict), and
 runs: a list of {"prompts": [{"ids": [...]} | {"text": "..."}, optional
 "cache_salt"], "max_tokens": N, optional "wait_for_path": P, optional
-"signal_path": P}. Runs are generated one after another in the same engine;
+"signal_path": P, optional "reset_prefix_cache": true}. Runs are generated one after another in the same engine;
 before a run, `signal_path` is created and the runner waits (60 s at most)
 until `wait_for_path` exists. The last stdout line is
 `ENGINE_RESULT {json}`: per run the outputs (token ids, prompt length,
@@ -83,6 +83,8 @@ def main(spec_path: str) -> None:
             open(run["signal_path"], "w").close()
         if run.get("wait_for_path"):
             _wait_for(run["wait_for_path"])
+        if run.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=run.get("max_tokens", 16), ignore_eos=True)
         prompts = [_prompt(p) for p in run["prompts"]]
         t0 = time.perf_counter()

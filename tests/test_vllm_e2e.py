@@ -1,0 +1,208 @@
+"""End-to-end: real vLLM engines in separate processes share prefix KV through a real daemon.
+
+Model: SmolLM2-135M-Instruct (bf16, built locally by tools/build_models.py),
+block size 32. Prompt A = D + tail_a, prompt B = D + tail_b with |D| = 700
+tokens, so B can reuse 21 blocks (672 tokens) that engine A stored.
+
+Correctness baseline (see shared notes, "Compare against the right
+baseline"): an engine without the connector that serves A and then B, so B
+gets an in-engine prefix-cache hit split at the same token. In bf16 a one-shot
+cold prefill may differ from any split prefill; a split baseline does not.
+
+Engines run one at a time, each in its own process; engine B uses vLLM's
+default multiprocess engine (scheduler-side connector in EngineCore, worker
+side in the Worker process). The negative control corrupts the whole store,
+so it runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.vllm_helpers import (
+    build_model,
+    connector_config,
+    corpus_text,
+    engine_spec,
+    run_engine,
+    start_daemon,
+    tokenize,
+    vllm_available,
+)
+
+ok, why = vllm_available()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
+
+BS = 32
+DOC = 700
+EXPECTED_HIT = DOC // BS * BS  # 672
+MAX_TOKENS = 24
+COMMON = dict(dtype="bfloat16", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+class World:
+    """Shared state of the module: model, prompts, daemon, and engine results computed once."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.model = build_model("smollm2")
+        ids = tokenize(self.model, corpus_text(12000))
+        assert len(ids) > DOC + 600
+        self.doc = ids[:DOC]
+        self.a = self.doc + ids[DOC + 100 : DOC + 130]
+        self.b = self.doc + ids[DOC + 300 : DOC + 340]
+        self.s = ids[DOC + 400 : DOC + 800]  # for the cache_salt checks: 12 blocks reusable
+        # fresh tails for later engines (B's own full blocks are stored once engine B ran)
+        self.c1 = self.doc + ids[DOC + 900 : DOC + 930]
+        self.c2 = self.doc + ids[DOC + 1000 : DOC + 1030]
+        self.daemon = start_daemon(workdir)
+        self._cache: dict[str, object] = {}
+
+    def once(self, key: str, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def spec(self, runs, conn: bool, socket: str | None = None, **kw):
+        kvt = connector_config(socket or self.daemon.socket, **kw.pop("extra", {})) if conn else None
+        return engine_spec(self.model, runs, kv_transfer_config=kvt, **COMMON, **kw)
+
+    def run(self, runs, conn: bool, **kw):
+        multiprocess = kw.pop("multiprocess", False)
+        env_extra = kw.pop("env_extra", None)
+        return run_engine(self.spec(runs, conn, **kw), self.workdir, multiprocess=multiprocess, env_extra=env_extra)
+
+
+def one(prompt, max_tokens=MAX_TOKENS, salt=None, **kw):
+    p = {"ids": prompt}
+    if salt is not None:
+        p["cache_salt"] = salt
+    return {"prompts": [p], "max_tokens": max_tokens, **kw}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(str(tmp_path_factory.mktemp("vllm-e2e")))
+    yield w
+    w.daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(world):
+    """No connector, in-engine prefix cache: A, B (hit from A), S salted X (cold), S salted X again (hit),
+    C1 (hit from A)."""
+    return world.once("baseline", lambda: world.run(
+        [one(world.a), one(world.b), one(world.s, salt="X"), one(world.s, salt="X"), one(world.c1)], conn=False))
+
+
+@pytest.fixture(scope="module")
+def engine_a(world):
+    return world.once("a", lambda: world.run([one(world.a), one(world.s, salt="X")], conn=True))
+
+
+@pytest.fixture(scope="module")
+def engine_b(world, engine_a):
+    """Started after A, in vLLM's multiprocess mode: B, S salted Y, S salted X."""
+    return world.once("b", lambda: world.run(
+        [one(world.b), one(world.s, salt="Y"), one(world.s, salt="X")], conn=True, multiprocess=True))
+
+
+def test_second_engine_reuses_the_prefix_and_matches_the_baseline(world, engine_a, baseline, engine_b):
+    assert engine_a.cached(0) == 0
+    assert engine_a.tokens(0) == baseline.tokens(0)
+    assert baseline.cached(1) == EXPECTED_HIT  # the baseline really is split at the same token
+    assert engine_b.cached(0) == EXPECTED_HIT
+    assert engine_b.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT
+    assert engine_b.tokens(0) == baseline.tokens(1)
+
+
+def test_cache_salt_isolates_tenants(world, engine_b, baseline):
+    reusable = (len(world.s) - 1) // BS * BS
+    assert engine_b.cached(1) == 0  # salt Y never sees blocks stored under salt X
+    assert engine_b.tokens(1) == baseline.tokens(2)
+    assert engine_b.cached(2) == reusable  # same salt hits
+    assert engine_b.counter(2, "vllm:external_prefix_cache_hits") == EXPECTED_HIT + reusable
+    assert engine_b.tokens(2) == baseline.tokens(3)
+
+
+def test_async_load_path(world, engine_a, baseline):
+    r = world.run([one(world.c1)], conn=True, extra={"load_async": True})
+    assert r.cached(0) == EXPECTED_HIT
+    assert r.tokens(0) == baseline.tokens(4)
+
+
+def test_ngram_speculative_decoding(world, engine_a):
+    """Same namespace as plain decoding (no draft layers): B loads what engine A stored."""
+    base = world.run([one(world.a), one(world.c2)], conn=False, speculative_config=NGRAM)
+    r = world.run([one(world.c2)], conn=True, speculative_config=NGRAM)
+    assert r.cached(0) == EXPECTED_HIT
+    assert r.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT
+    assert r.tokens(0) == base.tokens(1)
+
+
+def test_draft_model_speculative_decoding(world):
+    """Draft layers are stored too; B's prompt continues A's spec-decoded output, so saved blocks
+    holding generated (verified) tokens are loaded and must be exact."""
+    draft = {"method": "draft_model", "model": world.model, "num_speculative_tokens": 3}
+    out_len = 64
+    a_run = world.run([one(world.a, max_tokens=out_len)], conn=True, speculative_config=draft)
+    out_a = a_run.tokens(0)
+    b_prompt = world.a + out_a + world.b[DOC:]
+    base = world.run([one(world.a, max_tokens=out_len), one(b_prompt)], conn=False, speculative_config=draft)
+    assert base.tokens(0) == out_a
+    b_run = world.run([one(b_prompt)], conn=True, speculative_config=draft)
+    expected = (len(world.a) + out_len - 1) // BS * BS  # full blocks of verified tokens A computed
+    assert base.cached(1) == expected
+    assert b_run.cached(0) == expected
+    assert b_run.tokens(0) == base.tokens(1)
+    accepted = b_run.counter(0, "vllm:spec_decode_num_accepted_tokens")
+    drafted = b_run.counter(0, "vllm:spec_decode_num_draft_tokens")
+    assert drafted > 0 and accepted / drafted > 0.5  # self-draft: restored draft KV keeps acceptance high
+
+
+def test_daemon_down_recomputes_warns_and_reconnects(world, baseline):
+    sock = os.path.join(world.workdir, "late.sock")
+    signal_path = os.path.join(world.workdir, "phase1.done")
+    started = {}
+
+    def start_later():
+        deadline = time.monotonic() + 240
+        while not os.path.exists(signal_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started["daemon"] = start_daemon(os.path.join(world.workdir), socket=sock)
+
+    t = threading.Thread(target=start_later, daemon=True)
+    t.start()
+    try:
+        r = world.run(
+            [one(world.a), one(world.b), one(world.s, signal_path=signal_path, wait_for_path=sock)],
+            conn=True, socket=sock, extra={"retry_s": 0.2},
+        )
+        t.join(timeout=60)
+        assert r.tokens(0) == baseline.tokens(0)
+        assert r.tokens(1) == baseline.tokens(1)
+        assert r.counter(1, "vllm:external_prefix_cache_hits") == 0
+        assert "kvstore: daemon unavailable" in r.stderr
+        late = started["daemon"]
+        with late.client() as c:
+            assert c.stats()["blocks"] > 0  # the engine reconnected and stored S
+        assert "is back" in r.stderr
+    finally:
+        if "daemon" in started:
+            started["daemon"].stop()
+
+
+def test_zz_corrupted_store_changes_the_output(world, engine_b, baseline):
+    """Negative control (runs last: it ruins the store): negate every stored KV value."""
+    with world.daemon.client() as c:
+        arena = c.arena.view(np.uint16)
+        np.bitwise_xor(arena, np.uint16(0x8000), out=arena)  # flips the sign of every bf16 value
+    r = world.run([one(world.b)], conn=True)
+    assert r.cached(0) >= EXPECTED_HIT  # B's own blocks are stored too by now
+    assert r.tokens(0) != baseline.tokens(1)
