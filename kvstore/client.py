@@ -196,6 +196,15 @@ class KVClient:
     def stats(self) -> dict:
         return self.call("stats")
 
+    def list_blocks(self, ns_id: str | None = None, limit: int = 100) -> tuple[list, int]:
+        """Up to `limit` rows [ns, hash, tier, depth, pins, committed, nbytes], and the total count."""
+        r = self.call("blocks", ns=ns_id, limit=limit)
+        return r["blocks"], r["total"]
+
+    def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
+        """Remove blocks and everything stored under them; pinned subtrees are left alone."""
+        return self.call("remove", ns=ns_id, hashes=list(hashes))["removed"]
+
     def ping(self) -> bool:
         return bool(self.call("ping")["pong"])
 

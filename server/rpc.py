@@ -54,6 +54,8 @@ class Handlers:
             "put": self.put,
             "get": self.get,
             "stats": self.stats,
+            "blocks": self.blocks,
+            "remove": self.remove,
         }
 
     async def dispatch(self, session: Session, op: str, args: dict) -> Any:
@@ -94,6 +96,28 @@ class Handlers:
 
     def stats(self, s: Session, args: dict) -> dict:
         return self.store.stats()
+
+    def blocks(self, s: Session, args: dict) -> dict:
+        """A listing for inspection tools: [ns, hash, tier, depth, pins, committed, nbytes] rows."""
+        ns = want(args, "ns", str, optional=True)
+        if ns is not None:
+            self.store.namespace(ns)
+        limit = want(args, "limit", int, optional=True) or 100
+        if not 0 < limit <= 100_000:
+            raise ProtocolError("limit must be in 1..100000")
+        rows, total = [], 0
+        for e in self.store.iter_entries():
+            if ns is not None and e.key[0] != ns:
+                continue
+            total += 1
+            if len(rows) < limit:
+                rows.append([e.key[0], e.key[1], e.tier, e.depth, e.pins, e.committed, e.nbytes])
+        return {"blocks": rows, "total": total}
+
+    def remove(self, s: Session, args: dict) -> dict:
+        """Remove blocks and their subtrees (skipping any subtree with a pinned or unfinished block)."""
+        ns = want(args, "ns", str)
+        return {"removed": self.store.remove(ns, want_hashes(args, self.max_batch))}
 
     # -- reads ----------------------------------------------------------------
     def lookup(self, s: Session, args: dict) -> dict:

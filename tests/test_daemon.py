@@ -186,3 +186,22 @@ def test_client_reconnects_after_daemon_restart(daemon_factory, tmp_path):
     with KVClient(d2.socket_path) as fresh:
         assert np.array_equal(fresh.get(ns, hs)[0], np.full(NS.block_bytes, 7, np.uint8))
     c.close()
+
+
+def test_ls_and_evict_cli(daemon):
+    hs, ps = chain(9, 3)
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(NS)
+        c.put(ns, [(h, p, np.ones(NS.block_bytes, np.uint8)) for h, p in zip(hs, ps)])
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "tools.cli", *a, "--socket", daemon.socket_path],  # noqa: E731
+                                    cwd=ROOT, capture_output=True, text=True, timeout=30)
+    listing = json.loads(cli("ls", "--json", "--ns", ns).stdout)
+    assert listing["total"] == 3
+    assert {b["hash"] for b in listing["blocks"]} == {h.hex() for h in hs}
+    assert sorted(b["depth"] for b in listing["blocks"]) == [0, 1, 2]
+    out = cli("evict", "--ns", ns, hs[1].hex())  # removes block 1 and its child
+    assert out.returncode == 0 and "removed 2 blocks" in out.stdout
+    with KVClient(daemon.socket_path) as c:
+        assert c.lookup(ns, hs).hits == 1
+    assert "1 of 1 blocks" in cli("ls").stdout
+    assert daemon.check() == []
