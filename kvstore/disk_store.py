@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import msgpack
-import numpy as np
 
 from eviction.base import BlockInfo, make_policy
 from kvstore.errors import CapacityError, NamespaceError

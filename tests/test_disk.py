@@ -18,7 +18,8 @@ import pytest
 from kvstore.disk_store import DiskSlot, DiskTieredStore, record_key
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
-from tiers.disk import DATA_FILE, DiskTier, PageAllocator
+from tiers.disk import DATA_FILE, DiskTier
+from tiers.disk_alloc import PageAllocator
 from tiers.host import HostArena
 
 BLOCK = 64 * 1024
