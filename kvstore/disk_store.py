@@ -398,8 +398,12 @@ class DiskTieredStore(TieredStore):
         """Drain (the SIGTERM path): write the host tier's blocks to disk (`persist_host`, as far as
         the disk policy makes room), finish the writes in flight, commit the index, close the files.
 
-        Call it when no client is connected any more (nothing pinned, nothing reserved).
+        Call it when no client is connected any more (nothing pinned, nothing reserved). The daemon
+        calls it from an executor thread while its loop still runs: promotions in flight finish first.
         """
+        deadline = time.monotonic() + 10
+        while self._promoting and time.monotonic() < deadline:
+            time.sleep(0.005)  # they complete on the loop thread, which is free while we wait here
         if persist_host:
             self._persist_host()
         self.disk.close()

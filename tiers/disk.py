@@ -439,7 +439,7 @@ class DiskTier:
             for run in np.split(free, breaks):
                 self._pwrite_all(memoryview(zeros)[: run.size * pb], int(run[0]) * pb)
         self.formatted_bytes = end * pb
-        if self.formatted_bytes >= self.capacity_bytes or self.formatted_bytes % (256 << 20) < chunk_bytes:
+        if self.formatted_bytes >= self.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
             self._save_formatted()
 
     def _save_formatted(self) -> None:
