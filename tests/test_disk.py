@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import uuid
 
@@ -488,6 +489,33 @@ def test_unaligned_block_size_round_trips_through_the_bounce_buffer(tmp_path):
         got = asyncio.run(store.prepare_read(entries, "r"))
         assert [store.host.read(e.location) for e in got] == [payload_for(h, ns.block_bytes) for h in hashes[:4]]
         store.release(ns_id, hashes[:4], "r")
+        assert store.check() == []
+    finally:
+        store.close()
+        host.close()
+
+
+def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
+    ns = Namespace("big", "bf16", 1, 1, 64, 16, 1200 * 4096)
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 2 * ns.block_bytes, 4096)
+    store = DiskTieredStore(host, DiskTier(str(tmp_path / "disk"), 4 * ns.block_bytes, page_bytes=PAGE))
+    try:
+        ns_id = store.register_namespace(ns)
+        hashes = [bytes([i]) * 16 for i in range(1, 4)]
+        for h in hashes:
+            (e,) = store.reserve(ns_id, [(h, None)], "w")
+            store.host.write(e.location, payload_for(h, ns.block_bytes))
+            store.commit(ns_id, [h], "w")
+        store.flush()
+        slot = store.entries[(ns_id, hashes[0])].location
+        assert store.disk.direct and not slot.pending
+        buf = mmap.mmap(-1, ns.block_bytes)
+        whole = np.frombuffer(buf, dtype=np.uint8)
+        dst = [whole[i * 4096 : (i + 1) * 4096] for i in range(1200)]  # 1200 iovecs > IOV_MAX (1024)
+        assert store.disk.read_block(slot.extents, ns.block_bytes, slot.known_checksum(), dst)
+        assert whole.tobytes() == payload_for(hashes[0], ns.block_bytes)
+        del dst, whole
+        buf.close()
         assert store.check() == []
     finally:
         store.close()

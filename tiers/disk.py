@@ -502,7 +502,11 @@ class DiskTier:
                     if segments[0].size == 0:
                         segments.pop(0)
                     need -= take
-                self._preadv_all(bufs, offset, length)
+                for i in range(0, len(bufs), 512):  # stay under IOV_MAX (1024)
+                    group = bufs[i : i + 512]
+                    span = sum(b.size for b in group)
+                    self._preadv_all(group, offset, span)
+                    offset += span
         else:
             bounce = self._bounce(round_up(nbytes))
             pos = 0
