@@ -10,6 +10,7 @@ import asyncio
 import logging
 import mmap
 import os
+import threading
 import uuid
 
 import msgpack
@@ -517,6 +518,32 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
         del dst, whole
         buf.close()
         assert store.check() == []
+    finally:
+        store.close()
+        host.close()
+
+
+def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
+    """Formatting a large file takes long; flush() (check(), close()) waits for one chunk at most."""
+    chunks = []
+
+    def slow_chunk(self):  # a formatter that would need thousands of chunks
+        chunks.append(1)
+        threading.Event().wait(0.002)
+        self.formatted_bytes += self.page_bytes
+
+    monkeypatch.setattr(DiskTier, "_format_chunk", slow_chunk)
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 4 * BLOCK, PAGE)
+    disk = DiskTier(str(tmp_path / "disk"), 4096 * PAGE, page_bytes=PAGE)
+    store = DiskTieredStore(host, disk)
+    try:
+        store.register_namespace(NS)
+        for _ in range(20):
+            before = len(chunks)
+            store.flush()
+            assert len(chunks) - before <= 1
+        assert store.check() == []
+        assert disk.formatted_bytes < disk.capacity_bytes
     finally:
         store.close()
         host.close()

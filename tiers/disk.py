@@ -341,7 +341,10 @@ class DiskTier:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._ops and not self._closing and self.formatted_bytes >= self.capacity_bytes:
+                # Format only when idle: not while writes are queued, nor while someone waits in flush().
+                while not self._ops and not self._closing and (
+                    self.formatted_bytes >= self.capacity_bytes or self._flushing
+                ):
                     self._cv.wait()
                 if not self._ops and self._closing:
                     self._save_formatted()
