@@ -544,6 +544,9 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
             assert len(chunks) - before <= 1
         assert store.check() == []
         assert disk.formatted_bytes < disk.capacity_bytes
+        formatted = disk.formatted_bytes
+        with disk._cv:  # and formatting resumes afterwards
+            assert disk._cv.wait_for(lambda: disk.formatted_bytes > formatted + 10 * PAGE, timeout=30)
     finally:
         store.close()
         host.close()

@@ -336,6 +336,7 @@ class DiskTier:
                     self._cv.wait()
             finally:
                 self._flushing -= 1
+                self._cv.notify_all()  # the writer may resume formatting
 
     # -- the writer thread ---------------------------------------------------
     def _run(self) -> None:
