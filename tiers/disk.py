@@ -394,9 +394,10 @@ class DiskTier:
         final: dict[bytes, tuple] = {}
         deleted: set[bytes] = set()
         namespaces: list[tuple] = []
+        warm = [op[1] for op in batch if op[0] == "warm"]
         for op in batch:
             if op[0] == "warm":
-                self.staging.prewarm(op[1])
+                pass
             elif op[0] == "ns":
                 namespaces.append(op)
             elif op[0] == "del":
@@ -429,6 +430,11 @@ class DiskTier:
                     rec = dict(job.record, e=job.extents, n=job.nbytes, x=job.checksum)
                     txn.put(job.key, msgpack.packb(rec))
         self.counters.batches += 1
+        for nbytes in warm:  # after the writes: they do not wait for it
+            try:
+                self.staging.prewarm(nbytes)
+            except (OSError, MemoryError) as exc:
+                log.warning("disk tier: staging buffers not prefaulted: %s", exc)
         return jobs
 
     def _format_chunk(self, chunk_bytes: int = 8 << 20) -> None:
