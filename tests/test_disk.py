@@ -10,6 +10,7 @@ import asyncio
 import logging
 import mmap
 import os
+import shutil
 import threading
 import uuid
 
@@ -550,3 +551,26 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
     finally:
         store.close()
         host.close()
+
+
+def test_tier_on_tmpfs_works_with_whatever_io_the_kernel_allows(caplog):
+    """/dev/shm is tmpfs: O_DIRECT where the kernel supports it there (>= 6.6), else buffered + reason."""
+    folder = f"/dev/shm/kvstore-test-disk-{uuid.uuid4().hex}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiers.disk"):
+            h = Harness(folder, host_blocks=4, disk_blocks=16)
+        try:
+            disk = h.store.disk
+            assert disk.direct or ("refuses O_DIRECT" in disk.direct_reason and disk.direct_reason in caplog.text)
+            chains = [chain(2, salt=s) for s in range(5)]
+            for c in chains:
+                h.put(c)
+            assert h.store.lookup(NS.id, chains[0]).tiers == ("disk", "disk")
+            assert h.get(chains[0]) == [payload_for(x) for x in chains[0]]
+            assert h.store.check() == []
+            h.reopen()
+            assert h.store.check() == []
+        finally:
+            h.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
