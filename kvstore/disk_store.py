@@ -157,8 +157,10 @@ class DiskTieredStore(TieredStore):
         for _, e in sorted(adopted, key=lambda t: t[0]):
             policy.on_insert(self._info(e))
         self.counters["disk_blocks_recovered"] = len(adopted)
-        if adopted or records:
-            log.info("disk tier: recovered %d blocks, dropped %d orphans", len(adopted), len(records))
+        d = self.disk
+        log.info("disk tier at %s: %d MiB in %d KiB pages, %s; recovered %d blocks, dropped %d orphans",
+                 d.path, d.capacity_bytes >> 20, d.page_bytes >> 10,
+                 "O_DIRECT" if d.direct else f"buffered I/O ({d.direct_reason})", len(adopted), len(records))
 
     def _info(self, e: Entry) -> BlockInfo:
         return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.namespaces[e.key[0]].block_tokens, e.attention)
