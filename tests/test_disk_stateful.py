@@ -1,4 +1,4 @@
-"""The Hypothesis store model (tests/test_store_stateful.py) run over DiskTieredStore.
+"""The Hypothesis store model (tests/test_store_stateful.py) run over DiskTieredStore, every policy.
 
 Same rules and invariants, with a disk tier under a 3-block host tier: reads
 promote, evictions demote, and a `restart` rule closes the store (persisting
@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
+from eviction.base import policy_names
 from kvstore.disk_store import DiskTieredStore
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
@@ -131,11 +132,12 @@ class DiskStoreMachine(StoreMachine):
         assert {k[1] for k, e in self.store.entries.items() if e.committed} == set(self.committed)
 
 
-def test_disk_store_against_model(tmp_path):
-    machine = type("DiskStoreMachine_lru", (DiskStoreMachine,), {"policy": "lru", "base": str(tmp_path)})
+@pytest.mark.parametrize("policy", [p for p in policy_names() if p != "belady"])
+def test_disk_store_against_model(tmp_path, policy):
+    machine = type(f"DiskStoreMachine_{policy}", (DiskStoreMachine,), {"policy": policy, "base": str(tmp_path)})
     runner = machine.TestCase
     runner.settings = settings(
-        max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "60")),
+        max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "60" if policy == "lru" else "15")),
         stateful_step_count=50,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
