@@ -348,7 +348,10 @@ class DiskTier:
                 ):
                     self._cv.wait()
                 if not self._ops and self._closing:
-                    self._save_formatted()
+                    try:
+                        self._save_formatted()
+                    except lmdb.Error as exc:
+                        log.warning("disk tier: formatting progress not saved: %s", exc)
                     return
                 # Deletions alone need no sync of their own (see _write_batch): gather them for a while.
                 deadline = time.monotonic() + self.delete_delay_s
@@ -371,7 +374,7 @@ class DiskTier:
             if not batch:
                 try:
                     self._format_chunk()
-                except OSError as exc:
+                except Exception as exc:  # OSError, lmdb.Error: never let the thread die
                     log.error("disk tier: formatting stopped: %s", exc)
                     self.formatted_bytes = self.capacity_bytes  # writes still work, only slower
             else:
