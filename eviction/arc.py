@@ -5,7 +5,9 @@ ghost lists B1/B2 remember keys recently evicted from each. Admitting a key
 found in B1 grows the target size `p` of T1, one found in B2 shrinks it; either
 goes to T2. A hit moves a block to the MRU end of T2. To make room, the LRU
 *leaf* of T1 goes when |T1| > p, else the LRU leaf of T2 (falling back to the
-other list when one has no evictable leaf).
+other list when one has no evictable leaf). Like every LeafQueues policy it
+names victims in eviction order and stops after one that exposes its parent
+as a new leaf (see `LeafQueues.pick`); the store asks again.
 
 Adaptations to the store's interface, documented because they differ from the
 paper: the capacity `c` is not known to a policy, so it is taken as the
@@ -19,7 +21,7 @@ Recency is a per-event tick; within a hit chain the tail is touched first.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
@@ -78,10 +80,11 @@ class ARCPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         self._c = max(self._c, len(self._leaves))
         first, second = ("t1", "t2") if self._leaves.count["t1"] > self._p else ("t2", "t1")
-        chosen = self._leaves.pick(first, n_bytes, evictable)
+        pending: Counter = Counter()
+        chosen = self._leaves.pick(first, n_bytes, evictable, pending=pending)
         freed = sum(self._leaves.nbytes[k] for k in chosen)
-        if freed < n_bytes:
-            chosen += self._leaves.pick(second, n_bytes - freed, evictable)
+        if not chosen:  # nothing evictable in the preferred list
+            chosen = self._leaves.pick(second, n_bytes - freed, evictable, pending=pending)
         return chosen or None
 
     def __contains__(self, key: Key) -> bool:

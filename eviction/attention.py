@@ -73,6 +73,7 @@ class AttentionParams:
     attention_weight: float = ATTENTION_WEIGHT
     ghost_factor: float = GHOST_FACTOR
     inherit: float = INHERIT
+    ghost_credit: float = INSERT_CREDIT
     depth_prior: bool = DEPTH_PRIOR
 
     def __post_init__(self) -> None:
@@ -151,7 +152,7 @@ class AttentionPolicy(EvictionPolicy):
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
             self._freq[key] = ghost
-        self._credit(key, p.insert_credit, now_h)
+        self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
         parent = info.parent
         if p.inherit > 0 and parent is not None and parent in self._freq:
             siblings = self._leaves.children.get(parent, 0) + 1

@@ -124,12 +124,21 @@ class LeafQueues:
         evictable: Callable[[Key], bool],
         exclude: frozenset | set = frozenset(),
         limit: int | None = None,
+        pending: Counter | None = None,
     ) -> list[Key]:
-        """The lowest-priority evictable leaves of `queue` covering `n_bytes` (fewer if it cannot)."""
+        """The lowest-priority evictable leaves of `queue` covering `n_bytes`, in eviction order.
+
+        Stops early, after a victim that is the last remaining child of a
+        tracked parent: once it is gone the parent is a leaf and may be the
+        better next victim, which only a fresh call can name (victims must be
+        evictable *now*). `pending` counts, per parent, children already named
+        by the caller in this round (it is updated).
+        """
         heap = self._heaps.get(queue)
         if not heap:
             return []
         token = self._token
+        pending = Counter() if pending is None else pending
         chosen: list[Key] = []
         held: list = []
         freed = 0
@@ -142,9 +151,19 @@ class LeafQueues:
             if key not in exclude and evictable(key):
                 chosen.append(key)
                 freed += self.nbytes[key]
+                if self.exposes_parent(key, pending):
+                    break
         for entry in held:
             heapq.heappush(heap, entry)
         return chosen
+
+    def exposes_parent(self, key: Key, pending: Counter) -> bool:
+        """Count `key` as named; true when that names the last child of a tracked parent."""
+        parent = self.parent.get(key)
+        if parent is None:
+            return False
+        pending[parent] += 1
+        return parent in self.queue and pending[parent] >= self.children.get(parent, 0)
 
     def peek_prio(self, queue: str, evictable: Callable[[Key], bool], exclude=frozenset()) -> object | None:
         """Priority of the lowest evictable leaf of `queue`, or None."""

@@ -20,7 +20,7 @@ changes only through `on_insert`/`on_remove`.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
@@ -69,6 +69,7 @@ class S3FIFOPolicy(EvictionPolicy):
         leaves, freq = self._leaves, self._freq
         chosen: list[Key] = []
         chosen_set: set = set()
+        pending: Counter = Counter()
         freed = small_chosen = 0
         budget = 4 * len(leaves) + 16  # every step moves or picks; freq bounds the moves
         while freed < n_bytes and budget > 0:
@@ -92,6 +93,8 @@ class S3FIFOPolicy(EvictionPolicy):
             freed += leaves.nbytes[key]
             if queue == "s":
                 small_chosen += leaves.nbytes[key]
+            if leaves.exposes_parent(key, pending):
+                break  # its parent is a leaf next; let the store ask again
         return chosen or None
 
     def __contains__(self, key: Key) -> bool:
