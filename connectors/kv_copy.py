@@ -88,18 +88,18 @@ class PagedKV:
     def save_block(self, block_id: int, flat: torch.Tensor) -> None:
         """Copy block `block_id` of every layer into `flat` (uint8, block_bytes, contiguous)."""
         if self._stacked is not None:
-            self._stacked_payload(flat).copy_(self._stacked[block_id])
+            _copy(self._stacked_payload(flat), self._stacked[block_id])
             return
         for view, dst in self._layer_slices(flat):
-            dst.copy_(view[block_id])
+            _copy(dst, view[block_id])
 
     def load_block(self, block_id: int, flat: torch.Tensor) -> None:
         """Overwrite block `block_id` of every layer with the payload in `flat`."""
         if self._stacked is not None:
-            self._stacked[block_id].copy_(self._stacked_payload(flat))
+            _copy(self._stacked[block_id], self._stacked_payload(flat))
             return
         for view, src in self._layer_slices(flat):
-            view[block_id].copy_(src)
+            _copy(view[block_id], src)
 
     # -- blocks <-> arena extents ------------------------------------------------
     def save_to_arena(self, arena: torch.Tensor, block_id: int, extents: Sequence[Sequence[int]]) -> None:
@@ -134,6 +134,20 @@ class PagedKV:
         blocks = view.index_select(0, idx).reshape(len(block_ids), heads, 2 * block_tokens, head2 // 2)
         keys = blocks[:, :, :block_tokens, :]  # [n, heads, tokens, head_dim]
         return keys.permute(0, 2, 1, 3).reshape(len(block_ids) * block_tokens, heads, head2 // 2)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return (t if t.element_size() == 1 else t.view(torch.uint8)).numpy()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src. On CPU through numpy: a single-threaded memcpy-like loop; torch's
+    copy_ fans out to the OpenMP pool, which is several times slower when the cores
+    are busy (measured 10x on a loaded 2-core box) and competes with the model's threads."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.stride(-1) == 1 and src.stride(-1) == 1:
+        np.copyto(_as_bytes(dst), _as_bytes(src))
+    else:
+        dst.copy_(src)
 
 
 def arena_tensor(arena: np.ndarray) -> torch.Tensor:

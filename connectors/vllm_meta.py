@@ -139,8 +139,10 @@ class SaveBatch:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     parents: list[bytes | None] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
 
-    def add(self, block_id: int, block_hash: bytes, parent: bytes | None) -> None:
+    def add(self, req_id: str, block_id: int, block_hash: bytes, parent: bytes | None) -> None:
+        self.req_ids.append(req_id)
         self.block_ids.append(block_id)
         self.hashes.append(block_hash)
         self.parents.append(parent)

@@ -203,11 +203,14 @@ class SchedulerSide:
             return
         hashes = st.hashes_upto(num_full, self.block_tokens)
         for i in range(st.num_saved, num_full):
-            saves.add(st.block_ids[i], hashes[i], hashes[i - 1] if i else None)
+            saves.add(st.request.request_id, st.block_ids[i], hashes[i], hashes[i - 1] if i else None)
         self.stats["save_blocks_offered"] += num_full - st.num_saved
         st.num_saved = num_full
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        invalid = getattr(output, "invalid_block_ids", None)
+        if invalid:
+            self._offer_again(invalid)
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
             return
@@ -217,6 +220,14 @@ class SchedulerSide:
                 del self._done_counts[step]
                 for pins in self._pins_by_step.pop(step, []):
                     self._release(pins)
+
+    def _offer_again(self, invalid_block_ids: set[int]) -> None:
+        """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving again."""
+        for st in self._reqs.values():
+            for i, block_id in enumerate(st.block_ids[: st.num_saved]):
+                if block_id in invalid_block_ids:
+                    st.num_saved = i
+                    break
 
     def _expire_pins(self) -> None:
         for step in [s for s in self._pins_by_step if s < self._step - PIN_TTL_STEPS]:

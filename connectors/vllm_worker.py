@@ -55,6 +55,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._finished_recving: set[str] = set()
         self._loads_done: dict[int, int] = {}
+        self._failed_reqs: tuple[int, set[str]] = (-1, set())  # (step, requests whose load failed in it)
 
     # -- setup ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -83,6 +84,7 @@ class WorkerSide:
     def start_load_kv(self, meta: StepMeta) -> None:
         if not meta.loads:
             return
+        self._failed_reqs = (meta.step, set())
         if self.kv is None:
             self._fail_all(meta.loads)
         else:
@@ -125,6 +127,7 @@ class WorkerSide:
     def _fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first, len(job.block_ids), why)
         self._failed_blocks.update(job.block_ids[first:])
+        self._failed_reqs[1].add(job.req_id)
 
     def _fail_all(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
@@ -135,6 +138,11 @@ class WorkerSide:
         saves = meta.saves
         if not len(saves) or self.kv is None:
             return
+        step, failed = self._failed_reqs
+        if step == meta.step and failed:
+            # a failed load left garbage in the request's blocks, and this step's forward
+            # attended to it: save none of that request's blocks (vLLM recomputes them)
+            saves = _without_requests(saves, failed)
         slots = self.link.run("reserve", lambda c: c.reserve(self.link.ns_ids[0], list(zip(saves.hashes, saves.parents))))
         arena = self._arena_view()
         if slots is None or arena is None:
@@ -190,3 +198,11 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.link.close()
+
+
+def _without_requests(saves: SaveBatch, req_ids: set[str]) -> SaveBatch:
+    kept = SaveBatch()
+    for r, b, h, p in zip(saves.req_ids, saves.block_ids, saves.hashes, saves.parents):
+        if r not in req_ids:
+            kept.add(r, b, h, p)
+    return kept

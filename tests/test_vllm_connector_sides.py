@@ -73,8 +73,10 @@ def run_step(sched: SchedulerSide, worker: WorkerSide, so) -> StepMeta:
     meta = sched.build_connector_meta(so)
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
+    invalid = worker.get_block_ids_with_load_errors()
     report = worker.build_worker_meta()
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=invalid))
+    meta.invalid = invalid
     return meta
 
 
@@ -179,7 +181,7 @@ def test_daemon_down_means_misses_and_load_errors_never_exceptions(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         assert sched.get_num_new_matched_tokens(request("a", tokens), 0) == (0, False)
         meta = StepMeta(step=0, loads=[LoadJob("a", [0, 1], hash_blocks(tokens, BT)[:2], True)])
-        meta.saves.add(2, b"h" * 16, None)
+        meta.saves.add("a", 2, b"h" * 16, None)
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
     assert worker.get_block_ids_with_load_errors() == {0, 1}
@@ -196,3 +198,38 @@ def test_block_size_mismatch_disables_the_worker(daemon, caplog):
         w.register_kv_caches(kv_tensors(8))
     assert w.kv is None
     assert any("disabled" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(sides, monkeypatch):
+    sched_a, make_worker = sides
+    worker_a, _ = make_worker(9)
+    tokens = list(range(500, 500 + 4 * BT + 3))
+    req = request("a", tokens)
+    sched_a.get_num_new_matched_tokens(req, 0)
+    sched_a.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    run_step(sched_a, worker_a, sched_output(new=[("a", [0, 1, 2, 3, 4], 0)], scheduled={"a": len(tokens)}))
+    stored = sched_a.link.client().stats()["blocks"]
+
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    longer = tokens[: 4 * BT] + list(range(9000, 9000 + 3 * BT))  # 4 shared blocks, 3 new full blocks
+    req_b = request("b", longer)
+    num, _ = sched_b.get_num_new_matched_tokens(req_b, 0)
+    assert num == 4 * BT
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    sched_b.update_state_after_alloc(req_b, blocks(ids), num)
+    real = worker_b.kv.load_from_arena
+    calls = []
+
+    def flaky(arena, block_id, extents):
+        calls.append(block_id)
+        if len(calls) == 2:
+            raise RuntimeError("injected copy failure")
+        real(arena, block_id, extents)
+
+    monkeypatch.setattr(worker_b.kv, "load_from_arena", flaky)
+    meta = run_step(sched_b, worker_b, sched_output(new=[("b", ids, num)], scheduled={"b": len(longer) - num}))
+    assert meta.invalid == {6, 7, 8}  # the failed block and the rest of the load
+    assert len(meta.saves) == 7  # the step offered the new blocks ...
+    assert sched_b.link.client().stats()["blocks"] == stored  # ... but none were stored
+    assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
