@@ -1,14 +1,21 @@
 """Leaf-first LRU.
 
-Recency is kept tail-first: a hit on a chain touches the deepest block first
-and the root last, and an insert refreshes the parent, so ancestors tend to be
-newer than their descendants and the oldest entry is usually a leaf.
+Every hit on a chain is a hit on all its ancestors, so under true LRU a parent
+is never older than its newest child. Hits keep that order (`on_access`
+touches the deepest block first and the root last) and an insert refreshes
+the parent. A chain written root-first over many steps still leaves old
+ancestors at the LRU end, though, and a scan would pass them again and again.
 
-A chain written root-first over many steps still leaves old ancestors at the
-LRU end. The scan moves every entry it has to skip (a non-leaf, or a pinned
-block: both are in use by something newer) to the MRU end, in reverse scan
-order, so a chain ends up deepest-first and each key is skipped about once:
-eviction stays amortised O(1) instead of rescanning the chain on every call.
+So a scan *parks* every entry it cannot evict now (a block with resident
+children, or a pinned one) instead of rescanning it. When a parked block's
+child is removed, the block becomes a candidate again at the LRU end: under
+LRU its recency is that of its newest child, and that child was just evicted
+as the oldest leaf. A hit moves a parked block back to the MRU end. Parked
+blocks are scanned last, when the candidates alone cannot free enough (this is
+how a block that was parked while pinned is found again after its release).
+A scan stops after a victim whose parent is parked, since that parent may be
+the next victim. Each key is thus scanned about once per eviction of one of its children:
+eviction is amortised O(1) even for chains of thousands of blocks.
 """
 
 from __future__ import annotations
@@ -24,44 +31,63 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, clock=None, **kwargs) -> None:
         super().__init__(**({"clock": clock} if clock else {}))
-        self._order: OrderedDict[Key, int] = OrderedDict()  # key -> nbytes, oldest first
+        self._order: OrderedDict[Key, int] = OrderedDict()  # candidates: key -> nbytes, oldest first
+        self._parked: OrderedDict[Key, int] = OrderedDict()  # found not evictable, in parking order
+        self._parent: dict[Key, Key | None] = {}
 
     def on_insert(self, info: BlockInfo) -> None:
+        self._parent[info.key] = info.parent
         self._order[info.key] = info.nbytes
-        self._order.move_to_end(info.key)
-        if info.parent is not None and info.parent in self._order:
-            self._order.move_to_end(info.parent)
+        self._touch(info.parent)
 
     def on_access(self, keys: Sequence[Key]) -> None:
-        order = self._order
         for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
+            self._touch(key)
+
+    def _touch(self, key: Key | None) -> None:
+        if key in self._parked:
+            self._order[key] = self._parked.pop(key)
+        elif key in self._order:
+            self._order.move_to_end(key)
 
     def on_remove(self, key: Key) -> None:
         self._order.pop(key, None)
+        self._parked.pop(key, None)
+        parent = self._parent.pop(key, None)
+        if parent in self._parked:
+            self._order[parent] = self._parked.pop(parent)
+            self._order.move_to_end(parent, last=False)
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         chosen: list[Key] = []
-        skipped: list[Key] = []
         freed = 0
+        parked: list[Key] = []
+        exhausted = True
         for key, nbytes in self._order.items():
             if evictable(key):
                 chosen.append(key)
                 freed += nbytes
-                if freed >= n_bytes:
+                if freed >= n_bytes or self._parent.get(key) in self._parked:
+                    exhausted = False  # enough, or its removal may expose its parent, which then comes first
                     break
             else:
-                skipped.append(key)
-        for key in reversed(skipped):
-            self._order.move_to_end(key)
+                parked.append(key)
+        for key in parked:
+            self._parked[key] = self._order.pop(key)
+        if exhausted and freed < n_bytes:
+            for key, nbytes in self._parked.items():
+                if evictable(key):
+                    chosen.append(key)
+                    freed += nbytes
+                    if freed >= n_bytes:
+                        break
         return chosen or None
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._order
+        return key in self._order or key in self._parked
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._parked)
 
 
 register_policy("lru", LRUPolicy)
