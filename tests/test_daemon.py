@@ -205,3 +205,12 @@ def test_ls_and_evict_cli(daemon):
         assert c.lookup(ns, hs).hits == 1
     assert "1 of 1 blocks" in cli("ls").stdout
     assert daemon.check() == []
+
+
+def test_arena_and_socket_are_private_to_the_user(daemon):
+    with KVClient(daemon.socket_path) as c:
+        arena = c.server_info["arena_path"]
+        assert arena.startswith("/dev/shm/")
+        assert os.stat(arena).st_mode & 0o777 == 0o600
+        assert c.server_info["arena_bytes"] == 64 << 20  # the configured budget, whole pages
+    assert os.stat(daemon.socket_path).st_mode & 0o777 == 0o600
