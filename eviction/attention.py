@@ -5,38 +5,46 @@ Value of block b at time t (higher = keep):
     U_b(t) = F_b(t) * C_b / S_b * W_b
 
 - F_b, reuse: an LRFU-style decayed hit count. Each hit of a chain credits
-  every matched block 1 (`HIT_CREDIT`); a commit credits the new block
-  `INSERT_CREDIT` (most blocks are referenced once, so a first touch is worth
-  less than a hit); between events F decays as 2^(-dt / HALF_LIFE_S).
-- C_b, recompute cost the block saves: tokens * (1 + depth_tokens /
-  ATTN_CONTEXT_TOKENS), i.e. tokens*(c_lin + c_attn*depth_tokens) with
-  c_lin = 1 and c_attn = 1/ATTN_CONTEXT_TOKENS: the context length at which a
-  token's attention FLOPs equal its linear FLOPs (~4*L*d vs ~2*N per token
-  for a Llama-8B shape gives ~30k; we use 32768).
+  every matched block `HIT_CREDIT` = 1; a commit credits a new block
+  `INSERT_CREDIT` = 0.5 (most blocks are referenced once, so a first touch is
+  worth less than a hit); between events F decays as 2^(-dt / HALF_LIFE_S),
+  HALF_LIFE_S = 240 s.
+- History: a block dropped from the tier leaves its F in a ghost table of at
+  most `GHOST_FACTOR` = 4 x (resident blocks) entries, oldest dropped first. A
+  block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
+  (coming back after eviction is a hit the cache missed: ARC/LRFU history).
+- C_b, the recompute cost the block saves, tokens * (1 + depth_tokens /
+  ATTN_CONTEXT_TOKENS)^DEPTH_WEIGHT. tokens*(1 + depth/L) is
+  tokens*(c_lin + c_attn*depth) with c_lin = 1, c_attn = 1/L, where
+  L = ATTN_CONTEXT_TOKENS = 32768 is the context at which a token's attention
+  FLOPs (~4*layers*d_model per context token) equal its linear FLOPs
+  (~2*params): ~30k for a Llama-8B shape. DEPTH_WEIGHT = 0.25 damps the depth
+  factor: at full weight it lost hit ratio *and* compute saved on the Mooncake
+  conversation trace, where long chains are reused less often (see
+  docs/benchmarks.md, "Eviction replay").
 - S_b, its size in bytes.
-- W_b, the attention term: 1 + ATTENTION_WEIGHT * (2*A_b - 1), with A_b the
-  engine's estimate clamped to [0, 1] (see `block_key_norm_score`); an absent
-  estimate counts as A_b = 0.5, so W_b = 1 and the term is neutral. It is
-  bounded to [1 - w, 1 + w]: a noisy signal can reorder blocks whose values
-  are within that factor, never more.
-- History: a block dropped from the tier leaves its F behind in a ghost table
-  (at most as many entries as resident blocks, oldest dropped first); a block
-  re-admitted from the ghost table resumes that decayed F (ARC/LRFU history),
-  so a chain that keeps coming back earns its place.
+- W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
+  clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
+  means W_b = 1. w_eff = ATTENTION_WEIGHT * g with ATTENTION_WEIGHT = 0.2 and
+  g in [0, 1] a gate learned online: among blocks that came with an estimate,
+  the share hit at least once while resident is counted separately for
+  A >= 0.5 and A < 0.5, and g = (r_hi - r_lo) / (r_hi + r_lo), clipped to
+  [0, 1], and 0 until each side has GATE_MIN_BLOCKS = 1000 blocks (counts are
+  halved every GATE_HALVING = 65536 estimates). A signal that does not predict
+  reuse (noise) keeps g near 0, so the policy is its no-attention self; a
+  predictive one opens the gate. W_b stays within [1 - 0.2, 1 + 0.2].
 
-Tree rule: V_b = max(U_b, V_c for every child c the policy has seen) and is
-kept when the children leave, so a prefix is worth at least its best
-continuation. Hits and inserts raise ancestors until nothing changes. Only
-leaves are victims (the store enforces it; the candidate heap holds leaves
-only); among them the lowest V goes.
+Tree rule: V_b = max(U_b, V_c for every child c the policy has seen), kept
+when children leave, so a prefix is worth at least its best continuation.
+Hits and inserts raise ancestors until nothing changes. Only leaves are
+victims (the store enforces it; the candidate heap holds leaves only); among
+them the lowest V goes, and an answer stops after a victim that exposes its
+parent as a new leaf (`LeafQueues.pick`).
 
 All blocks decay at the same rate, so the order of two blocks changes only
-when one of them is touched. The heap therefore stores time-free keys in the
-log domain, log2 V + t / HALF_LIFE_S, and never needs re-sorting.
-
-Constants (fixed; how they were chosen is in docs/benchmarks.md):
-HALF_LIFE_S, INSERT_CREDIT, HIT_CREDIT, ATTN_CONTEXT_TOKENS, ATTENTION_WEIGHT,
-GHOST_FACTOR (ghost table size relative to resident blocks).
+when one of them is touched: the heap holds time-free log keys,
+log2 V + t / HALF_LIFE_S, and never needs re-sorting. Events are O(log n)
+plus the length of the chain they touch.
 """
 
 from __future__ import annotations
@@ -51,15 +59,16 @@ import numpy as np
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from eviction.lfu import LeafQueues
 
-HALF_LIFE_S = 600.0
+HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5
 HIT_CREDIT = 1.0
+GHOST_CREDIT = 1.0
+GHOST_FACTOR = 4.0
 ATTN_CONTEXT_TOKENS = 32768
+DEPTH_WEIGHT = 0.25
 ATTENTION_WEIGHT = 0.2
-GHOST_FACTOR = 1.0
-INHERIT = 0.0
-DEPTH_PRIOR = True
-PRIOR_DECAY_EVENTS = 20000
+GATE_MIN_BLOCKS = 1000
+GATE_HALVING = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +78,45 @@ class AttentionParams:
     half_life_s: float = HALF_LIFE_S
     insert_credit: float = INSERT_CREDIT
     hit_credit: float = HIT_CREDIT
-    attn_context_tokens: float = ATTN_CONTEXT_TOKENS
-    attention_weight: float = ATTENTION_WEIGHT
+    ghost_credit: float = GHOST_CREDIT
     ghost_factor: float = GHOST_FACTOR
-    inherit: float = INHERIT
-    ghost_credit: float = INSERT_CREDIT
-    depth_prior: bool = DEPTH_PRIOR
+    attn_context_tokens: float = ATTN_CONTEXT_TOKENS
+    depth_weight: float = DEPTH_WEIGHT
+    attention_weight: float = ATTENTION_WEIGHT
+    gate: bool = True  # False: always the full ATTENTION_WEIGHT (for experiments)
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or self.attn_context_tokens <= 0:
             raise ValueError("half_life_s and attn_context_tokens must be positive")
         if not 0 <= self.attention_weight < 1:
             raise ValueError("attention_weight must be in [0, 1): the attention term must stay positive")
-        if self.insert_credit <= 0 or self.hit_credit <= 0 or self.ghost_factor < 0:
+        if min(self.insert_credit, self.hit_credit, self.ghost_credit) <= 0 or self.ghost_factor < 0:
             raise ValueError("credits must be positive and ghost_factor non-negative")
+        if self.depth_weight < 0:
+            raise ValueError("depth_weight must be non-negative")
+
+
+class AttentionGate:
+    """Does the attention estimate predict reuse? g in [0, 1], learned from hits."""
+
+    def __init__(self) -> None:
+        self.blocks = [0.0, 0.0]  # blocks with an estimate: [A < 0.5, A >= 0.5]
+        self.hit = [0.0, 0.0]  # of those, blocks hit at least once while resident
+        self._seen = 0
+
+    def admit(self) -> None:
+        self._seen += 1
+        if self._seen % GATE_HALVING == 0:
+            self.blocks = [x / 2 for x in self.blocks]
+            self.hit = [x / 2 for x in self.hit]
+
+    def value(self) -> float:
+        if min(self.blocks) < GATE_MIN_BLOCKS:
+            return 0.0
+        r_lo, r_hi = self.hit[0] / self.blocks[0], self.hit[1] / self.blocks[1]
+        if r_hi + r_lo <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (r_hi - r_lo) / (r_hi + r_lo)))
 
 
 class AttentionPolicy(EvictionPolicy):
@@ -91,24 +125,19 @@ class AttentionPolicy(EvictionPolicy):
     def __init__(self, clock=None, params: AttentionParams = AttentionParams(), **kwargs) -> None:
         super().__init__(**({"clock": clock} if clock else {}))
         self.params = params
+        self.gate = AttentionGate()
         self._leaves = LeafQueues()
         self._freq: dict[Key, float] = {}  # log2 F_b + t_b / h (time-free)
-        self._static: dict[Key, float] = {}  # log2 (C_b / S_b * W_b)
         self._cost: dict[Key, float] = {}  # log2 (C_b / S_b)
+        self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
+        self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         self._ghost: OrderedDict[Key, float] = OrderedDict()
-        self._bucket: dict[Key, int] = {}
-        self._prior_ins = [1.0] * 32
-        self._prior_hit = [1.0] * 32
-        self._prior_events = 0
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
         """F_b <- F_b * 2^(-dt/h) + credit, in the time-free log domain."""
         old = self._freq.get(key)
-        if old is None:
-            self._freq[key] = math.log2(credit) + now_h
-            return
-        decayed = old - now_h  # log2 of F_b now
+        decayed = -math.inf if old is None else old - now_h  # log2 of F_b now
         if decayed < -60:
             self._freq[key] = math.log2(credit) + now_h
         else:
@@ -118,31 +147,29 @@ class AttentionPolicy(EvictionPolicy):
         """Time-free log value log2 V_b + t/h (compare only against each other)."""
         return self._leaves.prio[key]  # type: ignore[return-value]
 
+    def attention_weight(self) -> float:
+        """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
+        return self.params.attention_weight * (self.gate.value() if self.params.gate else 1.0)
+
+    def _own(self, key: Key) -> float:
+        val = self._freq[key] + self._cost[key]
+        a = self._att.get(key)
+        if a is not None:
+            val += math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
+        return val
+
     def _raise(self, key: Key, val: float) -> None:
-        """Set key's value to at least `val` (its own U) and lift ancestors to keep parent >= child."""
+        """Set key's value to at least `val` and lift ancestors to keep parent >= child."""
         leaves = self._leaves
         prio = leaves.prio
         cur = prio.get(key, -math.inf)
-        if val > cur:
+        if val > cur:  # type: ignore[operator]
             leaves.update(key, "v", val)
-        top = max(val, cur)
+        top = max(val, cur)  # type: ignore[type-var]
         parent = leaves.parent.get(key)
         while parent is not None and parent in prio and prio[parent] < top:  # type: ignore[operator]
             leaves.update(parent, "v", top)
             parent = leaves.parent.get(parent)
-
-    def _own(self, key: Key) -> float:
-        val = self._freq[key] + self._static[key]
-        if self.params.depth_prior:
-            b = self._bucket[key]
-            val += math.log2(self._prior_hit[b] / self._prior_ins[b])
-        return val
-
-    def _tick_prior(self) -> None:
-        self._prior_events += 1
-        if self._prior_events % PRIOR_DECAY_EVENTS == 0:
-            self._prior_ins = [max(x * 0.5, 1.0) for x in self._prior_ins]
-            self._prior_hit = [max(x * 0.5, 1.0) for x in self._prior_hit]
 
     # -- events -------------------------------------------------------------
     def on_insert(self, info: BlockInfo) -> None:
@@ -153,23 +180,13 @@ class AttentionPolicy(EvictionPolicy):
         if ghost is not None:
             self._freq[key] = ghost
         self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
-        parent = info.parent
-        if p.inherit > 0 and parent is not None and parent in self._freq:
-            siblings = self._leaves.children.get(parent, 0) + 1
-            inherited = p.inherit * 2.0 ** (self._freq[parent] - now_h) / siblings
-            if math.log2(max(inherited, 1e-300)) + now_h > self._freq[key]:
-                self._freq[key] = math.log2(inherited) + now_h
         depth_tokens = info.depth * info.block_tokens
-        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens)
+        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
-        bucket = min(int(math.log2(1 + depth_tokens / 512)), 31)
-        self._bucket[key] = bucket
-        self._prior_ins[bucket] += 1
-        self._tick_prior()
-        self._static[key] = self._cost[key] + self._attention_log(info.attention)
-        own = self._own(key)
-        self._leaves.add(key, info.parent, info.nbytes, "v", own)
-        self._raise(key, own)
+        self._leaves.add(key, info.parent, info.nbytes, "v", -math.inf)
+        if info.attention is not None:
+            self._set_attention(key, info.attention)
+        self._raise(key, self._own(key))
 
     def on_access(self, keys: Sequence[Key]) -> None:
         p = self.params
@@ -179,8 +196,10 @@ class AttentionPolicy(EvictionPolicy):
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in leaves:
                 continue
+            if key in self._unhit:
+                self._unhit.discard(key)
+                self.gate.hit[self._att[key] >= 0.5] += 1
             self._credit(key, p.hit_credit, now_h)
-            self._prior_hit[self._bucket[key]] += 1
             top = max(top, self._own(key), leaves.prio[key])  # type: ignore[type-var]
             leaves.update(key, "v", top)
         if keys and keys[0] in leaves:
@@ -189,20 +208,30 @@ class AttentionPolicy(EvictionPolicy):
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
             return
-        self._static[key] = self._cost[key] + self._attention_log(attention)
+        self._set_attention(key, attention)
         self._raise(key, self._own(key))
 
-    def _attention_log(self, attention: float | None) -> float:
-        if attention is None or not math.isfinite(attention):
-            return 0.0
-        a = min(1.0, max(0.0, float(attention)))
-        return math.log2(1.0 + self.params.attention_weight * (2.0 * a - 1.0))
+    def _set_attention(self, key: Key, attention: float) -> None:
+        try:
+            a = float(attention)
+        except (TypeError, ValueError):
+            return
+        if not math.isfinite(a):
+            return
+        a = min(1.0, max(0.0, a))
+        if key not in self._att:  # first estimate for this residency: count it for the gate
+            self.gate.blocks[a >= 0.5] += 1
+            self.gate.admit()
+            self._unhit.add(key)
+        self._att[key] = a
 
     def on_remove(self, key: Key) -> None:
         if key not in self._leaves:
             return
         self._leaves.remove(key)
-        del self._static[key], self._cost[key], self._bucket[key]
+        del self._cost[key]
+        self._att.pop(key, None)
+        self._unhit.discard(key)
         self._ghost[key] = self._freq.pop(key)
         limit = int(self.params.ghost_factor * len(self._leaves))
         while len(self._ghost) > limit:

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from eviction.attention import AttentionPolicy, block_key_norm_score
+from eviction.attention import AttentionParams, AttentionPolicy, block_key_norm_score
 from eviction.base import BlockInfo, make_policy, policy_names
 from eviction.belady import BeladyPolicy
 from kvstore.errors import CapacityError
@@ -203,7 +203,7 @@ def test_attention_values_are_monotone_along_chains():
 
 def test_attention_hits_and_attention_raise_value():
     clock = FakeClock()
-    p = AttentionPolicy(clock=clock)
+    p = AttentionPolicy(clock=clock, params=AttentionParams(gate=False))
     for k in "abc":
         p.on_insert(BlockInfo(k, None, 0, 100, 16))
     p.on_access(["b"])
@@ -211,6 +211,28 @@ def test_attention_hits_and_attention_raise_value():
     p.on_feedback("a", 1.0)
     p.on_feedback("c", 0.0)
     assert p.victims(100, lambda k: True) == ["c"]
+
+
+def _gate_after(signal) -> float:
+    """Feed 6000 blocks whose reuse is decided by `reused(i)`; return the learned gate."""
+    rng = random.Random(3)
+    clock = FakeClock()
+    p = AttentionPolicy(clock=clock)
+    for i in range(6000):
+        reused = rng.random() < 0.3
+        p.on_insert(BlockInfo(i, None, 0, 100, 16, attention=signal(reused, rng)))
+        if reused:
+            p.on_access([i])
+    return p.gate.value()
+
+
+def test_attention_gate_opens_for_a_predictive_signal_and_stays_shut_for_noise():
+    assert _gate_after(lambda reused, rng: 0.9 if reused else 0.1) > 0.9
+    assert _gate_after(lambda reused, rng: rng.random()) < 0.1
+    assert _gate_after(lambda reused, rng: 0.1 if reused else 0.9) == 0.0  # anti-predictive: neutral
+    p = AttentionPolicy(clock=FakeClock())
+    p.on_insert(BlockInfo("x", None, 0, 100, 16, attention=1.0))
+    assert p.gate.value() == 0.0  # too few samples: neutral
 
 
 def test_key_norm_score_prefers_low_norm_blocks():
@@ -349,3 +371,21 @@ def test_store_random_workload_stays_consistent(name, make_store):
     assert store.check() == [] and no_orphans(store)
     assert hits > 0
     assert store.host.used_bytes <= store.host.capacity_bytes
+
+
+@pytest.mark.parametrize("name", ["lfu", "arc", "s3fifo", "attention", "belady"])
+def test_victims_stop_after_exposing_a_parent(name):
+    """Only current leaves may be named; once a victim's parent would become a leaf, the answer ends."""
+    clock = FakeClock()
+    p = build(name, clock, {"d": [5], "e": [6]})  # a, b, c are never used again
+    for key, parent, depth in [("a", None, 0), ("b", "a", 1), ("c", "b", 2), ("d", None, 0), ("e", None, 0)]:
+        p.on_insert(info(key, parent, depth))
+    clock.now = 1
+    p.on_access(["d"]); p.on_access(["e"]); p.on_access(["d"]); p.on_access(["e"])
+    leaves = {"c", "d", "e"}
+    got = p.victims(300, lambda k: k in leaves)
+    assert got is not None and set(got) <= leaves
+    if "c" in got:
+        assert got[-1] == "c"  # nothing named after the victim that exposes b
+    if name in ("lfu", "attention", "belady"):
+        assert got == ["c"]

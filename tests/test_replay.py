@@ -107,3 +107,14 @@ def test_replay_tiny_trace_counts_hits(tmp_path, capsys):
         assert doc["hit_blocks"] == 5 and doc["blocks"] == 10, policy  # 2 + 3 hits, nothing evicted
         assert doc["hit_tokens"] == 2 * 512 + 1100 and doc["orphans"] == 0
     assert read_trace(str(trace), limit=2)[1].hash_ids == (1, 2, 4, 5)
+
+
+@needs_trace
+def test_random_attention_does_not_hurt_the_attention_policy(capsys):
+    """Noise as the attention signal: the gate keeps the policy at its no-attention hit ratio."""
+    ratios = {}
+    for mode in ("none", "random"):
+        assert cli.main(["replay", TRACE, "--limit", "300", "--policy", "attention", "--capacity-blocks", "400",
+                         "--attention", mode, "--block-tokens", "256", "--json"]) == 0
+        ratios[mode] = json.loads(capsys.readouterr().out)["hit_ratio"]
+    assert ratios["random"] >= ratios["none"] - 0.002, ratios

@@ -8,11 +8,13 @@ candidate per-block signals:
 
 - `keynorm`: `eviction.attention.block_key_norm_score` over all layers'
   post-RoPE keys (what the connector can compute in `save_kv_layer`);
+  `keynorm_late` the same over the second half of the layers only;
+  `keynorm_raw` the plain mean of -||k|| (no per-head rank normalisation);
 - `window`: mean attention from the document's own last 16 tokens (SnapKV's
   observation window; needs queries, so a connector cannot get it without an
   engine hook; shown for comparison);
 - `position`: earlier blocks first (a sink/prefix prior);
-- `random`: a seeded uniform score (the floor).
+- `random`: seeded uniform scores, metrics averaged over 20 draws (the floor).
 
 Ground truth: several different follow-up questions are run on top of the
 cached document (`past_key_values`, eager attention, `output_attentions`),
@@ -52,6 +54,7 @@ QUESTIONS = (
     "\n\nQuestion: How are copyright notices to be kept in copies? Answer:",
 )
 WINDOW = 16
+RANDOM_DRAWS = 20
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -94,6 +97,17 @@ def attention_mass(attentions, doc_len: int) -> np.ndarray:
     return total / len(attentions)
 
 
+def _metrics(sig: np.ndarray, truth: np.ndarray, truths: list) -> dict:
+    per_q = [spearman(sig[1:], t[1:]) for t in truths]
+    return {
+        "spearman": spearman(sig, truth),
+        "spearman_no_sink": spearman(sig[1:], truth[1:]),
+        "spearman_no_sink_per_question": float(np.mean(per_q)),
+        "recall20": recall_at_k(sig, truth),
+        "recall20_no_sink": recall_at_k(sig[1:], truth[1:]),
+    }
+
+
 def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: int, seed: int) -> dict:
     import torch
 
@@ -106,12 +120,17 @@ def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: i
         tail = model(ids[:, -WINDOW:], past_key_values=head.past_key_values, use_cache=True, output_attentions=True)
         cache = tail.past_key_values
         keys = cached_keys(cache)[:, :doc_len]
+        half = keys.shape[0] // 2
+        raw = -np.linalg.norm(keys, axis=-1).mean(axis=(0, 2))  # [tokens], no per-head rank normalisation
         signals = {
             "keynorm": block_key_norm_score(keys, block_tokens),
+            "keynorm_late": block_key_norm_score(keys[half:], block_tokens),
+            "keynorm_raw": raw.reshape(num_blocks, block_tokens).mean(axis=1),
             "window": block_sums(attention_mass(tail.attentions, doc_len), block_tokens),
             "position": -np.arange(num_blocks, dtype=float),
-            "random": np.random.default_rng(seed).random(num_blocks),
         }
+        rng = np.random.default_rng(seed)
+        randoms = [rng.random(num_blocks) for _ in range(RANDOM_DRAWS)]
         truths = []
         for q in QUESTIONS:
             q_ids = tokenizer(q, return_tensors="pt", add_special_tokens=False).input_ids
@@ -120,14 +139,9 @@ def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: i
     truth = np.mean(truths, axis=0)
     result: dict = {"tokens": int(doc_len), "blocks": int(num_blocks), "sink_share": float(truth[0] / truth.sum())}
     for name, sig in signals.items():
-        per_q = [spearman(sig[1:], t[1:]) for t in truths]
-        result[name] = {
-            "spearman": spearman(sig, truth),
-            "spearman_no_sink": spearman(sig[1:], truth[1:]),
-            "spearman_no_sink_per_question": float(np.mean(per_q)),
-            "recall20": recall_at_k(sig, truth),
-            "recall20_no_sink": recall_at_k(sig[1:], truth[1:]),
-        }
+        result[name] = _metrics(sig, truth, truths)
+    draws = [_metrics(r, truth, truths) for r in randoms]
+    result["random"] = {m: float(np.mean([d[m] for d in draws])) for m in draws[0]}
     # How much do different questions agree with each other (a ceiling for any query-agnostic signal)?
     pairs = [spearman(truths[i][1:], truths[j][1:]) for i in range(len(truths)) for j in range(i + 1, len(truths))]
     result["question_agreement_no_sink"] = float(np.mean(pairs))
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, encoding="utf-8") as f:
             docs[os.path.basename(path)] = study_document(model, tokenizer, f.read(), args.block_tokens,
                                                           args.max_tokens, args.seed)
-    signals = ("keynorm", "window", "position", "random")
+    signals = ("keynorm", "keynorm_late", "keynorm_raw", "window", "position", "random")
     metrics = ("spearman", "spearman_no_sink", "spearman_no_sink_per_question", "recall20", "recall20_no_sink")
     mean = {s: {m: float(np.mean([d[s][m] for d in docs.values()])) for m in metrics} for s in signals}
     report = {"model": os.path.basename(args.model), "block_tokens": args.block_tokens, "questions": len(QUESTIONS),
@@ -170,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, d in docs.items():
         print(f"  {name}: {d['tokens']} tokens, {d['blocks']} blocks, sink share {d['sink_share']:.2f}, "
               f"question-question agreement (Spearman, no sink) {d['question_agreement_no_sink']:.2f}")
-    print(f"{'signal':>9} " + " ".join(f"{m:>30}" for m in metrics))
+    print(f"{'signal':>12} " + " ".join(f"{m:>30}" for m in metrics))
     for s in signals:
-        print(f"{s:>9} " + " ".join(f"{mean[s][m]:>30.3f}" for m in metrics))
+        print(f"{s:>12} " + " ".join(f"{mean[s][m]:>30.3f}" for m in metrics))
     return 0
 
 
