@@ -93,6 +93,7 @@ class SchedulerSide:
         self._done_counts: Counter = Counter()
         self._step = 0
         self.stats = Counter()
+        self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
 
     # -- RPC helpers ------------------------------------------------------------
     def _acquire(self, hashes: list[bytes]) -> _Pins | None:
