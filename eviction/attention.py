@@ -27,8 +27,9 @@ Value of block b at time t (higher = keep):
   clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
   means W_b = 1. w_eff = ATTENTION_WEIGHT * g with ATTENTION_WEIGHT = 0.2 and
   g in [0, 1] a gate learned online: among blocks that came with an estimate,
-  the share hit at least once while resident is counted separately for
-  A >= 0.5 and A < 0.5, and g = (r_hi - r_lo) / (r_hi + r_lo), clipped to
+  the share referenced again (hit while resident, or re-admitted from the
+  ghost table, so the gate does not only see what the policy chose to keep)
+  is counted separately for A >= 0.5 and A < 0.5, and g = (r_hi - r_lo) / (r_hi + r_lo), clipped to
   [0, 1], and 0 until each side has GATE_MIN_BLOCKS = 1000 blocks (counts are
   halved every GATE_HALVING = 65536 estimates). A signal that does not predict
   reuse (noise) keeps g near 0, so the policy is its no-attention self; a
@@ -131,7 +132,8 @@ class AttentionPolicy(EvictionPolicy):
         self._cost: dict[Key, float] = {}  # log2 (C_b / S_b)
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
-        self._ghost: OrderedDict[Key, float] = OrderedDict()
+        # key -> (log F, A or None, whether the gate still waits for its first re-reference)
+        self._ghost: OrderedDict[Key, tuple] = OrderedDict()
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
@@ -178,7 +180,9 @@ class AttentionPolicy(EvictionPolicy):
         now_h = self.clock() / p.half_life_s
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
-            self._freq[key] = ghost
+            self._freq[key], old_a, waiting = ghost
+            if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
+                self.gate.hit[old_a >= 0.5] += 1
         self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
         depth_tokens = info.depth * info.block_tokens
         cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
@@ -230,9 +234,10 @@ class AttentionPolicy(EvictionPolicy):
             return
         self._leaves.remove(key)
         del self._cost[key]
-        self._att.pop(key, None)
+        a = self._att.pop(key, None)
+        waiting = key in self._unhit and a is not None
         self._unhit.discard(key)
-        self._ghost[key] = self._freq.pop(key)
+        self._ghost[key] = (self._freq.pop(key), a, waiting)
         limit = int(self.params.ghost_factor * len(self._leaves))
         while len(self._ghost) > limit:
             self._ghost.popitem(last=False)

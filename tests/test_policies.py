@@ -235,6 +235,22 @@ def test_attention_gate_opens_for_a_predictive_signal_and_stays_shut_for_noise()
     assert p.gate.value() == 0.0  # too few samples: neutral
 
 
+def test_attention_gate_counts_reuse_after_eviction():
+    """A block evicted before its reuse still counts: re-admission from the ghost table is a re-reference."""
+    rng = random.Random(5)
+    p = AttentionPolicy(clock=FakeClock(), params=AttentionParams(ghost_factor=100.0))
+    for i in range(100):  # resident blocks: the ghost table holds ghost_factor x resident entries
+        p.on_insert(BlockInfo(("anchor", i), None, 0, 100, 16))
+    for i in range(6000):
+        reused = rng.random() < 0.3
+        p.on_insert(BlockInfo(i, None, 0, 100, 16, attention=0.9 if reused else 0.1))
+        p.on_remove(i)  # evicted at once: never hit while resident
+        if reused:
+            p.on_insert(BlockInfo(i, None, 0, 100, 16))
+            p.on_remove(i)
+    assert p.gate.value() > 0.9
+
+
 def test_key_norm_score_prefers_low_norm_blocks():
     import numpy as np
 

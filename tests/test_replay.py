@@ -118,3 +118,14 @@ def test_random_attention_does_not_hurt_the_attention_policy(capsys):
                          "--attention", mode, "--block-tokens", "256", "--json"]) == 0
         ratios[mode] = json.loads(capsys.readouterr().out)["hit_ratio"]
     assert ratios["random"] >= ratios["none"] - 0.002, ratios
+
+
+@needs_trace
+def test_a_predictive_attention_signal_helps_the_attention_policy(capsys):
+    """The oracle estimate (1 = the trace uses the block again) opens the gate and raises the hit ratio."""
+    ratios = {}
+    for mode in ("none", "oracle"):
+        assert cli.main(["replay", TRACE, "--limit", "1500", "--policy", "attention", "--capacity-blocks", "1000",
+                         "--attention", mode, "--json"]) == 0
+        ratios[mode] = json.loads(capsys.readouterr().out)["hit_ratio"]
+    assert ratios["oracle"] > ratios["none"] + 0.005, ratios

@@ -68,14 +68,15 @@ def replay(
     try:
         ns = Namespace("replay", "none", 1, 1, 1, block_tokens, block_bytes)
         store = TieredStore(host, policy="lru" if policy == "belady" or factory else policy, clock=clock)
+        need_future = policy == "belady" or attention == "oracle"
+        future = next_use_index((h for h, _ in chains), ns.id) if need_future else {}
         if factory is not None:
             store.policies["host"] = factory(clock)
         elif policy == "belady":
-            future = next_use_index((h for h, _ in chains), ns.id)
             store.policies["host"] = BeladyPolicy(future, now=lambda: position[0], clock=clock)
         store.policy_name = policy
         ns_id = store.register_namespace(ns)
-        rng = random.Random(seed)
+        estimate = _estimator(attention, random.Random(seed), future, ns.id, position)
         tally, owner, problems = Tally(), "replay", []
         t0 = time.perf_counter()
         for i, (req, (hashes, tokens)) in enumerate(zip(requests, chains)):
@@ -86,7 +87,7 @@ def replay(
                 store.release(ns_id, hashes[:hits], owner)
             tally.add(tokens, hits, ())
             if hits < len(hashes):
-                tally.rejected_blocks += _admit(store, ns_id, hashes, hits, owner, attention, rng)
+                tally.rejected_blocks += _admit(store, ns_id, hashes, hits, owner, estimate)
             if check_every and (i + 1) % check_every == 0:
                 problems = store.check()
                 if problems:
@@ -100,7 +101,26 @@ def replay(
         host.close()
 
 
-def _admit(store: TieredStore, ns_id: str, hashes: list, hits: int, owner, attention: str, rng) -> int:
+def _estimator(attention: str, rng: random.Random, future: dict, ns_id: str, position: list) -> Callable:
+    """The attention estimates sent with a commit: none, uniform noise, or an oracle (evaluation only).
+
+    The oracle says 1.0 for a block that the trace references again and 0.0
+    otherwise: an upper bound on what any attention-derived signal could tell
+    the policy about reuse.
+    """
+    if attention == "none":
+        return lambda new: None
+    if attention == "random":
+        return lambda new: [rng.random() for _ in new]
+    if attention == "oracle":
+        def oracle(new: list) -> list:
+            pos = position[0]
+            return [1.0 if future.get((ns_id, h), [pos])[-1] > pos else 0.0 for h in new]
+        return oracle
+    raise ValueError(f"unknown attention mode {attention!r}")
+
+
+def _admit(store: TieredStore, ns_id: str, hashes: list, hits: int, owner, estimate: Callable) -> int:
     """Reserve and commit the missing tail of a request; returns the blocks the store refused."""
     parents = [hashes[hits - 1] if hits else None] + hashes[hits:-1]
     entries = store.reserve(ns_id, list(zip(hashes[hits:], parents)), owner)
@@ -111,8 +131,8 @@ def _admit(store: TieredStore, ns_id: str, hashes: list, hits: int, owner, atten
     if stray:
         store.abort(ns_id, stray, owner)
     if ok:
-        att = [rng.random() for _ in range(ok)] if attention == "random" else None
-        store.commit(ns_id, hashes[hits : hits + ok], owner, attention=att)
+        new = hashes[hits : hits + ok]
+        store.commit(ns_id, new, owner, attention=estimate(new))
     return len(entries) - ok
 
 
@@ -150,8 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
                    help="tokens per store block; each 512-token trace block becomes 512/T blocks")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--attention", choices=("none", "random"), default="none",
-                   help="attention estimate sent with each commit: none (neutral) or uniform noise")
+    p.add_argument("--attention", choices=("none", "random", "oracle"), default="none",
+                   help="attention estimate sent with each commit: none (neutral), uniform noise, or an "
+                        "oracle (1 if the trace uses the block again; evaluation only)")
     p.add_argument("--seed", type=int, default=0, help="seed of --attention random")
     p.add_argument("--block-bytes", type=int, default=4096, help="bytes per block (and per arena page)")
     p.add_argument("--check-every", type=int, default=0, help="run store.check() every N requests")
