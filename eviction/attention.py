@@ -25,15 +25,17 @@ Value of block b at time t (higher = keep):
 - S_b, its size in bytes.
 - W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
   clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
-  means W_b = 1. w_eff = ATTENTION_WEIGHT * g with ATTENTION_WEIGHT = 0.2 and
+  means W_b = 1. w_eff = ATTENTION_WEIGHT * g with ATTENTION_WEIGHT = 0.5 and
   g in [0, 1] a gate learned online: among blocks that came with an estimate,
   the share referenced again (hit while resident, or re-admitted from the
   ghost table, so the gate does not only see what the policy chose to keep)
-  is counted separately for A >= 0.5 and A < 0.5, and g = (r_hi - r_lo) / (r_hi + r_lo), clipped to
-  [0, 1], and 0 until each side has GATE_MIN_BLOCKS = 1000 blocks (counts are
-  halved every GATE_HALVING = 65536 estimates). A signal that does not predict
-  reuse (noise) keeps g near 0, so the policy is its no-attention self; a
-  predictive one opens the gate. W_b stays within [1 - 0.2, 1 + 0.2].
+  is r_hi for A >= 0.5 and r_lo for A < 0.5; g = (r_hi - r_lo) / (r_hi +
+  r_lo) clipped to [0, 1], and 0 until each side has GATE_MIN_BLOCKS = 1000
+  blocks (counts are halved every GATE_HALVING = 65536 estimates). A signal
+  that does not predict reuse (noise) keeps g near 0, so the policy is its
+  no-attention self; a predictive one opens the gate. W_b stays within
+  [0.5, 1.5]. (With the gate, 0.5 kept noise neutral in replay while letting a
+  perfect reuse oracle gain more than 0.2 did; see docs/benchmarks.md.)
 
 Tree rule: V_b = max(U_b, V_c for every child c the policy has seen), kept
 when children leave, so a prefix is worth at least its best continuation.
@@ -67,7 +69,7 @@ GHOST_CREDIT = 1.0
 GHOST_FACTOR = 4.0
 ATTN_CONTEXT_TOKENS = 32768
 DEPTH_WEIGHT = 0.25
-ATTENTION_WEIGHT = 0.2
+ATTENTION_WEIGHT = 0.5
 GATE_MIN_BLOCKS = 1000
 GATE_HALVING = 65536
 
