@@ -129,3 +129,12 @@ def test_a_predictive_attention_signal_helps_the_attention_policy(capsys):
                          "--attention", mode, "--json"]) == 0
         ratios[mode] = json.loads(capsys.readouterr().out)["hit_ratio"]
     assert ratios["oracle"] > ratios["none"] + 0.005, ratios
+
+
+@needs_trace
+def test_replay_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra)")
+    out = tmp_path / "hit.png"
+    assert cli.main(["replay", TRACE, "--limit", "100", "--policy", "lru,attention", "--capacity-blocks", "50,100",
+                     "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

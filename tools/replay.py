@@ -7,9 +7,14 @@ engine does: `lookup` -> `acquire` the hit prefix -> `release` -> `reserve`
 the missing blocks -> `commit` them (no payload bytes are copied). The store's
 clock is the trace's timestamp in seconds. Belady (offline) is built from the
 trace's own future and installed as the host policy before the first request.
+`--attention` chooses the estimate sent with each commit: none (the trace has
+no attention data: the term is neutral), uniform noise, or an oracle that
+knows whether the trace uses the block again (evaluation only, like Belady).
+`--block-tokens T` replays at T tokens per block (each 512-token trace id
+becomes 512/T chained blocks), which multiplies the work by 512/T.
 
-Reported per run: block and token hit ratio, prefill tokens saved, hits per
-tier (from `store.stats()`), evictions, demotions, rejected blocks, orphans
+Reported per run: block, token and compute-weighted hit ratio, prefill
+tokens saved, hits per tier (from `store.stats()`), evictions, demotions, rejected blocks, orphans
 (blocks whose parent is absent; must be 0) and `store.check()` problems
 (checked every `--check-every` requests and at the end).
 
