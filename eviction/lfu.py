@@ -165,11 +165,6 @@ class LeafQueues:
         pending[parent] += 1
         return parent in self.queue and pending[parent] >= self.children.get(parent, 0)
 
-    def peek_prio(self, queue: str, evictable: Callable[[Key], bool], exclude=frozenset()) -> object | None:
-        """Priority of the lowest evictable leaf of `queue`, or None."""
-        keys = self.pick(queue, 1, evictable, exclude, limit=1)
-        return self.prio[keys[0]] if keys else None
-
 
 class LFUPolicy(EvictionPolicy):
     """Evicts the leaf with the fewest hits, the least recently touched among equals."""

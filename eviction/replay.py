@@ -24,7 +24,7 @@ import json
 import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 TRACE_BLOCK_TOKENS = 512
 ATTN_CONTEXT_TOKENS = 32768  # same cost model as eviction/attention.py: attention FLOPs = linear FLOPs here
@@ -132,8 +132,3 @@ class Tally:
             "rejected_blocks": self.rejected_blocks,
             "hits_by_tier": dict(self.hits_by_tier),
         }
-
-
-def iter_chains(requests: Sequence[Request], block_tokens: int) -> Iterator[tuple[list[bytes], list[int]]]:
-    for req in requests:
-        yield expand(req, block_tokens)

@@ -14,9 +14,9 @@ knows whether the trace uses the block again (evaluation only, like Belady).
 becomes 512/T chained blocks), which multiplies the work by 512/T.
 
 Reported per run: block, token and compute-weighted hit ratio, prefill
-tokens saved, hits per tier (from `store.stats()`), evictions, demotions, rejected blocks, orphans
-(blocks whose parent is absent; must be 0) and `store.check()` problems
-(checked every `--check-every` requests and at the end).
+tokens saved, hits per tier (from `store.stats()`), evictions, demotions,
+rejected blocks, orphans (blocks whose parent is absent; must be 0) and
+`store.check()` problems (every `--check-every` requests and at the end).
 
 `--json` prints one object: `{"trace", "block_tokens", "runs": [run, ...],
 "orphans": total, "check_problems": total}`; each run has `policy`,
