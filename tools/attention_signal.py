@@ -9,6 +9,7 @@ candidate per-block signals:
 - `keynorm`: `eviction.attention.block_key_norm_score` over all layers'
   post-RoPE keys (what the connector can compute in `save_kv_layer`);
   `keynorm_late` the same over the second half of the layers only;
+  `keynorm_2layers` over layers L/2 and L-1, what connectors/vllm_worker.py samples;
   `keynorm_raw` the plain mean of -||k|| (no per-head rank normalisation);
 - `window`: mean attention from the document's own last 16 tokens (SnapKV's
   observation window; needs queries, so a connector cannot get it without an
@@ -125,6 +126,7 @@ def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: i
         signals = {
             "keynorm": block_key_norm_score(keys, block_tokens),
             "keynorm_late": block_key_norm_score(keys[half:], block_tokens),
+            "keynorm_2layers": block_key_norm_score(keys[[half, keys.shape[0] - 1]], block_tokens),
             "keynorm_raw": raw.reshape(num_blocks, block_tokens).mean(axis=1),
             "window": block_sums(attention_mass(tail.attentions, doc_len), block_tokens),
             "position": -np.arange(num_blocks, dtype=float),
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, encoding="utf-8") as f:
             docs[os.path.basename(path)] = study_document(model, tokenizer, f.read(), args.block_tokens,
                                                           args.max_tokens, args.seed)
-    signals = ("keynorm", "keynorm_late", "keynorm_raw", "window", "position", "random")
+    signals = ("keynorm", "keynorm_late", "keynorm_2layers", "keynorm_raw", "window", "position", "random")
     metrics = ("spearman", "spearman_no_sink", "spearman_no_sink_per_question", "recall20", "recall20_no_sink")
     mean = {s: {m: float(np.mean([d[s][m] for d in docs.values()])) for m in metrics} for s in signals}
     report = {"model": os.path.basename(args.model), "block_tokens": args.block_tokens, "questions": len(QUESTIONS),
@@ -184,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, d in docs.items():
         print(f"  {name}: {d['tokens']} tokens, {d['blocks']} blocks, sink share {d['sink_share']:.2f}, "
               f"question-question agreement (Spearman, no sink) {d['question_agreement_no_sink']:.2f}")
-    print(f"{'signal':>12} " + " ".join(f"{m:>30}" for m in metrics))
+    print(f"{'signal':>15} " + " ".join(f"{m:>30}" for m in metrics))
     for s in signals:
-        print(f"{s:>12} " + " ".join(f"{mean[s][m]:>30.3f}" for m in metrics))
+        print(f"{s:>15} " + " ".join(f"{mean[s][m]:>30.3f}" for m in metrics))
     return 0
 
 
