@@ -152,7 +152,7 @@ class DiskTier:
         self._open_data_file(direct)
         self.recovered: list[tuple[bytes, dict]] = []  # records found at open, for the store to adopt
         used = self._load_records()
-        self.alloc = PageAllocator(self.num_pages, self.page_bytes, used)
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, used, label="disk")
         self._written = np.zeros(self.num_pages, dtype=bool)  # writer thread only: pages holding block data
         self._written[used] = True
         self.formatted_bytes = min(self._meta.get("formatted_bytes", 0), self.capacity_bytes)

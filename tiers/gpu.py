@@ -65,6 +65,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from tiers.host import Extents, HostArena
+from tiers.pages import PageAllocator
 
 Run = tuple  # (dst_offset, src_offset, length)
 
@@ -118,7 +119,7 @@ def tier_status(pools: dict | None = None) -> dict:
 class GpuPool:
     """A fixed VRAM pool cut into pages. `device` may be "cpu" in tests (no IPC then)."""
 
-    # Same page bookkeeping as the host arena (free stack of page numbers -> extents).
+    # Same page bookkeeping as the host arena (tiers/pages.py), over VRAM.
     pages_for = HostArena.pages_for
     can_allocate = HostArena.can_allocate
     allocate = HostArena.allocate
@@ -143,7 +144,7 @@ class GpuPool:
         self.num_pages = num_pages
         self.capacity_bytes = num_pages * page_bytes
         self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.pages = PageAllocator(num_pages, page_bytes, label="gpu")
 
     def read(self, extents: Extents) -> bytes:
         """A block's bytes on the host (blocking; for TCP clients, tests and demotion fallbacks)."""

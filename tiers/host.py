@@ -5,10 +5,9 @@ byte budget rounded down to whole pages, and prefaults it so that no store pays
 first-touch page faults. Local clients map the same file (`map_arena`) and copy
 payloads directly; payload bytes never cross the socket for them.
 
-A block occupies ceil(nbytes / page_bytes) pages. The allocator hands out pages
-from a free stack that yields ascending page numbers, and describes an
-allocation as *extents*, a list of `[offset, length]` runs; on a fresh or
-lightly fragmented arena a block is one extent, so a copy is one memcpy.
+A block occupies ceil(nbytes / page_bytes) pages, allocated as extents
+(`[offset, length]` runs) by the shared `PageAllocator` (tiers/pages.py); on a
+fresh or lightly fragmented arena a block is one extent, so a copy is one memcpy.
 
 Invariants (see `check`): a page is either free or owned by exactly one
 allocation; used + free == capacity; allocation never exceeds capacity.
@@ -22,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-Extents = list  # list of [offset, length] pairs, in payload order
+from tiers.pages import Extents, PageAllocator
 
 _OS_PAGE = mmap.PAGESIZE
 
@@ -51,52 +50,29 @@ class HostArena:
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         if prefault:
             self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self.pages = PageAllocator(num_pages, page_bytes, label="host")
 
-    # -- allocation -------------------------------------------------------
+    # -- allocation (tiers/pages.py) ------------------------------------------
     @property
     def free_bytes(self) -> int:
-        return len(self._free) * self.page_bytes
+        return self.pages.free_pages * self.page_bytes
 
     @property
     def used_bytes(self) -> int:
         return self.capacity_bytes - self.free_bytes
 
     def pages_for(self, nbytes: int) -> int:
-        return -(-nbytes // self.page_bytes)
+        return self.pages.pages_for(nbytes)
 
     def can_allocate(self, nbytes: int) -> bool:
-        return self.pages_for(nbytes) <= len(self._free)
+        return self.pages.pages_for(nbytes) <= self.pages.free_pages
 
     def allocate(self, nbytes: int) -> Extents | None:
         """Extents covering exactly `nbytes`, or None if there are not enough free pages."""
-        n = self.pages_for(nbytes)
-        if n > len(self._free) or nbytes <= 0:
-            return None
-        pages = sorted(self._free[-n:])
-        del self._free[-n:]
-        extents: Extents = []
-        pb = self.page_bytes
-        remaining = nbytes
-        run_start = prev = pages[0]
-        for p in pages[1:] + [None]:
-            if p is not None and p == prev + 1:
-                prev = p
-                continue
-            length = min((prev - run_start + 1) * pb, remaining)
-            extents.append([run_start * pb, length])
-            remaining -= length
-            if p is not None:
-                run_start = prev = p
-        return extents
+        return self.pages.allocate(nbytes)
 
     def free(self, extents: Extents) -> None:
-        pages: list[int] = []
-        pb = self.page_bytes
-        for offset, length in extents:
-            first = offset // pb
-            pages.extend(range(first, first + -(-length // pb)))
-        self._free.extend(sorted(pages, reverse=True))
+        self.pages.free(extents)
 
     # -- daemon-side byte access (TCP inline payloads, demotion) ------------
     def read(self, extents: Extents) -> bytes:
@@ -107,25 +83,8 @@ class HostArena:
 
     # -- invariants ---------------------------------------------------------
     def check(self, allocations: Iterable[Extents]) -> list[str]:
-        """Problems found, comparing the free stack with the live allocations (empty = clean)."""
-        problems: list[str] = []
-        owner = np.zeros(self.num_pages, dtype=np.int32)
-        pb = self.page_bytes
-        for extents in allocations:
-            for offset, length in extents:
-                if offset % pb or length <= 0 or offset + length > self.capacity_bytes:
-                    problems.append(f"bad extent [{offset}, {length}]")
-                    continue
-                owner[offset // pb : offset // pb + -(-length // pb)] += 1
-        for p in self._free:
-            owner[p] += 1
-        if len(set(self._free)) != len(self._free):
-            problems.append("a page is on the free stack twice")
-        if (owner > 1).any():
-            problems.append(f"{int((owner > 1).sum())} pages owned twice")
-        if (owner == 0).any():
-            problems.append(f"{int((owner == 0).sum())} pages leaked (neither free nor allocated)")
-        return problems
+        """Problems found, comparing the free pages with the live allocations (empty = clean)."""
+        return self.pages.check(allocations)
 
     def close(self, unlink: bool = True) -> None:
         self.buf = None  # type: ignore[assignment]

@@ -1,0 +1,82 @@
+"""Fixed-size pages and their allocator, shared by every tier (host arena, disk file, GPU pool).
+
+A free-page stack that yields ascending page numbers; an allocation of n bytes
+takes ceil(n / page_bytes) pages and is described as *extents*, a list of
+`[offset, length]` runs in bytes, in payload order. On a fresh or lightly
+fragmented space a block is one extent, so a copy is one memcpy or one syscall.
+
+Invariant (`check`): every page is either free or owned by exactly one
+allocation; nothing is allocated beyond `num_pages`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+Extents = list  # list of [offset, length] pairs, in payload order
+
+
+class PageAllocator:
+    """Free-page stack over `num_pages` pages; allocations are extents of byte offsets."""
+
+    def __init__(self, num_pages: int, page_bytes: int, used: Iterable[int] = (), label: str = "") -> None:
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.label = f"{label} " if label else ""
+        taken = np.zeros(num_pages, dtype=bool)
+        taken[list(used)] = True
+        self._free: list[int] = np.flatnonzero(~taken)[::-1].tolist()  # pop() yields ascending pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def allocate(self, nbytes: int) -> list | None:
+        n = self.pages_for(nbytes)
+        if nbytes <= 0 or n > len(self._free):
+            return None
+        pages = sorted(self._free[-n:])
+        del self._free[-n:]
+        pb, extents, remaining = self.page_bytes, [], nbytes
+        run_start = prev = pages[0]
+        for p in pages[1:] + [None]:
+            if p is not None and p == prev + 1:
+                prev = p
+                continue
+            length = min((prev - run_start + 1) * pb, remaining)
+            extents.append([run_start * pb, length])
+            remaining -= length
+            if p is not None:
+                run_start = prev = p
+        return extents
+
+    def pages_of(self, extents: Sequence) -> list[int]:
+        pb, pages = self.page_bytes, []
+        for offset, length in extents:
+            pages.extend(range(offset // pb, offset // pb + -(-length // pb)))
+        return pages
+
+    def free(self, extents: Sequence) -> None:
+        self._free.extend(sorted(self.pages_of(extents), reverse=True))
+
+    def check(self, allocations: Iterable[Sequence]) -> list[str]:
+        """Problems found comparing the free stack with the live allocations (empty = clean)."""
+        owner = np.zeros(self.num_pages, dtype=np.int32)
+        problems: list[str] = []
+        for extents in allocations:
+            for offset, length in extents:
+                if offset % self.page_bytes or length <= 0 or offset + length > self.num_pages * self.page_bytes:
+                    problems.append(f"bad {self.label}extent [{offset}, {length}]")
+                    continue
+                owner[offset // self.page_bytes : offset // self.page_bytes + -(-length // self.page_bytes)] += 1
+        np.add.at(owner, self._free, 1)
+        if (owner > 1).any():
+            problems.append(f"{int((owner > 1).sum())} {self.label}pages owned twice")
+        if (owner == 0).any():
+            problems.append(f"{int((owner == 0).sum())} {self.label}pages leaked (neither free nor allocated)")
+        return problems
