@@ -121,7 +121,7 @@ class DiskConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "default"
-    policy: str = "lru"
+    policy: str = "attention"  # eviction/attention.py; lru, lfu, arc, s3fifo are the baselines
     log_level: str = "INFO"
     server: ServerConfig = field(default_factory=ServerConfig)
     host: HostConfig = field(default_factory=HostConfig)
