@@ -37,12 +37,12 @@ def blocks(ids: list[int]):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def sched_output(new=(), cached=(), scheduled=None):
+def sched_output(new=(), cached=(), scheduled=None, resumed=()):
     """new: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids, num_computed)]."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
             new_block_ids=[(b,) if b else None for _, b, _ in cached],
             num_computed_tokens=[n for _, _, n in cached]),
         num_scheduled_tokens=scheduled or {},
@@ -233,3 +233,22 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(s
     assert len(meta.saves) == 7  # the step offered the new blocks ...
     assert sched_b.link.client().stats()["blocks"] == stored  # ... but none were stored
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
+
+
+def test_preempted_request_resumes_with_new_blocks(sides):
+    """A resumed request's block ids are replaced; blocks already offered are not offered again."""
+    sched, make_worker = sides
+    worker, kv = make_worker(11)
+    tokens = list(range(3000, 3000 + 4 * BT))
+    req = request("p", tokens[: 2 * BT + 5])
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    meta = run_step(sched, worker, sched_output(new=[("p", [1, 2, 3], 0)], scheduled={"p": 2 * BT + 5}))
+    assert meta.saves.block_ids == [1, 2]
+    # preempted, then resumed with other blocks and more tokens known (as vLLM recomputes them)
+    req.all_token_ids[:] = tokens
+    req.num_tokens = len(tokens)
+    meta = run_step(sched, worker, sched_output(cached=[("p", [7, 8, 9, 10], 0)], resumed=["p"], scheduled={"p": 4 * BT}))
+    assert meta.saves.block_ids == [9, 10]  # blocks 2 and 3 of the chain, in their new places
+    assert meta.saves.hashes == hash_blocks(tokens, BT)[2:4]
+    assert meta.saves.parents[0] == hash_blocks(tokens, BT)[1]
