@@ -39,10 +39,14 @@ Value of block b at time t (higher = keep):
 
 Tree rule: V_b = max(U_b, V_c for every child c the policy has seen), kept
 when children leave, so a prefix is worth at least its best continuation.
-Hits and inserts raise ancestors until nothing changes. Only leaves are
-victims (the store enforces it; the candidate heap holds leaves only); among
-them the lowest V goes, and an answer stops after a victim that exposes its
-parent as a new leaf (`LeafQueues.pick`).
+Only leaves are victims (the store enforces it; the candidate heap holds
+leaves only), so an internal block's V matters only once it becomes a leaf:
+a hit carries the max up the matched chain, and a removed child hands its V
+to its parent before the parent becomes a leaf. That is O(1) per insert and
+removal (raising all ancestors on every insert was O(depth^2) per chain, far
+too slow at 16-token blocks); `value()` returns the full max for inspection.
+Among leaves the lowest V goes, and an answer stops after a victim that
+exposes its parent as a new leaf (`LeafQueues.pick`).
 
 All blocks decay at the same rate, so the order of two blocks changes only
 when one of them is touched: the heap holds time-free log keys,
@@ -136,6 +140,7 @@ class AttentionPolicy(EvictionPolicy):
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         # key -> (log F, A or None, whether the gate still waits for its first re-reference)
         self._ghost: OrderedDict[Key, tuple] = OrderedDict()
+        self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
@@ -148,8 +153,19 @@ class AttentionPolicy(EvictionPolicy):
             self._freq[key] = math.log2(2.0**decayed + credit) + now_h
 
     def value(self, key: Key) -> float:
-        """Time-free log value log2 V_b + t/h (compare only against each other)."""
-        return self._leaves.prio[key]  # type: ignore[return-value]
+        """V_b as a time-free log value, log2 V_b + t/h (compare only against each other).
+
+        Internal blocks store only what reached them so far (their own value, the
+        chains carried up by hits, children already removed); their full V, the
+        max over the resident subtree, is computed here on demand.
+        """
+        best = self._leaves.prio[key]
+        stack = list(self._kids.get(key, ()))
+        while stack:
+            child = stack.pop()
+            best = max(best, self._leaves.prio[child])  # type: ignore[type-var]
+            stack.extend(self._kids.get(child, ()))
+        return best  # type: ignore[return-value]
 
     def attention_weight(self) -> float:
         """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
@@ -190,9 +206,11 @@ class AttentionPolicy(EvictionPolicy):
         cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
         self._leaves.add(key, info.parent, info.nbytes, "v", -math.inf)
+        if info.parent is not None:
+            self._kids.setdefault(info.parent, set()).add(key)
         if info.attention is not None:
             self._set_attention(key, info.attention)
-        self._raise(key, self._own(key))
+        self._leaves.update(key, "v", self._own(key))
 
     def on_access(self, keys: Sequence[Key]) -> None:
         p = self.params
@@ -215,7 +233,7 @@ class AttentionPolicy(EvictionPolicy):
         if key not in self._leaves:
             return
         self._set_attention(key, attention)
-        self._raise(key, self._own(key))
+        self._leaves.update(key, "v", max(self._own(key), self._leaves.prio[key]))  # type: ignore[type-var]
 
     def _set_attention(self, key: Key, attention: float) -> None:
         try:
@@ -234,7 +252,18 @@ class AttentionPolicy(EvictionPolicy):
     def on_remove(self, key: Key) -> None:
         if key not in self._leaves:
             return
-        self._leaves.remove(key)
+        leaves = self._leaves
+        parent = leaves.parent[key]
+        if parent is not None:
+            kids = self._kids.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._kids[parent]
+            if parent in leaves and leaves.prio[parent] < leaves.prio[key]:  # type: ignore[operator]
+                leaves.update(parent, "v", leaves.prio[key])  # the tree rule, applied before it becomes a leaf
+        self._kids.pop(key, None)
+        leaves.remove(key)
         del self._cost[key]
         a = self._att.pop(key, None)
         waiting = key in self._unhit and a is not None

@@ -198,6 +198,13 @@ def test_attention_values_are_monotone_along_chains():
         for seq in (chain, branch):
             values = [p.value(k) for k in seq]
             assert all(a >= b for a, b in zip(values, values[1:])), values
+    # Removing leaves keeps the rule: a parent that becomes a leaf is worth at least what its children were.
+    for seq in (branch[2:], chain[1:]):
+        for k in reversed(seq):
+            before = p.value(k)
+            parent = p._leaves.parent[k]
+            p.on_remove(k)
+            assert p.value(parent) >= before
 
 
 def test_attention_hits_and_attention_raise_value():
