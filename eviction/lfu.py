@@ -12,9 +12,16 @@ the attention policy. It mirrors the prefix tree as far as the policy sees it
 - a heap entry `(prio, token, key)` is live iff `token` is the key's current
   token; a key has a token only while it is tracked and has no tracked child,
   so non-leaves never reach the top and stale entries are skipped lazily;
-- `pick` returns only keys for which the store's `evictable` is true now, and
-  pushes back every live entry it popped, so it changes nothing (the store
-  calls `on_remove` for the victims it takes);
+- `pick` returns only keys for which the store's `evictable` is true now, in
+  eviction order, and pushes back every live entry it popped, so it changes
+  nothing (the store calls `on_remove` for the victims it takes);
+- `pick` ends its answer after a victim that is the last child of a tracked
+  parent, even if it covers less than asked: that parent becomes a leaf once
+  the victim is gone and may be the better next victim, so the store (which
+  loops until it has room) asks again. Answering from the current frontier
+  instead trims the tails of many chains (Belady fell from .179 to .056 at 1k
+  blocks on the conversation trace when the store started asking for whole
+  batches);
 - a heap is rebuilt once it holds twice as many entries as keys, so its size
   stays O(tracked keys) and each operation O(log n).
 
