@@ -14,7 +14,11 @@ store's predicate: committed, unpinned, and a leaf of the prefix tree within
 this tier), whose sizes add up to at least `n_bytes` if it can, or `None` when
 it can name nothing. It changes nothing itself: the store removes the victims
 and calls `on_remove` for each, then asks again if it still needs room (a parent
-becomes a leaf only once its last child has gone).
+becomes a leaf only once its last child has gone). A policy may answer with
+fewer bytes than asked: it should stop after a victim whose removal exposes its
+parent as a new leaf, if that parent could be the next victim in its order;
+otherwise one large request trims the tails of many chains instead of finishing
+the least valuable one.
 """
 
 from __future__ import annotations
