@@ -105,7 +105,7 @@ class StoreLink:
         if not self._down:
             self._down = True
             log.warning(
-                "kvstore: daemon unavailable (%s: %s: %s); %s computes without the store and retries every %.0f s",
+                "kvstore: daemon unavailable (%s: %s: %s); %s computes without the store and retries every %g s",
                 what, type(exc).__name__, exc, self.name, self.retry_s,
             )
 

@@ -4,6 +4,7 @@
 
 SPEC keys: model, dtype, block_size, kv_cache_memory_bytes, max_model_len,
 max_num_batched_tokens (optional), enable_prefix_caching (default true),
+inject_load_failure (test only, in-process engines: every connector block load fails),
 kv_transfer_config (optional dict), speculative_config (optional dict), and
 runs: a list of {"prompts": [{"ids": [...]} | {"text": "..."}, optional
 "cache_salt"], "max_tokens": N, optional "wait_for_path": P, optional
@@ -59,6 +60,14 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
+
+    if spec.get("inject_load_failure"):  # in-process engines only: every block copy into the KV fails
+        from connectors.kv_copy import PagedKV
+
+        def failing_load(self, *args, **kwargs):
+            raise RuntimeError("injected load failure (test)")
+
+        PagedKV.load_from_arena = failing_load
 
     kwargs = dict(
         model=spec["model"],

@@ -11,8 +11,9 @@ cold prefill may differ from any split prefill; a split baseline does not.
 
 Engines run one at a time, each in its own process; engine B uses vLLM's
 default multiprocess engine (scheduler-side connector in EngineCore, worker
-side in the Worker process). The negative control corrupts the whole store,
-so it runs last.
+side in the Worker process). A failed load (injected in an in-process engine)
+must be recomputed. The negative control corrupts the whole store, so it runs
+last.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class World:
         # fresh tails for later engines (B's own full blocks are stored once engine B ran)
         self.c1 = self.doc + ids[DOC + 900 : DOC + 930]
         self.c2 = self.doc + ids[DOC + 1000 : DOC + 1030]
+        self.c3 = self.doc + ids[DOC + 1100 : DOC + 1130]
         self.daemon = start_daemon(workdir)
         self._cache: dict[str, object] = {}
 
@@ -96,9 +98,10 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline(world):
     """No connector, in-engine prefix cache: A, B (hit from A), S salted X (cold), S salted X again (hit),
-    C1 (hit from A)."""
+    C1 (hit from A), C3 cold (after a prefix-cache reset)."""
     return world.once("baseline", lambda: world.run(
-        [one(world.a), one(world.b), one(world.s, salt="X"), one(world.s, salt="X"), one(world.c1)], conn=False))
+        [one(world.a), one(world.b), one(world.s, salt="X"), one(world.s, salt="X"), one(world.c1),
+         one(world.c3, reset_prefix_cache=True)], conn=False))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,16 @@ def test_async_load_path(world, engine_a, baseline):
     r = world.run([one(world.c1)], conn=True, extra={"load_async": True})
     assert r.cached(0) == EXPECTED_HIT
     assert r.tokens(0) == baseline.tokens(4)
+
+
+def test_failed_load_is_recomputed(world, engine_a, baseline):
+    """Every block copy fails (injected in the worker): vLLM is told through
+    get_block_ids_with_load_errors, recomputes the whole prompt, and the output is the cold one."""
+    r = world.run([one(world.c3)], conn=True, inject_load_failure=True)
+    assert r.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT  # the hit was reported ...
+    assert "injected load failure" in r.stderr  # ... its load failed ...
+    assert "Recovered from KV load failure" in r.log  # ... vLLM rescheduled it ...
+    assert r.tokens(0) == baseline.tokens(5)  # ... and recomputed it: the cold output
 
 
 def test_ngram_speculative_decoding(world, engine_a):

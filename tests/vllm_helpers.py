@@ -129,6 +129,11 @@ class EngineResult:
     runs: list[dict]
     startup_s: float
     stderr: str
+    stdout: str = ""  # vLLM's own log lines go to stdout
+
+    @property
+    def log(self) -> str:
+        return self.stdout + self.stderr
 
     def outputs(self, run: int) -> list[dict]:
         return self.runs[run]["outputs"]
@@ -160,7 +165,7 @@ def run_engine(spec: dict, workdir: str, multiprocess: bool = False, timeout_s: 
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
     data = json.loads(lines[-1][len("ENGINE_RESULT "):])
-    return EngineResult(data["runs"], data["startup_s"], proc.stderr)
+    return EngineResult(data["runs"], data["startup_s"], proc.stderr, proc.stdout)
 
 
 def engine_spec(model: str, runs: list[dict], **kw) -> dict:
