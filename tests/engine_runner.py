@@ -56,19 +56,17 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def main(spec_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
+def _inject_load_failure() -> None:
+    """In-process engines only: every block copy into the paged KV fails."""
+    from connectors.kv_copy import PagedKV
 
-    if spec.get("inject_load_failure"):  # in-process engines only: every block copy into the KV fails
-        from connectors.kv_copy import PagedKV
+    def failing_load(self, *args, **kwargs):
+        raise RuntimeError("injected load failure (test)")
 
-        def failing_load(self, *args, **kwargs):
-            raise RuntimeError("injected load failure (test)")
+    PagedKV.load_from_arena = failing_load
 
-        PagedKV.load_from_arena = failing_load
 
+def _llm_kwargs(spec: dict) -> dict:
     kwargs = dict(
         model=spec["model"],
         dtype=spec.get("dtype", "bfloat16"),
@@ -83,37 +81,45 @@ def main(spec_path: str) -> None:
     for key in ("max_num_batched_tokens", "kv_transfer_config", "speculative_config", "max_num_seqs"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
+    return kwargs
+
+
+def _run(llm, run: dict) -> dict:
+    from vllm import SamplingParams
+
+    if run.get("signal_path"):
+        open(run["signal_path"], "w").close()
+    if run.get("wait_for_path"):
+        _wait_for(run["wait_for_path"])
+    if run.get("reset_prefix_cache"):
+        llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=run.get("max_tokens", 16), ignore_eos=True)
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    outs = llm.generate([_prompt(p) for p in run["prompts"]], params, use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    outputs = [
+        {
+            "token_ids": list(o.outputs[0].token_ids),
+            "text": o.outputs[0].text,
+            "prompt_len": len(o.prompt_token_ids or []),
+            "num_cached_tokens": o.num_cached_tokens,
+        }
+        for o in outs
+    ]
+    return {"wall_s": wall_s, "outputs": outputs, "counters": _counters(llm)}
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM
+
+    if spec.get("inject_load_failure"):
+        _inject_load_failure()
+    t0 = time.perf_counter()
+    llm = LLM(**_llm_kwargs(spec))
     startup_s = time.perf_counter() - t0
-    results = []
-    for run in spec["runs"]:
-        if run.get("signal_path"):
-            open(run["signal_path"], "w").close()
-        if run.get("wait_for_path"):
-            _wait_for(run["wait_for_path"])
-        if run.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=run.get("max_tokens", 16), ignore_eos=True)
-        prompts = [_prompt(p) for p in run["prompts"]]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall_s = time.perf_counter() - t0
-        results.append(
-            {
-                "wall_s": wall_s,
-                "outputs": [
-                    {
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "text": o.outputs[0].text,
-                        "prompt_len": len(o.prompt_token_ids or []),
-                        "num_cached_tokens": o.num_cached_tokens,
-                    }
-                    for o in outs
-                ],
-                "counters": _counters(llm),
-            }
-        )
+    results = [_run(llm, run) for run in spec["runs"]]
     print("ENGINE_RESULT " + json.dumps({"startup_s": startup_s, "runs": results}), flush=True)
 
 

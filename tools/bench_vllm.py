@@ -81,86 +81,99 @@ def by_label(result, runs: list[dict], label: str) -> list[dict]:
     return [r for r, spec in zip(result.runs, runs) if spec["label"] == label]
 
 
-def bench(args) -> dict:
-    model = build_model("smollm2")
-    workdir = args.workdir = tempfile.mkdtemp(prefix="bench-vllm-")
-    ids = tokenize(model, corpus_text(80000))
+def plan(ids: list[int], args) -> dict[str, list[dict]]:
+    """The runs of each kind of engine: baseline (cold + in-engine hit), save, load."""
     top = max(args.lengths)
-    while len(ids) < 2 * top + 2000:
-        ids = ids + ids
     pairs = {n: prompts_for(ids, n) for n in args.lengths}
     # warm-up: every prefill shape the measurements use (a cold prompt and a hit on it) on other tokens
     warm = []
     for n in args.lengths:
         w = ids[top + 1500 : top + 1500 + n]
         warm += [one(w, "warm", reset=True), one(w[:-TAIL] + ids[:TAIL], "warm")]
-    r = args.repeats
-
-    base_runs = list(warm)
+    base, save, load = list(warm), list(warm), list(warm)
     for n in args.lengths:
+        p, p2 = pairs[n]
         for _ in range(args.cold_repeats):
-            base_runs += [one(pairs[n][0], f"cold{n}", reset=True), one(pairs[n][1], f"local{n}")]
-    save_runs = list(warm) + [one(pairs[n][0], f"save{n}", reset=True) for n in args.lengths]
-    load_runs = list(warm)
-    for n in args.lengths:
-        for _ in range(r):  # an external hit, then the same prompt again: an in-engine hit in the same engine
-            load_runs += [one(pairs[n][1], f"hit{n}", reset=True), one(pairs[n][1], f"local{n}")]
+            base += [one(p, f"cold{n}", reset=True), one(p2, f"local{n}")]
+        save.append(one(p, f"save{n}", reset=True))
+        for _ in range(args.repeats):  # an external hit, then the same prompt again: an in-engine hit, same engine
+            load += [one(p2, f"hit{n}", reset=True), one(p2, f"local{n}")]
+    return {"base": base, "save": save, "load": load}
 
-    base = measure(model, workdir, base_runs, args)
+
+def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
+    """Engine results per arm, one engine process at a time."""
+    out = {"base": measure(model, workdir, runs["base"], args)}
     daemon = start_daemon(workdir, host_bytes=args.host_bytes)
     try:
         kvt = connector_config(daemon.socket)
-        kv_save = measure(model, workdir, save_runs, args, kvt)
-        kv_load = measure(model, workdir, load_runs, args, kvt)
+        out["kv_save"] = measure(model, workdir, runs["save"], args, kvt)
+        out["kv_load"] = measure(model, workdir, runs["load"], args, kvt)
     finally:
         daemon.stop()
     disk = os.path.join(workdir, "example-store")
     os.makedirs(disk, exist_ok=True)
     ext = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"shared_storage_path": disk}}
-    ex_save = measure(model, workdir, save_runs, args, ext)
-    ex_load = measure(model, workdir, load_runs, args, ext)
+    out["ex_save"] = measure(model, workdir, runs["save"], args, ext)
+    out["ex_load"] = measure(model, workdir, runs["load"], args, ext)
+    return out
 
-    def median_s(result, runs, label):
-        return statistics.median(x["wall_s"] for x in by_label(result, runs, label))
 
-    def cached(result, runs, label):
-        return [x["outputs"][0]["num_cached_tokens"] for x in by_label(result, runs, label)]
+def summarize_length(n: int, res: dict, runs: dict) -> dict:
+    def walls(arm: str, kind: str, label: str) -> list[float]:
+        return [x["wall_s"] for x in by_label(res[arm], runs[kind], label)]
 
-    results: dict = {"model": "SmolLM2-135M-Instruct bf16", "block_size": BLOCK, "threads": args.threads,
-                     "bind": args.bind, "repeats": r, "cold_repeats": args.cold_repeats, "lengths": {}}
-    for n in args.lengths:
-        entry = {
-            "ttft_cold_s": median_s(base, base_runs, f"cold{n}"),
-            "ttft_inengine_hit_s": median_s(base, base_runs, f"local{n}"),
-            "ttft_cold_with_store_s": median_s(kv_save, save_runs, f"save{n}"),
-            "ttft_cold_with_example_s": median_s(ex_save, save_runs, f"save{n}"),
-            "ttft_kvstore_hit_s": median_s(kv_load, load_runs, f"hit{n}"),
-            "ttft_example_hit_s": median_s(ex_load, load_runs, f"hit{n}"),
-            "inengine_cached_tokens": cached(base, base_runs, f"local{n}"),
-            "kvstore_cached_tokens": cached(kv_load, load_runs, f"hit{n}"),
-            "example_cached_tokens": cached(ex_load, load_runs, f"hit{n}"),
-            "expected_cached_tokens": (n - 1) // BLOCK * BLOCK,
-            "all_kvstore_hit_s": [x["wall_s"] for x in by_label(kv_load, load_runs, f"hit{n}")],
-            "all_cold_s": [x["wall_s"] for x in by_label(base, base_runs, f"cold{n}")],
-        }
-        entry["hit_vs_cold"] = entry["ttft_kvstore_hit_s"] / entry["ttft_cold_s"]
-        entry["hit_vs_example"] = entry["ttft_kvstore_hit_s"] / entry["ttft_example_hit_s"]
-        entry["hit_vs_inengine"] = entry["ttft_kvstore_hit_s"] / entry["ttft_inengine_hit_s"]
+    def med(arm: str, kind: str, label: str) -> float:
+        return statistics.median(walls(arm, kind, label))
+
+    def cached(arm: str, kind: str, label: str) -> list[int]:
+        return [x["outputs"][0]["num_cached_tokens"] for x in by_label(res[arm], runs[kind], label)]
+
+    e = {
+        "ttft_cold_s": med("base", "base", f"cold{n}"),
+        "ttft_inengine_hit_s": med("base", "base", f"local{n}"),
+        "ttft_cold_with_store_s": med("kv_save", "save", f"save{n}"),
+        "ttft_cold_with_example_s": med("ex_save", "save", f"save{n}"),
+        "ttft_kvstore_hit_s": med("kv_load", "load", f"hit{n}"),
+        "ttft_example_hit_s": med("ex_load", "load", f"hit{n}"),
         # paired: each connector's external hit against an in-engine hit of the same prompt in the same
         # engine process, right after it (insensitive to the other tenants of a shared machine)
-        entry["kvstore_engine_inengine_hit_s"] = median_s(kv_load, load_runs, f"local{n}")
-        entry["example_engine_inengine_hit_s"] = median_s(ex_load, load_runs, f"local{n}")
-        entry["hit_vs_inengine_paired"] = entry["ttft_kvstore_hit_s"] / entry["kvstore_engine_inengine_hit_s"]
-        entry["example_vs_inengine_paired"] = entry["ttft_example_hit_s"] / entry["example_engine_inengine_hit_s"]
-        entry["all_example_hit_s"] = [x["wall_s"] for x in by_label(ex_load, load_runs, f"hit{n}")]
-        results["lengths"][str(n)] = entry
-    top_entry = results["lengths"][str(top)]
-    results["ttft_hit_vs_cold_8k"] = top_entry["hit_vs_cold"]
-    results["ttft_vs_example_connector_8k"] = top_entry["hit_vs_example"]
-    results["ttft_vs_inengine_hit_8k"] = top_entry["hit_vs_inengine"]
-    results["ttft_vs_inengine_hit_paired_8k"] = top_entry["hit_vs_inengine_paired"]
-    results["example_vs_inengine_hit_paired_8k"] = top_entry["example_vs_inengine_paired"]
+        "kvstore_engine_inengine_hit_s": med("kv_load", "load", f"local{n}"),
+        "example_engine_inengine_hit_s": med("ex_load", "load", f"local{n}"),
+        "inengine_cached_tokens": cached("base", "base", f"local{n}"),
+        "kvstore_cached_tokens": cached("kv_load", "load", f"hit{n}"),
+        "example_cached_tokens": cached("ex_load", "load", f"hit{n}"),
+        "expected_cached_tokens": (n - 1) // BLOCK * BLOCK,
+        "all_cold_s": walls("base", "base", f"cold{n}"),
+        "all_kvstore_hit_s": walls("kv_load", "load", f"hit{n}"),
+        "all_example_hit_s": walls("ex_load", "load", f"hit{n}"),
+    }
+    e["hit_vs_cold"] = e["ttft_kvstore_hit_s"] / e["ttft_cold_s"]
+    e["hit_vs_example"] = e["ttft_kvstore_hit_s"] / e["ttft_example_hit_s"]
+    e["hit_vs_inengine"] = e["ttft_kvstore_hit_s"] / e["ttft_inengine_hit_s"]
+    e["hit_vs_inengine_paired"] = e["ttft_kvstore_hit_s"] / e["kvstore_engine_inengine_hit_s"]
+    e["example_vs_inengine_paired"] = e["ttft_example_hit_s"] / e["example_engine_inengine_hit_s"]
+    return e
+
+
+def bench(args) -> dict:
+    model = build_model("smollm2")
+    args.workdir = tempfile.mkdtemp(prefix="bench-vllm-")
+    ids = tokenize(model, corpus_text(80000))
+    while len(ids) < 2 * max(args.lengths) + 2000:
+        ids = ids + ids
+    runs = plan(ids, args)
+    res = run_arms(model, args.workdir, runs, args)
+    results: dict = {"model": "SmolLM2-135M-Instruct bf16", "block_size": BLOCK, "threads": args.threads,
+                     "bind": args.bind, "repeats": args.repeats, "cold_repeats": args.cold_repeats,
+                     "lengths": {str(n): summarize_length(n, res, runs) for n in args.lengths}}
+    top = results["lengths"][str(max(args.lengths))]
+    results["ttft_hit_vs_cold_8k"] = top["hit_vs_cold"]
+    results["ttft_vs_example_connector_8k"] = top["hit_vs_example"]
+    results["ttft_vs_inengine_hit_8k"] = top["hit_vs_inengine"]
+    results["ttft_vs_inengine_hit_paired_8k"] = top["hit_vs_inengine_paired"]
+    results["example_vs_inengine_hit_paired_8k"] = top["example_vs_inengine_paired"]
     return results
 
 
