@@ -69,6 +69,7 @@ class Daemon:
     socket: str
     proc: subprocess.Popen
     log_path: str
+    name: str = ""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -78,6 +79,10 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # the daemon leaves its instance lock file behind; test instances have unique names
+        lock = f"/dev/shm/kvstore-{os.getuid()}-{self.name}.lock"
+        if self.name and os.path.exists(lock):
+            os.unlink(lock)
 
     def client(self):
         from kvstore.client import KVClient
@@ -96,7 +101,7 @@ def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = 
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=base_env(workdir))
-    daemon = Daemon(socket, proc, log_path)
+    daemon = Daemon(socket, proc, log_path, name)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
