@@ -34,6 +34,32 @@ from tiers.host import HostArena
 log = logging.getLogger(__name__)
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale_instance(shm_path: str) -> bool:
+    """Remove the arena and lock of an instance whose daemon is gone (killed); False if one still runs."""
+    try:
+        fd = os.open(shm_path + ".lock", os.O_RDWR)
+    except FileNotFoundError:
+        _unlink(shm_path)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    else:
+        _unlink(shm_path)
+        _unlink(shm_path + ".lock")
+        return True
+    finally:
+        os.close(fd)
+
+
 def _socket_answers(path: str) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -158,11 +184,9 @@ class Daemon:
         if close is not None:
             await asyncio.get_running_loop().run_in_executor(None, close)
         self.store.host.close(unlink=True)
-        try:
-            os.unlink(self.config.server.socket_path)
-        except FileNotFoundError:
-            pass
+        _unlink(self.config.server.socket_path)
         if self._lock_fd is not None:
+            _unlink(self.config.shm_path + ".lock")  # still held: no other daemon of this name is running
             os.close(self._lock_fd)
         log.info("stopped")
 

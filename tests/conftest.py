@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from server.daemon import remove_stale_instance
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,7 +50,14 @@ class DaemonProc:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
+        code = self.proc.wait(timeout=timeout)
+        self.cleanup()
+        return code
+
+    def cleanup(self) -> None:
+        """A killed daemon leaves its arena and lock in /dev/shm: remove them (a clean stop already did)."""
+        if self.proc.poll() is not None:
+            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}")
 
 
 def start_daemon(tmp_path: Path, *extra: str, host_bytes: str = "64MiB", page_bytes: str = "64KiB",
@@ -76,6 +85,7 @@ def daemon(tmp_path):
     yield d
     if d.alive():
         assert d.stop() == 0
+    d.cleanup()
 
 
 @pytest.fixture
@@ -90,7 +100,11 @@ def daemon_factory(tmp_path):
     yield make
     for d in started:
         if d.alive():
-            d.stop(signal.SIGKILL)
+            try:
+                d.stop(signal.SIGTERM, timeout=30)
+            except subprocess.TimeoutExpired:
+                d.stop(signal.SIGKILL)
+        d.cleanup()
 
 
 def pytest_collection_modifyitems(config, items):

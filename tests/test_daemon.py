@@ -214,3 +214,18 @@ def test_arena_and_socket_are_private_to_the_user(daemon):
         assert os.stat(arena).st_mode & 0o777 == 0o600
         assert c.server_info["arena_bytes"] == 64 << 20  # the configured budget, whole pages
     assert os.stat(daemon.socket_path).st_mode & 0o777 == 0o600
+
+
+def test_a_stopped_daemon_leaves_nothing_in_dev_shm(daemon_factory):
+    d = daemon_factory()
+    shm = f"/dev/shm/kvstore-{os.getuid()}-{d.name}"
+    assert os.path.exists(shm) and os.path.exists(shm + ".lock")
+    assert d.stop() == 0
+    assert not os.path.exists(shm) and not os.path.exists(shm + ".lock")
+    killed = daemon_factory()
+    shm = f"/dev/shm/kvstore-{os.getuid()}-{killed.name}"
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait(timeout=30)
+    assert os.path.exists(shm), "a killed daemon cannot clean up"
+    killed.cleanup()  # what a restart (or the test harness) does with a stale instance
+    assert not os.path.exists(shm) and not os.path.exists(shm + ".lock")

@@ -181,6 +181,7 @@ def test_kill_9_during_a_write_storm_then_restart(tmp_path, mixed):
         finally:
             if d.alive():
                 d.stop(signal.SIGKILL)
+            d.cleanup()
         all_chains += storm.chains
         records, must_serve = acknowledged(disk_path)
         total_acknowledged += len(must_serve)

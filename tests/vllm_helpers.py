@@ -79,10 +79,10 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        # the daemon leaves its instance lock file behind; test instances have unique names
-        lock = f"/dev/shm/kvstore-{os.getuid()}-{self.name}.lock"
-        if self.name and os.path.exists(lock):
-            os.unlink(lock)
+        if self.name:  # a killed daemon leaves its arena and lock in /dev/shm
+            from server.daemon import remove_stale_instance
+
+            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}")
 
     def client(self):
         from kvstore.client import KVClient
