@@ -270,12 +270,13 @@ class TieredStore:
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Admin removal of the given blocks and their subtrees, where nothing in them is pinned."""
         self.namespace(ns_id)
+        children = self._children_map()  # once per call: subtrees stay disjoint as they are removed
         removed = 0
         for h in hashes:
             entry = self.entries.get((ns_id, h))
             if entry is None or not entry.committed:
                 continue
-            subtree = self._subtree(entry.key)
+            subtree = [k for k in self._subtree(entry.key, children) if k in self.entries]
             if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
                 continue
             for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
@@ -285,18 +286,23 @@ class TieredStore:
 
     def clear(self) -> int:
         """Drop every committed, unpinned block whose subtree is unpinned and committed."""
-        roots = [e.key for e in self.entries.values() if e.parent is None]
-        removed = 0
-        for ns_id, h in roots:
-            if (ns_id, h) in self.entries:
-                removed += self.remove(ns_id, [h])
-        return removed
+        roots: dict[str, list[bytes]] = defaultdict(list)
+        for e in self.entries.values():
+            if e.parent is None:
+                roots[e.key[0]].append(e.key[1])
+        return sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
 
-    def _subtree(self, root: Key) -> list[Key]:
+    def _children_map(self) -> dict[Key, list[Key]]:
         children: dict[Key, list[Key]] = defaultdict(list)
         for e in self.entries.values():
             if e.parent is not None:
                 children[e.parent].append(e.key)
+        return children
+
+    def _subtree(self, root: Key, children: dict[Key, list[Key]] | None = None) -> list[Key]:
+        """`root` and everything below it; pass a `_children_map()` to walk many subtrees in O(n)."""
+        if children is None:
+            children = self._children_map()
         out, stack = [], [root]
         while stack:
             key = stack.pop()
