@@ -57,8 +57,13 @@ def replay(
     block_bytes: int = 4096,
     progress: Callable[[int], None] | None = None,
     factory: PolicyFactory | None = None,
+    hits_out: list | None = None,
 ) -> dict:
-    """One replay; returns the run's result dict. `factory(clock)` overrides the policy object."""
+    """One replay; returns the run's result dict.
+
+    `factory(clock)` overrides the policy object; `hits_out`, when given, gets
+    each request's hit count (leading blocks served) appended in order.
+    """
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be positive")
     chains = [expand(r, block_tokens) for r in requests]
@@ -91,6 +96,8 @@ def replay(
                 store.acquire(ns_id, hashes[:hits], owner)
                 store.release(ns_id, hashes[:hits], owner)
             tally.add(tokens, hits, ())
+            if hits_out is not None:
+                hits_out.append(hits)
             if hits < len(hashes):
                 tally.rejected_blocks += _admit(store, ns_id, hashes, hits, owner, estimate)
             if check_every and (i + 1) % check_every == 0:
