@@ -48,7 +48,7 @@ import msgpack
 from eviction.base import BlockInfo, make_policy
 from kvstore.errors import CapacityError, NamespaceError
 from kvstore.keys import ROOT_HASH, Namespace
-from kvstore.store import RANK, Entry, Key, LookupResult, Owner, TieredStore
+from kvstore.store import RANK, Entry, Key, LookupResult, Owner, TieredStore, link_child
 from tiers.disk import DiskTier, DiskWrite
 from tiers.host import HostArena, copy_in, copy_out
 
@@ -148,6 +148,7 @@ class DiskTieredStore(TieredStore):
             self.entries[key] = e
             if parent is not None:
                 parent.children[RANK["disk"]] += 1
+                link_child(parent, key)
             adopted.append((rec.get("t", 0.0), e))
             frontier.extend(children.pop(key, ()))
         for rkey, rec, _ in records.values():  # unreachable from a root: orphans

@@ -53,6 +53,34 @@ class Entry:
     pins: int = 0
     children: list = field(default_factory=lambda: [0, 0, 0])  # resident children per tier rank
     attention: float | None = None
+    kids: object = None  # the children's keys: None, one Key, or a set of Keys (see `_link`)
+
+
+def link_child(parent: Entry, key: Key) -> None:
+    """Index `key` under `parent`. Most blocks have at most one child, so one child is
+    stored bare (no set per chain link); a second one turns it into a set."""
+    kids = parent.kids
+    if kids is None:
+        parent.kids = key
+    elif isinstance(kids, set):
+        kids.add(key)
+    elif kids != key:
+        parent.kids = {kids, key}
+
+
+def unlink_child(parent: Entry, key: Key) -> None:
+    kids = parent.kids
+    if isinstance(kids, set):
+        kids.discard(key)
+        if len(kids) == 1:
+            parent.kids = next(iter(kids))
+    elif kids == key:
+        parent.kids = None
+
+
+def children_of(entry: Entry) -> tuple | set:
+    kids = entry.kids
+    return () if kids is None else kids if isinstance(kids, set) else (kids,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +231,7 @@ class TieredStore:
             self.entries[key] = entry
             if parent_entry is not None:
                 parent_entry.children[RANK["host"]] += 1
+                link_child(parent_entry, key)
             self.reserved_by_owner[owner].add(key)
             out.append(entry)
         return out
@@ -236,9 +265,8 @@ class TieredStore:
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         self._check_reserved(ns_id, hashes, owner)
         batch = {(ns_id, h) for h in hashes}
-        for e in self.entries.values():
-            if e.parent in batch and e.key not in batch:
-                raise KVStoreError("abort a block together with the blocks reserved under it")
+        if any(kid not in batch for key in batch for kid in children_of(self.entries[key])):
+            raise KVStoreError("abort a block together with the blocks reserved under it")
         # Children first, so a parent aborted in the same batch is a leaf when it goes.
         for h in sorted(hashes, key=lambda h: -self.entries[(ns_id, h)].depth):
             self.reserved_by_owner[owner].discard((ns_id, h))
@@ -270,13 +298,12 @@ class TieredStore:
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Admin removal of the given blocks and their subtrees, where nothing in them is pinned."""
         self.namespace(ns_id)
-        children = self._children_map()  # once per call: subtrees stay disjoint as they are removed
         removed = 0
         for h in hashes:
             entry = self.entries.get((ns_id, h))
             if entry is None or not entry.committed:
                 continue
-            subtree = [k for k in self._subtree(entry.key, children) if k in self.entries]
+            subtree = self._subtree(entry.key)
             if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
                 continue
             for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
@@ -292,22 +319,14 @@ class TieredStore:
                 roots[e.key[0]].append(e.key[1])
         return sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
 
-    def _children_map(self) -> dict[Key, list[Key]]:
-        children: dict[Key, list[Key]] = defaultdict(list)
-        for e in self.entries.values():
-            if e.parent is not None:
-                children[e.parent].append(e.key)
-        return children
-
-    def _subtree(self, root: Key, children: dict[Key, list[Key]] | None = None) -> list[Key]:
-        """`root` and everything below it; pass a `_children_map()` to walk many subtrees in O(n)."""
-        if children is None:
-            children = self._children_map()
+    def _subtree(self, root: Key) -> list[Key]:
+        """`root` and everything below it, in O(size of the subtree)."""
+        entries = self.entries
         out, stack = [], [root]
         while stack:
             key = stack.pop()
             out.append(key)
-            stack.extend(children.get(key, ()))
+            stack.extend(children_of(entries[key]))
         return out
 
     # -- eviction ------------------------------------------------------------
@@ -389,6 +408,7 @@ class TieredStore:
             parent = self.entries.get(entry.parent)
             if parent is not None:
                 parent.children[RANK[entry.tier]] -= 1
+                unlink_child(parent, entry.key)
 
     def _free_location(self, entry: Entry) -> None:
         if entry.tier == "host":
@@ -451,6 +471,9 @@ class TieredStore:
         for key, e in self.entries.items():
             if e.children != children.get(key, [0, 0, 0]):
                 problems.append(f"child counts of {key} are {e.children}, tree says {children.get(key)}")
+            kids = children_of(e)
+            if sum(e.children) != len(kids) or any(self.entries.get(k, e).parent != key for k in kids):
+                problems.append(f"children index of {key} does not match its children's parent links")
         pin_sum: Counter = Counter()
         for pins in self.pins_by_owner.values():
             pin_sum.update(pins)
