@@ -153,3 +153,27 @@ def test_store_against_model(policy):
         suppress_health_check=[HealthCheck.too_slow],
     )
     runner().runTest()
+
+
+def test_check_catches_a_broken_children_index_and_remove_walks_it():
+    arena = HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", NUM_PAGES * PAGE, PAGE, prefault=False)
+    try:
+        store = TieredStore(arena, policy="lru")
+        ns = store.register_namespace(Namespace("m", "f32", 1, 1, 1, 16, BLOCK))
+        a = child_hash(None, 1)
+        b, c = child_hash(a, 2), child_hash(a, 3)  # a has two children: the set form of the index
+        d = child_hash(b, 4)
+        blocks = [(a, None), (b, a), (c, a), (d, b)]
+        assert all(store.reserve(ns, blocks, 1))
+        store.commit(ns, [a, b, c, d], 1)
+        assert store.check() == []
+        root = store.entries[(ns, a)]
+        assert root.kids == {(ns, b), (ns, c)}
+        root.kids = (ns, b)  # forget c
+        assert any("children index" in p for p in store.check())
+        root.kids = {(ns, b), (ns, c)}
+        assert store.remove(ns, [b]) == 2  # b and d, not its sibling c
+        assert root.kids == (ns, c) and store.check() == []
+        assert store.remove(ns, [a]) == 2 and not store.entries and store.check() == []
+    finally:
+        arena.close()
