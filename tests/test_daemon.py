@@ -229,3 +229,39 @@ def test_a_stopped_daemon_leaves_nothing_in_dev_shm(daemon_factory):
     assert os.path.exists(shm), "a killed daemon cannot clean up"
     killed.cleanup()  # what a restart (or the test harness) does with a stale instance
     assert not os.path.exists(shm) and not os.path.exists(shm + ".lock")
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_large_batches_copy_on_threads_byte_exact(daemon, copy_threads):
+    """Chunks of 8 x 1 MiB: big enough for the copy threads (PARALLEL_COPY_MIN_*), 3 of them split it."""
+    big = Namespace("test-model", "bfloat16", 8, 2, 64, 16, 1 << 20)
+    rng = np.random.default_rng(copy_threads)
+    hs, ps = chain(40 + copy_threads, 24)
+    payloads = [rng.integers(0, 256, big.block_bytes, dtype=np.uint8) for _ in hs]
+    with KVClient(daemon.socket_path, copy_threads=copy_threads) as c:
+        ns = c.register(big)
+        assert c.put(ns, list(zip(hs, ps, payloads)), chunk=8) == len(hs)
+        outs = [np.zeros(big.block_bytes, np.uint8) for _ in hs]
+        assert c.get_into(ns, hs, outs, chunk=8) == [True] * len(hs)
+        assert all(np.array_equal(a, b) for a, b in zip(outs, payloads))
+        assert (c._pool is not None) == (copy_threads > 1), "the threaded path ran (or not) as configured"
+        # A short destination in the first chunk: ValueError, and no pin stays behind, also
+        # none of the second chunk, whose acquire was in flight during the failed copy.
+        short = [np.zeros(big.block_bytes, np.uint8) for _ in hs]
+        short[5] = short[5][:-1]
+        with pytest.raises(ValueError):
+            c.get_into(ns, hs, short, chunk=8)
+        assert c.remove(ns, [hs[0]]) == len(hs), "every block released: the whole chain can be removed"
+        # A wrong-sized payload in the first chunk: nothing is committed, and the second
+        # chunk's reservation (in flight during the failed copy) is aborted too.
+        bad = list(payloads)
+        bad[5] = bad[5][:-1]
+        with pytest.raises(ValueError):
+            c.put(ns, list(zip(hs, ps, bad)), chunk=8)
+        assert c.lookup(ns, hs).hits == 0
+        assert c.put(ns, list(zip(hs, ps, payloads)), chunk=8) == len(hs), "no reservation left behind"
+
+
+def test_copy_threads_must_be_positive():
+    with pytest.raises(ValueError, match="copy_threads"):
+        KVClient("/nonexistent.sock", copy_threads=0, connect=False)

@@ -5,7 +5,9 @@ process. For each block size (2 MiB = one 16-token block of a Llama-8B-shaped
 model: 32 layers x 8 KV heads x 128 head dim x 2 (K,V) x 2 B x 16 tokens; and
 256 KiB) it measures:
 
-- memcpy: numpy copy of the same blocks between prefaulted private buffers;
+- memcpy: numpy copy of the same blocks between prefaulted private buffers,
+  on one thread (the project's yardstick) and, for reference, on as many
+  threads as the client copies with (`--copy-threads`, default 2);
 - put: `KVClient.put`: reserve a batch (one RPC) -> copy into the shared arena ->
   commit (one RPC), pipelined so the next reserve is in flight during the copy;
 - get: `KVClient.get_into`: acquire a batch -> copy out of the arena -> release,
@@ -19,7 +21,7 @@ for shared memory (`shmem_enabled`), and page size alone is ~9% of memcpy speed.
 It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashing
 included, against a store that holds the whole prompt (p50/p90/p99).
 
-    python tools/bench_store.py [--json] [--rounds 5] [--total-mib 512]
+    python tools/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -79,6 +82,14 @@ def shm_thp() -> str:
         return "unknown"
 
 
+def threaded_copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy row i of src to dst, rows split round-robin over `threads` threads (the client's split)."""
+    def run(j: int) -> None:
+        for i in range(j, len(src), threads):
+            np.copyto(dst[i], src[i])
+    list(pool.map(run, range(threads)))
+
+
 def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int) -> dict:
     n = total_bytes // block_bytes
     ns = client.register(Namespace(f"bench-{block_bytes}", "bf16", 32, 8, 128, 16, block_bytes))
@@ -87,7 +98,9 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
     dst = prefaulted(n * block_bytes).reshape(n, block_bytes)
     src4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
     dst4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
-    memcpy, memcpy4k, put, get = [], [], [], []
+    memcpy, memcpy4k, memcpy_mt, put, get = [], [], [], [], []
+    threads = client.copy_threads
+    pool = ThreadPoolExecutor(threads)
     for r in range(rounds):
         t = time.perf_counter()
         for i in range(n):
@@ -97,6 +110,9 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         for i in range(n):
             np.copyto(dst4k[i], src4k[i])
         memcpy4k.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        threaded_copy(pool, threads, dst, src)
+        memcpy_mt.append(time.perf_counter() - t)
 
         # Requests of `chain` blocks each (e.g. 64 x 2 MiB = a 1k-token prompt of Llama-8B).
         blocks = []
@@ -118,6 +134,7 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         # Untimed: drop this round's chains, so every round writes into free pages and
         # the numbers do not depend on what the eviction policy chooses to keep.
         client.remove(ns, [h for h, parent, _ in blocks if parent is None])
+    pool.shutdown()
     gbps = lambda secs: total_bytes / statistics.median(secs) / 1e9  # noqa: E731
     return {
         "block_bytes": block_bytes,
@@ -130,6 +147,10 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         "memcpy_4k_pages_gbps": gbps(memcpy4k),
         "put_vs_memcpy_4k_pages": statistics.median(memcpy4k) / statistics.median(put),
         "get_vs_memcpy_4k_pages": statistics.median(memcpy4k) / statistics.median(get),
+        "copy_threads": threads,
+        "memcpy_threads_gbps": gbps(memcpy_mt),
+        "put_vs_memcpy_threads": statistics.median(memcpy_mt) / statistics.median(put),
+        "get_vs_memcpy_threads": statistics.median(memcpy_mt) / statistics.median(get),
     }
 
 
@@ -168,12 +189,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="blocks per RPC")
     ap.add_argument("--chain", type=int, default=64, help="blocks per request chain")
     ap.add_argument("--lookup-iters", type=int, default=200)
+    ap.add_argument("--copy-threads", type=int, default=2, help="the client's copy threads (KVClient copy_threads)")
     args = ap.parse_args()
     total = args.total_mib * MiB
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(tmp, host_bytes=total + 640 * MiB)
         try:
-            with KVClient(sock, name="bench") as client:
+            with KVClient(sock, name="bench", copy_threads=args.copy_threads) as client:
                 sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain) for b in (2 * MiB, 256 * 1024)]
                 lookup = bench_lookup(client, args.lookup_iters)
         finally:
@@ -190,6 +212,7 @@ def main() -> int:
         "shmem_thp": shm_thp(),
         "rounds": args.rounds,
         "batch": args.batch,
+        "copy_threads": args.copy_threads,
     }
     if args.json:
         print(json.dumps(result))
@@ -200,6 +223,8 @@ def main() -> int:
               f"get {s['get_gbps']:.2f} GB/s = {s['get_vs_memcpy']:.2f}x memcpy")
         print(f"{'':>24}memcpy with 4 KiB pages {s['memcpy_4k_pages_gbps']:.2f} GB/s: put {s['put_vs_memcpy_4k_pages']:.2f}x, "
               f"get {s['get_vs_memcpy_4k_pages']:.2f}x (shared memory THP here: {result['shmem_thp']})")
+        print(f"{'':>24}memcpy on {s['copy_threads']} threads {s['memcpy_threads_gbps']:.2f} GB/s: "
+              f"put {s['put_vs_memcpy_threads']:.2f}x, get {s['get_vs_memcpy_threads']:.2f}x")
     print(f"lookup of a 32k-token prompt (2,048 blocks, hashing included): p50 {lookup['lookup_32k_p50_ms']:.2f} ms, "
           f"p90 {lookup['lookup_32k_p90_ms']:.2f} ms, p99 {lookup['lookup_32k_p99_ms']:.2f} ms "
           f"(hashing alone p50 {lookup['hash_32k_p50_ms']:.2f} ms)")
