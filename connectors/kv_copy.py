@@ -23,6 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvstore.client import copy_bytes  # tiers.host's, through the client (connectors -> kvstore only)
+
 
 def block_major(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """A view of `t` whose dim 0 indexes the engine's blocks.
@@ -141,10 +143,13 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src. On CPU through numpy: a single-threaded memcpy-like loop; torch's
-    copy_ fans out to the OpenMP pool, which is several times slower when the cores
-    are busy (measured 10x on a loaded 2-core box) and competes with the model's threads."""
-    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.stride(-1) == 1 and src.stride(-1) == 1:
+    """dst[...] = src. On CPU through numpy on the calling thread: torch's copy_ fans out
+    to the OpenMP pool, which is several times slower when the cores are busy (measured
+    10x on a loaded 2-core box) and competes with the model's threads. Contiguous pairs
+    take the arena's copy loop (`tiers.host.copy_bytes`: no slow `rep movsb` on AMD)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
+        copy_bytes(_as_bytes(dst).reshape(-1), _as_bytes(src).reshape(-1))
+    elif dst.device.type == "cpu" and src.device.type == "cpu" and dst.stride(-1) == 1 and src.stride(-1) == 1:
         np.copyto(_as_bytes(dst), _as_bytes(src))
     else:
         dst.copy_(src)

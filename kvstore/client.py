@@ -38,6 +38,7 @@ from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
 from kvstore.store import LookupResult
 from tiers.host import Extents, copy_in, copy_out, map_arena
+from tiers.host import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
 
 Block = tuple  # (hash, parent hash or None, payload buffer)
 PARALLEL_COPY_MIN_BYTES = 4 << 20

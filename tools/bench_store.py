@@ -7,7 +7,9 @@ model: 32 layers x 8 KV heads x 128 head dim x 2 (K,V) x 2 B x 16 tokens; and
 
 - memcpy: numpy copy of the same blocks between prefaulted private buffers,
   on one thread (the project's yardstick) and, for reference, on as many
-  threads as the client copies with (`--copy-threads`, default 2);
+  threads as the client copies with (`--copy-threads`, default 2), and
+  with the store's own copy routine (`tiers.host.copy_bytes`, a vectorised
+  loop that avoids glibc's slow `rep movsb` range on AMD), single-threaded;
 - put: `KVClient.put`: reserve a batch (one RPC) -> copy into the shared arena ->
   commit (one RPC), pipelined so the next reserve is in flight during the copy;
 - get: `KVClient.get_into`: acquire a batch -> copy out of the arena -> release,
@@ -22,6 +24,7 @@ It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashin
 included, against a store that holds the whole prompt (p50/p90/p99).
 
     python tools/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2]
+    python tools/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tiers.host import copy_in, copy_out  # noqa: E402
+from tiers.host import copy_bytes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -82,6 +85,35 @@ def shm_thp() -> str:
         return "unknown"
 
 
+def copy_probe(total: int = 512 * MiB) -> list[dict]:
+    """GB/s of memcpy (numpy copyto) and of `copy_bytes`, out of and into a /dev/shm
+    mapping (4 KiB pages, like the arena), 512 MiB moved in pieces of each size; best of 3."""
+    path = f"/dev/shm/kvstore-copy-probe-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        shm = np.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)), np.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    shm[:] = 1
+    private = prefaulted(total)
+    rows = []
+    for piece in (64 * 1024, 256 * 1024, MiB, 2 * MiB):
+        row: dict = {"piece_bytes": piece}
+        for direction, (src, dst) in (("out_of_shm", (shm, private)), ("into_shm", (private, shm))):
+            for name, fn in (("memcpy", lambda d, s: np.copyto(d, s)), ("copy_loop", copy_bytes)):
+                best = 0.0
+                for _ in range(3):
+                    t = time.perf_counter()
+                    for o in range(0, total, piece):
+                        fn(dst[o : o + piece], src[o : o + piece])
+                    best = max(best, total / (time.perf_counter() - t) / 1e9)
+                row[f"{direction}_{name}_gbps"] = best
+        rows.append(row)
+    return rows
+
+
 def threaded_copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray) -> None:
     """Copy row i of src to dst, rows split round-robin over `threads` threads (the client's split)."""
     def run(j: int) -> None:
@@ -98,7 +130,7 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
     dst = prefaulted(n * block_bytes).reshape(n, block_bytes)
     src4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
     dst4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
-    memcpy, memcpy4k, memcpy_mt, put, get = [], [], [], [], []
+    memcpy, memcpy4k, memcpy_mt, loop, put, get = [], [], [], [], [], []
     threads = client.copy_threads
     pool = ThreadPoolExecutor(threads)
     for r in range(rounds):
@@ -110,6 +142,10 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         for i in range(n):
             np.copyto(dst4k[i], src4k[i])
         memcpy4k.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for i in range(n):
+            copy_bytes(dst[i], src[i])
+        loop.append(time.perf_counter() - t)
         t = time.perf_counter()
         threaded_copy(pool, threads, dst, src)
         memcpy_mt.append(time.perf_counter() - t)
@@ -147,6 +183,9 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         "memcpy_4k_pages_gbps": gbps(memcpy4k),
         "put_vs_memcpy_4k_pages": statistics.median(memcpy4k) / statistics.median(put),
         "get_vs_memcpy_4k_pages": statistics.median(memcpy4k) / statistics.median(get),
+        "copy_loop_gbps": gbps(loop),
+        "put_vs_copy_loop": statistics.median(loop) / statistics.median(put),
+        "get_vs_copy_loop": statistics.median(loop) / statistics.median(get),
         "copy_threads": threads,
         "memcpy_threads_gbps": gbps(memcpy_mt),
         "put_vs_memcpy_threads": statistics.median(memcpy_mt) / statistics.median(put),
@@ -190,7 +229,19 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=64, help="blocks per request chain")
     ap.add_argument("--lookup-iters", type=int, default=200)
     ap.add_argument("--copy-threads", type=int, default=2, help="the client's copy threads (KVClient copy_threads)")
+    ap.add_argument("--copy-probe", action="store_true",
+                    help="only compare memcpy with the store's copy loop against /dev/shm memory, and exit")
     args = ap.parse_args()
+    if args.copy_probe:
+        rows = copy_probe()
+        if args.json:
+            print(json.dumps({"copy_probe": rows}))
+            return 0
+        for r in rows:
+            print(f"{r['piece_bytes'] >> 10:>5} KiB pieces, GB/s memcpy / copy loop: "
+                  f"out of /dev/shm {r['out_of_shm_memcpy_gbps']:.1f} / {r['out_of_shm_copy_loop_gbps']:.1f}, "
+                  f"into it {r['into_shm_memcpy_gbps']:.1f} / {r['into_shm_copy_loop_gbps']:.1f}")
+        return 0
     total = args.total_mib * MiB
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(tmp, host_bytes=total + 640 * MiB)
@@ -223,6 +274,8 @@ def main() -> int:
               f"get {s['get_gbps']:.2f} GB/s = {s['get_vs_memcpy']:.2f}x memcpy")
         print(f"{'':>24}memcpy with 4 KiB pages {s['memcpy_4k_pages_gbps']:.2f} GB/s: put {s['put_vs_memcpy_4k_pages']:.2f}x, "
               f"get {s['get_vs_memcpy_4k_pages']:.2f}x (shared memory THP here: {result['shmem_thp']})")
+        print(f"{'':>24}the store's copy loop on 1 thread {s['copy_loop_gbps']:.2f} GB/s: "
+              f"put {s['put_vs_copy_loop']:.2f}x, get {s['get_vs_copy_loop']:.2f}x")
         print(f"{'':>24}memcpy on {s['copy_threads']} threads {s['memcpy_threads_gbps']:.2f} GB/s: "
               f"put {s['put_vs_memcpy_threads']:.2f}x, get {s['get_vs_memcpy_threads']:.2f}x")
     print(f"lookup of a 32k-token prompt (2,048 blocks, hashing included): p50 {lookup['lookup_32k_p50_ms']:.2f} ms, "
