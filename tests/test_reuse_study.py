@@ -43,11 +43,17 @@ def test_hit_density_table_favours_blocks_that_come_back():
     # block 0 comes back every 30 s; each request's second block is never seen again
     trace = [Request(30.0 * i, 1024, (0, 1000 + i)) for i in range(200)]
     table = reuse_study.fit_hit_density(trace, horizon_s=120.0)
-    assert table.shape == (reuse_study.HD_CLASSES, reuse_study.HD_BINS)
-    assert np.all(table >= 0) and np.isfinite(table).all()
+    assert set(table) == {(1,), (2,), (3,), (4,)}
+    assert all(row.shape == (reuse_study.HD_BINS,) and np.all(row >= 0) and np.isfinite(row).all()
+               for row in table.values())
     # class 1 is mostly one-off blocks; class 4+ is block 0, one hit per 30 s of residence
-    assert table[0, 0] < 0.01 < table[3, 0]
-    assert table[3, 0] == pytest.approx(1 / 30, rel=0.05)
+    assert table[(1,)][0] < 0.01 < table[(4,)][0]
+    assert table[(4,)][0] == pytest.approx(1 / 30, rel=0.05)
+    # with arrival features the one-off blocks (last block of their request) get their own class
+    features = reuse_study.arrival_features(trace)
+    assert features[0] == (0, False, False) and features[1005] == (0, False, True)
+    split = reuse_study.fit_hit_density(trace, horizon_s=120.0, features=features)
+    assert split[(1, 0, False, True)][0] == 0.0 and split[(4, 0, False, False)][0] == pytest.approx(1 / 30, rel=0.05)
 
 
 @needs_trace
@@ -63,12 +69,13 @@ def test_study_invariants_on_a_real_excerpt():
         assert all(split[k] <= doc["available"][k] for k in split), name
     assert all(runs["belady"]["hit_ratio"] >= r["hit_ratio"] for r in runs.values())
     assert doc["best_baseline"] in ("lru", "s3fifo")
-    assert set(doc["gap_closed"]) == {"attention", "belady", "hd-oracle"}
+    assert set(doc["gap_closed"]) == {"attention", "belady", "hd-oracle", "hd-oracle+arrival"}
     assert doc["gap_closed"]["belady"] == pytest.approx(1.0)
     # the oracle policy through the real store: replay() itself would raise on orphans or check problems
     hits: list[int] = []
-    table = reuse_study.fit_hit_density(requests, 120.0)
-    result = replay(requests, "lru", 300, factory=lambda clock: reuse_study.HitDensityOracle(table, clock),
+    features = reuse_study.arrival_features(requests)
+    table = reuse_study.fit_hit_density(requests, 120.0, features)
+    result = replay(requests, "lru", 300, factory=lambda clock: reuse_study.HitDensityOracle(table, clock, features),
                     hits_out=hits)
     assert result["orphans"] == 0 and result["check_problems"] == 0
     assert len(hits) == len(requests) and sum(hits) == result["hit_blocks"]

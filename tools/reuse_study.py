@@ -8,7 +8,10 @@ The evidence behind the eviction goal's 4k-block gap (docs/benchmarks.md,
    count, age since last use), with the density curves fitted on the trace's
    *own* future. It knows the distribution exactly but no single block's
    future, so it bounds what an online policy built on those two features
-   (LRU, LFU, LRFU, LHD and their mixes) could learn. Evaluation only, like Belady.
+   (LRU, LFU, LRFU, LHD and their mixes) could learn. `hd-oracle+arrival`
+   splits the classes further by what the store knows when a block arrives
+   (depth bucket, new conversation or continuation, last block of the
+   request). Evaluation only, like Belady.
 2. The hits each policy gets, split by the kind of reference (a block's first
    reuse or a later one) and the time since the block's previous reference.
    Belady's lead is in references that an online policy must keep an unhit
@@ -27,6 +30,7 @@ import heapq
 import itertools
 import json
 import math
+import struct
 import sys
 from collections import Counter, defaultdict
 from typing import Callable, Sequence
@@ -42,6 +46,8 @@ GAP_EDGES_S = (60.0, 180.0, 600.0)
 HD_BIN_S = 5.0
 HD_BINS = 240  # 20 minutes of age; older blocks use the last bin
 HD_CLASSES = 4  # reference count 1, 2, 3, 4+
+HD_HORIZON_S = 120.0  # of the hit-density fit (120 s did best of 120/300/600 in a quick sweep at 4k)
+_UNPACK = struct.Struct("<QQ").unpack  # a replay block hash: (trace block id, sub-block)
 
 
 # -- an offline-fitted hit-density policy (evaluation only) ---------------------------------------
@@ -53,29 +59,49 @@ def _ref_times(requests: Sequence[Request]) -> dict[int, list[float]]:
     return times
 
 
-def fit_hit_density(requests: Sequence[Request], horizon_s: float) -> np.ndarray:
-    """HD[c, a]: hits per second of residence expected over the next `horizon_s` seconds
-    for a block referenced c+1 times (capped) whose last reference was a*HD_BIN_S seconds ago.
+def arrival_features(requests: Sequence[Request]) -> dict[int, tuple]:
+    """Per trace block id, what the store knows at its first reference:
+    (depth // 8 capped at 3, the request continued a cached prefix of > 1 block, last block of the request)."""
+    seen: set = set()
+    out: dict[int, tuple] = {}
+    for r in requests:
+        ids, n = r.hash_ids, len(r.hash_ids)
+        hit = 0
+        while hit < n and ids[hit] in seen:
+            hit += 1
+        for j in range(hit, n):
+            out.setdefault(ids[j], (min(j // 8, 3), hit > 1, j == n - 1))
+        seen.update(ids)
+    return out
 
-    HD = P(next reference in (age, age + H] | none before age) / E[min(G, age + H) - age | G > age],
-    G the time from a reference to the block's next one (inf when there is none).
+
+def fit_hit_density(requests: Sequence[Request], horizon_s: float, features: dict | None = None) -> dict[tuple, np.ndarray]:
+    """Class -> HD[a]: hits per second of residence expected over the next `horizon_s`
+    seconds for a block of that class whose last reference was a*HD_BIN_S seconds ago.
+
+    The class is (reference count so far, capped at HD_CLASSES,) plus the block's
+    `features` entry when given. HD = P(next reference in (age, age + H] | none
+    before age) / E[min(G, age + H) - age | G > age], G the time from a
+    reference to the block's next one (inf when there is none).
     """
-    gaps: list[list[float]] = [[] for _ in range(HD_CLASSES)]
-    for t in _ref_times(requests).values():
+    gaps: dict[tuple, list[float]] = defaultdict(list)
+    for block, t in _ref_times(requests).items():
+        extra = features[block] if features is not None else ()
         for k, tk in enumerate(t):
-            gaps[min(k, HD_CLASSES - 1)].append(t[k + 1] - tk if k + 1 < len(t) else math.inf)
-    table = np.zeros((HD_CLASSES, HD_BINS))
-    for c, g in enumerate(gaps):
+            gaps[(min(k + 1, HD_CLASSES), *extra)].append(t[k + 1] - tk if k + 1 < len(t) else math.inf)
+    table: dict[tuple, np.ndarray] = {}
+    for cls, g in gaps.items():
         arr = np.asarray(g)
+        row = np.zeros(HD_BINS)
         for b in range(HD_BINS):
             age = b * HD_BIN_S
             alive = arr[arr > age]
-            if len(alive) < 50:  # too few samples: keep the previous bin's density
-                table[c, b] = table[c, b - 1] if b else 0.0
+            if len(alive) < 30:  # too few samples: keep the previous bin's density
+                row[b] = row[b - 1] if b else 0.0
                 continue
             hit = np.count_nonzero(alive <= age + horizon_s) / len(alive)
-            life = float(np.minimum(alive, age + horizon_s).mean() - age)
-            table[c, b] = hit / life
+            row[b] = hit / float(np.minimum(alive, age + horizon_s).mean() - age)
+        table[cls] = row
     return table
 
 
@@ -84,9 +110,11 @@ class HitDensityOracle(EvictionPolicy):
 
     name = "hd-oracle"
 
-    def __init__(self, table: np.ndarray, clock: Callable[[], float]) -> None:
+    def __init__(self, table: dict[tuple, np.ndarray], clock: Callable[[], float],
+                 features: dict | None = None) -> None:
         super().__init__(clock=clock)
         self.table = table
+        self.features = features  # trace block id -> arrival features (None: reference count only)
         self.refs: Counter = Counter()  # every reference ever seen (history, unbounded: evaluation only)
         self.last: dict[Key, float] = {}
         self.parent: dict[Key, Key | None] = {}
@@ -99,7 +127,11 @@ class HitDensityOracle(EvictionPolicy):
 
     def _score(self, key: Key, now: float) -> float:
         age_bin = min(int((now - self.last[key]) // HD_BIN_S), HD_BINS - 1)
-        return float(self.table[min(self.refs[key], HD_CLASSES) - 1, age_bin])
+        cls: tuple = (min(self.refs[key], HD_CLASSES),)
+        if self.features is not None:
+            cls += self.features[_UNPACK(key[1])[0]]
+        row = self.table.get(cls)
+        return float(row[age_bin]) if row is not None else 0.0
 
     def _push(self, key: Key) -> None:
         """(Re)queue a leaf in the current heap; stale entries are skipped by token."""
@@ -259,8 +291,13 @@ def study(requests: Sequence[Request], capacity: int, policies: Sequence[str], h
     available = decompose(kinds, [len(r.hash_ids) for r in requests])
     runs: dict[str, dict] = {}
     split: dict[str, dict] = {}
-    table = fit_hit_density(requests, horizon_s=120.0)
-    arms = [(p, None) for p in policies] + [("hd-oracle", lambda clock: HitDensityOracle(table, clock))]
+    table = fit_hit_density(requests, horizon_s=HD_HORIZON_S)
+    features = arrival_features(requests)
+    table_f = fit_hit_density(requests, horizon_s=HD_HORIZON_S, features=features)
+    arms = [(p, None) for p in policies] + [
+        ("hd-oracle", lambda clock: HitDensityOracle(table, clock)),
+        ("hd-oracle+arrival", lambda clock: HitDensityOracle(table_f, clock, features)),
+    ]
     for name, factory in arms:
         hits: list[int] = []
         result = replay(requests, "lru" if factory else name, capacity, factory=factory, hits_out=hits)
@@ -290,12 +327,12 @@ def _print(doc: dict) -> None:
     print(f"capacity {doc['capacity_blocks']} blocks; best baseline {doc['best_baseline']}")
     for name, r in runs.items():
         extra = f"  gap to belady closed {closed[name]:.0%}" if name in closed and name != "belady" else ""
-        print(f"  {name:>10}  hit {r['hit_ratio']:.4f}{extra}")
+        print(f"  {name:>17}  hit {r['hit_ratio']:.4f}{extra}")
     names = list(runs)
     print("\nhits by kind of reference (available = an infinite cache):")
-    print(f"  {'kind, time since previous reference':<32} {'available':>9} " + " ".join(f"{n:>10}" for n in names))
+    print(f"  {'kind, time since previous reference':<32} {'available':>9} " + " ".join(f"{n:>{max(10, len(n))}}" for n in names))
     for label, avail in doc["available"].items():
-        print(f"  {label:<32} {avail:>9} " + " ".join(f"{doc['hits_by_kind'][n].get(label, 0):>10}" for n in names))
+        print(f"  {label:<32} {avail:>9} " + " ".join(f"{doc['hits_by_kind'][n].get(label, 0):>{max(10, len(n))}}" for n in names))
     print(f"\nblocks at their first reference: P(referenced again within {doc['horizon_s']:g} s)")
     for row in doc["first_reference_predictability"]:
         print(f"  {row['feature']:<16} {row['value']:<18} {row['blocks']:>7}  {row['p_reused']:.3f}")
