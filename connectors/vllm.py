@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.HOST  # acquire promotes disk hits into the host arena
+    _cache_hit_source = CacheHitSource.HOST  # what the base class reports if the split below is unknown
+    _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "gpu": CacheHitSource.HOST}
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -126,6 +127,21 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Hit tokens by the store tier that held them: HOST for the arena, DISK for blocks the
+        daemon promoted from NVMe for this load. (The store's GPU tier is another process's
+        VRAM reached through the host path, so it counts as HOST, not this engine's DEVICE.)"""
+        if num_external_tokens == 0:
+            return {}
+        split = self.scheduler.hit_tiers(request, num_external_tokens) if self.scheduler is not None else {}
+        if not split:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        out: dict[CacheHitSource, int] = {}
+        for tier, tokens in split.items():
+            source = self._SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        return out
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self.scheduler is None:

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 PIN_TTL_STEPS = 16
 
 
+def _tier_rank(tier: str) -> int:
+    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
+
 def request_extra_keys(request: "Request") -> ExtraKeys | None:
     """What besides the tokens makes this request's KV differ; None if the store cannot key it."""
     if getattr(request, "prompt_embeds", None) is not None:
@@ -55,10 +59,14 @@ def request_extra_keys(request: "Request") -> ExtraKeys | None:
     return ExtraKeys(lora=lora_key, cache_salt=getattr(request, "cache_salt", None), mm=mm)
 
 
+TIER_ORDER = ("gpu", "host", "disk")  # fastest first; a block's slowest rank decides where its hit came from
+
+
 @dataclass
 class _Pins:
     hashes: list[bytes]
     generation: int
+    tiers: list[str] = field(default_factory=list)  # per block, the tier the daemon found it in
 
 
 @dataclass
@@ -70,6 +78,7 @@ class _ReqState:
     num_saved: int = 0  # blocks [0, num_saved) were offered to the store already
     pins: _Pins | None = None  # from the latest lookup, not yet handed to a load
     pin_key: tuple[int, int] | None = None  # (first block, block limit) of that lookup
+    hit_tiers: Counter = field(default_factory=Counter)  # tier -> blocks of the planned load
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
         have = len(self.hashes)
@@ -101,18 +110,20 @@ class SchedulerSide:
         if not hashes:
             return None
 
-        def rpc(client) -> list[list]:
-            return [client.acquire(ns_id, hashes, prefix=True) for ns_id in self.link.ns_ids]
+        def rpc(client) -> list[tuple[list, list]]:
+            return [client.acquire_with_tiers(ns_id, hashes, prefix=True) for ns_id in self.link.ns_ids]
 
-        per_rank = self.link.run("acquire", rpc)
-        if per_rank is None:
+        answers = self.link.run("acquire", rpc)
+        if answers is None:
             return None
+        per_rank = [ext for ext, _ in answers]
         hits = min(sum(1 for _ in _leading(ext)) for ext in per_rank)
         generation = self.link.generation
         extra = [(i, hashes[hits : sum(1 for _ in _leading(ext))]) for i, ext in enumerate(per_rank)]
         if any(h for _, h in extra):
             self.link.run("release", lambda c: [c.release(self.link.ns_ids[i], h) for i, h in extra if h])
-        return _Pins(hashes[:hits], generation) if hits else None
+        tiers = [max((t[j] or "host" for _, t in answers), key=_tier_rank) for j in range(hits)]
+        return _Pins(hashes[:hits], generation, tiers) if hits else None
 
     def _release(self, pins: _Pins | None) -> None:
         if pins is None or not pins.hashes or pins.generation != self.link.generation:
@@ -155,18 +166,28 @@ class SchedulerSide:
             return
         pins, st.pins, start = st.pins, None, (st.pin_key or (0, 0))[0]
         st.pin_key = None
+        st.hit_tiers = Counter()
         num_load = num_external_tokens // self.block_tokens
         if num_load <= 0 or pins is None:
             self._release(pins)
             return
         block_ids = list(blocks.get_block_ids()[0])
         loaded = _Pins(pins.hashes[:num_load], pins.generation)
+        st.hit_tiers = Counter(pins.tiers[:num_load])
         self._release(_Pins(pins.hashes[num_load:], pins.generation))
         self._pending_loads.append(
             LoadJob(request.request_id, block_ids[start : start + num_load], loaded.hashes, self.config.load_async)
         )
         self._pending_pins.append(loaded)
         self.stats["load_blocks"] += num_load
+
+    def hit_tiers(self, request: "Request", num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the planned load per tier they were found in (sums to num_external_tokens)."""
+        st = self._reqs.get(request.request_id)
+        blocks = st.hit_tiers if st is not None else Counter()
+        if sum(blocks.values()) * self.block_tokens != num_external_tokens:
+            return {}  # not the load we planned: the caller reports it as unspecified
+        return {tier: n * self.block_tokens for tier, n in blocks.items() if n}
 
     # -- per step -----------------------------------------------------------------
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:

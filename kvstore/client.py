@@ -244,6 +244,16 @@ class KVClient:
     def acquire(self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True) -> list[Extents | None]:
         return self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix)["extents"]
 
+    def acquire_with_tiers(
+        self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True
+    ) -> tuple[list[Extents | None], list[str | None]]:
+        """`acquire`, plus the tier each block was found in ("host", "disk", ...) before
+        the daemon promoted it into the arena; None where the block is missing."""
+        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix)
+        extents = reply["extents"]
+        tiers = reply.get("tiers") or [None if e is None else "host" for e in extents]  # an older daemon
+        return extents, tiers
+
     def release(self, ns_id: str, hashes: Sequence[bytes]) -> None:
         if hashes:
             self.call("release", ns=ns_id, hashes=list(hashes))

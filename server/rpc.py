@@ -130,15 +130,18 @@ class Handlers:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
         prefix = want(args, "prefix", bool, optional=True)
-        entries = await self._acquire(s, ns, hashes, prefix is not False)
-        return {"extents": [e.location if e is not None else None for e in entries]}
+        entries, tiers = await self._acquire(s, ns, hashes, prefix is not False)
+        return {"extents": [e.location if e is not None else None for e in entries],
+                "tiers": [t if e is not None else None for e, t in zip(entries, tiers)]}
 
-    async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> list:
+    async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> tuple[list, list]:
+        """Pinned entries, promoted into the arena, and the tier each one was found in."""
         entries = self.store.acquire(ns, hashes, s.owner, prefix=prefix)
+        tiers = [e.tier if e is not None else None for e in entries]
         prepare = getattr(self.store, "prepare_read", None)
-        if prepare is not None and any(e is not None and e.tier != "host" for e in entries):
+        if prepare is not None and any(t not in (None, "host") for t in tiers):
             entries = await prepare(entries, s.owner)  # promotes lower-tier blocks into the arena
-        return entries
+        return entries, tiers
 
     def release(self, s: Session, args: dict) -> dict:
         self.store.release(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
@@ -147,7 +150,7 @@ class Handlers:
     async def get(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
-        entries = await self._acquire(s, ns, hashes, prefix=False)
+        entries, _ = await self._acquire(s, ns, hashes, prefix=False)
         held = [e.key[1] for e in entries if e is not None]
         try:
             payloads = [self.store.host.read(e.location) if e is not None else None for e in entries]

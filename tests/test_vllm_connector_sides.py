@@ -252,3 +252,42 @@ def test_preempted_request_resumes_with_new_blocks(sides):
     assert meta.saves.block_ids == [9, 10]  # blocks 2 and 3 of the chain, in their new places
     assert meta.saves.hashes == hash_blocks(tokens, BT)[2:4]
     assert meta.saves.parents[0] == hash_blocks(tokens, BT)[1]
+
+
+def test_hits_are_reported_by_the_tier_that_held_them(daemon_factory, tmp_path):
+    """Saved blocks persist through a daemon restart on the disk tier: the next engine's hit is
+    reported as DISK (the daemon promotes them for the load), the one after that as HOST."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from connectors.vllm import KVStoreConnector
+
+    disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB"]
+    d = daemon_factory(*disk, disk=True, name="tiers-test")
+    cfg = ConnectorConfig(socket=d.socket_path, retry_s=0.0)
+    sched = SchedulerSide(cfg, [namespace()], BT)
+    worker = WorkerSide(cfg, namespace(), LAYERS, NB)
+    worker.register_kv_caches(kv_tensors(7))
+    tokens = list(range(2000, 2000 + 4 * BT + 3))
+    req = request("a", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    run_step(sched, worker, sched_output(new=[("a", [0, 1, 2, 3, 4], 0)], scheduled={"a": len(tokens)}))
+    assert d.stop() == 0  # SIGTERM: the host tier is written to disk
+    d = daemon_factory(*disk, disk=True, name="tiers-test")
+
+    def hit_sources(req_id: str) -> dict:
+        s = SchedulerSide(ConnectorConfig(socket=d.socket_path, retry_s=0.0), [namespace()], BT)
+        r = request(req_id, tokens)
+        num, _ = s.get_num_new_matched_tokens(r, 0)
+        assert num == 4 * BT
+        s.update_state_after_alloc(r, blocks([5, 6, 7, 8, 9]), num)
+        connector = KVStoreConnector.__new__(KVStoreConnector)  # only the scheduler half is needed
+        connector.scheduler = s
+        out = connector.get_external_cache_hit_sources(r, num)
+        assert connector.get_external_cache_hit_sources(r, num - BT) == {CacheHitSource.HOST: num - BT}, \
+            "a count that is not the planned load falls back to the class default"
+        s._release(s._pending_pins.pop())
+        return out
+
+    assert hit_sources("b") == {CacheHitSource.DISK: 4 * BT}
+    assert hit_sources("c") == {CacheHitSource.HOST: 4 * BT}  # promoted by b's acquire
