@@ -205,12 +205,11 @@ class AttentionPolicy(EvictionPolicy):
         depth_tokens = info.depth * info.block_tokens
         cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
-        self._leaves.add(key, info.parent, info.nbytes, "v", -math.inf)
-        if info.parent is not None:
-            self._kids.setdefault(info.parent, set()).add(key)
         if info.attention is not None:
             self._set_attention(key, info.attention)
-        self._leaves.update(key, "v", self._own(key))
+        self._leaves.add(key, info.parent, info.nbytes, "v", self._own(key))  # one heap push, final value
+        if info.parent is not None:
+            self._kids.setdefault(info.parent, set()).add(key)
 
     def on_access(self, keys: Sequence[Key]) -> None:
         p = self.params

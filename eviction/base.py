@@ -6,7 +6,8 @@ One policy instance serves one tier. The store calls:
   demotion into it, or a promotion into it);
 - `on_access(keys)` when a chain of blocks is hit (acquired), keys root first;
 - `on_remove(key)` when a block leaves the tier (evicted, demoted, promoted, dropped);
-- `on_feedback(key, attention)` when an engine reports an attention estimate;
+- `on_feedback(key, attention)` for an attention estimate that arrives after the block was
+  inserted (a commit passes its estimate in `BlockInfo.attention`; no RPC sends a later one yet);
 - `victims(n_bytes, evictable)` when the tier needs `n_bytes` of room.
 
 `victims` answers with keys for which `evictable(key)` is true *now* (the

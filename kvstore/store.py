@@ -257,8 +257,6 @@ class TieredStore:
             if attention is not None:
                 e.attention = float(attention[i])
             policy.on_insert(BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention))
-            if e.attention is not None:
-                policy.on_feedback(e.key, e.attention)
         self.counters["put_blocks"] += len(hashes)
         return len(hashes)
 
