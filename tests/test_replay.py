@@ -138,3 +138,27 @@ def test_replay_plot_writes_a_png(tmp_path, capsys):
     assert cli.main(["replay", TRACE, "--limit", "100", "--policy", "lru,attention", "--capacity-blocks", "50,100",
                      "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_trace
+def test_replay_with_the_real_disk_tier_keeps_the_tree_and_serves_disk_hits(tmp_path, capsys):
+    """Host 150 + disk 450 blocks over 1,500 requests: demotions, promotions and disk
+    evictions all happen, with store.check() every 100 requests; the disk tier catches
+    hits the host tier alone would miss."""
+    args = ["replay", TRACE, "--limit", "1500", "--policy", "attention", "--json", "--check-every", "100"]
+    assert cli.main([*args, "--capacity-blocks", "150", "--disk-blocks", "450", "--disk-path", str(tmp_path)]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["orphans"] == 0 and two["check_problems"] == 0
+    assert two["demotions"] > 0 and two["hits_by_tier"].get("disk", 0) > 0, two["hits_by_tier"]
+    assert sum(two["hits_by_tier"].values()) >= two["hit_blocks"] > 0  # a hit whose promotion fails is not served
+    assert list(tmp_path.iterdir()) == [], "the temporary disk folder is removed"
+    assert cli.main([*args, "--capacity-blocks", "150"]) == 0
+    host_only = json.loads(capsys.readouterr().out)
+    assert two["hit_ratio"] > host_only["hit_ratio"]
+
+
+def test_replay_rejects_a_negative_disk_size(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "hash_ids": [1]}) + "\n")
+    assert cli.main(["replay", str(trace), "--disk-blocks", "-1"]) == 2
+    assert "--disk-blocks" in capsys.readouterr().err

@@ -12,6 +12,12 @@ no attention data: the term is neutral), uniform noise, or an oracle that
 knows whether the trace uses the block again (evaluation only, like Belady).
 `--block-tokens T` replays at T tokens per block (each 512-token trace id
 becomes 512/T chained blocks), which multiplies the work by 512/T.
+`--disk-blocks N` adds the real disk tier below the host tier (a
+DiskTieredStore over a fresh data file with O_DIRECT and an LMDB index in a
+temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
+are promoted back by `prepare_read` as the daemon does, and a hit counts only
+the leading blocks that reached the arena. The disk tier runs the same
+policy (LRU under `belady`, which is built for the host tier only).
 
 Reported per run: block, token and compute-weighted hit ratio, prefill
 tokens saved, hits per tier (from `store.stats()`), evictions, demotions,
@@ -27,10 +33,13 @@ is exactly one run its keys are also copied to the top level.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from typing import Callable, Sequence
@@ -38,8 +47,10 @@ from typing import Callable, Sequence
 from eviction.base import EvictionPolicy
 from eviction.belady import BeladyPolicy
 from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, next_use_index, read_trace
+from kvstore.disk_store import DiskTieredStore
 from kvstore.keys import Namespace
 from kvstore.store import TIERS, TieredStore
+from tiers.disk import DiskTier
 from tiers.host import HostArena
 
 ALL_POLICIES = ("lru", "lfu", "arc", "s3fifo", "attention", "belady")
@@ -58,14 +69,16 @@ def replay(
     progress: Callable[[int], None] | None = None,
     factory: PolicyFactory | None = None,
     hits_out: list | None = None,
+    disk_blocks: int = 0,
+    disk_path: str | None = None,
 ) -> dict:
     """One replay; returns the run's result dict.
 
     `factory(clock)` overrides the policy object; `hits_out`, when given, gets
     each request's hit count (leading blocks served) appended in order.
     """
-    if capacity_blocks <= 0:
-        raise ValueError("capacity_blocks must be positive")
+    if capacity_blocks <= 0 or disk_blocks < 0:
+        raise ValueError("capacity_blocks must be positive and disk_blocks non-negative")
     chains = [expand(r, block_tokens) for r in requests]
     now = [0.0]
     position = [0]
@@ -75,9 +88,18 @@ def replay(
 
     path = f"/dev/shm/kvstore-replay-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     host = HostArena(path, capacity_blocks * block_bytes, block_bytes, prefault=False)
+    folder = None
+    store: TieredStore | None = None
+    loop = asyncio.new_event_loop()
     try:
         ns = Namespace("replay", "none", 1, 1, 1, block_tokens, block_bytes)
-        store = TieredStore(host, policy="lru" if policy == "belady" or factory else policy, clock=clock)
+        name = "lru" if policy == "belady" or factory else policy
+        if disk_blocks:
+            folder = tempfile.mkdtemp(prefix="kvstore-replay-disk-", dir=disk_path)
+            disk = DiskTier(folder, disk_blocks * block_bytes, page_bytes=block_bytes)
+            store = DiskTieredStore(host, disk, policy=name, clock=clock, wall_clock=clock)
+        else:
+            store = TieredStore(host, policy=name, clock=clock)
         need_future = policy == "belady" or attention == "oracle"
         future = next_use_index((h for h, _ in chains), ns.id) if need_future else {}
         if factory is not None:
@@ -93,8 +115,14 @@ def replay(
             position[0], now[0] = i, req.timestamp_s
             hits = store.lookup(ns_id, hashes).hits
             if hits:
-                store.acquire(ns_id, hashes[:hits], owner)
-                store.release(ns_id, hashes[:hits], owner)
+                entries = store.acquire(ns_id, hashes[:hits], owner)
+                if disk_blocks:
+                    entries = loop.run_until_complete(store.prepare_read(entries, owner))  # type: ignore[attr-defined]
+                served = 0
+                while served < len(entries) and entries[served] is not None:
+                    served += 1
+                store.release(ns_id, [e.key[1] for e in entries if e is not None], owner)
+                hits = served
             tally.add(tokens, hits, ())
             if hits_out is not None:
                 hits_out.append(hits)
@@ -108,9 +136,15 @@ def replay(
                 progress(i + 1)
         elapsed = time.perf_counter() - t0
         problems = problems or store.check()
-        return _result(store, tally, policy, capacity_blocks, block_tokens, attention, problems, elapsed)
+        return _result(store, tally, policy, capacity_blocks, block_tokens, attention, problems, elapsed) | {
+            "disk_blocks": disk_blocks}
     finally:
+        if isinstance(store, DiskTieredStore):
+            store.close(persist_host=False)
+        loop.close()
         host.close()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _estimator(attention: str, rng: random.Random, future: dict, ns_id: str, position: list) -> Callable:
@@ -182,6 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
                    help="tokens per store block; each 512-token trace block becomes 512/T blocks")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--disk-blocks", type=int, default=0,
+                   help="add a real disk tier of N blocks below the host tier (O_DIRECT file + LMDB; default none)")
+    p.add_argument("--disk-path", help="folder in which the disk tier's temporary folder is made (default: the system temp)")
     p.add_argument("--attention", choices=("none", "random", "oracle"), default="none",
                    help="attention estimate sent with each commit: none (neutral), uniform noise, or an "
                         "oracle (1 if the trace uses the block again; evaluation only)")
@@ -200,6 +237,8 @@ def _split(values: Sequence[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     try:
         capacities = [int(v) for v in _split(args.capacity_blocks)]
+        if args.disk_blocks < 0:
+            raise ValueError("--disk-blocks must be >= 0")
         policies = _split(args.policy)
         if "all" in policies:
             policies = list(ALL_POLICIES)
@@ -215,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         for policy in policies:
             bar = None if args.no_progress or not sys.stderr.isatty() else _ProgressBar(f"{policy}@{capacity}", len(requests))
             result = replay(requests, policy, capacity, args.block_tokens, args.attention, args.seed,
-                            args.check_every, args.block_bytes, bar)
+                            args.check_every, args.block_bytes, bar, disk_blocks=args.disk_blocks,
+                            disk_path=args.disk_path)
             if bar:
                 bar.done()
             result["trace"] = os.path.basename(args.trace)
