@@ -90,14 +90,19 @@ class Daemon:
         return KVClient(self.socket, timeout_s=10.0)
 
 
-def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = None) -> Daemon:
-    """A daemon on `socket` (default: <workdir>/kvstore.sock); returns once it answers a ping."""
+def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = None,
+                 disk_bytes: str | None = None) -> Daemon:
+    """A daemon on `socket` (default: <workdir>/kvstore.sock); returns once it answers a ping.
+
+    No disk tier unless `disk_bytes` is given (then in <workdir>/disk-<name>)."""
     socket = socket or os.path.join(workdir, "kvstore.sock")
     name = f"vt-{uuid.uuid4().hex[:10]}"
     log_path = os.path.join(workdir, f"daemon-{name}.log")
+    disk = (["--disk-path", os.path.join(workdir, f"disk-{name}"), "--disk-bytes", disk_bytes]
+            if disk_bytes else ["--no-disk"])
     cmd = [
         sys.executable, "-m", "tools.cli", "serve", "--name", name, "--socket", socket,
-        "--host-bytes", host_bytes, "--no-admin", "--no-disk", "--log-level", "WARNING",
+        "--host-bytes", host_bytes, "--no-admin", *disk, "--log-level", "WARNING",
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=base_env(workdir))

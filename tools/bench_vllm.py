@@ -12,6 +12,14 @@ VLLM_CPU_NUM_OF_RESERVED_CPU):
 * kvstore: engine 1 with KVStoreConnector serves P (stores it; also timed:
   "cold_with_store"), then a fresh engine 2 serves P' (loads from the daemon);
 * example: the same with vLLM's ExampleConnector (safetensors files on disk).
+* kvstore from disk (longest length only; `--no-disk-arm` skips it): a daemon
+  whose host tier holds one prompt's blocks (`--disk-host-bytes`) over a disk
+  tier. Engine 1 stores P and a second prompt F of the same length; a fresh
+  engine 2 then alternates hits on P' and F': each hit finds its chain on
+  disk (the previous hit's promotion demoted it) and the daemon promotes it
+  (O_DIRECT reads) before the load. The daemon's disk-hit counter over engine
+  2's run is reported as evidence that the hits came from disk (it also counts
+  the warm-up prompts' hits: engine 1 stored them too).
 
 Each engine first warms up on other tokens with every prefill shape the
 measurements use (a cold prompt of each length and a hit on it). Repeats
@@ -82,7 +90,7 @@ def by_label(result, runs: list[dict], label: str) -> list[dict]:
 
 
 def plan(ids: list[int], args) -> dict[str, list[dict]]:
-    """The runs of each kind of engine: baseline (cold + in-engine hit), save, load."""
+    """The runs of each kind of engine: baseline (cold + in-engine hit), save, load, and the disk arm."""
     top = max(args.lengths)
     pairs = {n: prompts_for(ids, n) for n in args.lengths}
     # warm-up: every prefill shape the measurements use (a cold prompt and a hit on it) on other tokens
@@ -98,7 +106,14 @@ def plan(ids: list[int], args) -> dict[str, list[dict]]:
         save.append(one(p, f"save{n}", reset=True))
         for _ in range(args.repeats):  # an external hit, then the same prompt again: an in-engine hit, same engine
             load += [one(p2, f"hit{n}", reset=True), one(p2, f"local{n}")]
-    return {"base": base, "save": save, "load": load}
+    # disk arm: P and F alternate, so each hit finds its chain demoted to disk by the other's promotion
+    p, p2 = pairs[top]
+    f, f2 = prompts_for(ids[top + 3000 :], top)
+    dsave = list(warm) + [one(p, "dsaveP", reset=True), one(f, "dsaveF", reset=True)]
+    dload = list(warm)
+    for _ in range(args.repeats):
+        dload += [one(p2, "dhit", reset=True), one(f2, "dhit", reset=True)]
+    return {"base": base, "save": save, "load": load, "dsave": dsave, "dload": dload}
 
 
 def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
@@ -111,6 +126,8 @@ def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
         out["kv_load"] = measure(model, workdir, runs["load"], args, kvt)
     finally:
         daemon.stop()
+    if args.disk_arm:
+        out.update(run_disk_arm(model, workdir, runs, args))
     disk = os.path.join(workdir, "example-store")
     os.makedirs(disk, exist_ok=True)
     ext = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -118,6 +135,45 @@ def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
     out["ex_save"] = measure(model, workdir, runs["save"], args, ext)
     out["ex_load"] = measure(model, workdir, runs["load"], args, ext)
     return out
+
+
+def run_disk_arm(model: str, workdir: str, runs: dict, args) -> dict:
+    """Store P and F, then alternate hits on them through a host tier that holds one of them."""
+    daemon = start_daemon(workdir, host_bytes=args.disk_host_bytes, disk_bytes=args.disk_bytes)
+    try:
+        kvt = connector_config(daemon.socket)
+        out = {"kv_dsave": measure(model, workdir, runs["dsave"], args, kvt)}
+        before = _disk_hits(daemon)
+        out["kv_dload"] = measure(model, workdir, runs["dload"], args, kvt)
+        out["disk_hit_blocks"] = _disk_hits(daemon) - before
+    finally:
+        daemon.stop()
+    return out
+
+
+def _disk_hits(daemon) -> int:
+    client = daemon.client()
+    try:
+        return int(client.stats()["tiers"]["disk"]["hits"])
+    finally:
+        client.close()
+
+
+def summarize_disk(res: dict, runs: dict, top: dict, n: int) -> dict:
+    walls = [x["wall_s"] for x in by_label(res["kv_dload"], runs["dload"], "dhit")]
+    cached = [x["outputs"][0]["num_cached_tokens"] for x in by_label(res["kv_dload"], runs["dload"], "dhit")]
+    e = {
+        "prompt_tokens": n,
+        "ttft_disk_hit_s": statistics.median(walls),
+        "all_disk_hit_s": walls,
+        "disk_cached_tokens": cached,
+        "disk_hit_blocks": res["disk_hit_blocks"],
+        "expected_disk_hit_blocks": len(walls) * ((n - 1) // BLOCK),
+    }
+    e["disk_hit_vs_cold"] = e["ttft_disk_hit_s"] / top["ttft_cold_s"]
+    e["disk_hit_vs_host_hit"] = e["ttft_disk_hit_s"] / top["ttft_kvstore_hit_s"]
+    e["disk_hit_vs_example"] = e["ttft_disk_hit_s"] / top["ttft_example_hit_s"]
+    return e
 
 
 def summarize_length(n: int, res: dict, runs: dict) -> dict:
@@ -161,7 +217,7 @@ def bench(args) -> dict:
     model = build_model("smollm2")
     args.workdir = tempfile.mkdtemp(prefix="bench-vllm-")
     ids = tokenize(model, corpus_text(80000))
-    while len(ids) < 2 * max(args.lengths) + 2000:
+    while len(ids) < 2 * max(args.lengths) + 3200:  # P, the warm-up prompts and the disk arm's F
         ids = ids + ids
     runs = plan(ids, args)
     res = run_arms(model, args.workdir, runs, args)
@@ -174,6 +230,10 @@ def bench(args) -> dict:
     results["ttft_vs_inengine_hit_8k"] = top["hit_vs_inengine"]
     results["ttft_vs_inengine_hit_paired_8k"] = top["hit_vs_inengine_paired"]
     results["example_vs_inengine_hit_paired_8k"] = top["example_vs_inengine_paired"]
+    if args.disk_arm:
+        results["disk"] = summarize_disk(res, runs, top, max(args.lengths))
+        results["ttft_disk_hit_vs_cold_8k"] = results["disk"]["disk_hit_vs_cold"]
+        results["ttft_disk_hit_vs_host_hit_8k"] = results["disk"]["disk_hit_vs_host_hit"]
     return results
 
 
@@ -201,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every engine")
     p.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for every engine")
     p.add_argument("--host-bytes", default="2GiB", help="daemon host tier")
+    p.add_argument("--no-disk-arm", dest="disk_arm", action="store_false", help="skip the disk-tier hit arm")
+    p.add_argument("--disk-host-bytes", default="200MiB",
+                   help="host tier of the disk arm: room for one prompt's blocks, not two (8k: 62 x 2.95 MB)")
+    p.add_argument("--disk-bytes", default="2GiB", help="disk tier of the disk arm")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work folder (engine logs, ExampleConnector files)")
     args = p.parse_args(argv)
@@ -209,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
     print(json.dumps(results, indent=2) if args.json else table(results))
+    if "disk" in results and not args.json:
+        d = results["disk"]
+        print(f"\n{d['prompt_tokens']} tokens, hit from the disk tier: {d['ttft_disk_hit_s'] * 1000:.0f} ms "
+              f"(vs cold {d['disk_hit_vs_cold']:.3f}, vs host-tier hit {d['disk_hit_vs_host_hit']:.3f}, "
+              f"vs ExampleConnector {d['disk_hit_vs_example']:.3f}); disk hits {d['disk_hit_blocks']} blocks "
+              f"of {d['expected_disk_hit_blocks']} loaded")
     return 0
 
 
