@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
 from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks
+from kvstore.store import RANK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PIN_TTL_STEPS = 16
-
-
-def _tier_rank(tier: str) -> int:
-    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
 
 
 def request_extra_keys(request: "Request") -> ExtraKeys | None:
@@ -57,9 +54,6 @@ def request_extra_keys(request: "Request") -> ExtraKeys | None:
         for f in (getattr(request, "mm_features", None) or ())
     )
     return ExtraKeys(lora=lora_key, cache_salt=getattr(request, "cache_salt", None), mm=mm)
-
-
-TIER_ORDER = ("gpu", "host", "disk")  # fastest first; a block's slowest rank decides where its hit came from
 
 
 @dataclass
@@ -122,7 +116,8 @@ class SchedulerSide:
         extra = [(i, hashes[hits : sum(1 for _ in _leading(ext))]) for i, ext in enumerate(per_rank)]
         if any(h for _, h in extra):
             self.link.run("release", lambda c: [c.release(self.link.ns_ids[i], h) for i, h in extra if h])
-        tiers = [max((t[j] or "host" for _, t in answers), key=_tier_rank) for j in range(hits)]
+        # a block's slowest rank (TP) decides which tier its hit came from
+        tiers = [max((t[j] or "host" for _, t in answers), key=lambda x: RANK.get(x, len(RANK))) for j in range(hits)]
         return _Pins(hashes[:hits], generation, tiers) if hits else None
 
     def _release(self, pins: _Pins | None) -> None:
