@@ -51,9 +51,9 @@ def test_hit_density_table_favours_blocks_that_come_back():
     assert table[(4,)][0] == pytest.approx(1 / 30, rel=0.05)
     # with arrival features the one-off blocks (last block of their request) get their own class
     features = reuse_study.arrival_features(trace)
-    assert features[0] == (0, False, False) and features[1005] == (0, False, True)
+    assert features[0] == ("0-7", False, False) and features[1005] == ("0-7", False, True)
     split = reuse_study.fit_hit_density(trace, horizon_s=120.0, features=features)
-    assert split[(1, 0, False, True)][0] == 0.0 and split[(4, 0, False, False)][0] == pytest.approx(1 / 30, rel=0.05)
+    assert split[(1, "0-7", False, True)][0] == 0.0 and split[(4, "0-7", False, False)][0] == pytest.approx(1 / 30, rel=0.05)
 
 
 @needs_trace

@@ -33,7 +33,7 @@ import math
 import struct
 import sys
 from collections import Counter, defaultdict
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -59,20 +59,31 @@ def _ref_times(requests: Sequence[Request]) -> dict[int, list[float]]:
     return times
 
 
-def arrival_features(requests: Sequence[Request]) -> dict[int, tuple]:
-    """Per trace block id, what the store knows at its first reference:
-    (depth // 8 capped at 3, the request continued a cached prefix of > 1 block, last block of the request)."""
+def first_references(requests: Sequence[Request]) -> Iterator[tuple[Request, int, int]]:
+    """(request, index j in it, blocks of it already seen) for every block's first reference.
+
+    Ids chain like prefixes (each has one parent), so the blocks after the
+    request's longest seen prefix are exactly the ones it references first.
+    """
     seen: set = set()
-    out: dict[int, tuple] = {}
     for r in requests:
         ids, n = r.hash_ids, len(r.hash_ids)
         hit = 0
         while hit < n and ids[hit] in seen:
             hit += 1
         for j in range(hit, n):
-            out.setdefault(ids[j], (min(j // 8, 3), hit > 1, j == n - 1))
+            yield r, j, hit
         seen.update(ids)
-    return out
+
+
+def depth_bucket(j: int) -> str:
+    return "0-7" if j < 8 else "8-15" if j < 16 else "16-31" if j < 32 else ">=32"
+
+
+def arrival_features(requests: Sequence[Request]) -> dict[int, tuple]:
+    """Per trace block id, what the store knows at its first reference: (depth bucket,
+    the request continued a cached prefix of > 1 block, last block of the request)."""
+    return {r.hash_ids[j]: (depth_bucket(j), hit > 1, j == len(r.hash_ids) - 1) for r, j, hit in first_references(requests)}
 
 
 def fit_hit_density(requests: Sequence[Request], horizon_s: float, features: dict | None = None) -> dict[tuple, np.ndarray]:
@@ -262,26 +273,18 @@ def decompose(kinds: list, hits: Sequence[int]) -> Counter:
 def predictability(requests: Sequence[Request], horizon_s: float) -> list[dict]:
     """For blocks at their first reference: P(referenced again within horizon) by what the store knows."""
     times = _ref_times(requests)
-    seen: set = set()
     cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for r in requests:
-        ids, n = r.hash_ids, len(r.hash_ids)
-        hit = 0
-        while hit < n and ids[hit] in seen:
-            hit += 1
-        kind = "continuation" if hit > 1 else "new conversation"
+    for r, j, hit in first_references(requests):
+        n = len(r.hash_ids)
+        t = times[r.hash_ids[j]]  # t[0] is this first reference
+        again = len(t) > 1 and t[1] - t[0] <= horizon_s
         size = "<10 blocks" if n < 10 else "10-49 blocks" if n < 50 else ">=50 blocks"
-        for j in range(hit, n):
-            t = times[ids[j]]
-            k = t.index(r.timestamp_s)
-            again = k + 1 < len(t) and t[k + 1] - r.timestamp_s <= horizon_s
-            depth = "0-7" if j < 8 else "8-15" if j < 16 else "16-31" if j < 32 else ">=32"
-            for feature, value in (("all", "all"), ("request", kind), ("depth (blocks)", depth),
-                                   ("request size", size), ("last block", "yes" if j == n - 1 else "no")):
-                cell = cells[(feature, value)]
-                cell[0] += 1
-                cell[1] += again
-        seen.update(ids)
+        for feature, value in (("all", "all"), ("request", "continuation" if hit > 1 else "new conversation"),
+                               ("depth (blocks)", depth_bucket(j)), ("request size", size),
+                               ("last block", "yes" if j == n - 1 else "no")):
+            cell = cells[(feature, value)]
+            cell[0] += 1
+            cell[1] += again
     return [{"feature": f, "value": v, "blocks": cells[(f, v)][0], "p_reused": cells[(f, v)][1] / cells[(f, v)][0]}
             for f, values in FEATURES.items() for v in values if cells[(f, v)][0]]
 
