@@ -15,8 +15,10 @@ goes away (lease expiry).
 Tiers are ranked fastest first (`TIERS`). The rule "a child never sits in a
 faster tier than its parent" is kept by counting each entry's resident
 children per tier: a block is a leaf *of tier t* when no child lives in t or a
-faster tier. Without a lower tier a victim is dropped; with one it is demoted
-(`_demote`, overridden where a disk tier exists).
+faster tier. Each entry also indexes its children's keys (`kids`), so a
+subtree is walked in its own size, never by scanning the index. Without a
+lower tier a victim is dropped; with one it is demoted (`_demote`,
+overridden where a disk tier exists).
 
 All methods run on one thread (the daemon's event loop). `check()` verifies
 index vs tier vs refcounts vs tree, and tests call it after every scenario.
