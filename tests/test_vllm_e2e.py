@@ -72,7 +72,7 @@ class World:
         return self._cache[key]
 
     def spec(self, runs, conn: bool, socket: str | None = None, **kw):
-        kvt = connector_config(socket or self.daemon.socket, **kw.pop("extra", {})) if conn else None
+        kvt = connector_config(socket or self.daemon.socket_path, **kw.pop("extra", {})) if conn else None
         return engine_spec(self.model, runs, kv_transfer_config=kvt, **COMMON, **kw)
 
     def run(self, runs, conn: bool, **kw):

@@ -95,14 +95,14 @@ def test_second_server_gets_external_hits(tmp_path):
     prompt = tokenize(model, corpus_text(3000))[:500]
     daemon = start_daemon(workdir)
     try:
-        first = Server(model, daemon.socket, workdir, "server1")
+        first = Server(model, daemon.socket_path, workdir, "server1")
         try:
             first.wait_ready()
             text1 = first.complete(prompt)
             assert first.metric("vllm:external_prefix_cache_hits_total") == 0
         finally:
             first.stop()
-        second = Server(model, daemon.socket, workdir, "server2")
+        second = Server(model, daemon.socket_path, workdir, "server2")
         try:
             second.wait_ready()
             text2 = second.complete(prompt)

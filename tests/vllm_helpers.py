@@ -4,22 +4,23 @@ Every engine runs in its own subprocess (tests/engine_runner.py), one at a
 time, with its own TMPDIR and one OpenMP thread: on a 2-core machine shared
 with other work, two threads spin on each other at every barrier (a 24-token
 generation measured 40 s with 2 threads, 2 s with 1). The daemon is a
-`kvstore serve` subprocess on a socket in a temporary folder with a small host
-tier and no disk tier.
+`kvstore serve` subprocess (tools/daemon_proc.py) on a socket in a temporary
+folder, with a small host tier and no disk tier unless asked.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.daemon_proc import DaemonProc
+from tools.daemon_proc import start_daemon as launch_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests" / "engine_runner.py"
@@ -64,64 +65,17 @@ def base_env(tmpdir: str, threads: int = 1, multiprocess: bool = False) -> dict[
     return env
 
 
-@dataclass
-class Daemon:
-    socket: str
-    proc: subprocess.Popen
-    log_path: str
-    name: str = ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.name:  # a killed daemon leaves its arena and lock in /dev/shm
-            from server.daemon import remove_stale_instance
-
-            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}")
-
-    def client(self):
-        from kvstore.client import KVClient
-
-        return KVClient(self.socket, timeout_s=10.0)
-
-
 def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = None,
-                 disk_bytes: str | None = None) -> Daemon:
-    """A daemon on `socket` (default: <workdir>/kvstore.sock); returns once it answers a ping.
+                 disk_bytes: str | None = None) -> DaemonProc:
+    """A daemon on `socket` (default: <workdir>/kvstore.sock), logging to <workdir>/daemon-<name>.log.
 
     No disk tier unless `disk_bytes` is given (then in <workdir>/disk-<name>)."""
-    socket = socket or os.path.join(workdir, "kvstore.sock")
     name = f"vt-{uuid.uuid4().hex[:10]}"
-    log_path = os.path.join(workdir, f"daemon-{name}.log")
-    disk = (["--disk-path", os.path.join(workdir, f"disk-{name}"), "--disk-bytes", disk_bytes]
-            if disk_bytes else ["--no-disk"])
-    cmd = [
-        sys.executable, "-m", "tools.cli", "serve", "--name", name, "--socket", socket,
-        "--host-bytes", host_bytes, "--no-admin", *disk, "--log-level", "WARNING",
-    ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=base_env(workdir))
-    daemon = Daemon(socket, proc, log_path, name)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited: {Path(log_path).read_text()[-2000:]}")
-        if os.path.exists(socket):
-            try:
-                c = daemon.client()
-                c.ping()
-                c.close()
-                return daemon
-            except Exception:
-                pass
-        time.sleep(0.1)
-    daemon.stop()
-    raise RuntimeError("daemon did not come up in 30 s")
+    disk = ["--disk-path", os.path.join(workdir, f"disk-{name}"), "--disk-bytes", disk_bytes] if disk_bytes else []
+    return launch_daemon(workdir, *disk, host_bytes=host_bytes, page_bytes="256KiB", name=name,
+                         disk=bool(disk_bytes), admin=False,
+                         socket_path=socket or os.path.join(workdir, "kvstore.sock"),
+                         log_path=os.path.join(workdir, f"daemon-{name}.log"), env=base_env(workdir))
 
 
 def connector_config(socket: str, **extra) -> dict:

@@ -34,7 +34,6 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,21 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tiers.host import copy_bytes  # noqa: E402
+from tools.daemon_proc import start_daemon  # noqa: E402
 
 MiB = 1 << 20
-
-
-def start_daemon(tmp: str, host_bytes: int) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tmp, "bench.sock")
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--name", f"bench-{os.getpid()}", "--socket", sock,
-           "--host-bytes", str(host_bytes), "--page-bytes", "256KiB", "--no-admin", "--no-disk", "--log-level", "WARNING"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # "kvstore ready ..." once listening
-    if "ready" not in line:
-        proc.kill()
-        raise SystemExit(f"daemon did not start: {line!r}")
-    return proc, sock
 
 
 def prefaulted(nbytes: int, small_pages: bool = False) -> np.ndarray:
@@ -244,14 +231,13 @@ def main() -> int:
         return 0
     total = args.total_mib * MiB
     with tempfile.TemporaryDirectory() as tmp:
-        proc, sock = start_daemon(tmp, host_bytes=total + 640 * MiB)
+        daemon = start_daemon(tmp, host_bytes=str(total + 640 * MiB), page_bytes="256KiB", admin=False)
         try:
-            with KVClient(sock, name="bench", copy_threads=args.copy_threads) as client:
+            with KVClient(daemon.socket_path, name="bench", copy_threads=args.copy_threads) as client:
                 sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain) for b in (2 * MiB, 256 * 1024)]
                 lookup = bench_lookup(client, args.lookup_iters)
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            daemon.stop()
     big, small = sizes
     result = {
         "get_vs_memcpy": big["get_vs_memcpy"],

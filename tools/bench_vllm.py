@@ -121,7 +121,7 @@ def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
     out = {"base": measure(model, workdir, runs["base"], args)}
     daemon = start_daemon(workdir, host_bytes=args.host_bytes)
     try:
-        kvt = connector_config(daemon.socket)
+        kvt = connector_config(daemon.socket_path)
         out["kv_save"] = measure(model, workdir, runs["save"], args, kvt)
         out["kv_load"] = measure(model, workdir, runs["load"], args, kvt)
     finally:
@@ -141,7 +141,7 @@ def run_disk_arm(model: str, workdir: str, runs: dict, args) -> dict:
     """Store P and F, then alternate hits on them through a host tier that holds one of them."""
     daemon = start_daemon(workdir, host_bytes=args.disk_host_bytes, disk_bytes=args.disk_bytes)
     try:
-        kvt = connector_config(daemon.socket)
+        kvt = connector_config(daemon.socket_path)
         out = {"kv_dsave": measure(model, workdir, runs["dsave"], args, kvt)}
         before = _disk_hits(daemon)
         out["kv_dload"] = measure(model, workdir, runs["dload"], args, kvt)

@@ -1,0 +1,121 @@
+"""A `kvstore serve` subprocess for tests and benchmarks: start it, wait until it is ready, stop it.
+
+One launcher for every harness (pytest fixtures, the vLLM end-to-end helpers,
+`bench_store`, `bench_vllm`). The daemon prints one line on stdout once it
+listens, `kvstore ready socket=... admin_port=... tcp_port=...`; `start_daemon`
+reads it, so there is no polling. Its logs (stderr) go to `log_path` when one
+is given, else to the caller's stderr. A daemon that was killed leaves its
+arena and lock file in /dev/shm; `stop` and `cleanup` remove them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.daemon import remove_stale_instance
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen
+    socket_path: str
+    admin_port: int | None
+    tcp_port: int | None
+    name: str
+    args: list = field(default_factory=list)
+    log_path: str | None = None
+
+    def client(self, timeout_s: float = 10.0):
+        from kvstore.client import KVClient
+
+        return KVClient(self.socket_path, timeout_s=timeout_s)
+
+    def http(self, path: str, method: str = "GET") -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def check(self) -> list:
+        status, body = self.http("/check")
+        assert status == 200
+        return json.loads(body)["problems"]
+
+    def stats(self) -> dict:
+        return json.loads(self.http("/stats")[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the daemon and wait; a daemon that outlives `timeout` is killed. Returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.cleanup()
+        return code
+
+    def cleanup(self) -> None:
+        """A killed daemon leaves its arena and lock in /dev/shm: remove them (a clean stop already did)."""
+        if self.proc.poll() is not None:
+            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}")
+
+
+def start_daemon(
+    folder: str | Path,
+    *extra: str,
+    host_bytes: str = "64MiB",
+    page_bytes: str = "64KiB",
+    name: str | None = None,
+    disk: bool = False,
+    admin: bool = True,
+    socket_path: str | None = None,
+    log_path: str | None = None,
+    env: dict | None = None,
+) -> DaemonProc:
+    """Start `kvstore serve` (socket in `folder` unless given) and return once it is ready.
+
+    No disk tier unless `disk` (then give `--disk-path`/`--disk-bytes` in
+    `extra`, or get the config defaults); admin HTTP on a free port unless
+    `admin` is false; `extra` flags are appended last.
+    """
+    name = name or f"t-{uuid.uuid4().hex[:10]}"
+    sock = socket_path or str(Path(folder) / f"{name}.sock")
+    args = [sys.executable, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
+            "--host-bytes", str(host_bytes), "--page-bytes", str(page_bytes), "--log-level", "WARNING"]
+    args += ["--admin-port", "0"] if admin else ["--no-admin"]
+    if not disk:
+        args.append("--no-disk")
+    args += list(extra)
+    log = open(log_path, "w") if log_path else None
+    try:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    finally:
+        if log is not None:
+            log.close()  # the child holds its own descriptor
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if "ready" not in line:
+        proc.kill()
+        code = proc.wait()
+        tail = Path(log_path).read_text()[-2000:] if log_path else ""
+        raise RuntimeError(f"daemon did not start: {line!r}, exit {code} {tail}")
+    fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+    port = lambda v: None if v == "None" else int(v)  # noqa: E731
+    return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path)
