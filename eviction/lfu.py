@@ -1,8 +1,9 @@
 """Leaf-first LFU, and `LeafQueues`, the lazy leaf heaps the score-based policies share.
 
-LFU orders blocks by `(hit count, last touch)`, SGLang's order: an insert
-counts one, every block of a hit chain counts one more. A hit on a child is a
-hit on its parent, so counts never decrease going up a chain.
+LFU orders blocks by `(reference count, last touch)`, SGLang's order: an
+insert counts one, every block of a hit chain counts one more, and a block
+evicted and inserted again resumes its count from a bounded ghost table. A hit
+on a child is a hit on its parent, so counts never decrease going up a chain.
 
 `LeafQueues` is the candidate structure behind LFU, ARC, S3-FIFO, Belady and
 the attention policy. It mirrors the prefix tree as far as the policy sees it
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
@@ -174,19 +175,31 @@ class LeafQueues:
 
 
 class LFUPolicy(EvictionPolicy):
-    """Evicts the leaf with the fewest hits, the least recently touched among equals."""
+    """Evicts the leaf with the fewest references, the least recently touched among equals.
+
+    A block's count survives its eviction in a ghost table of at most
+    `ghost_factor` x (resident blocks) entries (default 4), oldest dropped first
+    (the same bound as eviction/attention.py's history): a block that comes back resumes
+    its count + 1, as in LFU with history (SGLang's and the project notes'
+    variant), instead of starting over at 1.
+    """
 
     name = "lfu"
 
-    def __init__(self, clock=None, **kwargs) -> None:
+    def __init__(self, clock=None, ghost_factor: float = 4.0, **kwargs) -> None:
         super().__init__(**({"clock": clock} if clock else {}))
+        if not ghost_factor >= 0:
+            raise ValueError("ghost_factor must be >= 0 (math.inf: remember every count, for evaluation)")
+        self.ghost_factor = ghost_factor
         self._leaves = LeafQueues()
         self._hits: dict[Key, int] = {}
+        self._ghost: OrderedDict[Key, int] = OrderedDict()
         self._tick = itertools.count()
 
     def on_insert(self, info: BlockInfo) -> None:
-        self._hits[info.key] = 1
-        self._leaves.add(info.key, info.parent, info.nbytes, "lfu", (1, next(self._tick)))
+        count = self._ghost.pop(info.key, 0) + 1
+        self._hits[info.key] = count
+        self._leaves.add(info.key, info.parent, info.nbytes, "lfu", (count, next(self._tick)))
 
     def on_access(self, keys: Sequence[Key]) -> None:
         leaves, hits = self._leaves, self._hits
@@ -196,8 +209,13 @@ class LFUPolicy(EvictionPolicy):
                 leaves.update(key, "lfu", (hits[key], next(self._tick)))
 
     def on_remove(self, key: Key) -> None:
-        self._hits.pop(key, None)
+        count = self._hits.pop(key, None)
         self._leaves.remove(key)
+        if count is not None:
+            self._ghost[key] = count
+            limit = self.ghost_factor * len(self._leaves)
+            while len(self._ghost) > limit:
+                self._ghost.popitem(last=False)
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("lfu", n_bytes, evictable) or None

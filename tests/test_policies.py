@@ -410,3 +410,24 @@ def test_victims_stop_after_exposing_a_parent(name):
         assert got[-1] == "c"  # nothing named after the victim that exposes b
     if name in ("lfu", "attention", "belady"):
         assert got == ["c"]
+
+
+@pytest.mark.parametrize("ghost_factor, first_victim", [(4.0, "y"), (0.0, "x")])
+def test_lfu_resumes_an_evicted_blocks_count_from_its_ghost(ghost_factor, first_victim):
+    """x is hit twice, evicted, and comes back: with the ghost table it resumes count 4 and
+    outranks y, a newer block with count 1; without (ghost_factor 0) it starts over at 1 and,
+    older than y, goes first."""
+    from eviction.lfu import LFUPolicy
+
+    p = LFUPolicy(clock=lambda: 0.0, ghost_factor=ghost_factor)
+    p.on_insert(BlockInfo("x", None, 0, 1))
+    p.on_access(["x"])
+    p.on_access(["x"])
+    p.on_insert(BlockInfo("keep", None, 0, 1))  # one resident block, so a ghost table of 4x has room
+    p.on_remove("x")
+    p.on_insert(BlockInfo("x", None, 0, 1))
+    p.on_insert(BlockInfo("y", None, 0, 1))
+    p.on_access(["keep"])
+    assert p.victims(1, lambda k: True) == [first_victim]
+    with pytest.raises(ValueError):
+        LFUPolicy(ghost_factor=-1)
