@@ -57,14 +57,13 @@ plus the length of the chain they touch.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.lfu import LeafQueues
+from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5
@@ -139,7 +138,7 @@ class AttentionPolicy(EvictionPolicy):
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         # key -> (log F, A or None, whether the gate still waits for its first re-reference)
-        self._ghost: OrderedDict[Key, tuple] = OrderedDict()
+        self._ghost = GhostTable(params.ghost_factor)
         self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
 
     # -- the value --------------------------------------------------------
@@ -267,10 +266,7 @@ class AttentionPolicy(EvictionPolicy):
         a = self._att.pop(key, None)
         waiting = key in self._unhit and a is not None
         self._unhit.discard(key)
-        self._ghost[key] = (self._freq.pop(key), a, waiting)
-        limit = int(self.params.ghost_factor * len(self._leaves))
-        while len(self._ghost) > limit:
-            self._ghost.popitem(last=False)
+        self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(self._leaves))
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None

@@ -174,6 +174,28 @@ class LeafQueues:
         return parent in self.queue and pending[parent] >= self.children.get(parent, 0)
 
 
+class GhostTable:
+    """What a policy remembers of keys that left its tier: at most `factor` x (resident
+    keys) entries, oldest dropped first (ARC/LRFU-style history). `factor` may be
+    math.inf (remember everything; for evaluation)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._items: OrderedDict[Key, object] = OrderedDict()
+
+    def remember(self, key: Key, value: object, resident: int) -> None:
+        self._items[key] = value
+        limit = self.factor * resident
+        while len(self._items) > limit:
+            self._items.popitem(last=False)
+
+    def pop(self, key: Key, default: object = None) -> object:
+        return self._items.pop(key, default)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class LFUPolicy(EvictionPolicy):
     """Evicts the leaf with the fewest references, the least recently touched among equals.
 
@@ -193,11 +215,11 @@ class LFUPolicy(EvictionPolicy):
         self.ghost_factor = ghost_factor
         self._leaves = LeafQueues()
         self._hits: dict[Key, int] = {}
-        self._ghost: OrderedDict[Key, int] = OrderedDict()
+        self._ghost = GhostTable(ghost_factor)
         self._tick = itertools.count()
 
     def on_insert(self, info: BlockInfo) -> None:
-        count = self._ghost.pop(info.key, 0) + 1
+        count = self._ghost.pop(info.key, 0) + 1  # type: ignore[operator]
         self._hits[info.key] = count
         self._leaves.add(info.key, info.parent, info.nbytes, "lfu", (count, next(self._tick)))
 
@@ -212,10 +234,7 @@ class LFUPolicy(EvictionPolicy):
         count = self._hits.pop(key, None)
         self._leaves.remove(key)
         if count is not None:
-            self._ghost[key] = count
-            limit = self.ghost_factor * len(self._leaves)
-            while len(self._ghost) > limit:
-                self._ghost.popitem(last=False)
+            self._ghost.remember(key, count, len(self._leaves))
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("lfu", n_bytes, evictable) or None
