@@ -119,11 +119,32 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class GpuConfig:
+    """The VRAM tier above the host arena. Off by default: it takes `capacity` of the device's memory
+    beside the engines. `device = "cpu"` runs the same tier on host memory (tests, CPU-only CI)."""
+
+    enabled: bool = False
+    device: str = "cuda:0"
+    capacity_bytes: int = 2 * GiB
+    page_bytes: int = 256 * KiB
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "gpu.enabled must be true or false")
+        _require(isinstance(self.device, str) and re.fullmatch(r"cuda(:\d+)?|cpu", self.device) is not None,
+                 f"gpu.device must be cuda, cuda:N or cpu (emulated), got {self.device!r}")
+        _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
+                 f"gpu.page_size must be a multiple of 4KiB, got {self.page_bytes!r}")
+        _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= self.page_bytes,
+                 f"gpu.capacity must hold at least one page, got {self.capacity_bytes!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "default"
     policy: str = "attention"  # eviction/attention.py; lru, lfu, arc, s3fifo are the baselines
     log_level: str = "INFO"
     server: ServerConfig = field(default_factory=ServerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
 
@@ -158,6 +179,12 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "admin_port": ("admin_port", None),
         "max_frame": ("max_frame_bytes", "size"),
         "max_batch_blocks": ("max_batch_blocks", None),
+    },
+    "gpu": {
+        "enabled": ("enabled", None),
+        "device": ("device", str),
+        "capacity": ("capacity_bytes", "size"),
+        "page_size": ("page_bytes", "size"),
     },
     "host": {
         "capacity": ("capacity_bytes", "size"),
@@ -212,6 +239,7 @@ def _build(raw: dict[str, Any]) -> Config:
     try:
         return Config(
             server=ServerConfig(**sections["server"]),
+            gpu=GpuConfig(**sections["gpu"]),
             host=HostConfig(**sections["host"]),
             disk=DiskConfig(**sections["disk"]),
             **top,

@@ -1,9 +1,11 @@
-"""TieredStore: the one façade over tiers, the prefix tree, pins and eviction.
+"""TieredStore: one store over an ordered chain of tiers (gpu -> host -> disk -> remote, any subset
+with the host arena in it), the prefix tree, pins and eviction.
 
-Writes are two-phase: `reserve` allocates room (the block is invisible),
-whoever owns the bytes copies them in, `commit` makes the block readable (or
-`abort` gives the room back). Reads are two-phase too: `acquire` pins blocks and
-returns where their bytes are, the reader copies, `release` unpins.
+Writes are two-phase: `reserve` allocates room in a client-readable tier (the
+block is invisible), whoever owns the bytes copies them in, `commit` makes the
+block readable (or `abort` gives the room back). Reads are two-phase too:
+`acquire` pins blocks, `await prepare_read` brings them up to the tier the
+reader asked for, the reader copies, `release` unpins.
 
 Keys are `(namespace id, block hash)`. Every block knows its parent, so the
 blocks form a prefix tree; a child is only ever inserted under a present parent
@@ -12,120 +14,122 @@ uncommitted block is never evicted. Pins and reservations belong to an
 *owner* (a client connection); `release_owner` drops them all when the owner
 goes away (lease expiry).
 
-Tiers are ranked fastest first (`TIERS`). The rule "a child never sits in a
-faster tier than its parent" is kept by counting each entry's resident
-children per tier: a block is a leaf *of tier t* when no child lives in t or a
-faster tier. Each entry also indexes its children's keys (`kids`), so a
-subtree is walked in its own size, never by scanning the index. Without a
-lower tier a victim is dropped; with one it is demoted (`_demote`,
-overridden where a disk tier exists).
+The rules for every pair of tiers live here, not in the tiers (tiers/base.py):
+- A victim of tier i is demoted to tier i+1, leaves first (a leaf of tier i has
+  no child in i or a faster tier); from the last tier it is dropped. A victim
+  that cannot move down (the next tier full of pinned blocks) is dropped with
+  its subtree in the slower tiers, unless something in it is pinned.
+- A child never sits in a faster tier than its parent (`check()` verifies it
+  for every pair): a put under a parent in a slower tier is skipped, and a
+  promotion moves a block only once its parent is in the target tier or faster.
+- `prepare_read` promotes root first: into the host arena from any slower tier
+  (checksum verified, off the event loop where the tier's read waits on I/O),
+  then up to the reader's tier (the GPU pool for a GPU reader) while it has
+  room. A block that fails to verify is a miss and is removed with its subtree;
+  other owners' pins on it become *ghost pins* that `release` accepts.
+- Restart recovery comes from whichever tiers persist (`Tier.recover`).
+- One policy instance per tier.
 
-All methods run on one thread (the daemon's event loop). `check()` verifies
-index vs tier vs refcounts vs tree, and tests call it after every scenario.
+Threads: every method runs on one thread (the daemon's event loop); only tier
+reads that wait on I/O run in the store's reader threads, and they touch no entry.
+`check()` verifies index vs tiers vs refcounts vs tree; tests call it after every scenario.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, make_policy
+from kvstore.entry import (  # noqa: F401  (Entry, LookupResult, RANK, TIERS are this module's public names too)
+    RANK,
+    TIERS,
+    Entry,
+    Key,
+    LookupResult,
+    Owner,
+    TierStats,
+    children_of,
+    is_leaf_in,
+    link_child,
+    unlink_child,
+)
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.keys import ROOT_HASH, Namespace
-from tiers.host import Extents, HostArena
+from kvstore.promotion import promote_for_read
+from kvstore.recovery import recover
+from kvstore.store_check import check_store, store_stats
+from tiers.base import BlockMeta, Tier
 
-TIERS = ("gpu", "host", "disk")
-RANK = {name: i for i, name in enumerate(TIERS)}
-Owner = Hashable
-Key = tuple  # (namespace id, block hash)
-
-
-@dataclass(slots=True)
-class Entry:
-    key: Key
-    parent: Key | None
-    depth: int
-    nbytes: int
-    tier: str
-    location: object  # host: Extents; other tiers: their own handle
-    owner: Owner | None  # reserving owner while uncommitted
-    committed: bool = False
-    pins: int = 0
-    children: list = field(default_factory=lambda: [0, 0, 0])  # resident children per tier rank
-    attention: float | None = None
-    kids: object = None  # the children's keys: None, one Key, or a set of Keys (see `_link`)
-
-
-def link_child(parent: Entry, key: Key) -> None:
-    """Index `key` under `parent`. Most blocks have at most one child, so one child is
-    stored bare (no set per chain link); a second one turns it into a set."""
-    kids = parent.kids
-    if kids is None:
-        parent.kids = key
-    elif isinstance(kids, set):
-        kids.add(key)
-    elif kids != key:
-        parent.kids = {kids, key}
-
-
-def unlink_child(parent: Entry, key: Key) -> None:
-    kids = parent.kids
-    if isinstance(kids, set):
-        kids.discard(key)
-        if len(kids) == 1:
-            parent.kids = next(iter(kids))
-    elif kids == key:
-        parent.kids = None
-
-
-def children_of(entry: Entry) -> tuple | set:
-    kids = entry.kids
-    return () if kids is None else kids if isinstance(kids, set) else (kids,)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """`hits` leading blocks are present; `tiers` names the tier of each."""
-
-    hits: int
-    tiers: tuple[str, ...]
-
-
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0
-    evictions: int = 0
-    demotions_in: int = 0
-    promotions_in: int = 0
+log = logging.getLogger(__name__)
 
 
 class TieredStore:
     def __init__(
         self,
-        host: HostArena,
+        tiers: Tier | Sequence[Tier],
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        read_threads: int = 4,
+        absent: dict[str, str] | None = None,
     ) -> None:
-        self.host = host
-        self.clock = clock
+        chain = [tiers] if isinstance(tiers, Tier) else list(tiers)
+        names = [t.name for t in chain]
+        if names != sorted(names, key=lambda n: RANK.get(n, len(TIERS))) or len(set(names)) != len(names) \
+                or not set(names) <= set(TIERS):
+            raise ValueError(f"tiers must be distinct, ordered like {TIERS}; got {names}")
+        if "host" not in names:
+            raise ValueError("the chain needs the host tier: every transfer and every local client goes through it")
+        self.chain = chain
+        self.tiers: dict[str, Tier] = {t.name: t for t in chain}
+        self.host = self.tiers["host"]
+        self.absent = dict(absent or {})  # tier name -> why it is not in the chain
+        self.clock, self.wall_clock = clock, wall_clock
         self.policy_name = policy
-        self.policies: dict[str, EvictionPolicy] = {"host": make_policy(policy, clock=clock)}
+        self.policies: dict[str, EvictionPolicy] = {t.name: make_policy(policy, clock=clock) for t in chain}
         self.namespaces: dict[str, Namespace] = {}
         self.entries: dict[Key, Entry] = {}
         self.pins_by_owner: dict[Owner, Counter] = defaultdict(Counter)
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
+        self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)  # pins on blocks removed as corrupt
         self.counters: Counter = Counter()
         self.tier_stats: dict[str, TierStats] = {t: TierStats() for t in TIERS}
+        self._promoting: dict[Key, asyncio.Task] = {}
+        self._inflight: dict[Key, tuple[str, object]] = {}  # pages held by promotions in flight
+        self._read_threads = read_threads
+        self._reader: ThreadPoolExecutor | None = None
+        self._persisted_ns: set[str] = set()
+        recover(self)
+
+    @property
+    def disk(self) -> Tier | None:
+        return self.tiers.get("disk")
+
+    @property
+    def gpu(self) -> Tier | None:
+        return self.tiers.get("gpu")
+
+    def info(self, e: Entry) -> BlockInfo:
+        return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.namespaces[e.key[0]].block_tokens, e.attention)
 
     # -- namespaces -----------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> str:
-        if self.host.pages_for(ns.block_bytes) > self.host.num_pages:
+        if self.host.pages_for(ns.block_bytes) > self.host.pages.num_pages:
             raise NamespaceError(
                 f"block_bytes {ns.block_bytes} exceeds the host tier capacity {self.host.capacity_bytes}"
             )
         self.namespaces[ns.id] = ns
+        if ns.id not in self._persisted_ns:
+            for tier in self.chain:
+                if tier.persistent:
+                    tier.persist_namespace(ns.id, ns.to_dict())
+                tier.prewarm(ns.block_bytes)
+            self._persisted_ns.add(ns.id)
         return ns.id
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -138,6 +142,7 @@ class TieredStore:
     def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """How many leading blocks are committed (in any tier). No pins, no policy events."""
         self.namespace(ns_id)
+        self._reap()
         tiers: list[str] = []
         for h in hashes:
             e = self.entries.get((ns_id, h))
@@ -151,9 +156,11 @@ class TieredStore:
     def acquire(self, ns_id: str, hashes: Sequence[bytes], owner: Owner, prefix: bool = True) -> list[Entry | None]:
         """Pin the committed blocks among `hashes` and return their entries (None = miss).
 
-        With `prefix` the answer stops at the first miss (the rest are None).
+        With `prefix` the answer stops at the first miss (the rest are None). The
+        entries may sit in any tier: `prepare_read` brings them where the reader reads.
         """
         self.namespace(ns_id)
+        self._reap()
         out: list[Entry | None] = []
         hit_keys: list[Key] = []
         for h in hashes:
@@ -178,12 +185,37 @@ class TieredStore:
             by_tier[self.entries[key].tier].append(key)
         for tier, tier_keys in by_tier.items():
             self.tier_stats[tier].hits += len(tier_keys)
-            policy = self.policies.get(tier)
-            if policy is not None:
-                policy.on_access(tier_keys)
+            self.policies[tier].on_access(tier_keys)
+
+    async def prepare_read(
+        self, entries: Sequence[Entry | None], owner: Owner | None = None, tier: str = "host"
+    ) -> list[Entry | None]:
+        """Bring the acquired `entries` (root first) to where a reader of `tier` reads them.
+
+        Returns `entries` with None where a block could not be brought there
+        (no room, checksum mismatch, read error, parent not promoted, or it sits
+        in a faster tier the reader cannot read); `owner`'s pin on such a block is dropped.
+        """
+        return await promote_for_read(self, entries, owner, tier)
 
     def release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
-        """Unpin. Validates every hash first: a release of a block not pinned by `owner` changes nothing."""
+        """Unpin. Validates every hash first: a release of a block not pinned by `owner` changes
+        nothing. Pins on blocks removed as corrupt (ghost pins) are accepted and forgotten."""
+        ghosts = self.ghost_pins.get(owner)
+        if ghosts:
+            left = Counter(ghosts)
+            real = []
+            for h in hashes:
+                if left[(ns_id, h)] > 0:
+                    left[(ns_id, h)] -= 1
+                else:
+                    real.append(h)
+            self._release(ns_id, real, owner)
+            self.ghost_pins[owner] = +left
+            return
+        self._release(ns_id, hashes, owner)
+
+    def _release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         pins = self.pins_by_owner.get(owner, Counter())
         need = Counter((ns_id, h) for h in hashes)
         for key, n in need.items():
@@ -198,15 +230,34 @@ class TieredStore:
             del pins[key]
         self.entries[key].pins -= n
 
-    # -- writes ----------------------------------------------------------------
-    def reserve(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner) -> list[Entry | None]:
-        """Reserve room for `(hash, parent_hash)` blocks; None where the block is skipped.
+    def unpin_failed(self, e: Entry, owner: Owner | None) -> None:
+        """Drop `owner`'s pin on a block that could not be served (its pin or its ghost pin)."""
+        if owner is None:
+            return
+        pins = self.pins_by_owner.get(owner)
+        if pins is not None and pins.get(e.key, 0) > 0 and self.entries.get(e.key) is e:
+            self._unpin(e.key, 1, pins)
+        elif self.ghost_pins.get(owner, {}).get(e.key, 0) > 0:
+            self.ghost_pins[owner][e.key] -= 1
+            self.ghost_pins[owner] = +self.ghost_pins[owner]
 
-        Skipped: already present (committed or being written), or its parent is
-        absent (inserting it would orphan it), or no room can be made.
+    # -- writes ----------------------------------------------------------------
+    def reserve(
+        self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str = "host"
+    ) -> list[Entry | None]:
+        """Reserve room in `tier` (a client-readable one) for `(hash, parent_hash)` blocks; None where skipped.
+
+        Skipped: already present (committed or being written), its parent is
+        absent (inserting it would orphan it) or sits in a slower tier (the
+        child would be faster than its parent), or no room can be made.
         """
         ns = self.namespace(ns_id)
-        self._room_for_batch(ns, ns_id, blocks)
+        target = self.tiers.get(tier)
+        if target is None or not target.client_readable:
+            raise KVStoreError(f"cannot write into the {tier!r} tier; client-readable tiers: "
+                               f"{[t.name for t in self.chain if t.client_readable]}")
+        self._reap()
+        self._room_for_batch(ns, ns_id, blocks, target)
         out: list[Entry | None] = []
         for h, parent_hash in blocks:
             key = (ns_id, h)
@@ -222,17 +273,21 @@ class TieredStore:
                 self.counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
                 out.append(None)
                 continue
+            if parent_entry is not None and RANK[parent_entry.tier] > RANK[tier]:
+                self.counters[f"put_parent_on_{parent_entry.tier}_blocks"] += 1
+                out.append(None)
+                continue
             try:
-                extents = self._allocate_host(ns.block_bytes, protect=parent)
+                location = self.allocate(tier, ns.block_bytes, protect=parent)
             except CapacityError:
                 self.counters["put_capacity_rejects"] += 1
                 out.append(None)
                 continue
             depth = parent_entry.depth + 1 if parent_entry is not None else 0
-            entry = Entry(key, parent, depth, ns.block_bytes, "host", extents, owner)
+            entry = Entry(key, parent, depth, ns.block_bytes, tier, location, owner)
             self.entries[key] = entry
             if parent_entry is not None:
-                parent_entry.children[RANK["host"]] += 1
+                parent_entry.children[RANK[tier]] += 1
                 link_child(parent_entry, key)
             self.reserved_by_owner[owner].add(key)
             out.append(entry)
@@ -249,7 +304,6 @@ class TieredStore:
                 raise KVStoreError("commit a block's parent before or together with the block")
         if attention is not None and len(attention) != len(hashes):
             raise KVStoreError("attention must have one value per committed block")
-        policy = self.policies["host"]
         ns = self.namespaces[ns_id]
         for i, h in enumerate(hashes):
             e = self.entries[(ns_id, h)]
@@ -258,7 +312,9 @@ class TieredStore:
             self.reserved_by_owner[owner].discard(e.key)
             if attention is not None:
                 e.attention = float(attention[i])
-            policy.on_insert(BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention))
+            self.policies[e.tier].on_insert(
+                BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention)
+            )
         self.counters["put_blocks"] += len(hashes)
         return len(hashes)
 
@@ -283,6 +339,7 @@ class TieredStore:
 
     def release_owner(self, owner: Owner) -> None:
         """The owner is gone: drop its pins and abort its reservations (lease expiry)."""
+        self.ghost_pins.pop(owner, None)
         pins = self.pins_by_owner.pop(owner, Counter())
         for key, n in pins.items():
             entry = self.entries.get(key)
@@ -303,7 +360,7 @@ class TieredStore:
             entry = self.entries.get((ns_id, h))
             if entry is None or not entry.committed:
                 continue
-            subtree = self._subtree(entry.key)
+            subtree = self.subtree(entry.key)
             if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
                 continue
             for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
@@ -319,7 +376,7 @@ class TieredStore:
                 roots[e.key[0]].append(e.key[1])
         return sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
 
-    def _subtree(self, root: Key) -> list[Key]:
+    def subtree(self, root: Key) -> list[Key]:
         """`root` and everything below it, in O(size of the subtree)."""
         entries = self.entries
         out, stack = [], [root]
@@ -329,32 +386,55 @@ class TieredStore:
             stack.extend(children_of(entries[key]))
         return out
 
-    # -- eviction ------------------------------------------------------------
+    def discard(self, entry: Entry) -> None:
+        """Remove a block and its subtree whatever their pins (corrupt or lost bytes)."""
+        for key in sorted(self.subtree(entry.key), key=lambda k: -self.entries[k].depth):
+            e = self.entries[key]
+            for owner, pins in self.pins_by_owner.items():
+                n = pins.pop(key, 0)
+                if n:
+                    self.ghost_pins[owner][key] += n
+            e.pins = 0
+            if not e.committed:
+                self.reserved_by_owner[e.owner].discard(key)
+            self._drop(e)
+            self.counters[f"{entry.tier}_blocks_discarded"] += 1
+
+    def _reap(self) -> None:
+        """Discard the blocks whose write to a tier failed after it took their bytes."""
+        for tier in self.chain:
+            for key in tier.failed_writes():
+                e = self.entries.get(key)
+                if e is not None and e.tier == tier.name and tier.lost(e.location):
+                    self.counters[f"{tier.name}_write_failures"] += 1
+                    self.discard(e)
+
+    # -- eviction and demotion -------------------------------------------------
     def is_leaf_in(self, entry: Entry, tier: str) -> bool:
-        return not any(entry.children[: RANK[tier] + 1])
+        return is_leaf_in(entry, tier)
 
-    def _allocate_host(self, nbytes: int, protect: Key | None = None) -> Extents:
-        host = self.host
-        extents = host.allocate(nbytes)
-        if extents is None:
-            self._make_room("host", lambda: host.pages_for(nbytes) * host.page_bytes - host.free_bytes, protect)
-            extents = host.allocate(nbytes)
-            assert extents is not None
-        return extents
+    def allocate(self, tier: str, nbytes: int, protect: Key | set | None = None) -> object:
+        """Pages in `tier`, evicting (demoting) its leaves for room; CapacityError when none can be made."""
+        t = self.tiers[tier]
+        alloc = t.allocate(nbytes)
+        if alloc is None:
+            self._make_room(tier, lambda: t.shortfall(nbytes), protect)
+            alloc = t.allocate(nbytes)
+            assert alloc is not None
+        return alloc
 
-    def _room_for_batch(self, ns: Namespace, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]]) -> None:
+    def _room_for_batch(self, ns: Namespace, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], t: Tier) -> None:
         """Make room for a whole reserve batch with one eviction pass (not one pass per block).
 
         Best effort: blocks that still find no room are skipped by `reserve` one by one.
         """
         new = [(h, p) for h, p in blocks if (ns_id, h) not in self.entries]
-        host = self.host
-        need = len(new) * host.pages_for(ns.block_bytes) * host.page_bytes
-        if need <= host.free_bytes:
+        need = len(new) * t.pages_for(ns.block_bytes) * t.page_bytes
+        if need <= t.free_bytes:
             return
         protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in self.entries}
         try:
-            self._make_room("host", lambda: need - host.free_bytes, protect)
+            self._make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
             pass
 
@@ -376,7 +456,7 @@ class TieredStore:
                 and e.committed
                 and e.pins == 0
                 and key not in protected
-                and self.is_leaf_in(e, tier)
+                and is_leaf_in(e, tier)
             )
 
         while (missing := shortfall()) > 0:
@@ -387,22 +467,81 @@ class TieredStore:
                 if not evictable(key):
                     raise KVStoreError(f"policy {policy.name} named a victim that is not evictable")
                 self.tier_stats[tier].evictions += 1
-                self._demote(self.entries[key])
+                self.demote(self.entries[key])
                 if shortfall() <= 0:
                     break
 
-    def _demote(self, entry: Entry) -> None:
-        """Move a victim to the next slower tier; with none configured, drop it."""
+    def next_tier(self, tier: str) -> Tier | None:
+        i = self.chain.index(self.tiers[tier]) + 1
+        return self.chain[i] if i < len(self.chain) else None
+
+    def demote(self, entry: Entry) -> None:
+        """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
+        one has no room, drop it, and with it its subtree in the slower tiers."""
+        below = self.next_tier(entry.tier)
+        if below is not None and self.move_down(entry, below):
+            return
+        if any(entry.children):
+            subtree = self.subtree(entry.key)  # its children sit in slower tiers and go with it
+            if any(self.entries[k].pins for k in subtree):
+                raise CapacityError(f"a {entry.tier} block whose subtree below is pinned cannot be dropped")
+            for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
+                self._drop(self.entries[key])
+            return
         self._drop(entry)
+
+    def move_down(self, e: Entry, below: Tier) -> bool:
+        """Demote `e` into `below`, making room there first; False (nothing changed) when it cannot."""
+        if not below.fits(e.nbytes):
+            return False
+        try:
+            self._make_room(below.name, lambda: below.shortfall(e.nbytes))
+        except CapacityError:
+            self.counters[f"demotions_dropped_{below.name}_full"] += 1
+            return False
+        alloc = below.allocate(e.nbytes)
+        assert alloc is not None
+        location, ok = self.copy_block(e, below, alloc)
+        if not ok:  # the source did not verify: nothing worth keeping
+            below.free(alloc)
+            return False
+        self.move(e, below.name, location)
+        return True
+
+    def copy_block(self, e: Entry, dst: Tier, alloc: object) -> tuple[object, bool]:
+        """Copy `e`'s bytes into `alloc` of `dst`, through host memory on one side (no staging pass).
+        Returns (the block's location in dst, whether the source verified). Synchronous."""
+        src = self.tiers[e.tier]
+        if dst.host_memory:
+            return alloc, src.read_into(e.location, dst.segments(alloc))
+        if not src.host_memory:
+            raise KVStoreError(f"internal: no copy path {src.name} -> {dst.name} (the host tier sits between)")
+        meta = BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention, self.wall_clock())
+        return dst.write_from(alloc, src.segments(e.location), meta), True
+
+    def move(self, e: Entry, tier: str, location: object) -> None:
+        """Re-tier an entry: free its old location, update policies, parent's child counts and stats."""
+        old = e.tier
+        self._free_location(e)
+        self.policies[old].on_remove(e.key)
+        e.tier, e.location = tier, location
+        if e.parent is not None:
+            parent = self.entries[e.parent]
+            parent.children[RANK[old]] -= 1
+            parent.children[RANK[tier]] += 1
+        self.policies[tier].on_insert(self.info(e))
+        if RANK[tier] > RANK[old]:
+            self.tier_stats[tier].demotions_in += 1
+        else:
+            self.tier_stats[tier].promotions_in += 1
+            self.tier_stats[old].promotions_out += 1
 
     def _drop(self, entry: Entry) -> None:
         """Remove an entry that has no resident children from its tier and the index."""
         if any(entry.children):
             raise KVStoreError("internal: dropping a block that still has children")
         self._free_location(entry)
-        policy = self.policies.get(entry.tier)
-        if policy is not None:
-            policy.on_remove(entry.key)
+        self.policies[entry.tier].on_remove(entry.key)
         del self.entries[entry.key]
         if entry.parent is not None:
             parent = self.entries.get(entry.parent)
@@ -411,87 +550,60 @@ class TieredStore:
                 unlink_child(parent, entry.key)
 
     def _free_location(self, entry: Entry) -> None:
-        if entry.tier == "host":
-            self.host.free(entry.location)  # type: ignore[arg-type]
-        else:
-            raise KVStoreError(f"internal: no {entry.tier} tier to free from")
+        self.tiers[entry.tier].free(entry.location, entry.key)
+
+    # -- lifecycle ---------------------------------------------------------------
+    def reader(self) -> ThreadPoolExecutor:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(self._read_threads, thread_name_prefix="kvstore-tier-read")
+        return self._reader
+
+    def flush(self) -> None:
+        """Block until every write a tier has taken is durable."""
+        for tier in self.chain:
+            tier.flush()
+        self._reap()
+
+    def close(self, persist: bool = True) -> None:
+        """Drain (the SIGTERM path): with `persist`, move the blocks of the tiers above the first
+        persistent one down into it (deepest first, as far as its policy makes room), then flush
+        and close every tier.
+
+        Call it when no client is connected any more (nothing pinned, nothing reserved). The daemon
+        calls it from an executor thread while its loop still runs: promotions in flight finish first.
+        """
+        deadline = time.monotonic() + 10
+        while self._promoting and time.monotonic() < deadline:
+            time.sleep(0.005)  # they complete on the loop thread, which is free while we wait here
+        if persist:
+            self._persist()
+        for tier in reversed(self.chain):
+            tier.close()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+
+    def _persist(self) -> None:
+        self._reap()
+        durable = next((i for i, t in enumerate(self.chain) if t.persistent), None)
+        if durable is None:
+            return
+        for i, tier in enumerate(self.chain[:durable]):
+            below = self.chain[i + 1]
+            # Deepest first, so a block leaves only after its children: the tree rule holds throughout.
+            for e in sorted((e for e in self.entries.values() if e.tier == tier.name), key=lambda e: -e.depth):
+                if not e.committed or e.pins or not is_leaf_in(e, tier.name) or self.entries.get(e.key) is not e:
+                    continue
+                if self.move_down(e, below) and below.persistent:
+                    self.counters["blocks_persisted_at_close"] += 1
 
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
-        per_tier: dict[str, dict] = {}
-        for tier in TIERS:
-            blocks = [e for e in self.entries.values() if e.tier == tier and e.committed]
-            st = self.tier_stats[tier]
-            per_tier[tier] = {
-                "blocks": len(blocks),
-                "bytes": sum(e.nbytes for e in blocks),
-                "hits": st.hits,
-                "evictions": st.evictions,
-                "demotions_in": st.demotions_in,
-                "promotions_in": st.promotions_in,
-            }
-        per_tier["host"].update(
-            capacity_bytes=self.host.capacity_bytes,
-            used_bytes=self.host.used_bytes,
-            page_bytes=self.host.page_bytes,
-        )
-        return {
-            "policy": self.policy_name,
-            "namespaces": len(self.namespaces),
-            "blocks": sum(1 for e in self.entries.values() if e.committed),
-            "reserved_blocks": sum(1 for e in self.entries.values() if not e.committed),
-            "pinned_blocks": sum(1 for e in self.entries.values() if e.pins),
-            "tiers": per_tier,
-            "counters": dict(self.counters),
-        }
+        return store_stats(self)
 
     def check(self) -> list[str]:
-        """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean)."""
-        problems: list[str] = []
-        children: dict[Key, list[int]] = defaultdict(lambda: [0, 0, 0])
-        for key, e in self.entries.items():
-            if e.key != key:
-                problems.append(f"entry filed under the wrong key {key}")
-            if e.pins < 0:
-                problems.append(f"negative refcount on {key}")
-            if e.parent is not None:
-                parent = self.entries.get(e.parent)
-                if parent is None:
-                    problems.append(f"orphan: parent of {key} is absent")
-                elif RANK[e.tier] < RANK[parent.tier]:
-                    problems.append(f"{key} sits in {e.tier}, faster than its parent in {parent.tier}")
-                elif parent.depth + 1 != e.depth:
-                    problems.append(f"depth of {key} does not follow its parent")
-                children[e.parent][RANK[e.tier]] += 1
-            policy = self.policies.get(e.tier)
-            if policy is not None and (key in policy) != e.committed:
-                problems.append(f"policy of {e.tier} disagrees with commit state of {key}")
-            if not e.committed and key not in self.reserved_by_owner.get(e.owner, ()):
-                problems.append(f"uncommitted {key} belongs to no live reservation")
-        for key, e in self.entries.items():
-            if e.children != children.get(key, [0, 0, 0]):
-                problems.append(f"child counts of {key} are {e.children}, tree says {children.get(key)}")
-            kids = children_of(e)
-            if sum(e.children) != len(kids) or any(self.entries.get(k, e).parent != key for k in kids):
-                problems.append(f"children index of {key} does not match its children's parent links")
-        pin_sum: Counter = Counter()
-        for pins in self.pins_by_owner.values():
-            pin_sum.update(pins)
-        for key, e in self.entries.items():
-            if pin_sum.get(key, 0) != e.pins:
-                problems.append(f"refcount of {key} is {e.pins}, owners hold {pin_sum.get(key, 0)}")
-        for key in pin_sum:
-            if key not in self.entries:
-                problems.append(f"an owner pins {key}, which is not in the index")
-        for tier, policy in self.policies.items():
-            in_tier = sum(1 for e in self.entries.values() if e.tier == tier and e.committed)
-            if len(policy) != in_tier:
-                problems.append(f"policy of {tier} tracks {len(policy)} blocks, the tier holds {in_tier}")
-        host_allocs = [e.location for e in self.entries.values() if e.tier == "host"]
-        problems += self.host.check(host_allocs)  # type: ignore[arg-type]
-        if self.host.used_bytes > self.host.capacity_bytes:
-            problems.append("host tier over budget")
-        return problems
+        """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean).
+        Waits for pending writes first, so that persistent tiers' indexes compare exactly."""
+        return check_store(self)
 
     def iter_entries(self) -> Iterable[Entry]:
         return self.entries.values()

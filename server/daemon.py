@@ -24,12 +24,12 @@ import uuid
 import fcntl
 from collections import Counter
 
+from kvstore.chain import open_store
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.rpc import Handlers, Session, error_reply
-from tiers.host import HostArena
 
 log = logging.getLogger(__name__)
 
@@ -82,36 +82,24 @@ def _lock_instance(config: Config) -> int:
     return fd
 
 
-def build_store(config: Config) -> TieredStore:
-    """The store for a config: the host arena, plus the lower tiers the config enables."""
-    host = HostArena(config.shm_path, config.host.capacity_bytes, config.host.page_bytes, config.host.prefault)
-    try:
-        from kvstore.disk_store import open_store  # the disk tier, where present
-    except ModuleNotFoundError:
-        return TieredStore(host, policy=config.policy)
-    return open_store(host, config)
-
-
-def gpu_info() -> dict:
-    try:
-        from tiers.gpu import cuda_available
-    except ModuleNotFoundError:
-        return {"available": False, "reason": "GPU tier not built"}
-    ok, reason = cuda_available()
-    return {"available": ok, "reason": reason}
+def gpu_info(store: TieredStore) -> dict:
+    """What clients are told of the gpu tier at hello."""
+    if store.gpu is None:
+        return {"available": False, "reason": store.absent.get("gpu", "not configured")}
+    return {"available": True, "reason": "", **store.gpu.stats()}
 
 
 class Daemon:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
         self._lock_fd = _lock_instance(config) if store is None else None
-        self.store = store if store is not None else build_store(config)
+        self.store = store if store is not None else open_store(config)
         info = {
             "arena_path": self.store.host.path,
             "arena_id": uuid.uuid4().hex,  # clients remap when a restarted daemon has a new arena
             "arena_bytes": self.store.host.capacity_bytes,
             "page_bytes": self.store.host.page_bytes,
-            "gpu": gpu_info(),
+            "gpu": gpu_info(self.store),
         }
         self.handlers = Handlers(self.store, config.server.tcp_token, config.server.max_batch_blocks, info)
         self.errors: Counter = Counter()
@@ -180,10 +168,7 @@ class Daemon:
             await asyncio.wait(self._tasks, timeout=5)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
-        close = getattr(self.store, "close", None)
-        if close is not None:
-            await asyncio.get_running_loop().run_in_executor(None, close)
-        self.store.host.close(unlink=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         _unlink(self.config.server.socket_path)
         if self._lock_fd is not None:
             _unlink(self.config.shm_path + ".lock")  # still held: no other daemon of this name is running

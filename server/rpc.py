@@ -138,9 +138,8 @@ class Handlers:
         """Pinned entries, promoted into the arena, and the tier each one was found in."""
         entries = self.store.acquire(ns, hashes, s.owner, prefix=prefix)
         tiers = [e.tier if e is not None else None for e in entries]
-        prepare = getattr(self.store, "prepare_read", None)
-        if prepare is not None and any(t not in (None, "host") for t in tiers):
-            entries = await prepare(entries, s.owner)  # promotes lower-tier blocks into the arena
+        if any(t not in (None, "host") for t in tiers):
+            entries = await self.store.prepare_read(entries, s.owner)  # into the arena, where this client reads
         return entries, tiers
 
     def release(self, s: Session, args: dict) -> dict:

@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstore.disk_store import DiskSlot, DiskTieredStore, record_key
+from kvstore.store import TieredStore
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
-from tiers.disk import DATA_FILE, DiskTier
+from tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
 from tiers.disk_alloc import PageAllocator
 from tiers.host import HostArena
 
@@ -44,14 +44,14 @@ class Harness:
 
     def __init__(self, folder, host_blocks=8, disk_blocks=48, direct=None):
         self.folder, self.host_blocks, self.disk_blocks, self.direct = str(folder), host_blocks, disk_blocks, direct
-        self.store: DiskTieredStore | None = None
+        self.store: TieredStore | None = None
         self.open()
 
-    def open(self) -> DiskTieredStore:
+    def open(self) -> TieredStore:
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
         disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, direct=self.direct,
                         staging_bytes=16 * BLOCK)
-        self.store = DiskTieredStore(host, disk)
+        self.store = TieredStore([host, disk])
         self.store.register_namespace(NS)
         return self.store
 
@@ -61,7 +61,7 @@ class Harness:
             self.store.host.close()
             self.store = None
 
-    def reopen(self) -> DiskTieredStore:
+    def reopen(self) -> TieredStore:
         self.close()
         return self.open()
 
@@ -477,7 +477,7 @@ def test_a_folder_has_one_owner(harness):
 def test_unaligned_block_size_round_trips_through_the_bounce_buffer(tmp_path):
     ns = Namespace("odd", "fp32", 1, 1, 64, 16, 50_001)  # not a multiple of 4096
     host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 4 * BLOCK, PAGE)
-    store = DiskTieredStore(host, DiskTier(str(tmp_path / "disk"), 32 * BLOCK, page_bytes=PAGE))
+    store = TieredStore([host, DiskTier(str(tmp_path / "disk"), 32 * BLOCK, page_bytes=PAGE)])
     try:
         ns_id = store.register_namespace(ns)
         hashes = [bytes([i]) * 16 for i in range(1, 9)]
@@ -500,7 +500,7 @@ def test_unaligned_block_size_round_trips_through_the_bounce_buffer(tmp_path):
 def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
     ns = Namespace("big", "bf16", 1, 1, 64, 16, 1200 * 4096)
     host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 2 * ns.block_bytes, 4096)
-    store = DiskTieredStore(host, DiskTier(str(tmp_path / "disk"), 4 * ns.block_bytes, page_bytes=PAGE))
+    store = TieredStore([host, DiskTier(str(tmp_path / "disk"), 4 * ns.block_bytes, page_bytes=PAGE)])
     try:
         ns_id = store.register_namespace(ns)
         hashes = [bytes([i]) * 16 for i in range(1, 4)]
@@ -536,7 +536,7 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
     monkeypatch.setattr(DiskTier, "_format_chunk", slow_chunk)
     host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 4 * BLOCK, PAGE)
     disk = DiskTier(str(tmp_path / "disk"), 4096 * PAGE, page_bytes=PAGE)
-    store = DiskTieredStore(host, disk)
+    store = TieredStore([host, disk])
     try:
         store.register_namespace(NS)
         for _ in range(20):

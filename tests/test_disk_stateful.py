@@ -1,4 +1,4 @@
-"""The Hypothesis store model (tests/test_store_stateful.py) run over DiskTieredStore, every policy.
+"""The Hypothesis store model (tests/test_store_stateful.py) run over a [host, disk] TieredStore, every policy.
 
 Same rules and invariants, with a disk tier under a 3-block host tier: reads
 promote, evictions demote, and a `restart` rule closes the store (persisting
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from eviction.base import policy_names
-from kvstore.disk_store import DiskTieredStore
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from tests.test_store_stateful import BLOCK, PAGE, StoreMachine, child_hash
+from kvstore.store import TieredStore
 from tiers.disk import DiskTier
 from tiers.host import HostArena
 
@@ -43,11 +43,11 @@ class DiskStoreMachine(StoreMachine):
     def _open(self) -> None:
         self.arena = HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", HOST_PAGES * PAGE, PAGE, prefault=False)
         disk = DiskTier(self.folder, DISK_BLOCKS * 2 * PAGE, page_bytes=PAGE, staging_bytes=4 * 2 * PAGE)
-        self.store = DiskTieredStore(self.arena, disk, policy=self.policy)
+        self.store = TieredStore([self.arena, disk], policy=self.policy)
         self.ns = self.store.register_namespace(NS)
 
     def teardown(self) -> None:
-        self.store.close(persist_host=False)
+        self.store.close(persist=False)
         self.arena.close()
 
     def bytes_of(self, h: bytes) -> bytes:

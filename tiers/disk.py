@@ -73,7 +73,9 @@ import msgpack
 import numpy as np
 import xxhash
 
+from tiers.base import BlockMeta, RecoveredBlock, Tier
 from tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
+from tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,29 @@ class DiskWrite:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
 
 
+@dataclass(slots=True, eq=False)
+class DiskSlot:
+    """Where a disk block's bytes are. While `job` is not done, they are also in its staging buffer."""
+
+    extents: list
+    checksum: int | None
+    job: DiskWrite | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.job is not None and not self.job.done
+
+    def known_checksum(self) -> int | None:
+        if self.checksum is None and self.job is not None and self.job.done and self.job.error is None:
+            self.checksum, self.job = self.job.checksum, None
+        return self.checksum
+
+
+def record_key(key: tuple) -> bytes:
+    """The index key of a store key `(namespace id, hash)`."""
+    return msgpack.packb([key[0], key[1]])
+
+
 @dataclass(slots=True)
 class DiskCounters:
     writes: int = 0
@@ -114,8 +139,13 @@ class DiskCounters:
     backpressure_waits: int = 0
 
 
-class DiskTier:
-    """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index."""
+class DiskTier(Tier):
+    """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index.
+
+    As a store tier (tiers/base.py) a block's location is a `DiskSlot`."""
+
+    name = "disk"
+    persistent = True
 
     def __init__(
         self,
@@ -254,26 +284,95 @@ class DiskTier:
         with self.env.begin(db=self._db_ns) as txn:
             return [(bytes(k), msgpack.unpackb(v)) for k, v in txn.cursor()]
 
-    # -- allocation (owner thread) ---------------------------------------------
+    # -- allocation (owner thread; the page bookkeeping is Tier's) -----------------
     @property
-    def used_bytes(self) -> int:
-        return (self.num_pages - self.alloc.free_pages) * self.page_bytes
-
-    def fits(self, nbytes: int) -> bool:
-        return 0 < self.alloc.pages_for(nbytes) <= self.num_pages
-
-    def shortfall(self, nbytes: int) -> int:
-        """Bytes that must still be freed before `nbytes` can be allocated (<= 0: none)."""
-        return (self.alloc.pages_for(nbytes) - self.alloc.free_pages) * self.page_bytes
-
-    def allocate(self, nbytes: int) -> list | None:
-        return self.alloc.allocate(nbytes)
+    def pages(self) -> PageAllocator:
+        return self.alloc
 
     def release(self, extents: Sequence, key: bytes | None) -> None:
         """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
         self.alloc.free(extents)
         if key is not None:
             self._submit(("del", key))
+
+    # -- the store's tier interface (tiers/base.py) --------------------------------
+    def free(self, location: DiskSlot, key: tuple | None = None) -> None:
+        self.release(location.extents, None if key is None else record_key(key))
+
+    def locate(self, location: DiskSlot) -> list:
+        return location.extents
+
+    def write_from(self, alloc: list, src: Sequence[np.ndarray], meta: BlockMeta) -> DiskSlot:
+        """Copy the block into a staging buffer now; the writer thread makes it durable later."""
+        record = {"p": meta.parent, "d": meta.depth, "a": meta.attention, "t": meta.stamp}
+        nbytes = sum(s.size for s in src)
+        job = self.stage(record_key(meta.key), record, alloc, nbytes)
+        copy_segments([job.view()], src)
+        self.submit(job)
+        return DiskSlot(alloc, None, job)
+
+    def read_blocks(self, location: DiskSlot) -> bool:
+        location.known_checksum()  # settle a finished write here, on the owner thread
+        return not location.pending
+
+    def read_into(self, location: DiskSlot, out: Sequence[np.ndarray]) -> bool:
+        """Serve a pending block from its staging buffer (owner thread), else read and verify it."""
+        if location.pending:
+            copy_segments(out, [location.job.view()])  # type: ignore[union-attr]
+            return True
+        if location.job is not None:
+            raise OSError(errno.EIO, "the block's write failed: its bytes are lost")
+        return self.read_block(location.extents, sum(o.size for o in out), location.checksum, out)  # type: ignore[arg-type]
+
+    def failed_writes(self) -> list[tuple]:
+        return [tuple(msgpack.unpackb(job.key)) for job in self.take_failed()]
+
+    def lost(self, location: DiskSlot) -> bool:
+        job = location.job
+        return job is not None and job.done and job.error is not None
+
+    def durable(self, location: DiskSlot) -> bool:
+        return not location.pending and not self.lost(location)
+
+    def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
+        namespaces = [(k.decode(), fields) for k, fields in self.load_namespaces()]
+        blocks = []
+        for rkey, rec in self.recovered:
+            try:
+                ns_id, h = msgpack.unpackb(rkey)
+                if not isinstance(rec["x"], int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
+                    raise TypeError("no checksum, or a malformed key")
+                slot = DiskSlot(rec["e"], rec["x"])
+                blocks.append(RecoveredBlock((ns_id, h), rec.get("p"), rec["n"], slot, rec.get("a"), rec.get("t", 0.0)))
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+                self.release(rec["e"], rkey)
+                self.counters.dropped_records += 1
+        self.recovered = []
+        return namespaces, blocks
+
+    def persist_namespace(self, ns_id: str, fields: dict) -> None:
+        self.put_namespace(ns_id.encode(), fields)
+
+    def persisted_namespaces(self) -> set[str]:
+        return {k.decode() for k, _ in self.load_namespaces()}
+
+    def check_records(self, placed: dict) -> list[str]:
+        """The index against the store's disk blocks (call after `flush`: no write pending)."""
+        problems = []
+        records = self.index_records()
+        for key, slot in placed.items():
+            rec = records.pop(record_key(key), None)
+            if rec is None:
+                problems.append(f"disk block {key} has no index record")
+            elif rec["e"] != slot.extents or rec["n"] != sum(n for _, n in slot.extents):
+                problems.append(f"index record of {key} disagrees with its slot")
+            elif rec["x"] != slot.known_checksum():
+                problems.append(f"index checksum of {key} disagrees with the store")
+        if records:
+            problems.append(f"{len(records)} index records belong to no disk block")
+        for ns_id in {key[0] for key in placed} - self.persisted_namespaces():
+            problems.append(f"namespace {ns_id} of disk blocks is not in the index")
+        return problems
 
     # -- writes ------------------------------------------------------------------
     def stage(self, key: bytes, record: dict, extents: list, nbytes: int) -> DiskWrite:
@@ -555,8 +654,9 @@ class DiskTier:
         with self.env.begin(db=self._db_blocks) as txn:
             return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
 
-    def check(self, allocations: Iterable[Sequence]) -> list[str]:
-        problems = self.alloc.check(allocations)
+    def check(self, locations: Iterable) -> list[str]:
+        """Pages against the live locations (DiskSlots or extents), budget, data file size."""
+        problems = self.alloc.check(loc.extents if isinstance(loc, DiskSlot) else loc for loc in locations)
         if self.used_bytes > self.capacity_bytes:
             problems.append("disk tier over budget")
         if os.fstat(self.fd).st_size > self.capacity_bytes:

@@ -64,8 +64,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tiers.host import Extents, HostArena
-from tiers.pages import PageAllocator
+from tiers.base import Tier
+from tiers.pages import Extents, PageAllocator, pair_runs
 
 Run = tuple  # (dst_offset, src_offset, length)
 
@@ -116,17 +116,12 @@ def tier_status(pools: dict | None = None) -> dict:
 
 
 # -- the pool (daemon side) -----------------------------------------------------
-class GpuPool:
-    """A fixed VRAM pool cut into pages. `device` may be "cpu" in tests (no IPC then)."""
+class GpuPool(Tier):
+    """A fixed VRAM pool cut into pages (tiers/base.py). `device="cpu"` gives the emulated tier that
+    CI's three-tier chains run on: the same pages, the same torch copies, no IPC."""
 
-    # Same page bookkeeping as the host arena (tiers/pages.py), over VRAM.
-    pages_for = HostArena.pages_for
-    can_allocate = HostArena.can_allocate
-    allocate = HostArena.allocate
-    free = HostArena.free
-    check = HostArena.check
-    free_bytes = HostArena.free_bytes
-    used_bytes = HostArena.used_bytes
+    name = "gpu"
+    client_readable = True  # by CUDA IPC (`export_ipc`)
 
     def __init__(self, device, capacity_bytes: int, page_bytes: int) -> None:
         torch = _torch()
@@ -146,20 +141,45 @@ class GpuPool:
         self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
         self.pages = PageAllocator(num_pages, page_bytes, label="gpu")
 
+    def can_allocate(self, nbytes: int) -> bool:
+        return self.pages.pages_for(nbytes) <= self.pages.free_pages
+
+    # -- the store's transfers: to and from host-memory views (the arena) ---------
+    def write_from(self, alloc: Extents, src, meta=None) -> Extents:
+        self._copy(alloc, src, into_pool=True)
+        return alloc
+
+    def read_into(self, location: Extents, out) -> bool:
+        self._copy(location, out, into_pool=False)
+        return True
+
+    def _copy(self, extents: Extents, host_segments, into_pool: bool) -> None:
+        """One torch copy per run between pool extents and host views; synchronous for the caller
+        (asynchronous DMA where the arena is pinned, then one stream sync): the source may be
+        reused as soon as this returns."""
+        torch = _torch()
+        pool = [self.buf[o : o + n] for o, n in extents]
+        host = [torch.from_numpy(np.asarray(h).reshape(-1)) for h in host_segments]
+        cuda = self.device.type == "cuda"
+        for pi, p_off, hi, h_off, n in pair_runs([n for _, n in extents], [h.numel() for h in host]):
+            dst, src = pool[pi][p_off : p_off + n], host[hi][h_off : h_off + n]
+            if not into_pool:
+                dst, src = src, dst
+            dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def read(self, extents: Extents) -> bytes:
         """A block's bytes on the host (blocking; for TCP clients, tests and demotion fallbacks)."""
         return b"".join(self.buf[o : o + n].cpu().numpy().tobytes() for o, n in extents)
 
     def write(self, extents: Extents, data) -> None:
-        """Blocking write of a whole block (tests, TCP clients); transfers use copy_runs."""
-        torch = _torch()
-        src = torch.from_numpy(np.frombuffer(bytes(data), dtype=np.uint8).copy())
+        """Blocking write of a whole block (tests, TCP clients)."""
+        src = np.frombuffer(bytes(data), dtype=np.uint8)
         total = sum(n for _, n in extents)
-        if src.numel() != total:
-            raise ValueError(f"payload is {src.numel()} B but the extents hold {total} B")
-        copy_runs(self.buf, src, plan_runs(extents, [[0, total]]))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # written means readable by engines
+        if src.size != total:
+            raise ValueError(f"payload is {src.size} B but the extents hold {total} B")
+        self._copy(extents, [src.copy()], into_pool=True)  # written means readable by engines
 
     def export_ipc(self) -> "IpcHandle":
         """A handle another process opens with `open_pool`; export once per client."""
@@ -185,12 +205,7 @@ class GpuPool:
         )
 
     def stats(self) -> dict:
-        return {
-            "device": str(self.device),
-            "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes,
-            "page_bytes": self.page_bytes,
-        }
+        return {"device": str(self.device), **super().stats()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from tiers.pages import Extents, PageAllocator
+from tiers.base import Tier
+from tiers.pages import Extents, PageAllocator, pair_runs
 
 _OS_PAGE = mmap.PAGESIZE
 
 
-class HostArena:
-    """Owner side (the daemon): creates, prefaults, allocates and frees pages."""
+class HostArena(Tier):
+    """Owner side (the daemon): creates, prefaults, allocates and frees pages (tiers/base.py)."""
+
+    name = "host"
+    client_readable = True
+    host_memory = True
 
     def __init__(self, path: str, capacity_bytes: int, page_bytes: int, prefault: bool = True) -> None:
         if page_bytes <= 0 or page_bytes % _OS_PAGE:
@@ -53,39 +58,24 @@ class HostArena:
             self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
         self.pages = PageAllocator(num_pages, page_bytes, label="host")
 
-    # -- allocation (tiers/pages.py) ------------------------------------------
-    @property
-    def free_bytes(self) -> int:
-        return self.pages.free_pages * self.page_bytes
+    # -- bytes (the store's transfers, TCP inline payloads) ----------------------
+    def segments(self, location: Extents) -> list[np.ndarray]:
+        """The block's bytes in the arena, one view per extent (no copy)."""
+        return [self.buf[o : o + n] for o, n in location]
 
-    @property
-    def used_bytes(self) -> int:
-        return self.capacity_bytes - self.free_bytes
+    def write_from(self, alloc: Extents, src: Sequence[np.ndarray], meta=None) -> Extents:
+        copy_segments(self.segments(alloc), src)
+        return alloc
 
-    def pages_for(self, nbytes: int) -> int:
-        return self.pages.pages_for(nbytes)
+    def read_into(self, location: Extents, out: Sequence[np.ndarray]) -> bool:
+        copy_segments(out, self.segments(location))
+        return True
 
-    def can_allocate(self, nbytes: int) -> bool:
-        return self.pages.pages_for(nbytes) <= self.pages.free_pages
-
-    def allocate(self, nbytes: int) -> Extents | None:
-        """Extents covering exactly `nbytes`, or None if there are not enough free pages."""
-        return self.pages.allocate(nbytes)
-
-    def free(self, extents: Extents) -> None:
-        self.pages.free(extents)
-
-    # -- daemon-side byte access (TCP inline payloads, demotion) ------------
     def read(self, extents: Extents) -> bytes:
         return b"".join(self.buf[o : o + n].tobytes() for o, n in extents)
 
     def write(self, extents: Extents, data) -> None:
         copy_in(self.buf, extents, data)
-
-    # -- invariants ---------------------------------------------------------
-    def check(self, allocations: Iterable[Extents]) -> list[str]:
-        """Problems found, comparing the free pages with the live allocations (empty = clean)."""
-        return self.pages.check(allocations)
 
     def close(self, unlink: bool = True) -> None:
         self.buf = None  # type: ignore[assignment]
@@ -154,6 +144,15 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
             np.bitwise_or(s64, 0, out=d64)
             return
     dst[:] = src
+
+
+def copy_segments(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> None:
+    """Copy a block held in `src` views into `dst` views (same total size, any split on either side)."""
+    if len(dst) == 1 and len(src) == 1 and dst[0].size == src[0].size:
+        copy_bytes(dst[0], src[0])
+        return
+    for di, d_off, si, s_off, n in pair_runs([d.size for d in dst], [s.size for s in src]):
+        copy_bytes(dst[di][d_off : d_off + n], src[si][s_off : s_off + n])
 
 
 def copy_in(arena: np.ndarray, extents: Sequence, data) -> None:

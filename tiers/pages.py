@@ -80,3 +80,19 @@ class PageAllocator:
         if (owner == 0).any():
             problems.append(f"{int((owner == 0).sum())} {self.label}pages leaked (neither free nor allocated)")
         return problems
+
+
+def pair_runs(dst_sizes: Sequence[int], src_sizes: Sequence[int]):
+    """Pair two splits of the same payload: yields (dst index, dst offset, src index, src offset, length)."""
+    if sum(dst_sizes) != sum(src_sizes):
+        raise ValueError(f"source holds {sum(src_sizes)} B, destination {sum(dst_sizes)} B")
+    si, s_off = 0, 0
+    for di, d_size in enumerate(dst_sizes):
+        d_off = 0
+        while d_off < d_size:
+            while src_sizes[si] == s_off:
+                si, s_off = si + 1, 0
+            n = min(d_size - d_off, src_sizes[si] - s_off)
+            yield di, d_off, si, s_off, n
+            d_off += n
+            s_off += n

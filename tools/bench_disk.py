@@ -5,7 +5,7 @@
 In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
   - dd read:   dd if=DIR/dd.bin of=/dev/null bs=BLOCK iflag=direct
-  - demotion:  a DiskTieredStore whose host arena holds N blocks (N roots), all evicted to disk
+  - demotion:  a [host, disk] TieredStore whose host arena holds N blocks (N roots), all evicted to disk
                (`_make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
                LMDB commits), timed until `flush()` returns, i.e. until every block is durable
   - promotion: acquire + `await prepare_read` of all N blocks in batches of 32 (allocate host
@@ -30,7 +30,7 @@ import uuid
 import numpy as np
 
 from kvstore.config import parse_size
-from kvstore.disk_store import DiskTieredStore
+from kvstore.store import TieredStore
 from kvstore.keys import Namespace
 from tiers.disk import DiskTier
 from tiers.host import HostArena
@@ -47,7 +47,7 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
     host = HostArena(f"/dev/shm/kvstore-bench-disk-{uuid.uuid4().hex[:8]}", n * block_bytes, block_bytes)
     shutil.rmtree(folder, ignore_errors=True)
     disk = DiskTier(folder, (n + 1) * block_bytes)
-    store = DiskTieredStore(host, disk)
+    store = TieredStore([host, disk])
     try:
         ns_id = store.register_namespace(ns)
         payload = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8)
@@ -80,7 +80,7 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
         info = {"direct_io": disk.direct, "direct_io_fallback_reason": disk.direct_reason}
         return write_gbps, read_gbps, info
     finally:
-        store.close(persist_host=False)
+        store.close(persist=False)
         host.close()
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -13,7 +13,7 @@ knows whether the trace uses the block again (evaluation only, like Belady).
 `--block-tokens T` replays at T tokens per block (each 512-token trace id
 becomes 512/T chained blocks), which multiplies the work by 512/T.
 `--disk-blocks N` adds the real disk tier below the host tier (a
-DiskTieredStore over a fresh data file with O_DIRECT and an LMDB index in a
+[host, disk] TieredStore over a fresh data file with O_DIRECT and an LMDB index in a
 temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
 are promoted back by `prepare_read` as the daemon does, and a hit counts only
 the leading blocks that reached the arena. The disk tier runs the same
@@ -47,7 +47,6 @@ from typing import Callable, Sequence
 from eviction.base import EvictionPolicy
 from eviction.belady import BeladyPolicy
 from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, next_use_index, read_trace
-from kvstore.disk_store import DiskTieredStore
 from kvstore.keys import Namespace
 from kvstore.store import TIERS, TieredStore
 from tiers.disk import DiskTier
@@ -97,7 +96,7 @@ def replay(
         if disk_blocks:
             folder = tempfile.mkdtemp(prefix="kvstore-replay-disk-", dir=disk_path)
             disk = DiskTier(folder, disk_blocks * block_bytes, page_bytes=block_bytes)
-            store = DiskTieredStore(host, disk, policy=name, clock=clock, wall_clock=clock)
+            store = TieredStore([host, disk], policy=name, clock=clock, wall_clock=clock)
         else:
             store = TieredStore(host, policy=name, clock=clock)
         need_future = policy == "belady" or attention == "oracle"
@@ -139,8 +138,8 @@ def replay(
         return _result(store, tally, policy, capacity_blocks, block_tokens, attention, problems, elapsed) | {
             "disk_blocks": disk_blocks}
     finally:
-        if isinstance(store, DiskTieredStore):
-            store.close(persist_host=False)
+        if store.disk is not None:
+            store.close(persist=False)
         loop.close()
         host.close()
         if folder is not None:

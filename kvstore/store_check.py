@@ -1,0 +1,121 @@
+"""The store's stats and its consistency check (`TieredStore.stats`, `TieredStore.check`).
+
+`check` verifies, for every tier of the chain and every pair of tiers: the
+index against itself (keys, depths, parents present), the tree rule (no child
+in a faster tier than its parent), the per-tier child counts and the children
+index, each policy against the committed blocks of its tier, refcounts against
+the owners' pins, every tier's pages against the locations the store holds
+(plus the pages promotions in flight hold), and each persistent tier's index
+against its blocks. It is for tests and post-mortems: it walks everything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from kvstore.entry import RANK, TIERS, Key, children_of
+
+if TYPE_CHECKING:
+    from kvstore.store import TieredStore
+
+
+def store_stats(store: "TieredStore") -> dict:
+    store._reap()
+    per_tier: dict[str, dict] = {}
+    committed = [e for e in store.entries.values() if e.committed]
+    for name in TIERS:
+        blocks = [e for e in committed if e.tier == name]
+        st = store.tier_stats[name]
+        row = {
+            "blocks": len(blocks),
+            "bytes": sum(e.nbytes for e in blocks),
+            "hits": st.hits,
+            "evictions": st.evictions,
+            "demotions_in": st.demotions_in,
+            "promotions_in": st.promotions_in,
+        }
+        tier = store.tiers.get(name)
+        if tier is None:
+            row["absent"] = store.absent.get(name, "not configured")
+        else:
+            row.update(tier.stats())
+            row["promotions_out"] = st.promotions_out
+            row["checksum_failures"] = store.counters.get(f"{name}_checksum_failures", 0)
+            if tier.persistent:
+                row["durable_blocks"] = sum(1 for e in blocks if tier.durable(e.location))
+        per_tier[name] = row
+    return {
+        "policy": store.policy_name,
+        "chain": [t.name for t in store.chain],
+        "namespaces": len(store.namespaces),
+        "blocks": len(committed),
+        "reserved_blocks": len(store.entries) - len(committed),
+        "pinned_blocks": sum(1 for e in store.entries.values() if e.pins),
+        "tiers": per_tier,
+        "counters": dict(store.counters),
+    }
+
+
+def check_store(store: "TieredStore") -> list[str]:
+    store.flush()
+    entries = store.entries
+    problems: list[str] = []
+    children: dict[Key, list[int]] = defaultdict(lambda: [0] * len(TIERS))
+    for key, e in entries.items():
+        if e.key != key:
+            problems.append(f"entry filed under the wrong key {key}")
+        if e.tier not in store.tiers:
+            problems.append(f"{key} sits in {e.tier}, which is not in the chain")
+            continue
+        if e.pins < 0:
+            problems.append(f"negative refcount on {key}")
+        if e.parent is not None:
+            parent = entries.get(e.parent)
+            if parent is None:
+                problems.append(f"orphan: parent of {key} is absent")
+            elif RANK[e.tier] < RANK[parent.tier]:
+                problems.append(f"{key} sits in {e.tier}, faster than its parent in {parent.tier}")
+            elif parent.depth + 1 != e.depth:
+                problems.append(f"depth of {key} does not follow its parent")
+            children[e.parent][RANK[e.tier]] += 1
+        if (key in store.policies[e.tier]) != e.committed:
+            problems.append(f"policy of {e.tier} disagrees with commit state of {key}")
+        if not e.committed and (key not in store.reserved_by_owner.get(e.owner, ()) or not store.tiers[e.tier].client_readable):
+            problems.append(f"uncommitted {key} belongs to no live reservation in a client-readable tier")
+    for key, e in entries.items():
+        if e.children != children.get(key, [0] * len(TIERS)):
+            problems.append(f"child counts of {key} are {e.children}, tree says {children.get(key)}")
+        kids = children_of(e)
+        if sum(e.children) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
+            problems.append(f"children index of {key} does not match its children's parent links")
+    problems += _check_pins(store)
+    for tier in store.chain:
+        in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
+        num_committed = sum(1 for e in in_tier.values() if e.committed)
+        if len(store.policies[tier.name]) != num_committed:
+            problems.append(f"policy of {tier.name} tracks {len(store.policies[tier.name])} blocks, "
+                            f"the tier holds {num_committed}")
+        held = [alloc for name, alloc in store._inflight.values() if name == tier.name]
+        problems += tier.check([e.location for e in in_tier.values()] + held)
+        if tier.persistent:
+            problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
+            problems += tier.check_records({k: e.location for k, e in in_tier.items()})
+    return problems
+
+
+def _check_pins(store: "TieredStore") -> list[str]:
+    problems = []
+    pin_sum: Counter = Counter()
+    for pins in store.pins_by_owner.values():
+        pin_sum.update(pins)
+    for key, e in store.entries.items():
+        if pin_sum.get(key, 0) != e.pins:
+            problems.append(f"refcount of {key} is {e.pins}, owners hold {pin_sum.get(key, 0)}")
+    for key in pin_sum:
+        if key not in store.entries:
+            problems.append(f"an owner pins {key}, which is not in the index")
+    for owner, ghosts in store.ghost_pins.items():
+        if any(n < 0 for n in ghosts.values()):
+            problems.append(f"negative ghost pin of owner {owner}")
+    return problems

@@ -1,0 +1,173 @@
+"""The tier interface: what `kvstore.store.TieredStore` needs of any tier.
+
+A tier is a byte budget cut into pages plus a way to move a block's bytes in
+and out. It knows nothing of keys' meaning, order, pins or the prefix tree:
+the store owns those for every pair of tiers (tiers and eviction never import
+each other). Implementations: `tiers/gpu.py` (`GpuPool`), `tiers/host.py`
+(`HostArena`), `tiers/disk.py` (`DiskTier`); a remote tier implements the same.
+
+What a tier declares
+--------------------
+- `name`: one of `TIER_ORDER`, which also ranks tiers fastest first. A store's
+  chain is any subsequence of that order.
+- `client_readable`: clients read and write its bytes themselves (the host
+  arena by mmap, the GPU pool by CUDA IPC); blocks of other tiers (disk,
+  remote) are promoted into a readable tier before a client sees them.
+- `host_memory`: `segments(location)` gives the block's bytes as host-memory
+  views (the arena), so any other tier copies straight into or out of them.
+  Every transfer between two tiers goes through such a tier (the host arena
+  is in every chain), never through an extra staging copy.
+- `persistent`: it keeps blocks across a restart (`recover`).
+
+Moving bytes (one block at a time; the store batches nothing through here)
+--------------------------------------------------------------------------
+- `write_from(alloc, src, meta) -> location`: take the block's bytes from the
+  host-memory views `src` into the pages `alloc`. The bytes are taken by the
+  time it returns (a persistent tier may make them durable later: until then
+  `read_into` still serves them and `failed_writes` reports a loss).
+- `read_into(location, out) -> bool`: copy the block into the host-memory views
+  `out`; False when the bytes do not verify (checksum), and the store then
+  drops the block. `read_blocks(location)` says whether that call waits on
+  I/O: the store then runs it in an executor thread, off the event loop.
+
+All other methods run on the store's thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tiers.pages import PageAllocator
+
+TIER_ORDER = ("gpu", "host", "disk", "remote")  # fastest first
+Key = tuple  # (namespace id, block hash)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a persistent tier records with a block (to rebuild the tree at restart)."""
+
+    key: Key
+    parent: bytes | None  # the parent's hash; None for a root
+    depth: int
+    attention: float | None
+    stamp: float  # wall-clock time the block reached the tier
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredBlock:
+    """A block a persistent tier found at open."""
+
+    key: Key
+    parent: bytes | None
+    nbytes: int
+    location: object
+    attention: float | None
+    stamp: float
+
+
+class Tier:
+    """Base of every tier. Paged tiers set `self.pages` (a PageAllocator) and inherit the bookkeeping."""
+
+    name: str = ""
+    client_readable: bool = False
+    host_memory: bool = False
+    persistent: bool = False
+    pages: PageAllocator
+    page_bytes: int
+    capacity_bytes: int
+
+    # -- page bookkeeping ---------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return self.pages.free_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity_bytes - self.free_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return self.pages.pages_for(nbytes)
+
+    def fits(self, nbytes: int) -> bool:
+        """Could a block of `nbytes` ever be placed here (the tier empty)?"""
+        return 0 < self.pages.pages_for(nbytes) <= self.pages.num_pages
+
+    def shortfall(self, nbytes: int) -> int:
+        """Bytes still to be freed before `nbytes` can be allocated (<= 0: none)."""
+        return (self.pages.pages_for(nbytes) - self.pages.free_pages) * self.page_bytes
+
+    def allocate(self, nbytes: int):
+        """Pages for `nbytes` (an allocation the tier understands), or None when there is no room."""
+        return self.pages.allocate(nbytes)
+
+    def free(self, location, key: Key | None = None) -> None:
+        """Give a block's pages back (and forget its record, in a persistent tier)."""
+        self.pages.free(location)
+
+    def locate(self, location) -> list:
+        """The page extents of a location (for `check`)."""
+        return location
+
+    def check(self, locations: Iterable) -> list[str]:
+        """Problems found comparing the free pages with the live `locations` (placed blocks, and
+        allocations held by promotions in flight). Empty = clean."""
+        problems = self.pages.check([self.locate(loc) for loc in locations])
+        if self.used_bytes > self.capacity_bytes:
+            problems.append(f"{self.name} tier over budget")
+        return problems
+
+    def check_records(self, placed: dict) -> list[str]:
+        """A persistent tier compares its index with the blocks the store places here (key -> location)."""
+        return []
+
+    # -- bytes ------------------------------------------------------------------------
+    def segments(self, location) -> list[np.ndarray]:
+        raise NotImplementedError(f"the {self.name} tier is not host memory")
+
+    def write_from(self, alloc, src: Sequence[np.ndarray], meta: BlockMeta):
+        raise NotImplementedError
+
+    def read_into(self, location, out: Sequence[np.ndarray]) -> bool:
+        raise NotImplementedError
+
+    def read_blocks(self, location) -> bool:
+        return False
+
+    def failed_writes(self) -> list[Key]:
+        """Blocks whose write failed after `write_from` since the last call; `lost(location)` then says
+        whether the block's current location is the one whose bytes are gone."""
+        return []
+
+    def lost(self, location) -> bool:
+        return False
+
+    def durable(self, location) -> bool:
+        """The block would survive a crash now (persistent tiers: its write is committed)."""
+        return self.persistent
+
+    # -- persistence ---------------------------------------------------------------------
+    def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
+        """(namespaces, blocks) found at open; only persistent tiers have any."""
+        return [], []
+
+    def persist_namespace(self, ns_id: str, fields: dict) -> None:
+        pass
+
+    def prewarm(self, nbytes: int) -> None:
+        """Blocks of `nbytes` are coming (a namespace was registered): prepare buffers for them."""
+
+    def persisted_namespaces(self) -> set[str]:
+        return set()
+
+    def flush(self) -> None:
+        """Block until every write taken so far is durable."""
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes, "page_bytes": self.page_bytes}
