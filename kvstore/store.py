@@ -483,8 +483,8 @@ class TieredStore:
             return
         if any(entry.children):
             subtree = self.subtree(entry.key)  # its children sit in slower tiers and go with it
-            if any(self.entries[k].pins for k in subtree):
-                raise CapacityError(f"a {entry.tier} block whose subtree below is pinned cannot be dropped")
+            if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
+                raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
             for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
                 self._drop(self.entries[key])
             return

@@ -9,41 +9,42 @@ POST /clear   -> drop every unpinned committed block
 
 Typed app state (web.AppKey), errors mapped to JSON in one middleware, no
 global registries: metrics are read from the store at scrape time by a
-collector on the daemon's own registry.
+collector on the daemon's own registry. The daemon passes in what the admin
+plane reads (`AdminView`); this module imports nothing of the daemon.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.errors import KVStoreError
+from kvstore.store import TieredStore
 
-if TYPE_CHECKING:
-    from server.daemon import Daemon
 
-DAEMON = web.AppKey("daemon", object)
+@dataclass(frozen=True, slots=True)
+class AdminView:
+    """What the admin plane reads and changes, handed in by the daemon."""
+
+    store: TieredStore
+    stats: Callable[[], dict]  # the store's stats with the daemon's sessions and error counts
+
+
+VIEW = web.AppKey("view", AdminView)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 
 
-def full_stats(daemon: "Daemon") -> dict:
-    stats = daemon.store.stats()
-    stats["sessions"] = len(daemon.sessions)
-    stats["errors"] = dict(daemon.errors)
-    stats["gpu"] = daemon.handlers.info["gpu"]
-    return stats
-
-
 class StoreCollector:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.daemon = daemon
+    def __init__(self, view: AdminView) -> None:
+        self.view = view
 
     def collect(self):
-        s = full_stats(self.daemon)
+        s = self.view.stats()
         blocks = GaugeMetricFamily("kvstore_blocks", "Committed blocks per tier", labels=["tier"])
         nbytes = GaugeMetricFamily("kvstore_bytes", "Bytes of committed blocks per tier", labels=["tier"])
         hits = CounterMetricFamily("kvstore_hits", "Blocks acquired (hits) per tier", labels=["tier"])
@@ -73,9 +74,9 @@ class StoreCollector:
             errors.add_metric([kind], n)
         yield errors
         cap = GaugeMetricFamily("kvstore_capacity_bytes", "Tier capacity", labels=["tier"])
-        cap.add_metric(["host"], s["tiers"]["host"]["capacity_bytes"])
-        if "capacity_bytes" in disk:
-            cap.add_metric(["disk"], disk["capacity_bytes"])
+        for tier, t in s["tiers"].items():
+            if "capacity_bytes" in t:  # the tiers in the chain
+                cap.add_metric([tier], t["capacity_bytes"])
         yield cap
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
 
@@ -97,7 +98,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.Response(text=json.dumps(full_stats(request.app[DAEMON]), indent=1), content_type="application/json")
+    return web.Response(text=json.dumps(request.app[VIEW].stats(), indent=1), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -106,19 +107,19 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def check(request: web.Request) -> web.Response:
-    problems = request.app[DAEMON].store.check()
+    problems = request.app[VIEW].store.check()
     return web.json_response({"ok": not problems, "problems": problems})
 
 
 async def clear(request: web.Request) -> web.Response:
-    return web.json_response({"removed": request.app[DAEMON].store.clear()})
+    return web.json_response({"removed": request.app[VIEW].store.clear()})
 
 
-def make_app(daemon: "Daemon") -> web.Application:
+def make_app(view: AdminView) -> web.Application:
     app = web.Application(middlewares=[errors_middleware])
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(StoreCollector(daemon))
-    app[DAEMON] = daemon
+    registry.register(StoreCollector(view))
+    app[VIEW] = view
     app[REGISTRY] = registry
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
@@ -128,8 +129,8 @@ def make_app(daemon: "Daemon") -> web.Application:
     return app
 
 
-async def start_admin(daemon: "Daemon", host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(make_app(daemon), access_log=None)
+async def start_admin(view: AdminView, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(make_app(view), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -29,6 +29,7 @@ from kvstore.config import Config
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
+from server.admin import AdminView, start_admin
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,14 @@ class Daemon:
         self.tcp_port: int | None = None
         self.admin_port: int | None = None
 
+    def full_stats(self) -> dict:
+        """The store's stats with the daemon's sessions and error counts (admin /stats and /metrics)."""
+        stats = self.store.stats()
+        stats["sessions"] = len(self.sessions)
+        stats["errors"] = dict(self.errors)
+        stats["gpu"] = self.handlers.info["gpu"]
+        return stats
+
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         sc = self.config.server
@@ -132,9 +141,8 @@ class Daemon:
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
         if sc.admin_port is not None:
-            from server.admin import start_admin
-
-            self._admin_runner, self.admin_port = await start_admin(self, sc.admin_host, sc.admin_port)
+            view = AdminView(self.store, self.full_stats)
+            self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)

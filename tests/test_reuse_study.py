@@ -1,4 +1,4 @@
-"""tools/reuse_study.py: exact counts on a hand-made trace, invariants on a real excerpt."""
+"""tools/bench/reuse_study.py: exact counts on a hand-made trace, invariants on a real excerpt."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from eviction.replay import Request
 from tests.test_replay import TRACE, needs_trace
-from tools import reuse_study
+from tools.bench import reuse_study
 from tools.replay import replay
 
 # Block ids chain per request; times in seconds.

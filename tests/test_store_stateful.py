@@ -1,11 +1,24 @@
-"""Hypothesis stateful test of TieredStore against a dict model.
+"""Hypothesis stateful test of TieredStore against a dict model, over every chain of tiers and every policy.
 
-Invariants checked after every step: capacity never exceeded, pinned and
-uncommitted blocks never evicted, get-after-put returns identical bytes unless
-the block was evicted, only leaves evicted (no orphans), refcounts never
-negative, and `check()` clean.
+One model, run over the chains `[host]`, `[host, disk]`, `[gpu, host]` and
+`[gpu, host, disk]`, where `gpu` is the GPU tier's pool on the torch CPU device
+(the emulated tier: the same pages and torch copies as on CUDA) and `disk` the
+real disk tier (O_DIRECT data file, LMDB index) under tiny host and GPU
+budgets, so demotions start early in every example. Writers put into the GPU
+pool or the host arena; readers read from either (a GPU reader also reads the
+arena), so reads promote disk -> host -> gpu and evictions demote
+gpu -> host -> disk. A `restart` rule closes the store (persisting the tiers
+above the disk) and reopens it on the same folder.
+
+Invariants checked after every step: capacity never exceeded in any tier,
+pinned and uncommitted blocks never evicted, get-after-put returns identical
+bytes unless the block was evicted (read wherever the block lives), only
+leaves of their tier demoted, the tree rule across every pair of tiers,
+refcounts never negative, and `check()` clean. A mutant store that demotes
+non-leaves breaks the tree rule across gpu/host, and the model catches it.
 """
 
+import asyncio
 import os
 import uuid
 
@@ -16,7 +29,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import kvstore.store
 from eviction.base import policy_names
+from kvstore.entry import RANK, is_leaf_in
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
@@ -24,54 +39,120 @@ from tiers.host import HostArena
 
 PAGE = 4096
 BLOCK = 6000  # two pages, the second partly used
-NUM_PAGES = 12
 OWNERS = (1, 2, 3)
+NS = Namespace("m", "f32", 1, 1, 1, 16, BLOCK)
+POLICIES = [p for p in policy_names() if p != "belady"]
+# chain -> pages per tier: small enough that every example demotes
+CHAINS = {
+    "host": {"host": 12},
+    "host+disk": {"host": 6, "disk": 16},
+    "gpu+host": {"gpu": 6, "host": 8},
+    "gpu+host+disk": {"gpu": 4, "host": 6, "disk": 16},
+}
 
 
 def child_hash(parent: bytes | None, token: int) -> bytes:
     return xxhash.xxh3_128_digest((parent or b"root") + token.to_bytes(4, "little"))
 
 
+def make_tiers(pages: dict[str, int], folder: str) -> list:
+    tiers = []
+    if "gpu" in pages:
+        from tiers.gpu import GpuPool
+
+        tiers.append(GpuPool("cpu", pages["gpu"] * PAGE, PAGE))
+    tiers.append(HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", pages["host"] * PAGE, PAGE, prefault=False))
+    if "disk" in pages:
+        from tiers.disk import DiskTier
+
+        tiers.append(DiskTier(folder, pages["disk"] * PAGE, page_bytes=PAGE, staging_bytes=4 * 2 * PAGE))
+    return tiers
+
+
 class StoreMachine(RuleBasedStateMachine):
+    chain = "host"
     policy = "lru"
+    base = "/tmp"
 
     def __init__(self) -> None:
         super().__init__()
-        self.arena = HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", NUM_PAGES * PAGE, PAGE, prefault=False)
-        self.store = TieredStore(self.arena, policy=self.policy)
-        self.ns = self.store.register_namespace(Namespace("m", "f32", 1, 1, 1, 16, BLOCK))
+        self.folder = os.path.join(self.base, uuid.uuid4().hex)
+        self._open()
         self.committed: dict[bytes, bytes] = {}  # model: hash -> payload of committed blocks
         self.reserved: dict[bytes, tuple[int, bytes]] = {}  # hash -> (owner, payload written so far)
         self.pins: dict[int, list[bytes]] = {o: [] for o in OWNERS}
         self.rng = np.random.default_rng(0)
+        self.demoted_non_leaves: list = []
+
+    def _open(self) -> None:
+        self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder), policy=self.policy)
+        self.ns = self.store.register_namespace(NS)
+        self.writable = [t.name for t in self.store.chain if t.client_readable]
+        demote = self.store.demote
+
+        def demote_leaves_only(entry):  # "only leaves demoted", seen at the moment of each demotion
+            if not is_leaf_in(entry, entry.tier):
+                self.demoted_non_leaves.append(entry.key)
+            demote(entry)
+
+        self.store.demote = demote_leaves_only
 
     def teardown(self) -> None:
-        self.arena.close()
+        self.store.close(persist=False)
 
     # -- helpers ---------------------------------------------------------------
     def present(self, h: bytes) -> bool:
-        e = self.store.entries.get((self.ns, h))
-        return e is not None
+        return (self.ns, h) in self.store.entries
 
     def parents(self) -> list:
         return [None] + sorted(self.committed)
 
-    # -- rules -------------------------------------------------------------------
-    @rule(data=st.data(), owner=st.sampled_from(OWNERS), token=st.integers(0, 5), commit=st.booleans())
-    def put(self, data, owner, token, commit):
-        parent = data.draw(st.sampled_from(self.parents()))
+    def write(self, entry, payload: bytes) -> None:
+        self.store.tiers[entry.tier].write(entry.location, payload)
+
+    def bytes_of(self, h: bytes) -> bytes:
+        """The block's bytes wherever it lives, through the tier interface (disk: verified)."""
+        e = self.store.entries[(self.ns, h)]
+        tier = self.store.tiers[e.tier]
+        out = np.empty(e.nbytes, dtype=np.uint8)
+        tier.read_blocks(e.location)
+        assert tier.read_into(e.location, [out]), "checksum"
+        return out.tobytes()
+
+    def _put(self, owner, parent, token, tier, commit) -> None:
         h = child_hash(parent, token)
-        [entry] = self.store.reserve(self.ns, [(h, parent)], owner)
+        if self.present(h):
+            return
+        if h in self.committed:  # evicted earlier in this step (a batch of puts): the model forgets it
+            assert h not in {p for hs in self.pins.values() for p in hs}, "a pinned block was evicted"
+            del self.committed[h]
+        [entry] = self.store.reserve(self.ns, [(h, parent)], owner, tier=tier)
         if entry is None:
             return
+        assert entry.tier == tier
         payload = self.rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
-        self.arena.write(entry.location, payload)
+        self.write(entry, payload)
         assert h not in self.committed and h not in self.reserved
         if commit:
             self.store.commit(self.ns, [h], owner)
             self.committed[h] = payload
         else:
             self.reserved[h] = (owner, payload)
+
+    # -- rules -------------------------------------------------------------------
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS), token=st.integers(0, 5), commit=st.booleans())
+    def put(self, data, owner, token, commit):
+        parent = data.draw(st.sampled_from(self.parents()))
+        self._put(owner, parent, token, data.draw(st.sampled_from(self.writable)), commit)
+
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS),
+          tokens=st.lists(st.integers(6, 40), min_size=1, max_size=4, unique=True))
+    def put_committed_children(self, data, owner, tokens):
+        """Commit several blocks under one random present block (or as roots): pressure on every tier."""
+        parent = sorted(self.committed)[tokens[0] % len(self.committed)] if self.committed and tokens[0] % 3 else None
+        tier = data.draw(st.sampled_from(self.writable))
+        for token in tokens:
+            self._put(owner, parent, token, tier, commit=True)
 
     @precondition(lambda self: self.reserved)
     @rule(data=st.data(), commit=st.booleans())
@@ -95,9 +176,21 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), owner=st.sampled_from(OWNERS))
     def acquire_and_read(self, data, owner):
         h = data.draw(st.sampled_from(sorted(self.committed)))
+        reader = data.draw(st.sampled_from(self.writable))
         [entry] = self.store.acquire(self.ns, [h], owner, prefix=True)
         assert entry is not None
-        assert self.arena.read(entry.location) == self.committed[h]
+        was = entry.tier
+        parent = self.store.entries.get(entry.parent) if entry.parent is not None else None
+        parent_slow = parent is not None and RANK[parent.tier] > RANK["host"]
+        [entry] = asyncio.run(self.store.prepare_read([entry], owner, tier=reader))
+        if entry is None:
+            # Refused: a block faster than the reader reads (gpu for a host reader), or a promotion
+            # refused by the tree rule or by a host tier full of pins and reservations.
+            assert RANK[was] < RANK[reader] or RANK[was] > RANK["host"]
+            return
+        assert RANK[reader] <= RANK[entry.tier] <= RANK["host"], "served from a tier the reader cannot read"
+        assert not (RANK[was] > RANK["host"] and parent_slow), "promoted ahead of its parent"
+        assert self.bytes_of(h) == self.committed[h]
         self.pins[owner].append(h)
 
     @precondition(lambda self: any(self.pins.values()))
@@ -119,13 +212,35 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.store.stats()
         with pytest.raises(KVStoreError):
             self.store.release(self.ns, [b"\x01" * 16], owner)
-        assert self.store.stats() == before
+        after = self.store.stats()
+        if self.store.disk is None:
+            assert after == before
+        else:  # the disk tier's own I/O counters move on in the background
+            assert after["counters"] == before["counters"] and after["blocks"] == before["blocks"]
+
+    @precondition(lambda self: any(t.persistent for t in self.store.chain))
+    @rule(dice=st.integers(0, 7))
+    def restart(self, dice):
+        if dice:  # restarts are rarer than the other rules
+            return
+        before = {h for h in self.committed if self.present(h)}
+        self.store.close()
+        self._open()
+        self.pins = {o: [] for o in self.pins}
+        self.reserved = {}
+        after = {k[1] for k in self.store.entries}
+        assert after <= before, "a restart brought back a block that was not committed"
+        self.committed = {h: p for h, p in self.committed.items() if h in after}
 
     # -- invariants ---------------------------------------------------------------
     @invariant()
     def model_agrees(self):
-        assert self.store.check() == []
-        assert self.arena.used_bytes <= self.arena.capacity_bytes
+        problems = self.store.check()
+        assert not problems, problems
+        for tier in self.store.chain:
+            assert tier.used_bytes <= tier.capacity_bytes, f"{tier.name} over capacity"
+        assert not self.demoted_non_leaves, "a block with children in its tier or a faster one was demoted"
+        assert all(e.pins >= 0 for e in self.store.entries.values())
         pinned = {h for hs in self.pins.values() for h in hs}
         for h in list(self.committed):
             if not self.present(h):
@@ -136,30 +251,49 @@ class StoreMachine(RuleBasedStateMachine):
             assert not self.store.entries[(self.ns, h)].committed
         assert self.store.lookup(self.ns, []).hits == 0
         for h, payload in self.committed.items():
-            e = self.store.entries[(self.ns, h)]
-            assert e.committed and self.arena.read(e.location) == payload
+            assert self.store.entries[(self.ns, h)].committed and self.bytes_of(h) == payload
         store_committed = {k[1] for k, e in self.store.entries.items() if e.committed}
         assert store_committed == set(self.committed)
 
 
-@pytest.mark.parametrize("policy", [p for p in policy_names() if p != "belady"])
-def test_store_against_model(policy):
-    machine = type(f"StoreMachine_{policy}", (StoreMachine,), {"policy": policy})
+def run_machine(chain: str, policy: str, base: str, max_examples: int, **more) -> None:
+    machine = type(f"StoreMachine_{chain}_{policy}", (StoreMachine,), {"chain": chain, "policy": policy, "base": base})
     runner = machine.TestCase
     runner.settings = settings(
-        max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "150")),
+        max_examples=max_examples,
         stateful_step_count=50,
         deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        **more,
     )
     runner().runTest()
 
 
+def examples(chain: str, policy: str) -> int:
+    """Per-run example counts: the host-only chain is cheap; chains with the disk tier pay real fsyncs."""
+    default = 150 if chain == "host" else 60 if policy == "lru" else 20 if "disk" in chain else 40
+    return int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", default))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_store_against_model(tmp_path, chain, policy):
+    run_machine(chain, policy, str(tmp_path), examples(chain, policy))
+
+
+def test_model_catches_a_store_that_breaks_the_tree_rule_across_gpu_and_host(tmp_path, monkeypatch):
+    """The mutant evicts blocks that are not leaves of their tier: a gpu parent goes down to host while
+    its child stays in gpu. The model must fail on it, naming the broken rule."""
+    monkeypatch.setattr(kvstore.store, "is_leaf_in", lambda entry, tier: True)
+    with pytest.raises(AssertionError, match="faster than its parent in host"):
+        run_machine("gpu+host", "lru", str(tmp_path), 200, report_multiple_bugs=False, database=None)
+
+
 def test_check_catches_a_broken_children_index_and_remove_walks_it():
-    arena = HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", NUM_PAGES * PAGE, PAGE, prefault=False)
+    arena = HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", 12 * PAGE, PAGE, prefault=False)
     try:
         store = TieredStore(arena, policy="lru")
-        ns = store.register_namespace(Namespace("m", "f32", 1, 1, 1, 16, BLOCK))
+        ns = store.register_namespace(NS)
         a = child_hash(None, 1)
         b, c = child_hash(a, 2), child_hash(a, 3)  # a has two children: the set form of the index
         d = child_hash(b, 4)

@@ -134,7 +134,7 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     7 GB/s against 13 out of the arena in 256 KiB pieces. A ufunc loop over
     8-byte words (`x | 0`, vectorised by numpy) moves 12.7 GB/s there, and
     matches or beats memcpy from 64 KiB to 2 MiB in both directions
-    (`tools/bench_store.py --copy-probe`; docs/benchmarks.md, "Store data
+    (`tools/bench/bench_store.py --copy-probe`; docs/benchmarks.md, "Store data
     path"). Unaligned or odd-sized runs, and small ones, keep the plain copy.
     """
     n = src.size

@@ -20,7 +20,7 @@ The evidence behind the eviction goal's 4k-block gap (docs/benchmarks.md,
    continuation, depth, request size, last block of the request) predicts
    that the block is used again within `--horizon` seconds.
 
-    PYTHONPATH=. .venv/bin/python -m tools.reuse_study ../shared/traces/mooncake_conversation_trace.jsonl
+    PYTHONPATH=. .venv/bin/python -m tools.bench.reuse_study ../shared/traces/mooncake_conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def _print(doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.reuse_study", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench.reuse_study", description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--capacity-blocks", type=int, default=4000)
     p.add_argument("--policy", nargs="+", default=[*BASELINES, "attention", "belady"])

@@ -33,7 +33,7 @@ Threads: 1 OpenMP thread per engine, unbound, by default. On the project's
 the other tenants (OpenMP barrier stalls of seconds were seen); 1 thread gave
 stable medians. Whatever is chosen applies to every engine of the run.
 
-    python tools/bench_vllm.py [--lengths 2048,8000] [--repeats 5] [--threads 1] [--bind nobind] [--json] [--keep]
+    python tools/bench/bench_vllm.py [--lengths 2048,8000] [--repeats 5] [--threads 1] [--bind nobind] [--json] [--keep]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

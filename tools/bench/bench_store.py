@@ -23,8 +23,8 @@ for shared memory (`shmem_enabled`), and page size alone is ~9% of memcpy speed.
 It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashing
 included, against a store that holds the whole prompt (p50/p90/p99).
 
-    python tools/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2]
-    python tools/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
+    python tools/bench/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2]
+    python tools/bench/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402

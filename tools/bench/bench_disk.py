@@ -1,6 +1,6 @@
 """Disk-tier bandwidth: demotion (host -> disk) and promotion (disk -> host) vs `dd` O_DIRECT.
 
-    python -m tools.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3] [--json]
+    python -m tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3] [--json]
 
 In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct

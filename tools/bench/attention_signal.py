@@ -27,7 +27,7 @@ Metrics: Spearman rank correlation between signal and truth, and recall@k
 k = 20% of blocks), each with and without block 0 (the attention sink, which
 dominates raw mass). Everything runs on CPU in about a minute.
 
-    PYTHONPATH=. .venv/bin/python -m tools.attention_signal [--json]
+    PYTHONPATH=. .venv/bin/python -m tools.bench.attention_signal [--json]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 
 from eviction.attention import block_key_norm_score
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "models",
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "models",
                              "smollm2-135m")
 DOCUMENTS = ("/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/MPL-2.0",
              "/usr/share/common-licenses/Artistic")
@@ -151,7 +151,7 @@ def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.attention_signal", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.attention_signal", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="HF folder of a causal LM (default: SmolLM2-135M)")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=1024, help="document prefix length in tokens")

@@ -17,7 +17,7 @@ tokens = 2 MiB) and go to random, non-contiguous block ids. Times are wall
 clock around synchronized runs, median of --iters. Without CUDA it prints why
 (`{"skipped": reason}` with --json) and exits 2.
 
-    python tools/bench_gpu.py [--json] [--blocks 256] [--layout LBNHC] [--fragment]
+    python tools/bench/bench_gpu.py [--json] [--blocks 256] [--layout LBNHC] [--fragment]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiers import gpu  # noqa: E402
 
@@ -125,7 +125,7 @@ def bench_ipc(args, kv, ids) -> dict:
 
     n, bb, page = len(ids), kv.block_bytes, args.page_kib * 1024
     capacity = 2 * n * -(-bb // page) * page
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, str(capacity), str(page), str(bb), str(n), str(int(args.fragment))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
