@@ -15,6 +15,7 @@ from kvstore.errors import AuthError, DaemonUnavailable, NamespaceError
 from kvstore.keys import Namespace, hash_blocks
 
 from tests.conftest import ROOT
+from tiers.gpu import cuda_available
 
 NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
 
@@ -265,3 +266,39 @@ def test_large_batches_copy_on_threads_byte_exact(daemon, copy_threads):
 def test_copy_threads_must_be_positive():
     with pytest.raises(ValueError, match="copy_threads"):
         KVClient("/nonexistent.sock", copy_threads=0, connect=False)
+
+
+def test_the_chain_comes_from_the_config_and_stats_say_why_a_tier_is_absent(daemon_factory, tmp_path):
+    """[gpu] on the emulated device puts a gpu tier above host and disk; without it, stats give the reason.
+    A CPU client's puts land in the host arena and its reads are served from there."""
+    conf = tmp_path / "chain.toml"
+    conf.write_text('[gpu]\nenabled = true\ndevice = "cpu"\ncapacity = "2MiB"\npage_size = "64KiB"\n')
+    d = daemon_factory("--config", str(conf), "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "16MiB",
+                       disk=True)
+    stats = d.stats()
+    assert stats["chain"] == ["gpu", "host", "disk"]
+    assert stats["tiers"]["gpu"]["capacity_bytes"] == 2 << 20 and stats["tiers"]["gpu"]["device"] == "cpu"
+    assert stats["tiers"]["remote"]["absent"] == "not configured"
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        hs, ps = chain(7, 4)
+        payloads = [np.full(NS.block_bytes, i, np.uint8) for i in range(4)]
+        c.put(ns, [(h, p, x) for h, p, x in zip(hs, ps, payloads)])
+        assert c.lookup(ns, hs).tiers == ("host",) * 4
+        assert all(np.array_equal(a, b) for a, b in zip(c.get(ns, hs), payloads))
+    assert d.http("/check")[0] == 200 and json.loads(d.http("/check")[1])["ok"] is True
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", d.socket_path],
+                         capture_output=True, text=True, check=True).stdout
+    assert "chain gpu -> host -> disk" in out and "remote absent: not configured" in out
+    assert d.stop() == 0
+
+    plain = daemon_factory()  # the defaults: no [gpu], --no-disk
+    absent = plain.stats()["tiers"]
+    assert plain.stats()["chain"] == ["host"]
+    assert "enabled = false" in absent["gpu"]["absent"] and "disabled" in absent["disk"]["absent"]
+    cuda = tmp_path / "cuda.toml"
+    cuda.write_text('[gpu]\nenabled = true\ndevice = "cuda:0"\n')
+    no_cuda = daemon_factory("--config", str(cuda))  # starts on a host without CUDA, gpu tier left out
+    reason = no_cuda.stats()["tiers"]["gpu"].get("absent")
+    ok, why = cuda_available()
+    assert reason == (None if ok else why)

@@ -33,8 +33,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"policy {stats['policy']}  namespaces {stats['namespaces']}  blocks {stats['blocks']}  "
           f"reserved {stats['reserved_blocks']}  pinned {stats['pinned_blocks']}")
+    print(f"  chain {' -> '.join(stats.get('chain', []))}")
     for tier, t in stats["tiers"].items():
-        line = f"  {tier:5} blocks {t['blocks']:>8}  bytes {_mib(t['bytes']):>12}  hits {t['hits']:>8}  evictions {t['evictions']:>8}"
+        if "absent" in t:
+            print(f"  {tier:6} absent: {t['absent']}")
+            continue
+        line = f"  {tier:6} blocks {t['blocks']:>8}  bytes {_mib(t['bytes']):>12}  hits {t['hits']:>8}  evictions {t['evictions']:>8}"
         if "capacity_bytes" in t:
             line += f"  capacity {_mib(t['capacity_bytes'])}"
         print(line)
