@@ -45,7 +45,14 @@ def open_store(config: Config) -> TieredStore:
     else:
         chain.append(gpu)
     hc = config.host
-    chain.append(HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault))
+    host = HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault)
+    chain.append(host)
+    if gpu is not None and gpu.device.type == "cuda":
+        from tiers.gpu import pin_host
+
+        pinned = pin_host(host.buf)  # gpu <-> host copies become asynchronous DMA; pageable if it fails
+        if not pinned.pinned:
+            log.warning("host arena not pinned for the gpu tier: %s", pinned.reason)
     if config.disk.enabled:
         from tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 

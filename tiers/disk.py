@@ -41,7 +41,7 @@ sync the index once per block); a deletion lost in a crash only brings back a
 block whose bytes are still intact in its slot (the slot was not reused, since
 its reuse would have committed the deletion first).
 
-Threads: everything but the writer thread and `read_block` runs on the owner's
+Threads: everything but the writer thread (tiers/disk_writer.py) and `read_block` runs on the owner's
 thread (the daemon's event loop). The writer thread takes batches of queued
 operations (namespace puts, record deletes, block writes), collapses them per
 key (the last operation wins), commits deletes, writes data, fdatasyncs once,
@@ -63,7 +63,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -75,6 +74,7 @@ import xxhash
 
 from tiers.base import BlockMeta, RecoveredBlock, Tier
 from tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
+from tiers.disk_writer import DiskWrite, DiskWriter
 from tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
@@ -83,23 +83,6 @@ FORMAT_VERSION = 1
 DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
 LOCK_FILE = "owner.lock"
-
-
-@dataclass(slots=True, eq=False)
-class DiskWrite:
-    """One queued block write. The writer sets `checksum`, then `done` (and `error` on failure)."""
-
-    key: bytes
-    record: dict
-    extents: list
-    nbytes: int
-    buf: mmap.mmap
-    checksum: int | None = None
-    done: bool = False
-    error: str | None = None
-
-    def view(self) -> np.ndarray:
-        return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
 
 
 @dataclass(slots=True, eq=False)
@@ -139,7 +122,7 @@ class DiskCounters:
     backpressure_waits: int = 0
 
 
-class DiskTier(Tier):
+class DiskTier(DiskWriter, Tier):
     """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index.
 
     As a store tier (tiers/base.py) a block's location is a `DiskSlot`."""
@@ -436,159 +419,6 @@ class DiskTier(Tier):
             finally:
                 self._flushing -= 1
                 self._cv.notify_all()  # the writer may resume formatting
-
-    # -- the writer thread ---------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                # Format only when idle: not while writes are queued, nor while someone waits in flush().
-                while not self._ops and not self._closing and (
-                    self.formatted_bytes >= self.capacity_bytes or self._flushing
-                ):
-                    self._cv.wait()
-                if not self._ops and self._closing:
-                    try:
-                        self._save_formatted()
-                    except lmdb.Error as exc:
-                        log.warning("disk tier: formatting progress not saved: %s", exc)
-                    return
-                # Deletions alone need no sync of their own (see _write_batch): gather them for a while.
-                deadline = time.monotonic() + self.delete_delay_s
-                while self._ops and not self._num_writes_queued and not self._closing and not self._flushing:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cv.wait(left)
-                batch, nbytes = [], 0
-                while self._ops and nbytes < self.batch_bytes:
-                    op = self._ops.popleft()
-                    batch.append(op)
-                    if op[0] != "del":
-                        self._num_writes_queued -= 1
-                    if op[0] == "put":
-                        nbytes += op[1].nbytes
-                self._busy = True
-                self._inflight_puts = sum(1 for op in batch if op[0] == "put")
-            done: list[DiskWrite] = []
-            if not batch:
-                try:
-                    self._format_chunk()
-                except Exception as exc:  # OSError, lmdb.Error: never let the thread die
-                    log.error("disk tier: formatting stopped: %s", exc)
-                    self.formatted_bytes = self.capacity_bytes  # writes still work, only slower
-            else:
-                try:
-                    done = self._write_batch(batch)
-                except BaseException as exc:  # never let the thread die silently
-                    log.exception("disk writer failed")
-                    done = [op[1] for op in batch if op[0] == "put"]
-                    for job in done:
-                        job.error = job.error or f"{type(exc).__name__}: {exc}"
-            with self._cv:
-                for job in done:
-                    job.done = True
-                self._finished.extend(done)
-                self._busy = False
-                self._inflight_puts = 0
-                self._cv.notify_all()
-
-    def _write_batch(self, batch: list[tuple]) -> list[DiskWrite]:
-        final: dict[bytes, tuple] = {}
-        deleted: set[bytes] = set()
-        namespaces: list[tuple] = []
-        warm = [op[1] for op in batch if op[0] == "warm"]
-        for op in batch:
-            if op[0] == "warm":
-                pass
-            elif op[0] == "ns":
-                namespaces.append(op)
-            elif op[0] == "del":
-                final[op[1]] = op
-                deleted.add(op[1])
-            else:
-                final[op[1].key] = op
-        jobs = [op[1] for op in batch if op[0] == "put"]
-        puts = [job for job in jobs if final.get(job.key) == ("put", job)]
-        if deleted or namespaces:
-            with self.env.begin(write=True) as txn:
-                for _, key, value in namespaces:
-                    txn.put(key, value, db=self._db_ns)
-                for key in deleted:
-                    txn.delete(key, db=self._db_blocks)
-        written = []
-        for job in puts:
-            try:
-                self._write_job(job)
-                written.append(job)
-            except OSError as exc:
-                self.counters.write_errors += 1
-                job.error = f"write failed: {exc}"
-                log.error("disk tier: %s", job.error)
-        if written:
-            os.fdatasync(self.fd)
-            self.counters.fsyncs += 1
-            with self.env.begin(write=True, db=self._db_blocks) as txn:
-                for job in written:
-                    rec = dict(job.record, e=job.extents, n=job.nbytes, x=job.checksum)
-                    txn.put(job.key, msgpack.packb(rec))
-        self.counters.batches += 1
-        for nbytes in warm:  # after the writes: they do not wait for it
-            try:
-                self.staging.prewarm(nbytes)
-            except (OSError, MemoryError) as exc:
-                log.warning("disk tier: staging buffers not prefaulted: %s", exc)
-        return jobs
-
-    def _format_chunk(self, chunk_bytes: int = 8 << 20) -> None:
-        """Zero-fill the next chunk past the watermark, skipping pages that hold block data."""
-        pb = self.page_bytes
-        start = self.formatted_bytes // pb
-        end = min(self.num_pages, start + max(1, chunk_bytes // pb))
-        zeros = self._zeros(chunk_bytes)
-        free = np.flatnonzero(~self._written[start:end]) + start
-        if free.size:
-            breaks = np.flatnonzero(np.diff(free) != 1) + 1
-            for run in np.split(free, breaks):
-                self._pwrite_all(memoryview(zeros)[: run.size * pb], int(run[0]) * pb)
-        self.formatted_bytes = end * pb
-        if self.formatted_bytes >= self.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
-            self._save_formatted()
-
-    def _save_formatted(self) -> None:
-        self._meta["formatted_bytes"] = self.formatted_bytes
-        with self.env.begin(write=True, db=self._db_meta) as txn:
-            txn.put(b"meta", msgpack.packb(self._meta))
-
-    def _zeros(self, size: int) -> mmap.mmap:
-        buf = getattr(self, "_zero_buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._zero_buf = mmap.mmap(-1, round_up(size))
-        return buf
-
-    def wait_formatted(self) -> None:
-        """Block until the whole data file has been written once (see Formatting)."""
-        with self._cv:
-            while self.formatted_bytes < self.capacity_bytes or self._ops or self._busy:
-                self._cv.wait()
-
-    def _write_job(self, job: DiskWrite) -> None:
-        job.checksum = xxhash.xxh3_64_intdigest(job.view())
-        mv = memoryview(job.buf)
-        pos = 0
-        for offset, length in job.extents:
-            span = round_up(length) if self.direct else length
-            self._pwrite_all(mv[pos : pos + span], offset)
-            self._written[offset // self.page_bytes : (offset + span - 1) // self.page_bytes + 1] = True
-            pos += length
-        self.counters.writes += 1
-        self.counters.bytes_written += job.nbytes
-
-    def _pwrite_all(self, mv: memoryview, offset: int) -> None:
-        while len(mv):
-            n = os.pwrite(self.fd, mv, offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            mv, offset = mv[n:], offset + n
 
     # -- reads (any thread) -----------------------------------------------------
     def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:

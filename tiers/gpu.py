@@ -9,9 +9,9 @@ What it owns
 ------------
 - `GpuPool` (daemon side): one `torch.empty(capacity, uint8, device)` allocated
   once for the daemon's life, cut into pages with its own byte budget. Page
-  bookkeeping is the host arena's (`HostArena.allocate/free/check`, reused
-  verbatim), so a block's location is the same kind of value in both tiers:
-  extents, a list of `[offset, length]` runs.
+  bookkeeping is every tier's (`tiers.base.Tier` over `tiers.pages`), so a
+  block's location is the same kind of value as in the host arena: extents, a
+  list of `[offset, length]` runs.
 - `IpcHandle` / `open_pool` (engine side): the pool is exported with torch's
   CUDA IPC (`reduce_tensor` -> `UntypedStorage._share_cuda_()`, which wraps
   `cudaIpcGetMemHandle`) as msgpack-able fields, and opened in the engine with
@@ -34,24 +34,17 @@ Invariants: the pool never grows or moves (IPC handles stay valid for the
 daemon's life); used + free pages == capacity (`check`); a block's bytes are
 readable by engines only after the daemon's `commit`, as in every tier.
 
-Daemon wiring (not done yet; `kvstore/store.py` and `server/` are unchanged)
--------------------------------------------------------------------------------
-1. At start: `ok, reason = cuda_available()`. If ok and the config enables the
-   tier, create `GpuPool(f"cuda:{d}", capacity_bytes, page_bytes)` per device;
-   otherwise keep `pools = {}`. The daemon starts and works unchanged either way.
-2. Stats: `stats()["tiers"]["gpu"].update(tier_status(pools))`, which reads
-   `{"available": false, "reason": "..."}` without CUDA.
-3. Handshake of a local client: reply `{d: pool.export_ipc().to_wire()}` (a
-   fresh export per connection: torch counts references per export). The
-   engine calls `open_pool(IpcHandle.from_wire(w))` once and caches the tensor.
-4. TieredStore: a gpu entry's location is `(device, extents)`; `_free_location`
-   frees it in `pools[device]`. Demotion gpu -> host: allocate host extents,
-   `copy_runs(arena_pinned, pool.buf, plan_runs(host_ext, gpu_ext))` on the
-   pool's `TransferStream`, wait for its event off the event loop, then move the
-   entry (child counts per tier as for any demotion). Promotion host -> gpu is
-   allowed only for a root or a block whose parent already sits in gpu, so a
-   child is never in a faster tier than its parent; the gpu policy evicts
-   leaves-of-gpu first, exactly as for host.
+In the store (tiers/base.py)
+----------------------------
+`GpuPool` is a store tier: `open_store` puts it first in the chain when
+`[gpu] enabled`, and leaves it out, with `cuda_available()`'s reason in the
+stats, where CUDA is absent. Its `write_from`/`read_into` copy between pool
+extents and host-memory views (the arena: pinned, so DMA) and synchronize
+before returning; the store's rules (demotion gpu -> host of gpu leaves,
+promotion host -> gpu for GPU readers once the parent is in gpu) are the
+store's, tested on `GpuPool("cpu", ...)` in CI. Not wired yet (issue 12):
+the IPC export in the client handshake, and clients that read or write the
+pool (the connector's CUDA path).
 """
 
 from __future__ import annotations
