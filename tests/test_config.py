@@ -37,6 +37,10 @@ def test_toml_then_flags(tmp_path):
     ('policy = "random"\n', "policy must be one of"),
     ('name = "../etc"\n', "name must be"),
     ('[host\n', "not valid TOML"),
+    ('[gpu]\ndevice = "tpu"\n', "gpu.device must be cuda"),
+    ('[gpu]\nenabled = "yes"\n', "gpu.enabled must be true or false"),
+    ('[gpu]\ncapacity = 4096\npage_size = 8192\n', "gpu.capacity must hold at least one page"),
+    ('[gpu]\nsize = "1GiB"\n', "unknown key gpu.size"),
 ])
 def test_bad_values_are_named(tmp_path, text, fragment):
     path = tmp_path / "bad.toml"
