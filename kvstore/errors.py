@@ -37,6 +37,10 @@ class DaemonUnavailable(KVStoreError):
     """The daemon cannot be reached (not running, socket gone, timed out)."""
 
 
+class ShuttingDown(DaemonUnavailable):
+    """The daemon is draining (SIGTERM): the request was not served; retry on its successor."""
+
+
 ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (
@@ -48,5 +52,6 @@ ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
         NamespaceError,
         AuthError,
         DaemonUnavailable,
+        ShuttingDown,
     )
 }

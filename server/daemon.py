@@ -8,7 +8,8 @@ the connection. Frames larger than `max_frame_bytes` close the connection
 (the stream cannot be resynchronised); any other bad request gets an error
 reply and the connection stays usable.
 
-SIGTERM/SIGINT drain: listeners close, requests in progress finish, the store
+SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
+answered with ShuttingDown), the daemon closes every connection itself, the store
 is closed (lower tiers flush), the socket and the arena are removed, exit 0.
 """
 
@@ -26,13 +27,16 @@ from collections import Counter
 
 from kvstore.chain import open_store
 from kvstore.config import Config
-from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
+
+DRAIN_S = 10.0  # requests in progress at SIGTERM get this long to finish
+CLOSE_S = 5.0  # then connections and listeners get this long to close
 
 
 def _unlink(path: str) -> None:
@@ -160,20 +164,26 @@ class Daemon:
         await self.stop()
 
     async def stop(self) -> None:
+        """Drain: refuse new connections and requests, let requests in progress finish (bounded), then
+        close every client connection ourselves. Since Python 3.12 `Server.wait_closed` waits for the
+        connections too, so an idle engine's connection would otherwise hold the daemon up."""
         log.info("draining")
+        self._stopped.set()
         for srv in self._servers:
             srv.close()
-        for srv in self._servers:
-            await srv.wait_closed()
-        # Let requests in progress finish, then end the idle connections.
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
+        deadline = loop.time() + DRAIN_S
         while any(s.busy for s in self.sessions.values()) and loop.time() < deadline:
             await asyncio.sleep(0.01)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
+            await asyncio.wait(self._tasks, timeout=CLOSE_S)
+        for srv in self._servers:
+            try:
+                await asyncio.wait_for(srv.wait_closed(), timeout=CLOSE_S)
+            except asyncio.TimeoutError:
+                log.warning("a listener did not close within %s s; stopping anyway", CLOSE_S)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
@@ -213,6 +223,10 @@ class Daemon:
                     body = await reader.readexactly(length)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # truncated frame: the client went away mid-request
+                if self._stopped.is_set():  # arrived during the drain: answered, not served
+                    writer.write(pack_frame(self._refuse(body)))
+                    await writer.drain()
+                    return
                 session.busy = True
                 try:
                     writer.write(pack_frame(await self._handle(session, body)))
@@ -226,6 +240,14 @@ class Daemon:
             del self.sessions[session.owner]
             self._tasks.discard(task)
             writer.close()
+
+    def _refuse(self, body: bytes) -> list:
+        try:
+            msgid = parse_request(unpack_body(body))[0]
+        except KVStoreError:
+            msgid = 0
+        self.errors["ShuttingDown"] += 1
+        return [msgid, error_reply(ShuttingDown("the daemon is shutting down; retry on its successor")), None]
 
     async def _handle(self, session: Session, body: bytes) -> list:
         msgid = 0

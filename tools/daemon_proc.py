@@ -89,16 +89,17 @@ def start_daemon(
     socket_path: str | None = None,
     log_path: str | None = None,
     env: dict | None = None,
+    python: str = sys.executable,
 ) -> DaemonProc:
     """Start `kvstore serve` (socket in `folder` unless given) and return once it is ready.
 
     No disk tier unless `disk` (then give `--disk-path`/`--disk-bytes` in
     `extra`, or get the config defaults); admin HTTP on a free port unless
-    `admin` is false; `extra` flags are appended last.
+    `admin` is false; `extra` flags are appended last. `python` runs it (another CPython's venv).
     """
     name = name or f"t-{uuid.uuid4().hex[:10]}"
     sock = socket_path or str(Path(folder) / f"{name}.sock")
-    args = [sys.executable, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
+    args = [python, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
             "--host-bytes", str(host_bytes), "--page-bytes", str(page_bytes), "--log-level", "WARNING"]
     args += ["--admin-port", "0"] if admin else ["--no-admin"]
     if not disk:
