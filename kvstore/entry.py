@@ -2,7 +2,10 @@
 
 An `Entry` is one block: where it sits (`tier`, `location`), its place in the
 prefix tree (`parent`, `depth`, `kids`), how many of its children sit in each
-tier (`children`, indexed by `RANK`), its pins and its write state. The tree
+tier (`children`, indexed by `RANK`), its pins and its write state, and the
+copies it left in slower persistent tiers when it was promoted out of them
+(`copies`; see kvstore/store.py, "Inclusive"). The tree rule concerns where a
+block sits, not its copies. The tree
 rule "a child never sits in a faster tier than its parent" is kept with the
 per-tier child counts: a block is a leaf *of tier t* when no child lives in t
 or a faster tier.
@@ -35,6 +38,7 @@ class Entry:
     children: list = field(default_factory=lambda: [0] * len(TIERS))  # resident children per tier rank
     attention: float | None = None
     kids: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
+    copies: dict | None = None  # tier name -> location of a copy kept in a slower, persistent tier
 
 
 def link_child(parent: Entry, key: Key) -> None:

@@ -7,7 +7,8 @@ Two steps, each root first so a child never gets ahead of its parent:
    read into them (in a reader thread where the tier's read waits on I/O, on
    the loop where it does not, e.g. a disk block still in its staging buffer),
    its checksum verified, and the entry re-tiered only once its parent task
-   finished and the parent sits in host or faster. A second reader of the same
+   finished and the parent sits in host or faster. Out of a persistent tier
+   the block keeps its bytes there as a copy (inclusive tiers, kvstore/store.py). A second reader of the same
    block awaits the same task. A block that does not verify is discarded with
    its subtree (other owners' pins on them become ghost pins).
 2. Up to the reader's tier when it is faster than host (the GPU pool for a GPU
@@ -121,7 +122,7 @@ async def _promote_to_host(store: "TieredStore", e: Entry) -> bool:
         store.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
         return False
     del store._inflight[e.key]
-    store.move(e, "host", alloc)
+    store.move(e, "host", alloc, keep_copy=src.persistent)
     store.counters["promotions"] += 1
     return True
 

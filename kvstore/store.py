@@ -27,6 +27,13 @@ The rules for every pair of tiers live here, not in the tiers (tiers/base.py):
   then up to the reader's tier (the GPU pool for a GPU reader) while it has
   room. A block that fails to verify is a miss and is removed with its subtree;
   other owners' pins on it become *ghost pins* that `release` accepts.
+- Inclusive where it is cheap: a block promoted out of a persistent tier
+  keeps its bytes and record there as a *copy* (`Entry.copies`), so a read
+  never makes a block less durable, and demoting it again is free (no write;
+  counted as `<tier>_writes_saved`). Copies are not in any policy: a tier that
+  needs room drops its copies first, oldest first, before it evicts a block, so
+  the blocks a tier holds, and every policy decision, are those of exclusive
+  tiers (replay hit ratios do not move).
 - Restart recovery comes from whichever tiers persist (`Tier.recover`).
 - One policy instance per tier.
 
@@ -101,6 +108,7 @@ class TieredStore:
         self.tier_stats: dict[str, TierStats] = {t: TierStats() for t in TIERS}
         self._promoting: dict[Key, asyncio.Task] = {}
         self._inflight: dict[Key, tuple[str, object]] = {}  # pages held by promotions in flight
+        self.copies: dict[str, dict[Key, None]] = {t.name: {} for t in chain if t.persistent}  # oldest first
         self._read_threads = read_threads
         self._reader: ThreadPoolExecutor | None = None
         self._persisted_ns: set[str] = set()
@@ -408,6 +416,9 @@ class TieredStore:
                 if e is not None and e.tier == tier.name and tier.lost(e.location):
                     self.counters[f"{tier.name}_write_failures"] += 1
                     self.discard(e)
+                elif e is not None and e.copies and tier.name in e.copies and tier.lost(e.copies[tier.name]):
+                    self.counters[f"{tier.name}_write_failures"] += 1
+                    self.drop_copy(e, tier.name)  # the block itself is safe in a faster tier
 
     # -- eviction and demotion -------------------------------------------------
     def is_leaf_in(self, entry: Entry, tier: str) -> bool:
@@ -445,6 +456,9 @@ class TieredStore:
         being inserted. Raises CapacityError, having evicted what it could, when
         nothing more is evictable.
         """
+        copies = self.copies.get(tier)
+        while copies and shortfall() > 0:  # a copy is redundant (its block sits in a faster tier)
+            self.drop_copy(self.entries[next(iter(copies))], tier)
         policy = self.policies[tier]
         protected = protect if isinstance(protect, (set, frozenset)) else {protect}
 
@@ -491,7 +505,12 @@ class TieredStore:
         self._drop(entry)
 
     def move_down(self, e: Entry, below: Tier) -> bool:
-        """Demote `e` into `below`, making room there first; False (nothing changed) when it cannot."""
+        """Demote `e` into `below`, making room there first; False (nothing changed) when it cannot.
+        A block that kept a copy in `below` goes back to it without a write."""
+        if e.copies and below.name in e.copies:
+            self.move(e, below.name, self._take_copy(e, below.name))
+            self.counters[f"{below.name}_writes_saved"] += 1
+            return True
         if not below.fits(e.nbytes):
             return False
         try:
@@ -519,10 +538,15 @@ class TieredStore:
         meta = BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention, self.wall_clock())
         return dst.write_from(alloc, src.segments(e.location), meta), True
 
-    def move(self, e: Entry, tier: str, location: object) -> None:
-        """Re-tier an entry: free its old location, update policies, parent's child counts and stats."""
+    def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False) -> None:
+        """Re-tier an entry: free its old location (or keep it as a copy), update policies, parent's
+        child counts and stats."""
         old = e.tier
-        self._free_location(e)
+        if keep_copy:
+            e.copies = {**(e.copies or {}), old: e.location}
+            self.copies[old][e.key] = None
+        else:
+            self._free_location(e)
         self.policies[old].on_remove(e.key)
         e.tier, e.location = tier, location
         if e.parent is not None:
@@ -537,9 +561,11 @@ class TieredStore:
             self.tier_stats[old].promotions_out += 1
 
     def _drop(self, entry: Entry) -> None:
-        """Remove an entry that has no resident children from its tier and the index."""
+        """Remove an entry that has no resident children from its tier and the index, copies included."""
         if any(entry.children):
             raise KVStoreError("internal: dropping a block that still has children")
+        for tier in list(entry.copies or ()):
+            self.drop_copy(entry, tier)
         self._free_location(entry)
         self.policies[entry.tier].on_remove(entry.key)
         del self.entries[entry.key]
@@ -551,6 +577,17 @@ class TieredStore:
 
     def _free_location(self, entry: Entry) -> None:
         self.tiers[entry.tier].free(entry.location, entry.key)
+
+    def _take_copy(self, entry: Entry, tier: str) -> object:
+        location = entry.copies.pop(tier)  # type: ignore[union-attr]
+        if not entry.copies:
+            entry.copies = None
+        del self.copies[tier][entry.key]
+        return location
+
+    def drop_copy(self, entry: Entry, tier: str) -> None:
+        self.tiers[tier].free(self._take_copy(entry, tier), entry.key)
+        self.counters[f"{tier}_copies_dropped"] += 1
 
     # -- lifecycle ---------------------------------------------------------------
     def reader(self) -> ThreadPoolExecutor:

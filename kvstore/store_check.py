@@ -44,6 +44,7 @@ def store_stats(store: "TieredStore") -> dict:
             row["checksum_failures"] = store.counters.get(f"{name}_checksum_failures", 0)
             if tier.persistent:
                 row["durable_blocks"] = sum(1 for e in blocks if tier.durable(e.location))
+                row["copies"] = len(store.copies[name])
         per_tier[name] = row
     return {
         "policy": store.policy_name,
@@ -90,17 +91,38 @@ def check_store(store: "TieredStore") -> list[str]:
         if sum(e.children) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
             problems.append(f"children index of {key} does not match its children's parent links")
     problems += _check_pins(store)
+    problems += _check_copies(store)
     for tier in store.chain:
         in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
+        copies = {k: entries[k].copies[tier.name] for k in store.copies.get(tier.name, ()) if k in entries}
         num_committed = sum(1 for e in in_tier.values() if e.committed)
         if len(store.policies[tier.name]) != num_committed:
             problems.append(f"policy of {tier.name} tracks {len(store.policies[tier.name])} blocks, "
                             f"the tier holds {num_committed}")
         held = [alloc for name, alloc in store._inflight.values() if name == tier.name]
-        problems += tier.check([e.location for e in in_tier.values()] + held)
+        problems += tier.check([e.location for e in in_tier.values()] + list(copies.values()) + held)
         if tier.persistent:
             problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
-            problems += tier.check_records({k: e.location for k, e in in_tier.items()})
+            problems += tier.check_records({**{k: e.location for k, e in in_tier.items()}, **copies})
+    return problems
+
+
+def _check_copies(store: "TieredStore") -> list[str]:
+    """Copies sit in persistent tiers slower than their block, and the per-tier index lists exactly them."""
+    problems = []
+    listed = {(tier, key) for tier, keys in store.copies.items() for key in keys}
+    for key, e in store.entries.items():
+        for tier in e.copies or ():
+            if (tier, key) not in listed:
+                problems.append(f"copy of {key} in {tier} is not in the copies index")
+            if tier not in store.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
+                problems.append(f"copy of {key} in {tier} is not in a slower persistent tier")
+        if e.copies == {}:
+            problems.append(f"{key} has an empty copies map")
+    for tier, key in listed:
+        e = store.entries.get(key)
+        if e is None or tier not in (e.copies or ()):
+            problems.append(f"the copies index of {tier} lists {key}, which has no copy there")
     return problems
 
 

@@ -239,3 +239,38 @@ def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
         assert d.check() == []
     finally:
         assert d.stop(signal.SIGTERM) == 0
+
+
+def test_reads_do_not_make_blocks_less_durable(tmp_path):
+    """Tiers are inclusive downward: a block promoted from disk keeps its disk record, so a kill -9
+    after reads loses nothing that was on disk, and demoting the unchanged block again writes nothing."""
+    args = ("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "32MiB")
+    chains = [chain_hashes(s, 4) for s in range(1, 11)]  # 40 blocks; the host tier holds 16
+    d = start_daemon(tmp_path, *args, host_bytes="1MiB", page_bytes="64KiB", disk=True)
+    try:
+        with KVClient(socket_path=d.socket_path) as client:
+            ns_id = client.register(NS)
+            for hashes in chains:
+                client.put(ns_id, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
+        assert d.stop(signal.SIGTERM) == 0  # everything reaches the disk
+        d = start_daemon(tmp_path, *args, host_bytes="1MiB", page_bytes="64KiB", disk=True, name=d.name)
+        with KVClient(socket_path=d.socket_path) as client:
+            ns_id = client.register(NS)
+            assert all(client.lookup(ns_id, c).tiers == ("disk",) * 4 for c in chains)
+            writes_before = client.stats()["tiers"]["disk"]["writes"]
+            for hashes in chains + chains[:3]:  # promote all, so host blocks are demoted back
+                assert all(np.array_equal(g, payload_for(h)) for g, h in zip(client.get(ns_id, hashes), hashes))
+            stats = client.stats()
+            in_host = sum(t == "host" for c in chains for t in client.lookup(ns_id, c).tiers)
+        assert in_host == 16 and stats["tiers"]["disk"]["copies"] == 16
+        assert stats["counters"]["disk_writes_saved"] >= 24  # every demotion after a read found its copy
+        d.stop(signal.SIGKILL)
+        d.proc.wait(timeout=30)
+        assert stats["tiers"]["disk"]["writes"] == writes_before, "demoting an unchanged block rewrote it"
+        d = start_daemon(tmp_path, *args, host_bytes="1MiB", page_bytes="64KiB", disk=True, name=d.name)
+        assert verify(d.socket_path, [h for c in chains for h in c], chains) == 40
+        assert d.check() == []
+    finally:
+        if d.alive():
+            assert d.stop(signal.SIGTERM) == 0
+        d.cleanup()

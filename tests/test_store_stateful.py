@@ -19,6 +19,7 @@ non-leaves breaks the tree rule across gpu/host, and the model catches it.
 """
 
 import asyncio
+import itertools
 import os
 import uuid
 
@@ -85,7 +86,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.demoted_non_leaves: list = []
 
     def _open(self) -> None:
-        self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder), policy=self.policy)
+        ticks = itertools.count()
+        clock = lambda: float(next(ticks))  # noqa: E731  (deterministic: the policies' decay must not see real time)
+        self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder), policy=self.policy, clock=clock,
+                                 wall_clock=clock)
         self.ns = self.store.register_namespace(NS)
         self.writable = [t.name for t in self.store.chain if t.client_readable]
         demote = self.store.demote
