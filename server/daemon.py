@@ -8,9 +8,14 @@ the connection. Frames larger than `max_frame_bytes` close the connection
 (the stream cannot be resynchronised); any other bad request gets an error
 reply and the connection stays usable.
 
+Startup refuses a socket folder that is not the daemon's own or that others may
+write, then takes the instance lock there (server/instance.py); the arena in
+/dev/shm is never followed or reused if another user put something at its path
+(tiers/host.py).
+
 SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
 answered with ShuttingDown), the daemon closes every connection itself, the store
-is closed (lower tiers flush), the socket and the arena are removed, exit 0.
+is closed (lower tiers flush), the socket, arena and lock are removed, exit 0.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import os
 import signal
 import socket
 import uuid
-import fcntl
 from collections import Counter
 
 from kvstore.chain import open_store
@@ -31,6 +35,7 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
+from server.instance import ensure_private_dir, lock_instance
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
@@ -46,25 +51,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def remove_stale_instance(shm_path: str) -> bool:
-    """Remove the arena and lock of an instance whose daemon is gone (killed); False if one still runs."""
-    try:
-        fd = os.open(shm_path + ".lock", os.O_RDWR)
-    except FileNotFoundError:
-        _unlink(shm_path)
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    else:
-        _unlink(shm_path)
-        _unlink(shm_path + ".lock")
-        return True
-    finally:
-        os.close(fd)
-
-
 def _socket_answers(path: str) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -74,17 +60,6 @@ def _socket_answers(path: str) -> bool:
         return False
     finally:
         probe.close()
-
-
-def _lock_instance(config: Config) -> int:
-    """Hold an exclusive lock for this instance name while the daemon lives (fd kept open)."""
-    fd = os.open(config.shm_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OSError(f"another kvstore daemon named {config.name!r} is running (lock {config.shm_path}.lock)") from None
-    return fd
 
 
 def gpu_info(store: TieredStore) -> dict:
@@ -97,7 +72,8 @@ def gpu_info(store: TieredStore) -> dict:
 class Daemon:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
-        self._lock_fd = _lock_instance(config) if store is None else None
+        ensure_private_dir(os.path.dirname(config.server.socket_path))  # before anything is put in it
+        self._lock_fd = lock_instance(config.lock_path, config.name) if store is None else None
         self.store = store if store is not None else open_store(config)
         info = {
             "arena_path": self.store.host.path,
@@ -129,7 +105,6 @@ class Daemon:
     async def start(self) -> None:
         sc = self.config.server
         sock = sc.socket_path
-        os.makedirs(os.path.dirname(sock) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(sock):
             if _socket_answers(sock):
                 raise OSError(f"another kvstore daemon is serving on {sock}")
@@ -189,7 +164,7 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         _unlink(self.config.server.socket_path)
         if self._lock_fd is not None:
-            _unlink(self.config.shm_path + ".lock")  # still held: no other daemon of this name is running
+            _unlink(self.config.lock_path)  # still held: no other daemon of this name is running
             os.close(self._lock_fd)
         log.info("stopped")
 

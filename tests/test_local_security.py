@@ -1,0 +1,196 @@
+"""What another local user can and cannot do to a daemon (findings of an outside review).
+
+The daemon runs as root here; the other user is `nobody` (uid 65534), reached through
+`setpriv`. Those tests skip, saying why, when not run as root. Each finding is checked
+with real daemons (tools/daemon_proc.py) and real processes of the other user:
+
+1. the admin HTTP plane: counters stay open on loopback, everything else needs the
+   owner's token; foreign Host headers (DNS rebinding) and non-JSON POSTs are refused;
+2. predictable names in /dev/shm: the instance lock moved beside the socket, the arena
+   is never followed or reused when another user put something at its path;
+3. the socket folder must be the daemon's own and closed to others; a client talks only
+   to a daemon of its own user or root, and maps only an arena that daemon owns.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import KVClient
+from kvstore.keys import Namespace, hash_blocks
+
+NOBODY = 65534
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv: the test acts as a second local user (uid 65534)",
+)
+
+
+# -- helpers -------------------------------------------------------------------------------
+def as_nobody(code: str, *args: str) -> str:
+    """Run stdlib-only Python `code` as uid 65534; its stdout."""
+    out = subprocess.run([*AS_NOBODY, sys.executable, "-c", code, *args], cwd="/", capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def put_blocks(d, n: int = 2) -> None:
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        hs = hash_blocks(np.arange(n * 16), 16)
+        c.put(ns, [(h, hs[i - 1] if i else None, np.full(NS.block_bytes, i, np.uint8)) for i, h in enumerate(hs)])
+
+
+def blocks(d) -> int:
+    with KVClient(d.socket_path) as c:
+        return c.stats()["blocks"]
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh folder under /tmp; the test sets its owner and mode."""
+    path = Path(f"/tmp/kvsec-{uuid.uuid4().hex[:10]}")
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dev_shm_names():
+    """Paths the test plants in /dev/shm, removed afterwards whatever happened."""
+    planted: list[str] = []
+    yield planted
+    for p in planted:
+        if os.path.lexists(p):
+            os.unlink(p)
+
+
+def refused_start(daemon_factory, log: Path, **kw) -> str:
+    """Start a daemon that must refuse to start; its error output."""
+    with pytest.raises(RuntimeError, match="did not start") as info:
+        daemon_factory(log_path=str(log), **kw)
+    return str(info.value)
+
+
+# -- 2. predictable names in /dev/shm ----------------------------------------------------------
+@needs_root
+def test_a_symlink_planted_at_the_old_lock_path_is_not_followed(daemon_factory, dev_shm_names):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    planted, victim = f"/dev/shm/kvstore-{os.getuid()}-{name}.lock", f"/tmp/kvsec-victim-{name}"
+    dev_shm_names += [planted, victim]
+    as_nobody("import os, sys; os.symlink(sys.argv[1], sys.argv[2])", victim, planted)
+    d = daemon_factory(name=name)
+    assert not os.path.lexists(victim), "the root daemon created a file where another user's symlink pointed"
+    lock = Path(d.socket_path).parent / f"{name}.lock"
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600 and lock.stat().st_uid == os.geteuid()
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+def test_another_user_holding_the_old_lock_path_cannot_keep_the_daemon_down(daemon_factory, dev_shm_names, tmp_path):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    path = f"/dev/shm/kvstore-{os.getuid()}-{name}.lock"
+    dev_shm_names.append(path)
+    holder = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", HOLD_LOCK, path], cwd="/", text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        try:
+            d = daemon_factory(name=name, log_path=str(tmp_path / "d.log"))
+        except RuntimeError as exc:
+            d = None
+            why = str(exc)
+        assert d is not None, f"uid 65534 kept the daemon from starting: {why}"
+        assert d.client().ping()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_beside_the_socket_must_be_a_private_file(daemon_factory, tmp_path):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    lock, victim = tmp_path / f"{name}.lock", tmp_path / "victim"
+    lock.symlink_to(victim)
+    err = refused_start(daemon_factory, tmp_path / "a.log", name=name)
+    assert "symbolic link" in err and str(lock) in err and not victim.exists()
+    lock.unlink()
+    lock.touch(mode=0o644)
+    os.chmod(lock, 0o644)
+    err = refused_start(daemon_factory, tmp_path / "b.log", name=name)
+    assert str(lock) in err and "0644" in err
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_the_arena_path_taken_by_another_user_is_refused_untouched(daemon_factory, dev_shm_names, tmp_path, kind):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    arena = f"/dev/shm/kvstore-{os.getuid()}-{name}"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    dev_shm_names.append(arena)
+    if kind == "file":
+        as_nobody("import sys; open(sys.argv[1], 'wb').write(b'planted')", arena)
+    else:
+        as_nobody("import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(victim), arena)
+    err = refused_start(daemon_factory, tmp_path / "d.log", name=name)
+    assert arena in err and f"uid {NOBODY}" in err, err
+    assert os.lstat(arena).st_uid == NOBODY, "left where it was"
+    assert victim.read_bytes() == b"root's file"
+    if kind == "file":
+        assert Path(arena).read_bytes() == b"planted"
+
+
+def test_a_live_arena_of_the_same_name_is_not_taken_over(daemon_factory, tmp_path):
+    """The lock is per folder now; the arena's own flock still keeps a second daemon of that name
+    (its socket elsewhere) from unlinking a running daemon's arena."""
+    d = daemon_factory()
+    put_blocks(d)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    err = refused_start(daemon_factory, tmp_path / "d.log", name=d.name, socket_path=str(other / "s.sock"))
+    assert "in use" in err or "another kvstore daemon" in err
+    assert blocks(d) == 2 and d.check() == []
+
+
+# -- 3. the socket folder, and whom a client trusts ----------------------------------------------
+@needs_root
+@pytest.mark.parametrize("mode", [0o777, 0o700])
+def test_a_socket_folder_of_another_user_is_refused(shared_dir, daemon_factory, tmp_path, mode):
+    os.chown(shared_dir, NOBODY, NOBODY)
+    os.chmod(shared_dir, mode)
+    err = refused_start(daemon_factory, tmp_path / "d.log", socket_path=str(shared_dir / "kv.sock"))
+    assert str(shared_dir) in err and f"uid {NOBODY}" in err and f"{mode:04o}" in err, err
+    assert not any(shared_dir.iterdir()), "nothing was put in it"
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o730, 0o702])
+def test_a_socket_folder_others_may_write_is_refused(daemon_factory, tmp_path, mode):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    os.chmod(folder, mode)
+    err = refused_start(daemon_factory, tmp_path / "d.log", socket_path=str(folder / "kv.sock"))
+    assert str(folder) in err and f"{mode:04o}" in err and "writable by group or others" in err, err
+    os.chmod(folder, 0o755)  # readable by others is fine: the socket itself is 0600
+    assert daemon_factory(socket_path=str(folder / "kv.sock")).client().ping()
+
+
