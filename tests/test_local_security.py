@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVClient
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
 
 NOBODY = 65534
@@ -194,3 +195,52 @@ def test_a_socket_folder_others_may_write_is_refused(daemon_factory, tmp_path, m
     assert daemon_factory(socket_path=str(folder / "kv.sock")).client().ping()
 
 
+
+
+def nobody_python(tmp_path: Path) -> str:
+    """A `python` for start_daemon that runs as uid 65534."""
+    wrapper = tmp_path / "python-as-nobody"
+    wrapper.write_text(f"#!/bin/sh\nexec {' '.join(AS_NOBODY)} {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def mapped(path: str) -> bool:
+    """Whether this process maps the file now at `path` (a mapping of an unlinked one reads "(deleted)")."""
+    return any(line.rstrip().endswith(" " + path) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@needs_root
+def test_a_client_refuses_a_daemon_of_another_user(shared_dir, daemon_factory, tmp_path):
+    os.chown(shared_dir, NOBODY, NOBODY)
+    os.chmod(shared_dir, 0o700)
+    d = daemon_factory(socket_path=str(shared_dir / "kv.sock"), admin=False, python=nobody_python(tmp_path))
+    arena = f"/dev/shm/kvstore-{NOBODY}-{d.name}"
+    assert os.stat(arena).st_uid == NOBODY  # a real daemon of that user
+    with pytest.raises(KVStoreError, match=f"uid {NOBODY}") as info:
+        KVClient(d.socket_path)
+    assert type(info.value).__name__ == "OwnershipError"
+    assert not mapped(arena)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_a_client_maps_no_arena_another_user_put_at_its_path(daemon, tmp_path, kind):
+    with KVClient(daemon.socket_path) as c:
+        arena, size = c.server_info["arena_path"], c.server_info["arena_bytes"]
+    target = Path(f"/tmp/kvsec-target-{daemon.name}")  # for the symlink: root's, big enough to map
+    os.unlink(arena)  # the daemon keeps its mapping; the name is free for the other user
+    if kind == "file":
+        as_nobody("import os, sys; f = open(sys.argv[1], 'wb'); f.truncate(int(sys.argv[2]))", arena, str(size))
+    else:
+        with open(target, "wb") as f:
+            f.truncate(size)
+        as_nobody("import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(target), arena)
+    try:
+        with pytest.raises(KVStoreError, match="not mapped") as info:
+            KVClient(daemon.socket_path)
+        assert type(info.value).__name__ == "OwnershipError"
+        assert not mapped(arena if kind == "file" else str(target))
+    finally:
+        if kind == "symlink":
+            target.unlink()
