@@ -9,13 +9,14 @@ the connection. Frames larger than `max_frame_bytes` close the connection
 reply and the connection stays usable.
 
 Startup refuses a socket folder that is not the daemon's own or that others may
-write, then takes the instance lock there (server/instance.py); the arena in
-/dev/shm is never followed or reused if another user put something at its path
-(tiers/host.py).
+write, then takes the instance lock and writes the admin token there
+(server/instance.py); the arena in /dev/shm is never followed or reused if
+another user put something at its path (tiers/host.py).
 
 SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
 answered with ShuttingDown), the daemon closes every connection itself, the store
-is closed (lower tiers flush), the socket, arena and lock are removed, exit 0.
+is closed (lower tiers flush), the socket, arena, admin token and lock are
+removed, exit 0.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
-from server.instance import ensure_private_dir, lock_instance
+from server.instance import create_admin_token, ensure_private_dir, lock_instance
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
@@ -120,14 +121,14 @@ class Daemon:
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
         if sc.admin_port is not None:
-            view = AdminView(self.store, self.full_stats)
+            view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path))
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
         log.info(
-            "kvstore serving on %s (tcp %s, admin %s); host tier %d MiB at %s, policy %s",
-            sock, self.tcp_port, self.admin_port, self.store.host.capacity_bytes >> 20,
+            "kvstore serving on %s (tcp %s, admin %s, its token in %s); host tier %d MiB at %s, policy %s",
+            sock, self.tcp_port, self.admin_port, self.config.admin_token_path, self.store.host.capacity_bytes >> 20,
             self.store.host.path, self.config.policy,
         )
 
@@ -161,6 +162,7 @@ class Daemon:
                 log.warning("a listener did not close within %s s; stopping anyway", CLOSE_S)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+            _unlink(self.config.admin_token_path)
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         _unlink(self.config.server.socket_path)
         if self._lock_fd is not None:

@@ -14,11 +14,15 @@ with real daemons (tools/daemon_proc.py) and real processes of the other user:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -45,6 +49,44 @@ def as_nobody(code: str, *args: str) -> str:
                          text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+NOBODY_HTTP = """
+import sys, urllib.request, urllib.error
+port, method, path, ctype = sys.argv[1:5]
+req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                             data=b"{}" if method == "POST" else None, headers={"Content-Type": ctype} if ctype else {})
+try:
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        print(resp.status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+def owner_token(d) -> str:
+    """The token the daemon wrote beside its socket ("" where it wrote none)."""
+    path = Path(d.socket_path).parent / f"{d.name}.admin-token"
+    return path.read_text().strip() if path.exists() else ""
+
+
+def admin(d, path: str, method: str = "GET", headers: dict | None = None, body: bytes | None = None):
+    """(status, parsed JSON or text) of an admin request with exactly these headers."""
+    req = urllib.request.Request(f"http://127.0.0.1:{d.admin_port}{path}", data=body, headers=headers or {},
+                                 method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def bearer(d) -> dict:
+    return {"Authorization": f"Bearer {owner_token(d)}"}
 
 
 def put_blocks(d, n: int = 2) -> None:
@@ -83,6 +125,73 @@ def refused_start(daemon_factory, log: Path, **kw) -> str:
     with pytest.raises(RuntimeError, match="did not start") as info:
         daemon_factory(log_path=str(log), **kw)
     return str(info.value)
+
+
+# -- 1. the admin plane ---------------------------------------------------------------------
+@needs_root
+def test_another_user_reads_counters_but_cannot_list_check_or_clear(daemon):
+    put_blocks(daemon)
+    port = str(daemon.admin_port)
+    for method, path, ctype in [("GET", "/stats", ""), ("GET", "/check", ""), ("POST", "/clear", "text/plain"),
+                                ("POST", "/clear", "application/json"),
+                                ("POST", "/clear", "application/x-www-form-urlencoded")]:
+        assert as_nobody(NOBODY_HTTP, port, method, path, ctype) == "401", f"uid 65534 got through: {method} {path}"
+    assert as_nobody(NOBODY_HTTP, port, "GET", "/metrics", "") == "200"  # read-only counters stay open on loopback
+    assert as_nobody(NOBODY_HTTP, port, "GET", "/healthz", "") == "200"
+    assert blocks(daemon) == 2, "nothing was cleared"
+
+
+def test_the_admin_token_is_a_private_file_beside_the_socket_and_required(daemon_factory):
+    d = daemon_factory()
+    token_file = Path(d.socket_path).parent / f"{d.name}.admin-token"
+    assert token_file.exists(), "the daemon writes its admin token beside its socket"
+    st = token_file.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    status, body = admin(d, "/stats")
+    assert status == 401 and body["error"] == "AuthError" and "admin-token" in body["message"]
+    assert admin(d, "/check", headers={"Authorization": "Bearer " + "x" * 43})[0] == 401
+    assert admin(d, "/stats", headers={"Authorization": owner_token(d)})[0] == 401  # no scheme
+    status, body = admin(d, "/stats", headers=bearer(d))
+    assert status == 200 and body["blocks"] == 0
+    assert d.check() == [] and d.stats()["blocks"] == 0  # the owner's tools read the token themselves
+    assert d.stop() == 0
+    assert not token_file.exists(), "a clean stop removes the token"
+
+
+def test_a_restarted_daemon_replaces_a_killed_one_s_token(daemon_factory):
+    d = daemon_factory()
+    first = owner_token(d)
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(timeout=30)
+    again = daemon_factory(name=d.name)  # no cleanup between: the stale token, lock and arena are still there
+    assert owner_token(again) not in ("", first)
+    assert admin(again, "/stats", headers={"Authorization": f"Bearer {first}"})[0] == 401
+    assert again.check() == []
+
+
+def test_foreign_host_headers_are_refused(daemon):
+    port = daemon.admin_port
+    for host in ["evil.example", f"evil.example:{port}", f"127.0.0.1.nip.io:{port}", "localhost.evil.example",
+                 "[::2]", f"0.0.0.0:{port}"]:
+        for path in ("/stats", "/metrics"):  # a rebound page may not read the counters either
+            status, body = admin(daemon, path, headers={**bearer(daemon), "Host": host})
+            assert status == 421, f"Host {host} answered {status} on {path}"
+            assert body["error"] == "WrongHost"
+    for host in ["127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", "[::1]", f"[::1]:{port}"]:
+        assert admin(daemon, "/stats", headers={**bearer(daemon), "Host": host})[0] == 200, host
+
+
+def test_posts_must_be_json(daemon):
+    put_blocks(daemon)
+    for ctype in ["text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x"]:  # what a cross-site form or fetch sends without asking
+        status, body = admin(daemon, "/clear", "POST", headers={**bearer(daemon), "Content-Type": ctype}, body=b"{}")
+        assert status == 415, f"POST /clear as {ctype} answered {status}"
+        assert body["error"] == "WrongContentType"
+    assert blocks(daemon) == 2
+    status, body = admin(daemon, "/clear", "POST", headers={**bearer(daemon), "Content-Type": "application/json"},
+                         body=b"{}")
+    assert status == 200 and body["removed"] == 2 and blocks(daemon) == 0
 
 
 # -- 2. predictable names in /dev/shm ----------------------------------------------------------
@@ -193,8 +302,6 @@ def test_a_socket_folder_others_may_write_is_refused(daemon_factory, tmp_path, m
     assert str(folder) in err and f"{mode:04o}" in err and "writable by group or others" in err, err
     os.chmod(folder, 0o755)  # readable by others is fine: the socket itself is 0600
     assert daemon_factory(socket_path=str(folder / "kv.sock")).client().ping()
-
-
 
 
 def nobody_python(tmp_path: Path) -> str:

@@ -6,7 +6,8 @@ listens, `kvstore ready socket=... admin_port=... tcp_port=...`; `start_daemon`
 reads it, so there is no polling. Its logs (stderr) go to `log_path` when one
 is given, else to the caller's stderr. A daemon that was killed leaves its
 arena in /dev/shm and its lock and admin token beside its socket; `stop` and
-`cleanup` remove them.
+`cleanup` remove them. `http` sends the admin token the daemon wrote
+(`<socket folder>/<name>.admin-token`), as the owner's tools do.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.config import instance_file
-from server.instance import remove_stale_instance
+from server.instance import read_admin_token, remove_stale_instance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,8 +52,16 @@ class DaemonProc:
     def lock_path(self) -> str:
         return instance_file(self.socket_path, self.name, ".lock")
 
-    def http(self, path: str, method: str = "GET") -> tuple[int, bytes]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", method=method)
+    def http(self, path: str, method: str = "GET", headers: dict | None = None,
+             body: bytes | None = None) -> tuple[int, bytes]:
+        """An admin request with the owner's token (POSTs as JSON); `headers` add to or replace those."""
+        sent = {"Authorization": f"Bearer {read_admin_token(self.admin_token_path)}"}
+        if method == "POST":
+            sent["Content-Type"] = "application/json"
+            body = b"{}" if body is None else body
+        sent.update(headers or {})
+        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=body, headers=sent,
+                                     method=method)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read()
