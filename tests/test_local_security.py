@@ -284,7 +284,7 @@ def test_a_live_arena_of_the_same_name_is_not_taken_over(daemon_factory, tmp_pat
 
 # -- 3. the socket folder, and whom a client trusts ----------------------------------------------
 @needs_root
-@pytest.mark.parametrize("mode", [0o777, 0o700])
+@pytest.mark.parametrize("mode", [0o777, 0o700], ids=oct)
 def test_a_socket_folder_of_another_user_is_refused(shared_dir, daemon_factory, tmp_path, mode):
     os.chown(shared_dir, NOBODY, NOBODY)
     os.chmod(shared_dir, mode)
@@ -293,7 +293,7 @@ def test_a_socket_folder_of_another_user_is_refused(shared_dir, daemon_factory, 
     assert not any(shared_dir.iterdir()), "nothing was put in it"
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770, 0o730, 0o702])
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o730, 0o702], ids=oct)
 def test_a_socket_folder_others_may_write_is_refused(daemon_factory, tmp_path, mode):
     folder = tmp_path / "run"
     folder.mkdir()

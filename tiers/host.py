@@ -59,13 +59,14 @@ class HostArena(Tier):
         self.capacity_bytes = num_pages * page_bytes
         if not remove_stale_arena(path):
             raise OSError(f"the arena {path} is in use by a running kvstore daemon (same name?)")
-        self._fd = _create_private(path)
+        # A file object, not a bare fd: an arena dropped without close() (tests) still gives it back.
+        self._file = os.fdopen(_create_private(path), "r+b", buffering=0)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)  # held while we live: tells our arena from a stale one
-            os.ftruncate(self._fd, self.capacity_bytes)
-            self._mm = mmap.mmap(self._fd, self.capacity_bytes, flags=mmap.MAP_SHARED)
+            fcntl.flock(self._file, fcntl.LOCK_EX)  # held while we live: tells our arena from a stale one
+            os.ftruncate(self._file.fileno(), self.capacity_bytes)
+            self._mm = mmap.mmap(self._file.fileno(), self.capacity_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
-            os.close(self._fd)
+            self._file.close()
             raise
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -103,9 +104,7 @@ class HostArena(Tier):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        if self._fd is not None:
-            os.close(self._fd)  # after the unlink: no successor can take the path for a stale arena meanwhile
-            self._fd = None
+        self._file.close()  # after the unlink: no successor can take our live arena for a stale one meanwhile
 
 
 def _describe(st: os.stat_result) -> str:
