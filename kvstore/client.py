@@ -6,6 +6,11 @@ runs in the arena) and the payload bytes are copied by the client, never sent
 over the socket. Remote clients connect over TCP with a token and use
 `put`/`get`, which carry payloads inline. `put` and `get` work for both.
 
+A local client trusts only a daemon of its own user or root: it reads the
+daemon's uid off the Unix socket (SO_PEERCRED) before saying anything, and maps
+the arena only if the daemon's uid owns that file (`map_arena`); otherwise
+OwnershipError, and nothing is sent or mapped.
+
 Errors are exceptions (kvstore.errors), re-raised with the class the daemon
 raised; a miss is None. `DaemonUnavailable` means the daemon could not be
 reached or did not answer in time; the connection is then closed and the next
@@ -24,7 +29,9 @@ daemon's per-block work is the limit, and copy threads only take its CPU
 from __future__ import annotations
 
 import itertools
+import os
 import socket
+import struct
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvstore.config import default_socket_path
-from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, ProtocolError
+from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, OwnershipError, ProtocolError
 from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
 from kvstore.store import LookupResult
@@ -43,6 +50,19 @@ from tiers.host import copy_bytes  # noqa: F401  (re-exported: connectors/ reach
 Block = tuple  # (hash, parent hash or None, payload buffer)
 PARALLEL_COPY_MIN_BYTES = 4 << 20
 PARALLEL_COPY_MIN_BLOCK_BYTES = 1 << 20
+
+
+def daemon_uid(sock: socket.socket, path: str) -> int:
+    """The uid of the process on the other end of a Unix socket; OwnershipError unless it is ours or root.
+
+    A socket in a folder another user can write may have been replaced by theirs: talking to
+    it would hand them our requests and have us map (and write our KV data into) their file.
+    """
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid not in (os.geteuid(), 0):
+        raise OwnershipError(f"the kvstore socket {path} is served by uid {uid}, not by uid {os.geteuid()} (us) "
+                             f"or root: refused, nothing sent (another user's daemon, or a replaced socket)")
+    return uid
 
 
 class KVClient:
@@ -71,6 +91,7 @@ class KVClient:
         self._lock = threading.RLock()
         self._arena: np.ndarray | None = None
         self._arena_id: str | None = None
+        self._daemon_uid: int | None = None  # from SO_PEERCRED: who must own the arena
         self.server_info: dict = {}
         self._pending: deque = deque()  # (msgid, op) sent, reply not yet read
         self._replies: dict[int, tuple] = {}
@@ -99,14 +120,20 @@ class KVClient:
                 raise DaemonUnavailable(f"cannot reach the kvstore daemon at {where}: {exc}") from None
             self._sock = sock
             try:
+                if self.tcp is None:
+                    self._daemon_uid = daemon_uid(sock, self.socket_path)
                 self.server_info = self._call("hello", {"token": self.token, "client": self.name})
+                if self.tcp is None and self.server_info.get("arena_id") != self._arena_id:
+                    self._map_arena()
             except BaseException:
                 self.close()
                 raise
-            if self.tcp is None and self.server_info.get("arena_id") != self._arena_id:
-                # A (re)started daemon has a new arena: map it, never keep writing into the old one.
-                self._arena = map_arena(self.server_info["arena_path"], self.server_info["arena_bytes"])
-                self._arena_id = self.server_info.get("arena_id")
+
+    def _map_arena(self) -> None:
+        """A (re)started daemon has a new arena: map it, never keep writing into the old one."""
+        info = self.server_info
+        self._arena = map_arena(info["arena_path"], info["arena_bytes"], owner_uid=self._daemon_uid)
+        self._arena_id = info.get("arena_id")
 
     def close(self) -> None:
         with self._lock:

@@ -57,6 +57,16 @@ def default_socket_path() -> str:
     return os.environ.get("KVSTORE_SOCKET") or str(runtime_dir() / "kvstore.sock")
 
 
+def instance_file(socket_path: str, name: str, suffix: str) -> str:
+    """A file of the instance `name` beside its socket: `<name>.lock`, `<name>.admin-token`.
+
+    The socket's folder is the daemon's private runtime folder (it refuses one that is not
+    its own or that others may write), so nothing there can be planted by another user;
+    /dev/shm and /tmp are shared and predictable names there can.
+    """
+    return os.path.join(os.path.dirname(socket_path) or ".", f"{name}{suffix}")
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -159,6 +169,14 @@ class Config:
     @property
     def shm_path(self) -> str:
         return self.host.shm_path or f"/dev/shm/kvstore-{os.getuid()}-{self.name}"
+
+    @property
+    def lock_path(self) -> str:
+        return instance_file(self.server.socket_path, self.name, ".lock")
+
+    @property
+    def admin_token_path(self) -> str:
+        return instance_file(self.server.socket_path, self.name, ".admin-token")
 
     @property
     def disk_path(self) -> str:

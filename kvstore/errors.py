@@ -41,6 +41,11 @@ class ShuttingDown(DaemonUnavailable):
     """The daemon is draining (SIGTERM): the request was not served; retry on its successor."""
 
 
+class OwnershipError(KVStoreError):
+    """A socket folder, lock, arena or daemon belongs to another user, or others may write it:
+    refused, never used. The message names the path (or peer), its owner and its mode."""
+
+
 ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (

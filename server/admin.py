@@ -7,6 +7,17 @@ GET /stats    -> the store's stats as JSON, plus sessions and error counts
 GET /check    -> the store's consistency check: {"ok": bool, "problems": [...]}
 POST /clear   -> drop every unpinned committed block
 
+Who may ask (`guard_middleware`, before any handler), since any local user can
+reach a loopback port, and a web page can too through DNS rebinding:
+- a Host header other than 127.0.0.1, localhost or [::1] (any port; or the
+  configured admin_host) is refused, 421;
+- every path but /healthz and /metrics (read-only counters, open to loopback
+  peers for scrapers) needs `Authorization: Bearer <token>`, the token the
+  daemon writes to `<socket folder>/<name>.admin-token` (0600) at start, 401;
+- a POST must be application/json, 415: a cross-site form or text/plain post
+  is a "simple request" a browser sends without asking.
+Refusals are JSON like every other error.
+
 Typed app state (web.AppKey), errors mapped to JSON in one middleware, no
 global registries: metrics are read from the store at scrape time by a
 collector on the daemon's own registry. The daemon passes in what the admin
@@ -15,6 +26,8 @@ plane reads (`AdminView`); this module imports nothing of the daemon.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -23,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import AuthError, KVStoreError
 from kvstore.store import TieredStore
 
 
@@ -33,10 +46,23 @@ class AdminView:
 
     store: TieredStore
     stats: Callable[[], dict]  # the store's stats with the daemon's sessions and error counts
+    token: str  # the bearer token every path but OPEN_PATHS needs
+
+
+class WrongHost(KVStoreError):
+    """The Host header names no loopback address: a rebound DNS name, or a misdirected request."""
+
+
+class WrongContentType(KVStoreError):
+    """A POST that is not application/json: what a cross-site form or text/plain post looks like."""
 
 
 VIEW = web.AppKey("view", AdminView)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+HOSTS = web.AppKey("hosts", frozenset)
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+STATUS = {AuthError: 401, WrongHost: 421, WrongContentType: 415}
 
 
 class StoreCollector:
@@ -88,9 +114,46 @@ async def errors_middleware(request: web.Request, handler):
     except web.HTTPException:
         raise
     except KVStoreError as exc:
-        return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=400)
+        status = STATUS.get(type(exc), 400)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=status, headers=headers)
     except Exception as exc:
         return web.json_response({"error": "internal", "message": str(exc)}, status=500)
+
+
+def _host_name(header: str) -> str:
+    """The host part of a Host header, lowercased: "127.0.0.1:8321" -> "127.0.0.1", "[::1]:80" -> "[::1]"."""
+    name, sep, port = header.rpartition(":")
+    if sep and port.isdigit() and not name.endswith(":"):  # not the inside of a bare IPv6 literal
+        header = name
+    return header.lower()
+
+
+def _from_loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def _check_token(request: web.Request) -> None:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), request.app[VIEW].token.encode()):
+        raise AuthError(f"{request.path} needs 'Authorization: Bearer <token>'; the token is in the daemon's "
+                        f"socket folder, <name>.admin-token, readable by its user only")
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler):
+    """Refuse, before any handler runs, what a local user without the token or a web page could send."""
+    if _host_name(request.headers.get("Host", "")) not in request.app[HOSTS]:
+        raise WrongHost(f"Host {request.headers.get('Host', '')!r} is not this daemon's loopback address")
+    if not (request.path in OPEN_PATHS and request.method in ("GET", "HEAD") and _from_loopback(request)):
+        _check_token(request)
+    if request.method == "POST" and request.content_type != "application/json":
+        raise WrongContentType(f"POST {request.path} needs Content-Type: application/json, "
+                               f"got {request.content_type!r}")
+    return await handler(request)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -115,12 +178,22 @@ async def clear(request: web.Request) -> web.Response:
     return web.json_response({"removed": request.app[VIEW].store.clear()})
 
 
-def make_app(view: AdminView) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware])
+def allowed_hosts(admin_host: str) -> frozenset:
+    """Host names the admin plane answers to: loopback, and the bind address if it names one host."""
+    names = set(LOOPBACK_NAMES)
+    if admin_host not in ("", "0.0.0.0", "::"):
+        names.add(f"[{admin_host}]" if ":" in admin_host else admin_host.lower())
+    return frozenset(names)
+
+
+def make_app(view: AdminView, admin_host: str = "127.0.0.1") -> web.Application:
+    # errors_middleware first: the guard's refusals become JSON like every other error
+    app = web.Application(middlewares=[errors_middleware, guard_middleware])
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StoreCollector(view))
     app[VIEW] = view
     app[REGISTRY] = registry
+    app[HOSTS] = allowed_hosts(admin_host)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
@@ -130,7 +203,7 @@ def make_app(view: AdminView) -> web.Application:
 
 
 async def start_admin(view: AdminView, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(make_app(view), access_log=None)
+    runner = web.AppRunner(make_app(view, host), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

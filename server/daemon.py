@@ -8,9 +8,15 @@ the connection. Frames larger than `max_frame_bytes` close the connection
 (the stream cannot be resynchronised); any other bad request gets an error
 reply and the connection stays usable.
 
+Startup refuses a socket folder that is not the daemon's own or that others may
+write, then takes the instance lock and writes the admin token there
+(server/instance.py); the arena in /dev/shm is never followed or reused if
+another user put something at its path (tiers/host.py).
+
 SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
 answered with ShuttingDown), the daemon closes every connection itself, the store
-is closed (lower tiers flush), the socket and the arena are removed, exit 0.
+is closed (lower tiers flush), the socket, arena, admin token and lock are
+removed, exit 0.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import os
 import signal
 import socket
 import uuid
-import fcntl
 from collections import Counter
 
 from kvstore.chain import open_store
@@ -31,6 +36,7 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
+from server.instance import create_admin_token, ensure_private_dir, lock_instance
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
@@ -46,25 +52,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def remove_stale_instance(shm_path: str) -> bool:
-    """Remove the arena and lock of an instance whose daemon is gone (killed); False if one still runs."""
-    try:
-        fd = os.open(shm_path + ".lock", os.O_RDWR)
-    except FileNotFoundError:
-        _unlink(shm_path)
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    else:
-        _unlink(shm_path)
-        _unlink(shm_path + ".lock")
-        return True
-    finally:
-        os.close(fd)
-
-
 def _socket_answers(path: str) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -74,17 +61,6 @@ def _socket_answers(path: str) -> bool:
         return False
     finally:
         probe.close()
-
-
-def _lock_instance(config: Config) -> int:
-    """Hold an exclusive lock for this instance name while the daemon lives (fd kept open)."""
-    fd = os.open(config.shm_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OSError(f"another kvstore daemon named {config.name!r} is running (lock {config.shm_path}.lock)") from None
-    return fd
 
 
 def gpu_info(store: TieredStore) -> dict:
@@ -97,7 +73,8 @@ def gpu_info(store: TieredStore) -> dict:
 class Daemon:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
-        self._lock_fd = _lock_instance(config) if store is None else None
+        ensure_private_dir(os.path.dirname(config.server.socket_path))  # before anything is put in it
+        self._lock_fd = lock_instance(config.lock_path, config.name) if store is None else None
         self.store = store if store is not None else open_store(config)
         info = {
             "arena_path": self.store.host.path,
@@ -129,7 +106,6 @@ class Daemon:
     async def start(self) -> None:
         sc = self.config.server
         sock = sc.socket_path
-        os.makedirs(os.path.dirname(sock) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(sock):
             if _socket_answers(sock):
                 raise OSError(f"another kvstore daemon is serving on {sock}")
@@ -145,14 +121,14 @@ class Daemon:
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
         if sc.admin_port is not None:
-            view = AdminView(self.store, self.full_stats)
+            view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path))
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
         log.info(
-            "kvstore serving on %s (tcp %s, admin %s); host tier %d MiB at %s, policy %s",
-            sock, self.tcp_port, self.admin_port, self.store.host.capacity_bytes >> 20,
+            "kvstore serving on %s (tcp %s, admin %s, its token in %s); host tier %d MiB at %s, policy %s",
+            sock, self.tcp_port, self.admin_port, self.config.admin_token_path, self.store.host.capacity_bytes >> 20,
             self.store.host.path, self.config.policy,
         )
 
@@ -186,10 +162,11 @@ class Daemon:
                 log.warning("a listener did not close within %s s; stopping anyway", CLOSE_S)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+            _unlink(self.config.admin_token_path)
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         _unlink(self.config.server.socket_path)
         if self._lock_fd is not None:
-            _unlink(self.config.shm_path + ".lock")  # still held: no other daemon of this name is running
+            _unlink(self.config.lock_path)  # still held: no other daemon of this name is running
             os.close(self._lock_fd)
         log.info("stopped")
 

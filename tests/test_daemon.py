@@ -218,18 +218,19 @@ def test_arena_and_socket_are_private_to_the_user(daemon):
 
 
 def test_a_stopped_daemon_leaves_nothing_in_dev_shm(daemon_factory):
+    """The lock is beside the socket (tests/test_local_security.py says why), not in /dev/shm."""
     d = daemon_factory()
     shm = f"/dev/shm/kvstore-{os.getuid()}-{d.name}"
-    assert os.path.exists(shm) and os.path.exists(shm + ".lock")
+    assert os.path.exists(shm) and os.path.exists(d.lock_path)
     assert d.stop() == 0
-    assert not os.path.exists(shm) and not os.path.exists(shm + ".lock")
+    assert not os.path.exists(shm) and not os.path.exists(d.lock_path)
     killed = daemon_factory()
     shm = f"/dev/shm/kvstore-{os.getuid()}-{killed.name}"
     killed.proc.send_signal(signal.SIGKILL)
     killed.proc.wait(timeout=30)
     assert os.path.exists(shm), "a killed daemon cannot clean up"
     killed.cleanup()  # what a restart (or the test harness) does with a stale instance
-    assert not os.path.exists(shm) and not os.path.exists(shm + ".lock")
+    assert not os.path.exists(shm) and not os.path.exists(killed.lock_path)
 
 
 @pytest.mark.parametrize("copy_threads", [1, 3])

@@ -5,6 +5,15 @@ byte budget rounded down to whole pages, and prefaults it so that no store pays
 first-touch page faults. Local clients map the same file (`map_arena`) and copy
 payloads directly; payload bytes never cross the socket for them.
 
+/dev/shm is shared by every user and the arena's name is predictable, so the
+daemon never follows or reuses what it finds there: it creates the file with
+O_CREAT|O_EXCL|O_NOFOLLOW, and removes a file already at the path only when it
+is a regular file of its own user that no running daemon holds (a killed
+daemon's); anything else (another user's file, a symlink) is an OwnershipError.
+The daemon holds an flock on its arena while it lives, which is how a stale
+arena is told from a live one. Clients map with O_NOFOLLOW and, given the
+daemon's uid, refuse a file that another user owns.
+
 A block occupies ceil(nbytes / page_bytes) pages, allocated as extents
 (`[offset, length]` runs) by the shared `PageAllocator` (tiers/pages.py); on a
 fresh or lightly fragmented arena a block is one extent, so a copy is one memcpy.
@@ -15,12 +24,16 @@ allocation; used + free == capacity; allocation never exceeds capacity.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
+import stat
 from typing import Sequence
 
 import numpy as np
 
+from kvstore.errors import KVStoreError, OwnershipError
 from tiers.base import Tier
 from tiers.pages import Extents, PageAllocator, pair_runs
 
@@ -44,14 +57,17 @@ class HostArena(Tier):
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.capacity_bytes = num_pages * page_bytes
-        if os.path.exists(path):
-            os.unlink(path)  # a stale arena of a previous daemon with the same name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if not remove_stale_arena(path):
+            raise OSError(f"the arena {path} is in use by a running kvstore daemon (same name?)")
+        # A file object, not a bare fd: an arena dropped without close() (tests) still gives it back.
+        self._file = os.fdopen(_create_private(path), "r+b", buffering=0)
         try:
-            os.ftruncate(fd, self.capacity_bytes)
-            self._mm = mmap.mmap(fd, self.capacity_bytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            fcntl.flock(self._file, fcntl.LOCK_EX)  # held while we live: tells our arena from a stale one
+            os.ftruncate(self._file.fileno(), self.capacity_bytes)
+            self._mm = mmap.mmap(self._file.fileno(), self.capacity_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self._file.close()
+            raise
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         if prefault:
@@ -88,18 +104,78 @@ class HostArena(Tier):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        self._file.close()  # after the unlink: no successor can take our live arena for a stale one meanwhile
 
 
-def map_arena(path: str, size: int) -> np.ndarray:
-    """Client side: map an existing arena read-write, page tables prefaulted, as a uint8 array."""
-    fd = os.open(path, os.O_RDWR)
+def _describe(st: os.stat_result) -> str:
+    kind = "symbolic link" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "special file"
+    return f"a {kind} owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def remove_stale_arena(path: str) -> bool:
+    """Unlink a killed daemon's arena at `path`; True if the path is now free, False if a daemon holds it.
+
+    Only a regular file of our own user is removed (in sticky /dev/shm nobody else can swap
+    it between the lstat and the unlink); anything else at the path raises OwnershipError.
+    """
     try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise OwnershipError(f"the arena path {path} is {_describe(st)}, not a stale arena of uid {os.geteuid()}: "
+                             f"refusing to use or remove it (remove it yourself, or set host.shm_path)")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return True
+
+
+def _create_private(path: str) -> int:
+    """A new 0600 file at `path`: never an existing one, never through a symlink."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise OwnershipError(f"the arena path {path} was taken by someone else while the daemon started: "
+                             f"refusing it ({_describe(os.lstat(path))})") from None
+
+
+def map_arena(path: str, size: int, owner_uid: int | None = None) -> np.ndarray:
+    """Client side: map an existing arena read-write, page tables prefaulted, as a uint8 array.
+
+    Never through a symlink; with `owner_uid` (the daemon's, from SO_PEERCRED) a file that
+    another user owns is refused (OwnershipError), and so is one smaller than `size`
+    (touching past its end would SIGBUS), before anything is mapped.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OwnershipError(f"the arena path {path} is a symbolic link: not mapped") from None
+        raise
+    try:
+        if owner_uid is not None:
+            _check_arena(fd, path, size, owner_uid)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=flags)
     finally:
         os.close(fd)
     _advise_hugepages(mm)
     return np.frombuffer(mm, dtype=np.uint8)
+
+
+def _check_arena(fd: int, path: str, size: int, owner_uid: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid:
+        raise OwnershipError(f"the arena {path} is {_describe(st)}, but the daemon runs as uid {owner_uid}: "
+                             f"not mapped (another user's file at the arena's path)")
+    if st.st_size < size:
+        raise KVStoreError(f"the arena {path} holds {st.st_size} B, the daemon announced {size} B: not mapped")
 
 
 def _advise_hugepages(mm: mmap.mmap) -> None:

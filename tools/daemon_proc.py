@@ -5,7 +5,9 @@ One launcher for every harness (pytest fixtures, the vLLM end-to-end helpers,
 listens, `kvstore ready socket=... admin_port=... tcp_port=...`; `start_daemon`
 reads it, so there is no polling. Its logs (stderr) go to `log_path` when one
 is given, else to the caller's stderr. A daemon that was killed leaves its
-arena and lock file in /dev/shm; `stop` and `cleanup` remove them.
+arena in /dev/shm and its lock and admin token beside its socket; `stop` and
+`cleanup` remove them. `http` sends the admin token the daemon wrote
+(`<socket folder>/<name>.admin-token`), as the owner's tools do.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.daemon import remove_stale_instance
+from kvstore.config import instance_file
+from server.instance import read_admin_token, remove_stale_instance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,8 +44,24 @@ class DaemonProc:
 
         return KVClient(self.socket_path, timeout_s=timeout_s)
 
-    def http(self, path: str, method: str = "GET") -> tuple[int, bytes]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", method=method)
+    @property
+    def admin_token_path(self) -> str:
+        return instance_file(self.socket_path, self.name, ".admin-token")
+
+    @property
+    def lock_path(self) -> str:
+        return instance_file(self.socket_path, self.name, ".lock")
+
+    def http(self, path: str, method: str = "GET", headers: dict | None = None,
+             body: bytes | None = None) -> tuple[int, bytes]:
+        """An admin request with the owner's token (POSTs as JSON); `headers` add to or replace those."""
+        sent = {"Authorization": f"Bearer {read_admin_token(self.admin_token_path)}"}
+        if method == "POST":
+            sent["Content-Type"] = "application/json"
+            body = b"{}" if body is None else body
+        sent.update(headers or {})
+        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=body, headers=sent,
+                                     method=method)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read()
@@ -73,9 +92,10 @@ class DaemonProc:
         return code
 
     def cleanup(self) -> None:
-        """A killed daemon leaves its arena and lock in /dev/shm: remove them (a clean stop already did)."""
+        """A killed daemon leaves its arena, lock and token behind: remove them (a clean stop already did)."""
         if self.proc.poll() is not None:
-            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}")
+            remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}", self.lock_path,
+                                  self.admin_token_path)
 
 
 def start_daemon(

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvstore.config import load_config, parse_size
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return serve(config)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KVStoreError) as exc:  # KVStoreError: e.g. a socket folder others can write
         print(f"kvstore: cannot start: {exc}", file=sys.stderr)
         return 1
