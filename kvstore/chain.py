@@ -12,7 +12,8 @@ import logging
 from kvstore.config import Config
 from kvstore.store import TieredStore
 from tiers.base import Tier
-from tiers.host import HostArena
+from kvstore.errors import OwnershipError
+from tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ def open_store(config: Config) -> TieredStore:
     else:
         chain.append(gpu)
     hc = config.host
-    host = HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault)
+    try:
+        host = HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault)
+    except ArenaRefused as exc:
+        raise OwnershipError(str(exc)) from None
     chain.append(host)
     if gpu is not None and gpu.device.type == "cuda":
         from tiers.gpu import pin_host

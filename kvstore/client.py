@@ -44,7 +44,7 @@ from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, Owne
 from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
 from kvstore.store import LookupResult
-from tiers.host import Extents, copy_in, copy_out, map_arena
+from tiers.host import ArenaRefused, Extents, copy_in, copy_out, map_arena
 from tiers.host import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
 
 Block = tuple  # (hash, parent hash or None, payload buffer)
@@ -132,7 +132,10 @@ class KVClient:
     def _map_arena(self) -> None:
         """A (re)started daemon has a new arena: map it, never keep writing into the old one."""
         info = self.server_info
-        self._arena = map_arena(info["arena_path"], info["arena_bytes"], owner_uid=self._daemon_uid)
+        try:
+            self._arena = map_arena(info["arena_path"], info["arena_bytes"], owner_uid=self._daemon_uid)
+        except ArenaRefused as exc:
+            raise OwnershipError(str(exc)) from None
         self._arena_id = info.get("arena_id")
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ payloads directly; payload bytes never cross the socket for them.
 daemon never follows or reuses what it finds there: it creates the file with
 O_CREAT|O_EXCL|O_NOFOLLOW, and removes a file already at the path only when it
 is a regular file of its own user that no running daemon holds (a killed
-daemon's); anything else (another user's file, a symlink) is an OwnershipError.
+daemon's); anything else (another user's file, a symlink) is refused (ArenaRefused).
 The daemon holds an flock on its arena while it lives, which is how a stale
 arena is told from a live one. Clients map with O_NOFOLLOW and, given the
 daemon's uid, refuse a file that another user owns.
@@ -33,11 +33,15 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.errors import KVStoreError, OwnershipError
 from tiers.base import Tier
 from tiers.pages import Extents, PageAllocator, pair_runs
 
 _OS_PAGE = mmap.PAGESIZE
+
+
+class ArenaRefused(PermissionError):
+    """Something at the arena's path must not be used, removed or mapped (another user's file, a
+    symlink, a file smaller than announced). kvstore raises it on as OwnershipError."""
 
 
 class HostArena(Tier):
@@ -116,14 +120,14 @@ def remove_stale_arena(path: str) -> bool:
     """Unlink a killed daemon's arena at `path`; True if the path is now free, False if a daemon holds it.
 
     Only a regular file of our own user is removed (in sticky /dev/shm nobody else can swap
-    it between the lstat and the unlink); anything else at the path raises OwnershipError.
+    it between the lstat and the unlink); anything else at the path raises ArenaRefused.
     """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return True
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        raise OwnershipError(f"the arena path {path} is {_describe(st)}, not a stale arena of uid {os.geteuid()}: "
+        raise ArenaRefused(f"the arena path {path} is {_describe(st)}, not a stale arena of uid {os.geteuid()}: "
                              f"refusing to use or remove it (remove it yourself, or set host.shm_path)")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -141,7 +145,7 @@ def _create_private(path: str) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        raise OwnershipError(f"the arena path {path} was taken by someone else while the daemon started: "
+        raise ArenaRefused(f"the arena path {path} was taken by someone else while the daemon started: "
                              f"refusing it ({_describe(os.lstat(path))})") from None
 
 
@@ -149,14 +153,14 @@ def map_arena(path: str, size: int, owner_uid: int | None = None) -> np.ndarray:
     """Client side: map an existing arena read-write, page tables prefaulted, as a uint8 array.
 
     Never through a symlink; with `owner_uid` (the daemon's, from SO_PEERCRED) a file that
-    another user owns is refused (OwnershipError), and so is one smaller than `size`
+    another user owns is refused (ArenaRefused), and so is one smaller than `size`
     (touching past its end would SIGBUS), before anything is mapped.
     """
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise OwnershipError(f"the arena path {path} is a symbolic link: not mapped") from None
+            raise ArenaRefused(f"the arena path {path} is a symbolic link: not mapped") from None
         raise
     try:
         if owner_uid is not None:
@@ -172,10 +176,10 @@ def map_arena(path: str, size: int, owner_uid: int | None = None) -> np.ndarray:
 def _check_arena(fd: int, path: str, size: int, owner_uid: int) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid:
-        raise OwnershipError(f"the arena {path} is {_describe(st)}, but the daemon runs as uid {owner_uid}: "
+        raise ArenaRefused(f"the arena {path} is {_describe(st)}, but the daemon runs as uid {owner_uid}: "
                              f"not mapped (another user's file at the arena's path)")
     if st.st_size < size:
-        raise KVStoreError(f"the arena {path} holds {st.st_size} B, the daemon announced {size} B: not mapped")
+        raise ArenaRefused(f"the arena {path} holds {st.st_size} B, the daemon announced {size} B: not mapped")
 
 
 def _advise_hugepages(mm: mmap.mmap) -> None:
