@@ -52,6 +52,7 @@ class KVClient:
         *,
         tcp: tuple[str, int] | None = None,
         token: str | None = None,
+        tenant: str | None = None,
         timeout_s: float = 5.0,
         name: str = "",
         connect: bool = True,
@@ -64,6 +65,7 @@ class KVClient:
         self.socket_path = socket_path or default_socket_path()
         self.tcp = tcp
         self.token = token
+        self.tenant = tenant
         self.timeout_s = timeout_s
         self.name = name
         self._sock: socket.socket | None = None
@@ -99,7 +101,7 @@ class KVClient:
                 raise DaemonUnavailable(f"cannot reach the kvstore daemon at {where}: {exc}") from None
             self._sock = sock
             try:
-                self.server_info = self._call("hello", {"token": self.token, "client": self.name})
+                self.server_info = self._call("hello", {"token": self.token, "client": self.name, "tenant": self.tenant})
             except BaseException:
                 self.close()
                 raise

@@ -106,7 +106,8 @@ class Daemon:
             "page_bytes": self.store.host.page_bytes,
             "gpu": gpu_info(self.store),
         }
-        self.handlers = Handlers(self.store, config.server.tcp_token, config.server.max_batch_blocks, info)
+        sc = config.server
+        self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info)
         self.errors: Counter = Counter()
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
