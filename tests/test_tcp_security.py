@@ -218,3 +218,83 @@ def test_every_op_has_a_class():
 
     assert set(Handlers(None, (), 1, 1 << 20, {}).ops) == set(OP_CLASS)  # type: ignore[arg-type]
 
+
+# -- 2. unauthenticated peers -----------------------------------------------------------
+
+def rss_anon_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/<pid>/status")
+
+
+def test_frames_before_hello_are_small_and_cost_no_memory(daemon_factory):
+    """Finding 2: two peers that never said hello, each sending 23 MiB of a 24 MiB frame, grew the daemon by 46.5 MiB."""
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
+    before = rss_anon_bytes(d.proc.pid)
+    peers, junk = [], b"\0" * MiB
+    for _ in range(2):
+        sock = raw_tcp(d, timeout=10)
+        peers.append(sock)
+        try:
+            sock.sendall(struct.pack(">I", 24 * MiB))
+            for _ in range(23):  # bounded: 23 MiB, or until the daemon hangs up
+                sock.sendall(junk)
+        except OSError:
+            pass  # closed by the daemon: what should happen
+    time.sleep(0.5)  # let the daemon take in whatever it is going to
+    grown = rss_anon_bytes(d.proc.pid) - before
+    for sock in peers:
+        sock.close()
+    assert grown < 8 * MiB, f"the daemon grew by {grown / MiB:.1f} MiB for two unauthenticated peers"
+    assert errors(d).get("tcp_hello_frame_too_large") == 2
+
+
+def test_silent_peers_are_capped_and_timed_out(daemon_factory):
+    """Finding 2: 300 silent unauthenticated connections were all kept open (cap 64, 5 s to say hello)."""
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
+    socks = [raw_tcp(d) for _ in range(80)]
+    try:
+        assert wait_for(lambda: errors(d).get("tcp_unauthenticated_cap") == 16, 5), errors(d)
+        assert wait_for(lambda: all(closed_now(s) for s in socks[64:]), 2)  # the 16 over the cap: at once
+        assert not any(closed_now(s) for s in socks[:64]) and d.stats()["tcp_unauthenticated"] == 64
+        assert wait_for(lambda: all(closed_now(s) for s in socks[:64]), 5 + 5)  # the rest: at the hello deadline
+        assert errors(d).get("tcp_hello_timeout") == 64
+    finally:
+        for s in socks:
+            s.close()
+    with remote(d, "admin") as c:  # the slots are free again
+        assert c.ping()
+    metrics = d.http("/metrics")[1].decode()
+    assert 'kvstore_errors_total{type="tcp_unauthenticated_cap"} 16.0' in metrics
+    assert 'kvstore_errors_total{type="tcp_hello_timeout"} 64.0' in metrics
+
+
+def test_a_wrong_token_closes_the_connection(daemon_factory):
+    """Finding 2: wrong tokens were refused at ~11,000/s on one connection with no delay."""
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
+    for first in ([1, "hello", {"token": "wrong-token-wrong-token"}], [1, "ping", {}]):
+        sock = raw_tcp(d)
+        started = time.monotonic()
+        sock.sendall(frame(first) + frame([2, "hello", {"token": SECRETS["admin"]}]))  # a second try, pipelined
+        reply = read_reply(sock)
+        assert reply is not None and reply[1]["type"] == "AuthError"
+        assert time.monotonic() - started >= 0.15  # answered after a delay
+        assert read_reply(sock) is None  # and closed: the second hello was never read
+        sock.close()
+    assert errors(d).get("tcp_auth_failed") == 2
+    assert 'kvstore_errors_total{type="tcp_auth_failed"} 2.0' in d.http("/metrics")[1].decode()
+
+
+def test_limits_before_hello_are_configurable(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[server]\ntcp_hello_timeout = 1.5\ntcp_hello_max_frame = "8KiB"\ntcp_max_unauthenticated = 3\n')
+    sc = load_config(str(path)).server
+    assert (sc.tcp_hello_timeout_s, sc.tcp_hello_max_frame_bytes, sc.tcp_max_unauthenticated) == (1.5, 8192, 3)
+    for bad, fragment in ((dict(tcp_hello_timeout_s=0), "tcp_hello_timeout"),
+                          (dict(tcp_hello_max_frame_bytes=100), "tcp_hello_max_frame"),
+                          (dict(tcp_max_unauthenticated=0), "tcp_max_unauthenticated")):
+        with pytest.raises(ConfigError, match=fragment):
+            ServerConfig(**bad)
+
