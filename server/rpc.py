@@ -175,6 +175,11 @@ class Handlers:
     async def get(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
+        block_bytes = self.store.namespace(ns).block_bytes
+        fit = inline_blocks_per_frame(self.max_frame, block_bytes)
+        if len(hashes) > fit:  # the reply would be a frame over the limit, or a huge allocation
+            raise ProtocolError(f"a get of {len(hashes)} blocks of {block_bytes} B would not fit in the frame limit "
+                                f"of {self.max_frame} B; ask for at most {fit} blocks per get")
         entries, _ = await self._acquire(s, ns, hashes, prefix=False)
         held = [e.key[1] for e in entries if e is not None]
         try:

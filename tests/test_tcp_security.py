@@ -298,3 +298,62 @@ def test_limits_before_hello_are_configurable(tmp_path):
         with pytest.raises(ConfigError, match=fragment):
             ServerConfig(**bad)
 
+
+# -- 3. frames under the daemon's limit --------------------------------------------------
+
+BIG = Namespace("test-model", "bfloat16", 2, 2, 64, 16, MiB)
+
+
+@pytest.fixture
+def small_frames(daemon_factory, tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[server]\nmax_frame = "4MiB"\n')
+    return daemon_factory("--config", str(path), "--tcp-port", "0", "--tcp-token", SECRETS["admin"])
+
+
+def test_a_remote_put_larger_than_a_frame_is_split(small_frames):
+    """Finding 3: KVClient(tcp=...).put of 8 x 1 MiB against max_frame = "4MiB" got 'Connection reset by peer'."""
+    hs, blocks, payloads = salted_blocks("big", 8, MiB)
+    with remote(small_frames, "admin") as c:
+        assert c.server_info["max_frame_bytes"] == 4 * MiB
+        ns = c.register(BIG)
+        assert c.put(ns, blocks) == 8
+        assert all(np.array_equal(g, w) for g, w in zip(c.get(ns, hs), payloads))
+    with KVClient(small_frames.socket_path) as local:
+        assert all(np.array_equal(g, w) for g, w in zip(local.get(local.register(BIG), hs), payloads))
+
+
+def test_a_frame_over_the_limit_gets_an_error_naming_the_limit(small_frames):
+    """Finding 3: over the limit, the client raises ProtocolError naming it, never a reset."""
+    hs, blocks, payloads = salted_blocks("big", 6, MiB)
+    with remote(small_frames, "admin") as c:
+        ns = c.register(BIG)
+        c.server_info.pop("max_frame_bytes")  # a client that does not know the limit sends it all in one frame
+        with pytest.raises(ProtocolError, match="exceeds the limit of 4194304 B"):
+            c.call("put", ns=ns, blocks=[[h, p, bytes(data)] for h, p, data in blocks])
+    with remote(small_frames, "admin") as c:
+        ns = c.register(BIG)
+        with pytest.raises(ProtocolError, match="frame limit of 4194304 B"):  # refused here, nothing sent
+            c.put(ns, [(hs[0], None, np.zeros(5 * MiB, np.uint8))])
+        c.put(ns, blocks)
+        with pytest.raises(ProtocolError, match=r"frame limit of 4194304 B; ask for at most 3"):
+            c.call("get", ns=ns, hashes=hs)  # the reply would be over the limit
+        assert c.ping() and len(c.get(ns, hs)) == 6  # the connection survived both
+
+
+def test_unix_batches_fit_the_frame_limit(daemon_factory, tmp_path):
+    """Finding 3: a full batch of hashes always fits a frame; a config where it would not is refused."""
+    with pytest.raises(ConfigError, match="cannot carry a batch of server.max_batch_blocks"):
+        ServerConfig(max_frame_bytes=64 * 1024)
+    path = tmp_path / "kv.toml"
+    path.write_text("[server]\nmax_batch_blocks = 512\nmax_frame = 21504\n")  # the least that carries 512
+    d = daemon_factory("--config", str(path))
+    small = Namespace("test-model", "bfloat16", 1, 1, 8, 16, 4096)
+    hs, blocks, payloads = salted_blocks("unix", 512, 4096)
+    with KVClient(d.socket_path) as c:
+        ns = c.register(small)
+        assert c.put(ns, blocks, chunk=512) == 512
+        assert c.lookup(ns, hs).hits == 512
+        c.release(ns, [h for h, e in zip(hs, c.acquire(ns, hs)) if e is not None])
+        assert c.remove(ns, hs[:1]) == 512
+    assert d.check() == []
