@@ -53,7 +53,9 @@ def write_config(folder, server: str = "", scopes: dict = SCOPES) -> str:
 
 
 def remote(d, name: str, tenant: str | None = None, **kw) -> KVClient:
-    return KVClient(tcp=("127.0.0.1", d.tcp_port), token=SECRETS[name], tenant=tenant, **kw)
+    if tenant is not None:  # only then: the same calls run against a client without the argument
+        kw["tenant"] = tenant
+    return KVClient(tcp=("127.0.0.1", d.tcp_port), token=SECRETS[name], **kw)
 
 
 def salted_blocks(salt: str, n: int, block_bytes: int = NS.block_bytes):
@@ -256,8 +258,8 @@ def test_silent_peers_are_capped_and_timed_out(daemon_factory):
     d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
     socks = [raw_tcp(d) for _ in range(80)]
     try:
-        assert wait_for(lambda: errors(d).get("tcp_unauthenticated_cap") == 16, 5), errors(d)
-        assert wait_for(lambda: all(closed_now(s) for s in socks[64:]), 2)  # the 16 over the cap: at once
+        assert wait_for(lambda: all(closed_now(s) for s in socks[64:]), 3)  # the 16 over the cap: at once
+        assert errors(d).get("tcp_unauthenticated_cap") == 16
         assert not any(closed_now(s) for s in socks[:64]) and d.stats()["tcp_unauthenticated"] == 64
         assert wait_for(lambda: all(closed_now(s) for s in socks[:64]), 5 + 5)  # the rest: at the hello deadline
         assert errors(d).get("tcp_hello_timeout") == 64
@@ -280,8 +282,8 @@ def test_a_wrong_token_closes_the_connection(daemon_factory):
         sock.sendall(frame(first) + frame([2, "hello", {"token": SECRETS["admin"]}]))  # a second try, pipelined
         reply = read_reply(sock)
         assert reply is not None and reply[1]["type"] == "AuthError"
-        assert time.monotonic() - started >= 0.15  # answered after a delay
-        assert read_reply(sock) is None  # and closed: the second hello was never read
+        assert read_reply(sock) is None  # closed: the second hello was never read
+        assert time.monotonic() - started >= 0.15  # and answered after a delay
         sock.close()
     assert errors(d).get("tcp_auth_failed") == 2
     assert 'kvstore_errors_total{type="tcp_auth_failed"} 2.0' in d.http("/metrics")[1].decode()
@@ -315,10 +317,10 @@ def test_a_remote_put_larger_than_a_frame_is_split(small_frames):
     """Finding 3: KVClient(tcp=...).put of 8 x 1 MiB against max_frame = "4MiB" got 'Connection reset by peer'."""
     hs, blocks, payloads = salted_blocks("big", 8, MiB)
     with remote(small_frames, "admin") as c:
-        assert c.server_info["max_frame_bytes"] == 4 * MiB
         ns = c.register(BIG)
         assert c.put(ns, blocks) == 8
         assert all(np.array_equal(g, w) for g, w in zip(c.get(ns, hs), payloads))
+        assert c.server_info["max_frame_bytes"] == 4 * MiB
     with KVClient(small_frames.socket_path) as local:
         assert all(np.array_equal(g, w) for g, w in zip(local.get(local.register(BIG), hs), payloads))
 
@@ -328,7 +330,7 @@ def test_a_frame_over_the_limit_gets_an_error_naming_the_limit(small_frames):
     hs, blocks, payloads = salted_blocks("big", 6, MiB)
     with remote(small_frames, "admin") as c:
         ns = c.register(BIG)
-        c.server_info.pop("max_frame_bytes")  # a client that does not know the limit sends it all in one frame
+        c.server_info.pop("max_frame_bytes", None)  # a client that does not know the limit sends it all in one frame
         with pytest.raises(ProtocolError, match="exceeds the limit of 4194304 B"):
             c.call("put", ns=ns, blocks=[[h, p, bytes(data)] for h, p, data in blocks])
     with remote(small_frames, "admin") as c:
