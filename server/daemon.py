@@ -241,6 +241,7 @@ class Daemon:
                     reply = await self._handle(session, body)
                     if self._unauthenticated(session):  # a TCP peer's first request was not a good hello
                         self.errors["tcp_auth_failed"] += 1
+                        writer.transport.pause_reading()  # else what it sends during the delay piles up here
                         await asyncio.sleep(AUTH_FAIL_DELAY_S)
                     writer.write(pack_frame(reply))
                 finally:

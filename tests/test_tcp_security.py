@@ -9,6 +9,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -251,6 +252,37 @@ def test_frames_before_hello_are_small_and_cost_no_memory(daemon_factory):
         sock.close()
     assert grown < 8 * MiB, f"the daemon grew by {grown / MiB:.1f} MiB for two unauthenticated peers"
     assert errors(d).get("tcp_hello_frame_too_large") == 2
+
+
+def peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_peer_with_a_wrong_token_is_not_read_further(daemon_factory):
+    """Finding 2: after a wrong hello, what the peer goes on sending is neither read nor kept."""
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
+
+    def peer() -> None:
+        sock = raw_tcp(d, timeout=10)
+        try:
+            sock.sendall(frame([1, "hello", {"token": "wrong-token-wrong-token"}]) + struct.pack(">I", 60 * MiB))
+            for _ in range(40):  # bounded: 40 MiB of a 60 MiB frame, or until the daemon hangs up
+                sock.sendall(b"\0" * MiB)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    before = peak_rss_bytes(d.proc.pid)
+    peers = [threading.Thread(target=peer) for _ in range(4)]
+    for t in peers:
+        t.start()
+    for t in peers:
+        t.join(timeout=30)
+    grown = peak_rss_bytes(d.proc.pid) - before
+    assert grown < 16 * MiB, f"the daemon's peak grew by {grown / MiB:.1f} MiB for four peers with a wrong token"
+    assert errors(d).get("tcp_auth_failed") == 4
 
 
 def test_silent_peers_are_capped_and_timed_out(daemon_factory):
