@@ -74,18 +74,24 @@ def raw_tcp(d, timeout: float = 5.0) -> socket.socket:
     return socket.create_connection(("127.0.0.1", d.tcp_port), timeout=timeout)
 
 
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except ConnectionResetError:
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
 def read_reply(sock: socket.socket):
     """The next reply, or None when the daemon closed (or reset) the connection."""
-    buf = b""
-    try:
-        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                return None
-            buf += chunk
-    except ConnectionResetError:
-        return None
-    return msgpack.unpackb(buf[4:], raw=False)
+    header = recv_exactly(sock, 4)
+    body = None if header is None else recv_exactly(sock, struct.unpack(">I", header)[0])
+    return None if body is None else msgpack.unpackb(body, raw=False)
 
 
 def closed_now(sock: socket.socket) -> bool:
