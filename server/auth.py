@@ -60,8 +60,8 @@ class Grant:
     def check_namespace(self, ns: Namespace) -> None:
         if self.tenant is not None and ns.tenant != self.tenant:
             raise PermissionDenied(f"namespace {ns.id} belongs to another tenant than this session's ({self.tenant!r})")
-        if not self.may_use(ns):
-            raise PermissionDenied(f"token {self.scope.name!r} does not grant model {ns.model!r}")  # type: ignore[union-attr]
+        if self.scope is not None and not self.scope.allows_model(ns.model):
+            raise PermissionDenied(f"token {self.scope.name!r} does not grant model {ns.model!r}")
 
     def stamp(self, fields: dict) -> dict:
         """A namespace's fields as this session registers them: in its tenant, whatever it asked for."""

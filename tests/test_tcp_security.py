@@ -18,7 +18,7 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.config import ServerConfig, load_config
-from kvstore.errors import AuthError, ConfigError, DaemonUnavailable, PermissionDenied, ProtocolError
+from kvstore.errors import AuthError, ConfigError, PermissionDenied, ProtocolError
 from kvstore.keys import ExtraKeys, Namespace, hash_blocks
 
 NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
@@ -239,7 +239,8 @@ def rss_anon_bytes(pid: int) -> int:
 
 
 def test_frames_before_hello_are_small_and_cost_no_memory(daemon_factory):
-    """Finding 2: two peers that never said hello, each sending 23 MiB of a 24 MiB frame, grew the daemon by 46.5 MiB."""
+    """Finding 2: two peers that never said hello, each sending 23 MiB of a 24 MiB frame, grew the daemon
+    by 46.5 MiB."""
     d = daemon_factory("--tcp-port", "0", "--tcp-token", SECRETS["admin"])
     before = rss_anon_bytes(d.proc.pid)
     peers, junk = [], b"\0" * MiB
