@@ -3,8 +3,11 @@
 Local clients connect over the Unix socket and map the daemon's shared arena:
 `reserve`/`commit` and `acquire`/`release` exchange extents ([offset, length]
 runs in the arena) and the payload bytes are copied by the client, never sent
-over the socket. Remote clients connect over TCP with a token and use
-`put`/`get`, which carry payloads inline. `put` and `get` work for both.
+over the socket. Remote clients connect over TCP with a token (and the tenant
+the token is for, if it is scoped to tenants: kvstore/tokens.py) and use
+`put`/`get`, which carry payloads inline, cut into frames under the daemon's
+limit (kvstore/remote_io.py). `put` and `get` work for both. No request is
+sent over the frame limit the daemon announced: that is a ProtocolError here.
 
 A local client trusts only a daemon of its own user or root: it reads the
 daemon's uid off the Unix socket (SO_PEERCRED) before saying anything, and maps
@@ -43,6 +46,7 @@ from kvstore.config import default_socket_path
 from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, OwnershipError, ProtocolError
 from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
+from kvstore.remote_io import get_inline, put_inline
 from kvstore.store import LookupResult
 from tiers.host import ArenaRefused, Extents, copy_in, copy_out, map_arena
 from tiers.host import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
@@ -72,6 +76,7 @@ class KVClient:
         *,
         tcp: tuple[str, int] | None = None,
         token: str | None = None,
+        tenant: str | None = None,
         timeout_s: float = 5.0,
         name: str = "",
         connect: bool = True,
@@ -84,6 +89,7 @@ class KVClient:
         self.socket_path = socket_path or default_socket_path()
         self.tcp = tcp
         self.token = token
+        self.tenant = tenant
         self.timeout_s = timeout_s
         self.name = name
         self._sock: socket.socket | None = None
@@ -95,6 +101,7 @@ class KVClient:
         self.server_info: dict = {}
         self._pending: deque = deque()  # (msgid, op) sent, reply not yet read
         self._replies: dict[int, tuple] = {}
+        self._block_bytes: dict[str, int] = {}  # namespace id -> block size, from register
         if connect:
             self.connect()
 
@@ -122,7 +129,8 @@ class KVClient:
             try:
                 if self.tcp is None:
                     self._daemon_uid = daemon_uid(sock, self.socket_path)
-                self.server_info = self._call("hello", {"token": self.token, "client": self.name})
+                hello = {"token": self.token, "client": self.name, "tenant": self.tenant}
+                self.server_info = self._call("hello", hello)
                 if self.tcp is None and self.server_info.get("arena_id") != self._arena_id:
                     self._map_arena()
             except BaseException:
@@ -178,8 +186,13 @@ class KVClient:
             if self._sock is None:
                 self.connect()
             msgid = next(self._ids)
+            frame = pack_frame([msgid, op, args])
+            limit = self.server_info.get("max_frame_bytes")
+            if limit is not None and len(frame) - HEADER.size > limit:  # the daemon would refuse it and hang up
+                raise ProtocolError(f"a {op} request of {len(frame) - HEADER.size} B exceeds the daemon's frame "
+                                    f"limit of {limit} B (server.max_frame); send fewer blocks per call")
             try:
-                self._sock.sendall(pack_frame([msgid, op, args]))  # type: ignore[union-attr]
+                self._sock.sendall(frame)  # type: ignore[union-attr]
             except OSError as exc:
                 self.close()
                 raise DaemonUnavailable(f"kvstore daemon did not take {op}: {exc}") from None
@@ -237,7 +250,13 @@ class KVClient:
 
     # -- namespaces and queries --------------------------------------------------
     def register(self, ns: Namespace) -> str:
-        return self.call("register", namespace=ns.to_dict())["ns"]
+        ns_id = self.call("register", namespace=ns.to_dict())["ns"]
+        self._block_bytes[ns_id] = ns.block_bytes
+        return ns_id
+
+    def block_bytes_of(self, ns_id: str) -> int | None:
+        """The block size of a namespace this client registered (None for one it did not)."""
+        return self._block_bytes.get(ns_id)
 
     def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         r = self.call("lookup", ns=ns_id, hashes=list(hashes))
@@ -296,8 +315,7 @@ class KVClient:
         chunk k is copied into the arena, and commits are not waited for until the end.
         """
         if self.tcp is not None:
-            wire = [[h, p, bytes(memoryview(data).cast("B"))] for h, p, data in blocks]
-            return self.call("put", ns=ns_id, blocks=wire)["stored"]
+            return put_inline(self, ns_id, blocks)
         with self._lock:
             chunks = [blocks[i : i + chunk] for i in range(0, len(blocks), chunk)]
             commits: list[int] = []
@@ -404,8 +422,7 @@ class KVClient:
     def get(self, ns_id: str, hashes: Sequence[bytes]) -> list[np.ndarray | None]:
         """Payloads of the given blocks (None where missing); pins are released before returning."""
         if self.tcp is not None:
-            payloads = self.call("get", ns=ns_id, hashes=list(hashes))["payloads"]
-            return [None if p is None else np.frombuffer(p, np.uint8) for p in payloads]
+            return get_inline(self, ns_id, hashes)
         with self._lock:
             extents = self.acquire(ns_id, hashes, prefix=False)
             try:

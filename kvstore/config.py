@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.protocol import metadata_frame_bytes
+from kvstore.tokens import TokenScope, read_token_file, scope_from_table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,7 +83,11 @@ class ServerConfig:
     socket_path: str = field(default_factory=default_socket_path)
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None  # None: no TCP listener
-    tcp_token: str | None = None
+    tcp_token: str | None = field(default=None, repr=False)  # legacy: one token granting everything
+    tcp_tokens: tuple[TokenScope, ...] = ()  # scoped tokens (kvstore/tokens.py); --tcp-token-file adds one
+    tcp_hello_timeout_s: float = 5.0  # a TCP peer that has not authenticated by then is closed
+    tcp_hello_max_frame_bytes: int = 4 * KiB  # the largest frame read before a TCP peer authenticates
+    tcp_max_unauthenticated: int = 64  # TCP peers past this many not yet authenticated are closed at once
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 8321  # None: no admin HTTP
     max_frame_bytes: int = 64 * MiB
@@ -93,13 +99,39 @@ class ServerConfig:
         for name in ("tcp_port", "admin_port"):
             port = getattr(self, name)
             _require(port is None or (_is_int(port) and 0 <= port < 65536), f"server.{name} must be 0..65535, got {port!r}")
-        if self.tcp_port is not None:
-            _require(
-                isinstance(self.tcp_token, str) and len(self.tcp_token) >= 16,
-                "server.tcp_token (at least 16 characters) is required when TCP is enabled",
-            )
         _require(_is_int(self.max_frame_bytes) and self.max_frame_bytes >= 4 * KiB, "server.max_frame_bytes must be >= 4KiB")
         _require(_is_int(self.max_batch_blocks) and self.max_batch_blocks >= 1, "server.max_batch_blocks must be >= 1")
+        need = metadata_frame_bytes(self.max_batch_blocks)  # else a full batch of hashes could not be sent at all
+        _require(self.max_frame_bytes >= need,
+                 f"server.max_frame ({self.max_frame_bytes} B) cannot carry a batch of server.max_batch_blocks "
+                 f"({self.max_batch_blocks}) hashes: raise max_frame to at least {need} B or lower max_batch_blocks")
+        self._check_tcp()
+
+    def _check_tcp(self) -> None:
+        if self.tcp_port is not None:
+            _require(
+                isinstance(self.tcp_token, str) and len(self.tcp_token) >= 16 or bool(self.tcp_tokens),
+                "server.tcp_token (at least 16 characters), --tcp-token-file or [[server.tcp_tokens]] "
+                "is required when TCP is enabled",
+            )
+        _require(isinstance(self.tcp_tokens, tuple) and all(isinstance(t, TokenScope) for t in self.tcp_tokens),
+                 "server.tcp_tokens must be a list of [[server.tcp_tokens]] tables")
+        secrets = [t.token for t in self.token_scopes]
+        _require(len(set(secrets)) == len(secrets), "server.tcp_tokens: two entries share a token; give each its own")
+        t = self.tcp_hello_timeout_s
+        _require(isinstance(t, (int, float)) and not isinstance(t, bool) and 0.1 <= t <= 300,
+                 f"server.tcp_hello_timeout must be 0.1..300 seconds, got {t!r}")
+        f = self.tcp_hello_max_frame_bytes
+        _require(_is_int(f) and 2 * KiB <= f <= self.max_frame_bytes,
+                 f"server.tcp_hello_max_frame must be 2KiB..server.max_frame, got {f!r}")
+        n = self.tcp_max_unauthenticated
+        _require(_is_int(n) and n >= 1, f"server.tcp_max_unauthenticated must be >= 1, got {n!r}")
+
+    @property
+    def token_scopes(self) -> tuple[TokenScope, ...]:
+        """Every TCP token: the scoped ones, then the legacy `tcp_token` granting everything."""
+        legacy = (TokenScope(token=self.tcp_token),) if self.tcp_token is not None else ()
+        return self.tcp_tokens + legacy
 
 
 @dataclass(frozen=True)
@@ -193,6 +225,11 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "tcp_host": ("tcp_host", str),
         "tcp_port": ("tcp_port", None),
         "tcp_token": ("tcp_token", None),
+        "tcp_token_file": ("tcp_tokens", "token_file"),
+        "tcp_tokens": ("tcp_tokens", "token_tables"),
+        "tcp_hello_timeout": ("tcp_hello_timeout_s", None),
+        "tcp_hello_max_frame": ("tcp_hello_max_frame_bytes", "size"),
+        "tcp_max_unauthenticated": ("tcp_max_unauthenticated", None),
         "admin_host": ("admin_host", str),
         "admin_port": ("admin_port", None),
         "max_frame": ("max_frame_bytes", "size"),
@@ -238,6 +275,14 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     return _build(raw)
 
 
+def _token_scopes(kind: str, value: Any) -> tuple[TokenScope, ...]:
+    if kind == "token_file":  # --tcp-token-file: one token granting everything, kept out of argv
+        return (TokenScope(token=read_token_file(value, "server.tcp_token_file"), name="tcp_token_file"),)
+    if not isinstance(value, list):
+        raise ConfigError("server.tcp_tokens must be an array of tables: [[server.tcp_tokens]]")
+    return tuple(scope_from_table(table, i) for i, table in enumerate(value))
+
+
 def _build(raw: dict[str, Any]) -> Config:
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {s: {} for s in _TOML_KEYS}
@@ -249,7 +294,10 @@ def _build(raw: dict[str, Any]) -> Config:
                 if sub not in _TOML_KEYS[key]:
                     raise ConfigError(f"unknown key {key}.{sub}; known: {', '.join(sorted(_TOML_KEYS[key]))}")
                 fname, conv = _TOML_KEYS[key][sub]
-                sections[key][fname] = parse_size(v, f"{key}.{sub}") if conv == "size" else v
+                if conv in ("token_file", "token_tables"):  # both add to tcp_tokens
+                    sections[key][fname] = sections[key].get(fname, ()) + _token_scopes(conv, v)
+                else:
+                    sections[key][fname] = parse_size(v, f"{key}.{sub}") if conv == "size" else v
         elif key in _TOP_KEYS:
             top[key] = value
         else:

@@ -33,6 +33,10 @@ class AuthError(KVStoreError):
     """A TCP client presented no token or the wrong one."""
 
 
+class PermissionDenied(AuthError):
+    """The session's token does not grant this operation, model or tenant (kvstore/tokens.py)."""
+
+
 class DaemonUnavailable(KVStoreError):
     """The daemon cannot be reached (not running, socket gone, timed out)."""
 
@@ -56,6 +60,7 @@ ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
         ProtocolError,
         NamespaceError,
         AuthError,
+        PermissionDenied,
         DaemonUnavailable,
         ShuttingDown,
     )

@@ -16,6 +16,12 @@ A `Namespace` captures everything that makes KV bytes incompatible (model,
 dtype, layer count, KV heads, head size, block tokens, layout, TP rank/size,
 bytes per block). Two engines share a block exactly when namespace id and block
 hash are equal.
+
+`Namespace.tenant` keeps a TCP tenant's blocks apart from everyone else's: the
+daemon stamps it from the session's authenticated tenant (kvstore/tokens.py says
+why a cache_salt alone cannot). An empty tenant is the shared partition and is
+left out of the id and of `to_dict`, so namespaces made before the field existed
+keep their ids (and their blocks on disk).
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     revision: str = ""
+    tenant: str = ""  # "" = the shared partition; else a TCP tenant's own (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_tokens", "block_bytes", "tp_size"):
@@ -133,7 +140,7 @@ class Namespace:
                 raise ValueError(f"namespace field {name} must be a positive int, got {value!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"namespace tp_rank must be in [0, tp_size), got {self.tp_rank!r}")
-        for name in ("model", "dtype", "layout", "revision"):
+        for name in ("model", "dtype", "layout", "revision", "tenant"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"namespace field {name} must be a string")
         if not self.model or not self.dtype:
@@ -141,11 +148,14 @@ class Namespace:
 
     @property
     def id(self) -> str:
-        fields = sorted(dataclasses.asdict(self).items())
+        fields = sorted(self.to_dict().items())
         return "ns-" + xxhash.xxh3_64_hexdigest(msgpack.packb(fields))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        fields = dataclasses.asdict(self)
+        if not self.tenant:
+            del fields["tenant"]  # ids and persisted records of untenanted namespaces stay as they were
+        return fields
 
     @classmethod
     def from_dict(cls, data: dict) -> "Namespace":

@@ -8,6 +8,12 @@ step, never one per block.
 
 Validation helpers (`want_*`) raise ProtocolError with a message naming the
 offending field; the daemon turns that into an error reply and changes nothing.
+
+Frame sizes: the daemon announces `max_frame_bytes` and `max_batch_blocks` at
+hello. A request of `max_batch_blocks` hashes or [hash, parent] pairs always
+fits a frame (ServerConfig checks `metadata_frame_bytes`); requests and replies
+that carry payloads inline are cut by the client into `inline_blocks_per_frame`
+blocks, and the daemon refuses a `get` whose reply would not fit.
 """
 
 from __future__ import annotations
@@ -22,6 +28,21 @@ from kvstore.keys import HASH_BYTES
 
 HEADER = struct.Struct(">I")
 PROTOCOL_VERSION = 1
+
+# Upper bounds on msgpack sizes, so both sides can plan frames without packing twice.
+REQUEST_OVERHEAD_BYTES = 1024  # [msgid, op, {ns, flags, ...}] around the per-block lists
+METADATA_BYTES_PER_BLOCK = 40  # [hash, parent] = 37 B; hash + attention float = 27 B
+INLINE_BYTES_PER_BLOCK = 48  # [hash, parent, bin32 payload] = 42 B besides the payload
+
+
+def metadata_frame_bytes(num_blocks: int) -> int:
+    """The largest frame a request of `num_blocks` hashes or [hash, parent] pairs can need."""
+    return REQUEST_OVERHEAD_BYTES + num_blocks * METADATA_BYTES_PER_BLOCK
+
+
+def inline_blocks_per_frame(max_frame_bytes: int, block_bytes: int) -> int:
+    """How many payloads of `block_bytes` fit in one frame of `max_frame_bytes` (0: not even one)."""
+    return max(0, (max_frame_bytes - REQUEST_OVERHEAD_BYTES) // (block_bytes + INLINE_BYTES_PER_BLOCK))
 
 
 def pack_frame(obj: Any) -> bytes:

@@ -2,11 +2,23 @@
 
 Data plane: length-prefixed msgpack RPC (kvstore/protocol.py) over a Unix
 socket (mode 0600, local clients, payloads through the shared arena) and,
-optionally, TCP (remote clients, payloads inline, token required). Each
-connection is a session; its pins and reservations are leases that die with
-the connection. Frames larger than `max_frame_bytes` close the connection
-(the stream cannot be resynchronised); any other bad request gets an error
-reply and the connection stays usable.
+optionally, TCP (remote clients, payloads inline, a scoped token required:
+server/auth.py). Each connection is a session; its pins and reservations are
+leases that die with the connection. A frame larger than `max_frame_bytes` gets
+an error reply naming the limit and the connection is closed (the stream cannot
+be resynchronised); a body up to DISCARD_FACTOR times the limit is read and
+dropped first, so the client reads that reply rather than a reset. Any other
+bad request gets an error reply and the connection stays usable.
+
+A TCP peer that has not authenticated costs a socket and a read buffer, so until
+its hello succeeds: its frames may be at most `tcp_hello_max_frame_bytes` (a
+longer one is answered and closed, its body never read); it has
+`tcp_hello_timeout_s` to authenticate; at most `tcp_max_unauthenticated` such
+peers are kept (more are closed on accept); and its first request must be a
+good hello, else it is answered after AUTH_FAIL_DELAY_S and closed (a token
+guess costs a connection and the delay). Each refusal is counted in `errors`
+(stats and /metrics): tcp_hello_frame_too_large, tcp_hello_timeout,
+tcp_unauthenticated_cap, tcp_auth_failed.
 
 Startup refuses a socket folder that is not the daemon's own or that others may
 write, then takes the instance lock and writes the admin token there
@@ -36,6 +48,7 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
+from server.frames import Oversize, discard, read_frame
 from server.instance import create_admin_token, ensure_private_dir, lock_instance
 from server.rpc import Handlers, Session, error_reply
 
@@ -43,6 +56,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_S = 10.0  # requests in progress at SIGTERM get this long to finish
 CLOSE_S = 5.0  # then connections and listeners get this long to close
+DISCARD_FACTOR = 4  # an authenticated peer's oversize frame up to this many limits is drained before closing
+AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 
 
 def _unlink(path: str) -> None:
@@ -83,7 +98,8 @@ class Daemon:
             "page_bytes": self.store.host.page_bytes,
             "gpu": gpu_info(self.store),
         }
-        self.handlers = Handlers(self.store, config.server.tcp_token, config.server.max_batch_blocks, info)
+        sc = config.server
+        self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info)
         self.errors: Counter = Counter()
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
@@ -98,6 +114,7 @@ class Daemon:
         """The store's stats with the daemon's sessions and error counts (admin /stats and /metrics)."""
         stats = self.store.stats()
         stats["sessions"] = len(self.sessions)
+        stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
         stats["errors"] = dict(self.errors)
         stats["gpu"] = self.handlers.info["gpu"]
         return stats
@@ -178,38 +195,37 @@ class Daemon:
         await self._serve(reader, writer, "tcp")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
+        if transport == "tcp" and not self._admit_tcp():
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         session = Session(owner=next(self._ids), transport=transport)
         self.sessions[session.owner] = session
+        hello_by = asyncio.get_running_loop().time() + self.config.server.tcp_hello_timeout_s
         try:
             while not self._stopped.is_set():
-                try:
-                    header = await reader.readexactly(HEADER.size)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                body = await self._next_frame(session, reader, writer, hello_by)
+                if body is None:
                     return
-                (length,) = HEADER.unpack(header)
-                if length > self.config.server.max_frame_bytes:
-                    self.errors["ProtocolError"] += 1
-                    err = ProtocolError(f"frame of {length} B exceeds the limit of {self.config.server.max_frame_bytes} B")
-                    writer.write(pack_frame([0, error_reply(err), None]))
-                    await writer.drain()
-                    return
-                try:
-                    body = await reader.readexactly(length)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # truncated frame: the client went away mid-request
                 if self._stopped.is_set():  # arrived during the drain: answered, not served
                     writer.write(pack_frame(self._refuse(body)))
                     await writer.drain()
                     return
                 session.busy = True
                 try:
-                    writer.write(pack_frame(await self._handle(session, body)))
+                    reply = await self._handle(session, body)
+                    if self._unauthenticated(session):  # a TCP peer's first request was not a good hello
+                        self.errors["tcp_auth_failed"] += 1
+                        writer.transport.pause_reading()  # else what it sends during the delay piles up here
+                        await asyncio.sleep(AUTH_FAIL_DELAY_S)
+                    writer.write(pack_frame(reply))
                 finally:
                     session.busy = False
                 await writer.drain()
+                if self._unauthenticated(session):
+                    return
         except (ConnectionError, asyncio.CancelledError):
             return
         finally:
@@ -217,6 +233,46 @@ class Daemon:
             del self.sessions[session.owner]
             self._tasks.discard(task)
             writer.close()
+
+    @staticmethod
+    def _unauthenticated(session: Session) -> bool:
+        return session.transport == "tcp" and not session.authed
+
+    def _admit_tcp(self) -> bool:
+        """Room for one more TCP peer that has not authenticated yet? Each holds a socket and a buffer."""
+        waiting = sum(map(self._unauthenticated, self.sessions.values()))
+        if waiting < self.config.server.tcp_max_unauthenticated:
+            return True
+        self.errors["tcp_unauthenticated_cap"] += 1
+        return False
+
+    async def _next_frame(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          hello_by: float) -> bytes | None:
+        """The next request's body, or None when the connection is to close."""
+        sc = self.config.server
+        if not self._unauthenticated(session):
+            return await self._frame_within(reader, writer, sc.max_frame_bytes, pre_hello=False)
+        left = hello_by - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(
+                self._frame_within(reader, writer, sc.tcp_hello_max_frame_bytes, pre_hello=True), max(left, 0.0))
+        except asyncio.TimeoutError:
+            self.errors["tcp_hello_timeout"] += 1
+            return None
+
+    async def _frame_within(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int,
+                            pre_hello: bool) -> bytes | None:
+        got = await read_frame(reader, limit)
+        if not isinstance(got, Oversize):
+            return got
+        self.errors["tcp_hello_frame_too_large" if pre_hello else "ProtocolError"] += 1
+        where = "server.tcp_hello_max_frame, before hello" if pre_hello else "server.max_frame"
+        err = ProtocolError(f"frame of {got.length} B exceeds the limit of {limit} B ({where})")
+        writer.write(pack_frame([0, error_reply(err), None]))
+        await writer.drain()
+        if not pre_hello and got.length <= DISCARD_FACTOR * limit:
+            await discard(reader, got.length)  # its send completes and it reads the reply, not a reset
+        return None
 
     def _refuse(self, body: bytes) -> list:
         try:

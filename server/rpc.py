@@ -8,11 +8,15 @@ connection goes away the daemon calls `store.release_owner` (lease expiry).
 Local (Unix-socket) clients move payloads through the shared arena:
 `reserve`/`commit` and `acquire`/`release` return and take extents. Remote
 (TCP) clients cannot map the arena: `put` and `get` carry payloads inline.
+
+Every op but hello runs under the session's `Grant` (server/auth.py): a TCP
+session may only use the ops, models and tenant its token grants; `blocks`
+lists only the namespaces the session may use. A `get` whose reply would not
+fit in a frame is refused with the number of blocks that would.
 """
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -20,8 +24,11 @@ from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
 from kvstore.keys import Namespace
-from kvstore.protocol import PROTOCOL_VERSION, want, want_blocks, want_floats, want_hashes
+from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
+                              want_hashes)
 from kvstore.store import TieredStore
+from kvstore.tokens import TokenScope
+from server.auth import Grant, authenticate, unix_grant
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Session:
     owner: int
     transport: str  # "unix" or "tcp"
     authed: bool = False
+    grant: Grant | None = None  # set by a successful hello
     client_name: str = ""
     requests: int = 0
     busy: bool = False
@@ -36,11 +44,14 @@ class Session:
 
 
 class Handlers:
-    def __init__(self, store: TieredStore, token: str | None, max_batch: int, info: dict[str, Any]) -> None:
+    def __init__(self, store: TieredStore, scopes: tuple[TokenScope, ...], max_batch: int, max_frame: int,
+                 info: dict[str, Any]) -> None:
         self.store = store
-        self.token = token
+        self.scopes = scopes
         self.max_batch = max_batch
-        self.info = info  # static facts for hello: arena path and size, gpu availability
+        self.max_frame = max_frame
+        # static facts for hello: arena path and size, gpu availability, the frame and batch limits
+        self.info = {**info, "max_frame_bytes": max_frame, "max_batch_blocks": max_batch}
         self.ops: dict[str, Callable[[Session, dict], Any]] = {
             "hello": self.hello,
             "ping": self.ping,
@@ -62,21 +73,28 @@ class Handlers:
         handler = self.ops.get(op)
         if handler is None:
             raise ProtocolError(f"unknown op {op!r}")
-        if op != "hello" and not session.authed:
-            raise AuthError("say hello first" if self.token is None or session.transport == "unix" else "authenticate with hello first")
+        if op != "hello":
+            if session.grant is None:
+                raise AuthError("say hello first" if session.transport == "unix" else "authenticate with hello first")
+            self._authorize(session.grant, op, args)
         session.requests += 1
         result = handler(session, args)
         if inspect.isawaitable(result):
             result = await result
         return result
 
+    def _authorize(self, grant: Grant, op: str, args: dict) -> None:
+        grant.check_op(op)
+        ns = args.get("ns")
+        if isinstance(ns, str) and not grant.unrestricted:  # a wrong type is the handler's ProtocolError
+            grant.check_namespace(self.store.namespace(ns))
+
     # -- session --------------------------------------------------------------
     def hello(self, s: Session, args: dict) -> dict:
         token = want(args, "token", str, optional=True)
+        tenant = want(args, "tenant", str, optional=True)
         s.client_name = want(args, "client", str, optional=True) or ""
-        if s.transport == "tcp":
-            if self.token is None or token is None or not hmac.compare_digest(token.encode(), self.token.encode()):
-                raise AuthError("bad or missing token")
+        s.grant = authenticate(self.scopes, token, tenant) if s.transport == "tcp" else unix_grant(tenant)
         s.authed = True
         reply = {"version": PROTOCOL_VERSION, "transport": s.transport, "pid": os.getpid(), **self.info}
         if s.transport == "tcp":
@@ -87,11 +105,13 @@ class Handlers:
         return {"pong": True}
 
     def register(self, s: Session, args: dict) -> dict:
-        raw = want(args, "namespace", dict)
+        assert s.grant is not None  # dispatch saw to it
+        raw = s.grant.stamp(want(args, "namespace", dict))
         try:
             ns = Namespace.from_dict(raw)
         except ValueError as exc:
             raise NamespaceError(str(exc)) from None
+        s.grant.check_namespace(ns)
         return {"ns": self.store.register_namespace(ns)}
 
     def stats(self, s: Session, args: dict) -> dict:
@@ -105,9 +125,15 @@ class Handlers:
         limit = want(args, "limit", int, optional=True) or 100
         if not 0 < limit <= 100_000:
             raise ProtocolError("limit must be in 1..100000")
-        rows, total = [], 0
+        assert s.grant is not None  # dispatch saw to it
+        grant, rows, total = s.grant, [], 0
+        visible: dict[str, bool] = {}  # namespace id -> whether this session may use it (asked once per id)
         for e in self.store.iter_entries():
             if ns is not None and e.key[0] != ns:
+                continue
+            if e.key[0] not in visible:
+                visible[e.key[0]] = grant.unrestricted or grant.may_use(self.store.namespace(e.key[0]))
+            if not visible[e.key[0]]:
                 continue
             total += 1
             if len(rows) < limit:
@@ -149,6 +175,11 @@ class Handlers:
     async def get(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
+        block_bytes = self.store.namespace(ns).block_bytes
+        fit = inline_blocks_per_frame(self.max_frame, block_bytes)
+        if len(hashes) > fit:  # the reply would be a frame over the limit, or a huge allocation
+            raise ProtocolError(f"a get of {len(hashes)} blocks of {block_bytes} B would not fit in the frame limit "
+                                f"of {self.max_frame} B; ask for at most {fit} blocks per get")
         entries, _ = await self._acquire(s, ns, hashes, prefix=False)
         held = [e.key[1] for e in entries if e is not None]
         try:

@@ -1,12 +1,21 @@
-"""`kvstore serve`: run the daemon with embedded defaults, a TOML file (--config) and flags."""
+"""`kvstore serve`: run the daemon with embedded defaults, a TOML file (--config) and flags.
+
+Secrets do not belong in argv: every local user can read /proc/<pid>/cmdline.
+`--tcp-token-file` (or `[[server.tcp_tokens]] token_file = ...` in the TOML file)
+keeps the TCP token out of it; `--tcp-token` still works and logs a warning.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from kvstore.config import load_config, parse_size
 from kvstore.errors import ConfigError, KVStoreError
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,9 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-bytes", help="host tier size, e.g. 4GiB")
     p.add_argument("--page-bytes", help="host tier page size, e.g. 256KiB")
     p.add_argument("--no-prefault", action="store_true", help="do not prefault the arena")
-    p.add_argument("--tcp-port", type=int, help="also listen on TCP (needs --tcp-token)")
+    p.add_argument("--tcp-port", type=int, help="also listen on TCP (needs --tcp-token-file or [[server.tcp_tokens]])")
     p.add_argument("--tcp-host", help="TCP bind address (default 127.0.0.1)")
-    p.add_argument("--tcp-token", help="shared token for TCP clients")
+    p.add_argument("--tcp-token-file", help="file holding a token that grants TCP clients everything")
+    p.add_argument("--tcp-token", help="like --tcp-token-file, but the secret shows in the process list (avoid)")
     p.add_argument("--admin-port", type=int, help="admin HTTP port (0 = any free port)")
     p.add_argument("--no-admin", action="store_true", help="no admin HTTP listener")
     p.add_argument("--disk-path", help="disk tier folder")
@@ -40,6 +50,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "server.tcp_port": args.tcp_port,
         "server.tcp_host": args.tcp_host,
         "server.tcp_token": args.tcp_token,
+        "server.tcp_token_file": args.tcp_token_file,
         "server.admin_port": args.admin_port,
         "host.capacity": size(args.host_bytes, "--host-bytes"),
         "host.page_size": size(args.page_bytes, "--page-bytes"),
@@ -60,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvstore: bad configuration: {exc}", file=sys.stderr)
         return 2
-    import logging
-
     logging.getLogger().setLevel(config.log_level)
+    if args.tcp_token is not None:
+        log.warning("--tcp-token puts the secret in this process's command line (/proc/%d/cmdline), which every "
+                    "local user can read; use --tcp-token-file or [[server.tcp_tokens]] token_file instead",
+                    os.getpid())
     from server.daemon import serve
 
     try:
