@@ -265,15 +265,24 @@ class TieredStore(Placement):
             raise KVStoreError(f"cannot write into the {tier!r} tier; client-readable tiers: "
                                f"{[t.name for t in self.chain if t.client_readable]}")
         self._reap()
-        self._room_for_batch(ns, ns_id, blocks, target)
+        # With a tier below, room is made block by block: an eviction may demote a later block's parent,
+        # so each parent's tier is looked at just before its child's room is made.
+        per_block = self.next_tier(tier) is not None
+        if not per_block:
+            self._room_for_batch(ns, ns_id, blocks, target)
         out: list[Entry | None] = []
         for h, parent_hash in blocks:
             key = (ns_id, h)
+            parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
+            if per_block:
+                if key not in self.entries and self._parent_too_slow(self.entries.get(parent), tier):
+                    out.append(None)
+                    continue
+                self._room_for_batch(ns, ns_id, [(h, parent_hash)], target)
             if key in self.entries:
                 self.counters["put_dedup_blocks"] += 1
                 out.append(None)
                 continue
-            parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
             parent_entry = self.entries.get(parent) if parent is not None else None
             if parent is not None and (
                 parent_entry is None or (not parent_entry.committed and parent_entry.owner != owner)
@@ -281,8 +290,7 @@ class TieredStore(Placement):
                 self.counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
                 out.append(None)
                 continue
-            if parent_entry is not None and RANK[parent_entry.tier] > RANK[tier]:
-                self.counters[f"put_parent_on_{parent_entry.tier}_blocks"] += 1
+            if self._parent_too_slow(parent_entry, tier):
                 out.append(None)
                 continue
             try:
@@ -300,6 +308,13 @@ class TieredStore(Placement):
             self.reserved_by_owner[owner].add(key)
             out.append(entry)
         return out
+
+    def _parent_too_slow(self, parent: Entry | None, tier: str) -> bool:
+        """A child put into `tier` would sit faster than its parent: skipped, and counted."""
+        if parent is not None and RANK[parent.tier] > RANK[tier]:
+            self.counters[f"put_parent_on_{parent.tier}_blocks"] += 1
+            return True
+        return False
 
     def commit(
         self, ns_id: str, hashes: Sequence[bytes], owner: Owner, attention: Sequence[float] | None = None
