@@ -49,7 +49,7 @@ from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
 from server.frames import Oversize, discard, read_frame
-from server.instance import create_admin_token, ensure_private_dir, lock_instance
+from server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
 from server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,6 @@ DRAIN_S = 10.0  # requests in progress at SIGTERM get this long to finish
 CLOSE_S = 5.0  # then connections and listeners get this long to close
 DISCARD_FACTOR = 4  # an authenticated peer's oversize frame up to this many limits is drained before closing
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _socket_answers(path: str) -> bool:
@@ -179,11 +172,11 @@ class Daemon:
                 log.warning("a listener did not close within %s s; stopping anyway", CLOSE_S)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
-            _unlink(self.config.admin_token_path)
+            unlink_quietly(self.config.admin_token_path)
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
-        _unlink(self.config.server.socket_path)
+        unlink_quietly(self.config.server.socket_path)
         if self._lock_fd is not None:
-            _unlink(self.config.lock_path)  # still held: no other daemon of this name is running
+            unlink_quietly(self.config.lock_path)  # still held: no other daemon of this name is running
             os.close(self._lock_fd)
         log.info("stopped")
 

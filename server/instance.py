@@ -39,7 +39,7 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -97,7 +97,7 @@ def lock_instance(path: str, name: str) -> int:
 def create_admin_token(path: str) -> str:
     """A new bearer token in a new 0600 file. The caller holds the instance lock, so a file
     already at `path` is a killed daemon's: in the private folder only our user can put one."""
-    _unlink(path)
+    unlink_quietly(path)
     token = secrets.token_urlsafe(32)
     fd = _open_private(path, "admin token file", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
@@ -128,9 +128,9 @@ def remove_stale_instance(shm_path: str, lock_path: str, token_path: str) -> boo
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if not remove_stale_arena(shm_path):
             return False
-        _unlink(token_path)
+        unlink_quietly(token_path)
         if fd is not None:
-            _unlink(lock_path)
+            unlink_quietly(lock_path)
         return True
     except BlockingIOError:
         return False
