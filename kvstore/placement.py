@@ -22,9 +22,6 @@ from tiers.base import BlockMeta, Tier
 class Placement:
     """Mixed into TieredStore; not used alone."""
 
-    def is_leaf_in(self, entry: Entry, tier: str) -> bool:
-        return is_leaf_in(entry, tier)
-
     def allocate(self, tier: str, nbytes: int, protect: Key | set | None = None) -> object:
         """Pages in `tier`, evicting (demoting) its leaves for room; CapacityError when none can be made."""
         t = self.tiers[tier]
@@ -36,7 +33,7 @@ class Placement:
         return alloc
 
     def _room_for_batch(self, ns: Namespace, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], t: Tier) -> None:
-        """Make room for a whole reserve batch with one eviction pass (not one pass per block).
+        """Make room for `blocks` (a reserve batch, or one block where a tier lies below) in one eviction pass.
 
         Best effort: blocks that still find no room are skipped by `reserve` one by one.
         """

@@ -160,9 +160,6 @@ class Tier:
     def prewarm(self, nbytes: int) -> None:
         """Blocks of `nbytes` are coming (a namespace was registered): prepare buffers for them."""
 
-    def persisted_namespaces(self) -> set[str]:
-        return set()
-
     def flush(self) -> None:
         """Block until every write taken so far is durable."""
 

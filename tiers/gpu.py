@@ -134,9 +134,6 @@ class GpuPool(Tier):
         self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
         self.pages = PageAllocator(num_pages, page_bytes, label="gpu")
 
-    def can_allocate(self, nbytes: int) -> bool:
-        return self.pages.pages_for(nbytes) <= self.pages.free_pages
-
     # -- the store's transfers: to and from host-memory views (the arena) ---------
     def write_from(self, alloc: Extents, src, meta=None) -> Extents:
         self._copy(alloc, src, into_pool=True)
