@@ -50,7 +50,9 @@ log = logging.getLogger(__name__)
 
 class KVStoreConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST  # what the base class reports if the split below is unknown
-    _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "gpu": CacheHitSource.HOST}
+    # vLLM has no member for a remote store: EXTERNAL_UNSPECIFIED is its documented bucket for one
+    _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "gpu": CacheHitSource.HOST,
+                "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -1,8 +1,11 @@
-"""Build the store's chain of tiers from a `Config`: `[gpu]`, `[host]`, `[disk]` (later `[remote]`).
+"""Build the store's chain of tiers from a `Config`: `[gpu]`, `[host]`, `[disk]`, `[remote]`.
 
 The host arena is always in the chain. Any other tier that is absent (not
 enabled, no CUDA, no torch) is simply left out, and the reason is kept for the
-stats (`stats()["tiers"][name]["absent"]`); the daemon runs either way.
+stats (`stats()["tiers"][name]["absent"]`); the daemon runs either way. A remote
+tier that is configured but cannot be used (Mooncake not installed, master
+unreachable) stops the start with a clear error, unless `[remote] required =
+false`: then it is left out with a warning.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 from kvstore.config import Config
 from kvstore.store import TieredStore
 from tiers.base import Tier
-from kvstore.errors import OwnershipError
+from kvstore.errors import ConfigError, OwnershipError
 from tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,37 @@ def open_store(config: Config) -> TieredStore:
         chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
     else:
         absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
-    absent["remote"] = "not configured"
+    remote, why = remote_tier(config, host)
+    if remote is None:
+        absent["remote"] = why
+    else:
+        chain.append(remote)
     for name, reason in absent.items():
         log.info("%s tier not in the chain: %s", name, reason)
-    return TieredStore(chain, policy=config.policy, absent=absent)
+    store = TieredStore(chain, policy=config.policy, absent=absent)
+    if remote is not None:
+        from kvstore.sharing import RemoteSharing
+
+        rc = config.remote
+        store.sharing = RemoteSharing(store, remote, rc.publish, rc.timeout_s, rc.transfer_timeout_s)
+    return store
+
+
+def remote_tier(config: Config, host: HostArena) -> tuple[Tier | None, str]:
+    """The Mooncake tier the config asks for, or (None, why not); raises ConfigError when it is
+    required and cannot be had."""
+    rc = config.remote
+    if not rc.enabled:
+        return None, "not configured"
+    from tiers.remote import MooncakeTier, RemoteUnavailable
+
+    try:
+        return MooncakeTier(rc.master, host, metadata_server=rc.metadata_server, local_hostname=rc.local_hostname,
+                            protocol=rc.protocol, device_name=rc.device_name, segment_bytes=rc.segment_bytes,
+                            buffer_bytes=rc.buffer_bytes, index_blocks=rc.index_blocks,
+                            connect_timeout_s=rc.connect_timeout_s), ""
+    except RemoteUnavailable as exc:
+        if rc.required:
+            raise ConfigError(f"remote tier: {exc} (set [remote] required = false to start without it)") from None
+        log.warning("remote tier left out: %s", exc)
+        return None, str(exc)

@@ -181,6 +181,54 @@ class GpuConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """The remote tier: a Mooncake Store cluster shared by the daemons of many hosts (tiers/remote.py,
+    kvstore/sharing.py). Off unless `kind = "mooncake"` (or `kvstore serve --remote mooncake://host:port`)."""
+
+    kind: str = ""  # "" (off) or "mooncake"
+    master: str = ""  # the mooncake_master's RPC address, host:port or mooncake://host:port
+    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata, etcd://...
+    local_hostname: str = ""  # the address peers reach this host's segment at; default: the one that reaches the master
+    protocol: str = "tcp"  # tcp, or rdma where the hosts have it
+    device_name: str = ""  # RDMA devices ("" = auto)
+    segment_bytes: int = 1 * GiB  # DRAM this host contributes to the cluster's pool
+    buffer_bytes: int = 64 * MiB  # Mooncake's own transfer buffer
+    publish: str = "committed"  # committed | evicted | hit | none (kvstore/sharing.py)
+    timeout_s: float = 2.0  # an existence query
+    transfer_timeout_s: float = 30.0  # one batch of gets or puts
+    connect_timeout_s: float = 2.0  # reaching the master at start
+    index_blocks: int = 65536  # remote blocks the local index remembers
+    required: bool = True  # false: start without the remote tier (a warning) when the master cannot be used
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("", "mooncake"), f'remote.kind must be "mooncake" (or absent), got {self.kind!r}')
+        if self.kind:
+            from tiers.remote import parse_master
+
+            _require(isinstance(self.master, str) and self.master != "", "remote.master (host:port) is required")
+            try:
+                parse_master(self.master)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        _require(self.protocol in ("tcp", "rdma", "efa", "cxl"), f"remote.protocol: unknown {self.protocol!r}")
+        from kvstore.sharing import PUBLISH_POLICIES
+
+        _require(self.publish in PUBLISH_POLICIES, f"remote.publish must be one of {PUBLISH_POLICIES}, got {self.publish!r}")
+        for name in ("timeout_s", "transfer_timeout_s", "connect_timeout_s"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.01 <= v <= 600,
+                     f"remote.{name[:-2]} must be 0.01..600 seconds, got {v!r}")
+        _require(_is_int(self.segment_bytes) and self.segment_bytes >= 0, "remote.segment_size must be a size")
+        _require(_is_int(self.buffer_bytes) and self.buffer_bytes >= 1 * MiB, "remote.buffer_size must be >= 1MiB")
+        _require(_is_int(self.index_blocks) and self.index_blocks >= 1, "remote.index_blocks must be >= 1")
+        _require(isinstance(self.required, bool), "remote.required must be true or false")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kind)
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "default"
     policy: str = "attention"  # eviction/attention.py; lru, lfu, arc, s3fifo are the baselines
@@ -189,6 +237,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name) is not None,
@@ -252,6 +301,22 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "path": ("path", str),
         "capacity": ("capacity_bytes", "size"),
     },
+    "remote": {
+        "kind": ("kind", str),
+        "master": ("master", str),
+        "metadata_server": ("metadata_server", str),
+        "local_hostname": ("local_hostname", str),
+        "protocol": ("protocol", str),
+        "device_name": ("device_name", str),
+        "segment_size": ("segment_bytes", "size"),
+        "buffer_size": ("buffer_bytes", "size"),
+        "publish": ("publish", str),
+        "timeout": ("timeout_s", None),
+        "transfer_timeout": ("transfer_timeout_s", None),
+        "connect_timeout": ("connect_timeout_s", None),
+        "index_blocks": ("index_blocks", None),
+        "required": ("required", None),
+    },
 }
 _TOP_KEYS = {"name", "policy", "log_level"}
 
@@ -308,6 +373,7 @@ def _build(raw: dict[str, Any]) -> Config:
             gpu=GpuConfig(**sections["gpu"]),
             host=HostConfig(**sections["host"]),
             disk=DiskConfig(**sections["disk"]),
+            remote=RemoteConfig(**sections["remote"]),
             **top,
         )
     except TypeError as exc:

@@ -84,12 +84,15 @@ class Placement:
                     break
 
     def next_tier(self, tier: str) -> Tier | None:
+        """Where victims of `tier` go: the next tier that takes demotions (None: they are dropped)."""
         i = self.chain.index(self.tiers[tier]) + 1
-        return self.chain[i] if i < len(self.chain) else None
+        return self.chain[i] if i < len(self.chain) and self.chain[i].accepts_demotions else None
 
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
         one has no room, drop it, and with it its subtree in the slower tiers."""
+        if self.sharing is not None and entry.tier == "host":
+            self.sharing.on_evict(entry)  # publish = "evicted": its bytes leave the arena now
         below = self.next_tier(entry.tier)
         if below is not None and self.move_down(entry, below):
             return
@@ -123,6 +126,16 @@ class Placement:
             below.free(alloc)
             return False
         self.move(e, below.name, location)
+        return True
+
+    def forget_remote(self, entry: Entry) -> bool:
+        """Drop a remote entry and the remote entries under it from the index (the cluster keeps the
+        bytes): a local write of the same block replaces it. False when one is pinned or being promoted."""
+        subtree = self.subtree(entry.key)
+        if any(self.entries[k].pins or k in self._promoting or self.entries[k].tier != "remote" for k in subtree):
+            return False
+        for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
+            self._drop(self.entries[key])
         return True
 
     def copy_block(self, e: Entry, dst: Tier, alloc: object) -> tuple[object, bool]:

@@ -16,6 +16,9 @@ Two steps, each root first so a child never gets ahead of its parent:
    already there. Without room the block stays in host, which a GPU reader
    also reads.
 
+Remote entries (kvstore/sharing.py) take step 1 together: one batched fetch
+from the cluster into host pages, verified and re-tiered root first.
+
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
 """
@@ -44,16 +47,29 @@ async def promote_for_read(
     store._reap()
     out = list(entries)
     tasks: dict[int, asyncio.Task] = {}
+    remote: list[Entry] = []
     for i, e in enumerate(entries):
         if e is not None and RANK[e.tier] > RANK["host"]:
             task = store._promoting.get(e.key)
+            if task is None and e.tier == "remote":
+                remote.append(e)
+                continue
             if task is None:
                 task = asyncio.ensure_future(_promote(store, e))
                 store._promoting[e.key] = task
             tasks[i] = task
+    if remote:  # one cluster call for all of them (kvstore/sharing.py)
+        batch = asyncio.ensure_future(store.sharing.promote(remote))
+        for e in remote:
+            store._promoting[e.key] = batch
+        for i, e in enumerate(entries):
+            if e is not None and i not in tasks and store._promoting.get(e.key) is batch:
+                tasks[i] = batch
     if tasks:
         results = await asyncio.gather(*(asyncio.shield(t) for t in tasks.values()), return_exceptions=True)
         for i, ok in zip(tasks, results):
+            if isinstance(ok, dict):  # a batch's answer: key -> served
+                ok = ok.get(out[i].key, False)  # type: ignore[union-attr]
             if isinstance(ok, BaseException):
                 log.error("promotion into host failed", exc_info=ok)
                 store.counters["promotions_failed_error"] += 1
@@ -134,8 +150,8 @@ def _lift(store: "TieredStore", e: Entry, tier: str) -> None:
         if parent is not None and RANK[parent.tier] > RANK[t.name]:
             store.counters[f"lifts_skipped_parent_on_{parent.tier}"] += 1
             return
-        if not t.fits(e.nbytes):
-            return
+        if not t.fits(e.nbytes) or (store.sharing is not None and store.sharing.publishing(e.key)):
+            return  # (a publish is reading its host pages)
         here = e.location
         try:
             alloc = store.allocate(t.name, e.nbytes, protect=e.parent)

@@ -112,6 +112,7 @@ class TieredStore(Placement):
         self._read_threads = read_threads
         self._reader: ThreadPoolExecutor | None = None
         self._persisted_ns: set[str] = set()
+        self.sharing = None  # kvstore.sharing.RemoteSharing where the chain ends in a remote tier
         recover(self)
 
     @property
@@ -147,6 +148,14 @@ class TieredStore(Placement):
             raise NamespaceError(f"unknown namespace {ns_id!r}; register it first") from None
 
     # -- reads -----------------------------------------------------------------
+    async def extend_from_remote(self, ns_id: str, hashes: Sequence[bytes]) -> int:
+        """Index the blocks after the local prefix of `hashes` that the remote tier holds (one batched
+        query; kvstore/sharing.py). The daemon awaits it before `lookup` and `acquire`."""
+        if self.sharing is None:
+            return 0
+        self.namespace(ns_id)
+        return await self.sharing.extend(ns_id, hashes)
+
     def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """How many leading blocks are committed (in any tier). No pins, no policy events."""
         self.namespace(ns_id)
@@ -183,6 +192,8 @@ class TieredStore(Placement):
             self.entries[key].pins += 1
             pins[key] += 1
         self._credit_hits(hit_keys)
+        if self.sharing is not None and hit_keys:
+            self.sharing.on_hit(hit_keys)
         self.counters["hit_blocks"] += len(hit_keys)
         self.counters["miss_blocks"] += len(hashes) - len(hit_keys)
         return out
@@ -279,6 +290,8 @@ class TieredStore(Placement):
                     out.append(None)
                     continue
                 self._room_for_batch(ns, ns_id, [(h, parent_hash)], target)
+            if key in self.entries and self.entries[key].tier == "remote":
+                self.forget_remote(self.entries[key])  # written here now; the cluster keeps its copy
             if key in self.entries:
                 self.counters["put_dedup_blocks"] += 1
                 out.append(None)
@@ -339,6 +352,8 @@ class TieredStore(Placement):
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention)
             )
         self.counters["put_blocks"] += len(hashes)
+        if self.sharing is not None:
+            self.sharing.on_commit([(ns_id, h) for h in hashes])
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:

@@ -55,6 +55,7 @@ def store_stats(store: "TieredStore") -> dict:
         "pinned_blocks": sum(1 for e in store.entries.values() if e.pins),
         "tiers": per_tier,
         "counters": dict(store.counters),
+        **({"remote": store.sharing.stats()} if store.sharing is not None else {}),
     }
 
 

@@ -105,6 +105,16 @@ class StoreCollector:
                 cap.add_metric([tier], t["capacity_bytes"])
         yield cap
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
+        if "remote" in s:  # the remote tier is in the chain
+            remote_errors = CounterMetricFamily("kvstore_remote_errors", "Remote tier operations that failed or timed out",
+                                                labels=["op"])
+            for op in ("query", "get", "put"):
+                remote_errors.add_metric([op], s["remote"]["errors"].get(op, 0))
+            yield remote_errors
+            for name, help_ in (("remote_published_blocks", "Blocks published to the remote tier"),
+                                ("remote_promotions", "Blocks fetched from the remote tier into the host arena"),
+                                ("remote_lookup_hit_blocks", "Blocks a lookup found in the remote tier")):
+                yield CounterMetricFamily(f"kvstore_{name}", help_, value=c.get(name, 0))
 
 
 @web.middleware

@@ -133,6 +133,8 @@ class Daemon:
         if sc.admin_port is not None:
             view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path))
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
+        if self.store.sharing is not None:
+            self.store.sharing.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
@@ -173,6 +175,8 @@ class Daemon:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             unlink_quietly(self.config.admin_token_path)
+        if self.store.sharing is not None:
+            await self.store.sharing.stop()  # what is queued is published (bounded), then its threads end
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         unlink_quietly(self.config.server.socket_path)
         if self._lock_fd is not None:

@@ -146,9 +146,11 @@ class Handlers:
         return {"removed": self.store.remove(ns, want_hashes(args, self.max_batch))}
 
     # -- reads ----------------------------------------------------------------
-    def lookup(self, s: Session, args: dict) -> dict:
+    async def lookup(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
-        res = self.store.lookup(ns, want_hashes(args, self.max_batch))
+        hashes = want_hashes(args, self.max_batch)
+        await self.store.extend_from_remote(ns, hashes)
+        res = self.store.lookup(ns, hashes)
         return {"hits": res.hits, "tiers": list(res.tiers)}
 
     async def acquire(self, s: Session, args: dict) -> dict:
@@ -162,6 +164,7 @@ class Handlers:
 
     async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> tuple[list, list]:
         """Pinned entries, promoted into the arena, and the tier each one was found in."""
+        await self.store.extend_from_remote(ns, hashes)
         entries = self.store.acquire(ns, hashes, s.owner, prefix=prefix)
         tiers = [e.tier if e is not None else None for e in entries]
         if any(t not in (None, "host") for t in tiers):

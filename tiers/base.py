@@ -18,6 +18,9 @@ What a tier declares
   Every transfer between two tiers goes through such a tier (the host arena
   is in every chain), never through an extra staging copy.
 - `persistent`: it keeps blocks across a restart (`recover`).
+- `accepts_demotions`: victims of the tier above move down into it. The remote
+  tier (tiers/remote.py) does not: it is shared, and what is published to it
+  is decided by kvstore/sharing.py.
 
 Moving bytes (one block at a time; the store batches nothing through here)
 --------------------------------------------------------------------------
@@ -76,6 +79,7 @@ class Tier:
     client_readable: bool = False
     host_memory: bool = False
     persistent: bool = False
+    accepts_demotions: bool = True  # the remote tier does not: what reaches it is the publish policy's choice
     pages: PageAllocator
     page_bytes: int
     capacity_bytes: int

@@ -38,6 +38,7 @@ class DaemonProc:
     name: str
     args: list = field(default_factory=list)
     log_path: str | None = None
+    prefix: tuple = ()  # a launcher the daemon runs under, e.g. ("ip", "netns", "exec", "hostA")
 
     def client(self, timeout_s: float = 10.0):
         from kvstore.client import KVClient
@@ -60,6 +61,8 @@ class DaemonProc:
             sent["Content-Type"] = "application/json"
             body = b"{}" if body is None else body
         sent.update(headers or {})
+        if self.prefix:  # its loopback is another network namespace's: ask from in there
+            return _http_under(self.prefix, f"http://127.0.0.1:{self.admin_port}{path}", method, sent, body)
         req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=body, headers=sent,
                                      method=method)
         try:
@@ -110,16 +113,18 @@ def start_daemon(
     log_path: str | None = None,
     env: dict | None = None,
     python: str = sys.executable,
+    prefix: tuple = (),
 ) -> DaemonProc:
     """Start `kvstore serve` (socket in `folder` unless given) and return once it is ready.
 
     No disk tier unless `disk` (then give `--disk-path`/`--disk-bytes` in
     `extra`, or get the config defaults); admin HTTP on a free port unless
-    `admin` is false; `extra` flags are appended last. `python` runs it (another CPython's venv).
+    `admin` is false; `extra` flags are appended last. `python` runs it (another CPython's venv),
+    under `prefix` if given (e.g. `ip netns exec hostA`: the daemon of another "host").
     """
     name = name or f"t-{uuid.uuid4().hex[:10]}"
     sock = socket_path or str(Path(folder) / f"{name}.sock")
-    args = [python, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
+    args = [*prefix, python, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
             "--host-bytes", str(host_bytes), "--page-bytes", str(page_bytes), "--log-level", "WARNING"]
     args += ["--admin-port", "0"] if admin else ["--no-admin"]
     if not disk:
@@ -139,4 +144,27 @@ def start_daemon(
         raise RuntimeError(f"daemon did not start: {line!r}, exit {code} {tail}")
     fields = dict(kv.split("=", 1) for kv in line.split()[2:])
     port = lambda v: None if v == "None" else int(v)  # noqa: E731
-    return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path)
+    return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path,
+                      tuple(prefix))
+
+
+_HTTP_SCRIPT = """
+import json, sys, urllib.error, urllib.request
+url, method, headers, body = json.loads(sys.stdin.read())
+req = urllib.request.Request(url, data=None if body is None else body.encode("latin-1"), headers=headers, method=method)
+try:
+    with urllib.request.urlopen(req, timeout=10) as r:
+        status, data = r.status, r.read()
+except urllib.error.HTTPError as exc:
+    status, data = exc.code, exc.read()
+print(json.dumps([status, data.decode("latin-1")]))
+"""
+
+
+def _http_under(prefix: tuple, url: str, method: str, headers: dict, body: bytes | None) -> tuple[int, bytes]:
+    """An HTTP request made by a child process started under `prefix` (another network namespace)."""
+    payload = json.dumps([url, method, headers, None if body is None else body.decode("latin-1")])
+    out = subprocess.run([*prefix, sys.executable, "-c", _HTTP_SCRIPT], input=payload, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    status, data = json.loads(out)
+    return status, data.encode("latin-1")

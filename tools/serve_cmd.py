@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-path", help="disk tier folder")
     p.add_argument("--disk-bytes", help="disk tier size, e.g. 8GiB")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("--remote", metavar="mooncake://HOST:PORT",
+                   help="share blocks with other hosts through this Mooncake master ([remote] in the config)")
     p.add_argument("--policy", help="eviction policy")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(run=run)
@@ -58,6 +60,8 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "disk.path": args.disk_path,
         "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
         "disk.enabled": False if args.no_disk else None,
+        "remote.kind": "mooncake" if args.remote else None,
+        "remote.master": args.remote,
     }
 
 

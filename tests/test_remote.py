@@ -1,0 +1,206 @@
+"""The remote tier on a real Mooncake Store cluster: two daemons on two "hosts" share chains.
+
+Real parts only: the wheel's `mooncake_master`, each daemon a Mooncake client
+contributing its own segment, TCP between network namespaces made by the test
+(tests/remote_env.py). Faults: the master killed and restarted, a peer daemon
+killed -9, values written wrong under a block's key, bad configuration.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.keys import Namespace, hash_blocks
+from tests.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from tools.daemon_proc import ROOT, start_daemon
+
+NS = Namespace("remote-test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
+
+
+def chain(seed: int, n: int):
+    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
+    payloads = [np.random.default_rng([seed, i]).integers(0, 256, NS.block_bytes, dtype=np.uint8) for i in range(n)]
+    return hs, [None] + hs[:-1], payloads
+
+
+def put_chain(d, seed: int, n: int):
+    hs, parents, payloads = chain(seed, n)
+    with d.client() as c:
+        ns = c.register(NS)
+        assert c.put(ns, list(zip(hs, parents, payloads))) == n
+    return ns, hs, payloads
+
+
+def wait_counter(d, name: str, at_least: int, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = d.stats()
+        if stats["counters"].get(name, 0) >= at_least or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    mooncake_or_skip()
+
+
+@pytest.fixture
+def two_hosts(mooncake):
+    hosts = make_hosts()
+    yield hosts
+    remove_hosts(hosts)
+
+
+@pytest.fixture
+def started(tmp_path):
+    procs: list = []
+    yield procs
+    for p in reversed(procs):
+        if hasattr(p, "stop"):
+            if p.alive():
+                p.stop(signal.SIGTERM, timeout=30)
+            p.cleanup()
+        else:
+            p.kill()
+
+
+def test_two_hosts_share_chains_through_mooncake(tmp_path, two_hosts, started):
+    a, b = two_hosts
+    master = Master(a.prefix, a.addr, log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)
+    da = start_daemon(tmp_path, "--config", cfg, name="hostA", prefix=a.prefix, log_path=str(tmp_path / "a.log"))
+    started.append(da)
+    db = start_daemon(tmp_path, "--config", cfg, name="hostB", prefix=b.prefix, log_path=str(tmp_path / "b.log"))
+    started.append(db)
+    assert da.stats()["tiers"]["remote"]["local_hostname"] == a.addr
+    assert db.stats()["tiers"]["remote"]["local_hostname"] == b.addr
+
+    chains = [put_chain(da, seed, 6) for seed in range(3)]
+    assert wait_counter(da, "remote_published_blocks", 18)["counters"]["remote_published_blocks"] == 18
+
+    with db.client() as c:
+        ns = c.register(NS)
+        assert ns == chains[0][0]  # the same model on two hosts: the same namespace, hence shared keys
+        other = c.register(Namespace("another-model", "bfloat16", 2, 2, 64, 16, 256 * 1024))
+        for _, hs, payloads in chains:
+            res = c.lookup(ns, hs)
+            assert (res.hits, set(res.tiers)) == (6, {"remote"})
+            got = c.get(ns, hs)
+            assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, payloads))
+            assert c.lookup(ns, hs).tiers == ("host",) * 6  # promoted into B's arena: the next read is local
+        assert c.lookup(other, chains[0][1]).hits == 0  # nothing leaks across namespaces
+        # a prefix held locally, the rest remotely: one lookup joins them
+        hs, _, payloads = chain(7, 8)
+        c.put(ns, list(zip(hs[:3], [None] + hs[:2], payloads[:3])))
+    put_chain(da, 7, 8)
+    wait_counter(da, "remote_published_blocks", 18 + 8)
+    with db.client() as c:
+        assert c.lookup(ns, hs).tiers == ("host",) * 3 + ("remote",) * 5
+        assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs), payloads))
+    sb = db.stats()
+    assert sb["tiers"]["remote"]["hits"] >= 18 + 5
+    assert sb["counters"]["remote_promotions"] == 18 + 5
+    assert sb["counters"].get("remote_checksum_failures", 0) == 0
+    assert da.check() == [] and db.check() == []
+    metrics = db.http("/metrics")[1].decode()
+    assert 'kvstore_hits_total{tier="remote"}' in metrics and 'kvstore_remote_errors_total{op="get"} 0.0' in metrics
+
+
+def test_a_corrupt_or_foreign_remote_value_is_a_miss_never_a_wrong_block(tmp_path, mooncake, started):
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)
+    db = start_daemon(tmp_path, "--config", cfg, name="reader", log_path=str(tmp_path / "b.log"))
+    started.append(db)
+    hs, parents, payloads = chain(3, 6)
+    ns_id = NS.id
+    # Another "host" publishes the chain with its own Mooncake client, but block 2's bytes change
+    # after its checksum was taken (torn), and block 4's header names another parent (foreign).
+    code = f"""
+import numpy as np, pickle, sys
+sys.path.insert(0, {str(ROOT)!r})
+from tiers import remote as r
+hs, parents, payloads = pickle.loads(sys.stdin.buffer.read())
+class Arena: buf = np.zeros(1 << 20, dtype=np.uint8)
+t = r.MooncakeTier({master.url!r}, Arena(), segment_bytes=64 << 20, buffer_bytes=16 << 20)
+items = []
+for i, (h, p, data) in enumerate(zip(hs, parents, payloads)):
+    ref = r.RemoteRef(r.object_key({ns_id!r}, h), {ns_id!r}, h, p)
+    data = data.copy()
+    if i == 2:
+        header = r.pack_header(ref, data.nbytes, r.payload_checksum([data]))
+        data[100] ^= 0xFF
+        assert t.put_raw(ref.key, header + data.tobytes()) == 0
+        continue
+    if i == 4:
+        ref = r.RemoteRef(ref.key, ref.ns_id, h, bytes(16))
+    items.append((ref, [data]))
+assert all(c == 0 for c in t.put_from(items)), "put failed"
+import time; time.sleep(30)
+"""
+    import pickle
+
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    started.append(writer)
+    writer.stdin.write(pickle.dumps((hs, parents, payloads)))
+    writer.stdin.close()
+    with db.client() as c:
+        ns = c.register(NS)
+        deadline = time.monotonic() + 20
+        while c.lookup(ns, hs).hits < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.lookup(ns, hs).hits == 6  # all six keys exist in the cluster
+        got = c.get(ns, hs)
+        assert [g is not None for g in got] == [True, True, False, False, False, False]
+        assert all(np.array_equal(g, p) for g, p in zip(got[:2], payloads[:2]))
+        assert c.lookup(ns, hs).hits == 2  # the bad value is remembered: not offered (nor fetched) again
+    assert db.stats()["counters"]["remote_checksum_failures"] >= 1
+    assert db.check() == []
+
+
+def test_master_down_local_service_goes_on_and_sharing_resumes(tmp_path, mooncake, started):
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)
+    da = start_daemon(tmp_path, "--config", cfg, name="hostA", log_path=str(tmp_path / "a.log"))
+    db = start_daemon(tmp_path, "--config", cfg, name="hostB", log_path=str(tmp_path / "b.log"))
+    started += [da, db]
+    ns, hs1, p1 = put_chain(da, 1, 4)
+    wait_counter(da, "remote_published_blocks", 4)
+
+    master.kill()
+    ns, hs2, p2 = put_chain(da, 2, 4)  # commits do not wait on the dead cluster
+    with da.client() as c:
+        assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs1 + hs2), p1 + p2))  # local hits go on
+    with db.client() as c:
+        c.register(NS)
+        t0 = time.monotonic()
+        assert c.lookup(ns, hs1).hits == 0  # the cluster is gone: a miss, fast
+        assert time.monotonic() - t0 < 2.0
+    stats = wait_counter(da, "remote_publish_failed_blocks", 4)
+    assert stats["counters"]["remote_publish_failed_blocks"] >= 4
+    assert db.stats()["remote"]["errors"]["query"] >= 1
+    assert 'kvstore_remote_errors_total{op="query"} 0.0' not in db.http("/metrics")[1].decode()
+
+    started.append(Master(port=master.port, log_path=tmp_path / "master2.log").start())  # same address
+    deadline = time.monotonic() + 30
+    seed = 10
+    while True:  # the clients reconnect by themselves; the new master knows only what is put from now on
+        ns, hs3, p3 = put_chain(da, seed, 3)
+        time.sleep(0.5)
+        with db.client() as c:
+            c.register(NS)
+            if c.lookup(ns, hs3).hits == 3:
+                assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs3), p3))
+                break
+        assert time.monotonic() < deadline, "sharing did not resume after the master came back"
+        seed += 1
+    assert da.check() == [] and db.check() == []

@@ -1,0 +1,322 @@
+"""The remote tier: blocks shared between hosts through a Mooncake Store cluster.
+
+Each daemon is one Mooncake client (`mooncake.store.MooncakeDistributedStore`):
+it contributes `segment_bytes` of its DRAM to the cluster's pool and reads and
+writes objects anywhere in it, over TCP on CPU hosts (RDMA where present). The
+cluster's `mooncake_master` owns placement, leases and eviction (approximate
+LRU at a 0.90 high watermark); this tier never evicts remote objects, it only
+forgets what it knew of them.
+
+What this module does, all of it blocking (kvstore/sharing.py calls it from
+its own threads, never from the event loop):
+- names objects: `kvstore/v1/<namespace id>/<block hash hex>`. The namespace id
+  already digests model, dtype, layout, TP rank and tenant (kvstore/keys.py),
+  so two hosts with the same model share and nothing else does;
+- frames values: a 64-byte header (magic, version, payload length, xxh3_64 of
+  the payload, a digest of the namespace id, the block's hash and its parent's
+  hash) followed by the payload. A value whose header or checksum does not
+  match what the reader expects (torn, foreign, an older layout) is a miss;
+- moves bytes zero-copy between the host arena and the cluster
+  (`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` on the
+  arena's page extents, the arena and a header region registered once);
+- keeps the store's bookkeeping of *remote entries*: blocks another host
+  published that a lookup found here (`kvstore/sharing.py`). They take no local
+  bytes; `index_blocks` bounds how many the index remembers (its policy evicts
+  the rest, which only forgets them).
+
+The tier is last in the chain and takes no demotions (`accepts_demotions`):
+what reaches the cluster is decided by the publish policy, not by local
+eviction (kvstore/sharing.py).
+
+Loading: the wheel's shared objects need libibverbs (even for TCP). Where the
+system lacks it, `tools/dev setup` unpacks the Debian packages into
+`.cache/sysroot`; `load_mooncake` preloads them from there or from
+$KVSTORE_MOONCAKE_LIBS (folders, colon-separated) before importing mooncake.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import shutil
+import socket
+import struct
+import sysconfig
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+import xxhash
+
+from tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = struct.Struct("<4sHHQQQ16s16s")  # magic, version, flags, nbytes, checksum, ns digest, hash, parent
+HEADER_BYTES = HEADER.size  # 64
+MAGIC, VERSION = b"KVSR", 1
+NO_PARENT = bytes(16)
+ALREADY_EXISTS = -705  # Mooncake's code for a put of a key someone else put first: the block is there
+_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # dependency order
+
+
+class RemoteUnavailable(RuntimeError):
+    """The remote tier cannot be used: not installed, master unreachable, setup refused, or an
+    operation that failed or timed out."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRef:
+    """Where a remote entry's bytes are: its object key, and what its header must say."""
+
+    key: str
+    ns_id: str
+    hash: bytes
+    parent: bytes | None
+
+
+def object_key(ns_id: str, block_hash: bytes) -> str:
+    return f"kvstore/v1/{ns_id}/{bytes(block_hash).hex()}"
+
+
+def _ns_digest(ns_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(ns_id.encode())
+
+
+def pack_header(ref: RemoteRef, nbytes: int, checksum: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, 0, nbytes, checksum, _ns_digest(ref.ns_id), bytes(ref.hash),
+                       bytes(ref.parent) if ref.parent is not None else NO_PARENT)
+
+
+def header_checksum(raw, ref: RemoteRef, nbytes: int) -> int | None:
+    """The payload checksum the header announces, or None when the header is not this block's."""
+    magic, version, _, n, checksum, ns, h, parent = HEADER.unpack(bytes(raw[:HEADER_BYTES]))
+    want_parent = bytes(ref.parent) if ref.parent is not None else NO_PARENT
+    if (magic, version, n, ns, h, parent) != (MAGIC, VERSION, nbytes, _ns_digest(ref.ns_id), bytes(ref.hash), want_parent):
+        return None
+    return checksum
+
+
+def payload_checksum(segments: Sequence[np.ndarray]) -> int:
+    hasher = xxhash.xxh3_64()
+    for seg in segments:
+        hasher.update(seg)
+    return hasher.intdigest()
+
+
+# -- locating the wheel's parts ------------------------------------------------------
+def library_dirs() -> list[str]:
+    """Folders holding libibverbs and its dependencies when the system lacks them."""
+    env = os.environ.get("KVSTORE_MOONCAKE_LIBS")
+    if env:
+        return [d for d in env.split(":") if d]
+    sysroot = ROOT / ".cache" / "sysroot"
+    return [str(p) for p in (sysroot / "usr/lib/x86_64-linux-gnu", sysroot / "lib/x86_64-linux-gnu") if p.is_dir()]
+
+
+def subprocess_env() -> dict:
+    """An environment for the wheel's binaries (`mooncake_master`) that finds the libraries."""
+    env = dict(os.environ)
+    dirs = library_dirs()
+    if dirs:
+        env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
+    return env
+
+
+def master_binary() -> str:
+    """The `mooncake_master` the wheel installs beside this interpreter's scripts."""
+    for cand in (os.path.join(sysconfig.get_path("scripts"), "mooncake_master"), shutil.which("mooncake_master")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    raise RemoteUnavailable("mooncake_master not found: pip install 'kvstore[remote]' (the Mooncake wheel ships it)")
+
+
+_load_lock = threading.Lock()
+
+
+def load_mooncake():
+    """`mooncake.store`, with libibverbs preloaded from `library_dirs()` where the system has none."""
+    with _load_lock:
+        for name in _LIBS:
+            for folder in library_dirs():
+                path = os.path.join(folder, name)
+                if os.path.exists(path):
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    break
+        try:
+            from mooncake import store as mc_store
+        except ImportError as exc:
+            raise RemoteUnavailable(
+                f"the Mooncake client cannot be loaded ({exc}); install it with pip install 'kvstore[remote]' "
+                "(CPU hosts: mooncake-transfer-engine-non-cuda; it needs libibverbs: apt install libibverbs1, "
+                "or run tools/dev setup)") from None
+        return mc_store
+
+
+def parse_master(url: str) -> tuple[str, int]:
+    """`mooncake://host:port` or `host:port` -> (host, port)."""
+    text = url if "://" in url else f"mooncake://{url}"
+    parts = urlsplit(text)
+    if parts.scheme != "mooncake" or not parts.hostname or parts.path not in ("", "/"):
+        raise ValueError(f"remote master must look like mooncake://host:port, got {url!r}")
+    try:
+        port = parts.port or 50051
+    except ValueError:
+        raise ValueError(f"remote master {url!r} has a bad port") from None
+    return parts.hostname, port
+
+
+def probe(host: str, port: int, timeout_s: float) -> str:
+    """Connect to the master once; returns the local address that reached it (our hostname for the
+    cluster), or raises RemoteUnavailable. Mooncake's own setup retries for ~90 s on a dead master."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise RemoteUnavailable(f"cannot reach the Mooncake master at {host}:{port}: {exc}") from None
+
+
+class MooncakeTier(Tier):
+    name = "remote"
+    accepts_demotions = False
+
+    def __init__(self, master: str, arena, *, metadata_server: str = "P2PHANDSHAKE", local_hostname: str = "",
+                 protocol: str = "tcp", device_name: str = "", segment_bytes: int = 1 << 30,
+                 buffer_bytes: int = 64 << 20, index_blocks: int = 65536, max_batch: int = 1024,
+                 connect_timeout_s: float = 2.0) -> None:
+        host, port = parse_master(master)
+        reached_from = probe(host, port, connect_timeout_s)
+        mc = load_mooncake()
+        self.master = f"{host}:{port}"
+        self.local_hostname = local_hostname or reached_from
+        self.protocol = protocol
+        self.index_blocks = index_blocks
+        self.max_batch = max_batch
+        self.held = 0  # remote entries the store indexes
+        self.capacity_bytes = self.page_bytes = 0
+        self._mc = mc.MooncakeDistributedStore()
+        rc = self._mc.setup(self.local_hostname, metadata_server, segment_bytes, buffer_bytes, protocol, device_name,
+                            self.master)
+        if rc != 0:
+            raise RemoteUnavailable(f"Mooncake setup against {self.master} failed (code {rc}); see the log above")
+        self._closed = False
+        self._register(arena.buf)
+        # Header slots: one region per kind of call, each used by one thread at a time (sharing.py).
+        self._headers = mmap.mmap(-1, 2 * max_batch * HEADER_BYTES)
+        self._hbuf = np.frombuffer(self._headers, dtype=np.uint8)
+        self._register(self._hbuf)
+        self._staging: np.ndarray | None = None
+        log.info("remote tier: Mooncake client %s of master %s (%s), segment %d MiB", self.local_hostname,
+                 self.master, protocol, segment_bytes >> 20)
+
+    def _register(self, buf: np.ndarray) -> None:
+        rc = self._mc.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise RemoteUnavailable(f"Mooncake refused to register {buf.nbytes} B of host memory (code {rc})")
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A registered buffer for blocks published after they leave the arena (publish = "evicted")."""
+        if self._staging is None:
+            self._staging_map = mmap.mmap(-1, nbytes)
+            self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
+            self._register(self._staging)
+        return self._staging
+
+    # -- the store's bookkeeping of remote entries (tiers/base.py) ------------------
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def free_bytes(self) -> int:
+        return 0
+
+    def pages_for(self, nbytes: int) -> int:
+        return 1
+
+    def fits(self, nbytes: int) -> bool:
+        return self.index_blocks > 0
+
+    def shortfall(self, nbytes: int) -> int:
+        return (self.held + 1 - self.index_blocks) * max(nbytes, 1)
+
+    def allocate(self, nbytes: int):
+        if self.held >= self.index_blocks:
+            return None
+        self.held += 1
+        return "remote"  # the entry's location (a RemoteRef) is set by the caller
+
+    def free(self, location, key=None) -> None:
+        self.held -= 1
+
+    def check(self, locations) -> list[str]:
+        n = len(list(locations))
+        return [] if n == self.held else [f"remote tier counts {self.held} entries, the store holds {n}"]
+
+    def read_blocks(self, location) -> bool:
+        return True
+
+    def read_into(self, location: RemoteRef, out: Sequence[np.ndarray]) -> bool:
+        return self.get_into([(location, list(out))])[0]
+
+    # -- blocking cluster operations (called from sharing.py's threads) -------------
+    def exists(self, keys: list[str]) -> list[int]:
+        """1 present, 0 absent, < 0 an error, per key (one batched query)."""
+        return list(self._mc.batch_is_exist(keys))
+
+    def get_into(self, items: list[tuple[RemoteRef, list[np.ndarray]]]) -> list[bool]:
+        """Fetch blocks straight into host-memory views; True where header and checksum verify."""
+        out: list[bool] = []
+        for start in range(0, len(items), self.max_batch):
+            chunk = items[start : start + self.max_batch]
+            heads = [self._hbuf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(chunk))]
+            ptrs = [[h.ctypes.data] + [v.ctypes.data for v in views] for h, (_, views) in zip(heads, chunk)]
+            sizes = [[HEADER_BYTES] + [v.nbytes for v in views] for _, views in chunk]
+            got = self._mc.batch_get_into_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes)
+            for (ref, views), head, n, size in zip(chunk, heads, got, sizes):
+                nbytes = sum(size) - HEADER_BYTES
+                checksum = header_checksum(head, ref, nbytes) if n == HEADER_BYTES + nbytes else None
+                out.append(checksum is not None and payload_checksum(views) == checksum)
+        return out
+
+    def put_from(self, items: list[tuple[RemoteRef, list[np.ndarray]]]) -> list[int]:
+        """Publish blocks from host-memory views (header + payload); 0 (or ALREADY_EXISTS) = stored."""
+        codes: list[int] = []
+        base = self.max_batch * HEADER_BYTES  # the second header region: puts
+        for start in range(0, len(items), self.max_batch):
+            chunk = items[start : start + self.max_batch]
+            ptrs, sizes = [], []
+            for i, (ref, views) in enumerate(chunk):
+                head = self._hbuf[base + i * HEADER_BYTES : base + (i + 1) * HEADER_BYTES]
+                nbytes = sum(v.nbytes for v in views)
+                head[:] = np.frombuffer(pack_header(ref, nbytes, payload_checksum(views)), dtype=np.uint8)
+                ptrs.append([head.ctypes.data] + [v.ctypes.data for v in views])
+                sizes.append([HEADER_BYTES] + [v.nbytes for v in views])
+            codes.extend(self._mc.batch_put_from_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes))
+        return codes
+
+    def put_raw(self, key: str, data: bytes) -> int:
+        """Store arbitrary bytes under a key (tests: a foreign or corrupt value)."""
+        return self._mc.put(key, data)
+
+    def healthy(self) -> bool:
+        return self._mc.health_check() == 0
+
+    def stats(self) -> dict:
+        return {"master": self.master, "local_hostname": self.local_hostname, "protocol": self.protocol,
+                "index_blocks": self.index_blocks, "entries": self.held}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._mc.close()  # unmounts this host's segment from the cluster
+            except Exception as exc:  # noqa: BLE001 - a dead master must not fail the shutdown
+                log.warning("remote tier: close failed: %s", exc)
+
