@@ -204,3 +204,88 @@ def test_master_down_local_service_goes_on_and_sharing_resumes(tmp_path, mooncak
         assert time.monotonic() < deadline, "sharing did not resume after the master came back"
         seed += 1
     assert da.check() == [] and db.check() == []
+
+
+def test_a_killed_peer_is_a_clean_miss_on_the_other_host(tmp_path, two_hosts, started):
+    a, b = two_hosts
+    master = Master(a.prefix, a.addr, log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)
+    da = start_daemon(tmp_path, "--config", cfg, name="hostA", prefix=a.prefix, log_path=str(tmp_path / "a.log"))
+    db = start_daemon(tmp_path, "--config", cfg, name="hostB", prefix=b.prefix, log_path=str(tmp_path / "b.log"))
+    started += [da, db]
+    ns, hs, payloads = put_chain(da, 5, 6)
+    wait_counter(da, "remote_published_blocks", 6)
+    with db.client() as c:
+        c.register(NS)
+        assert c.lookup(ns, hs).hits == 6  # indexed on B; the bytes are in A's segment
+        da.proc.kill()
+        da.proc.wait()
+        t0 = time.monotonic()
+        got = c.get(ns, hs)
+        took = time.monotonic() - t0
+        # A's segment went with A: a miss (or, had Mooncake put a block elsewhere, the right bytes)
+        assert all(g is None or np.array_equal(g, p) for g, p in zip(got, payloads))
+        assert got[0] is None
+        assert took < 10.0
+        mine, my_hs, my_payloads = put_chain(db, 6, 3)  # B's own service goes on
+        assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, my_hs), my_payloads))
+    assert db.alive()
+    counters = db.stats()["counters"]
+    assert counters.get("remote_read_errors", 0) + counters.get("remote_checksum_failures", 0) >= 1
+    assert db.check() == []
+
+
+def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_path, mooncake):
+    from tests.remote_env import free_port
+
+    dead = f"mooncake://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--name", "badremote", "--socket", str(tmp_path / "s.sock"),
+           "--host-bytes", "16MiB", "--page-bytes", "64KiB", "--no-disk", "--no-admin"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd + ["--remote", dead], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "cannot reach the Mooncake master at 127.0.0.1" in r.stderr
+    assert time.monotonic() - t0 < 20  # not Mooncake's own 90 s of retries
+    r = subprocess.run(cmd + ["--remote", "http://example:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "mooncake://host:port" in r.stderr
+    cfg = tmp_path / "optional.toml"
+    cfg.write_text(f'[remote]\nkind = "mooncake"\nmaster = "{dead}"\nrequired = false\n')
+    d = start_daemon(tmp_path, "--config", str(cfg), name="optional", log_path=str(tmp_path / "d.log"))
+    try:
+        stats = d.stats()
+        assert stats["chain"] == ["host"] and "cannot reach the Mooncake master" in stats["tiers"]["remote"]["absent"]
+        hs, parents, payloads = chain(1, 2)
+        with d.client() as c:
+            ns = c.register(NS)
+            assert c.put(ns, list(zip(hs, parents, payloads))) == 2 and c.lookup(ns, hs).hits == 2
+    finally:
+        assert d.stop() == 0
+    assert "remote tier left out" in (tmp_path / "d.log").read_text()
+
+
+@pytest.mark.parametrize("publish", ["hit", "evicted", "none"])
+def test_publish_policies(tmp_path, mooncake, started, publish):
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master, publish=publish)
+    # a host tier of 8 blocks: a 12-block chain evicts (drops: no disk) its first blocks
+    da = start_daemon(tmp_path, "--config", cfg, name="pub", host_bytes="2MiB", log_path=str(tmp_path / "a.log"))
+    started.append(da)
+    ns, hs, payloads = put_chain(da, 9, 4)
+    time.sleep(0.5)
+    assert da.stats()["counters"].get("remote_published_blocks", 0) == 0  # commits alone publish nothing here
+    if publish == "hit":
+        with da.client() as c:
+            c.get(ns, hs[:2])
+        assert wait_counter(da, "remote_published_blocks", 2)["counters"]["remote_published_blocks"] == 2
+    elif publish == "evicted":
+        put_chain(da, 10, 8)  # 12 blocks of 256 KiB in 2 MiB: 4 leave the arena
+        stats = wait_counter(da, "remote_published_blocks", 4)
+        assert stats["counters"]["remote_published_blocks"] >= 4
+    else:
+        with da.client() as c:
+            c.get(ns, hs)
+        put_chain(da, 10, 8)
+        time.sleep(0.5)
+        assert da.stats()["counters"].get("remote_published_blocks", 0) == 0
+    assert da.check() == []

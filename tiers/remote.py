@@ -206,6 +206,11 @@ class MooncakeTier(Tier):
         if rc != 0:
             raise RemoteUnavailable(f"Mooncake setup against {self.master} failed (code {rc}); see the log above")
         self._closed = False
+        # One replica, in this host's own segment where it has room: publishing is a local copy, and
+        # readers on other hosts pull it over the network. (Mooncake falls back to other segments.)
+        self._put_cfg = mc.ReplicateConfig()
+        self._put_cfg.replica_num = 1
+        self._put_cfg.prefer_alloc_in_same_node = True
         self._register(arena.buf)
         # Header slots: one region per kind of call, each used by one thread at a time (sharing.py).
         self._headers = mmap.mmap(-1, 2 * max_batch * HEADER_BYTES)
@@ -298,7 +303,7 @@ class MooncakeTier(Tier):
                 head[:] = np.frombuffer(pack_header(ref, nbytes, payload_checksum(views)), dtype=np.uint8)
                 ptrs.append([head.ctypes.data] + [v.ctypes.data for v in views])
                 sizes.append([HEADER_BYTES] + [v.nbytes for v in views])
-            codes.extend(self._mc.batch_put_from_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes))
+            codes.extend(self._mc.batch_put_from_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes, self._put_cfg))
         return codes
 
     def put_raw(self, key: str, data: bytes) -> int:
