@@ -289,3 +289,40 @@ def test_publish_policies(tmp_path, mooncake, started, publish):
         time.sleep(0.5)
         assert da.stats()["counters"].get("remote_published_blocks", 0) == 0
     assert da.check() == []
+
+
+def test_a_blackholed_network_costs_bounded_misses_and_sharing_resumes(tmp_path, two_hosts, started):
+    """Host A's link goes silent (packets vanish, nothing refuses): B's remote calls time out within
+    their bound, later ones fail at once while one is stuck, B's local hits go on; the link back, sharing resumes."""
+    a, b = two_hosts
+    master = Master(a.prefix, a.addr, log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)  # timeout 1 s, transfer timeout 5 s
+    da = start_daemon(tmp_path, "--config", cfg, name="hostA", prefix=a.prefix, log_path=str(tmp_path / "a.log"))
+    db = start_daemon(tmp_path, "--config", cfg, name="hostB", prefix=b.prefix, log_path=str(tmp_path / "b.log"))
+    started += [da, db]
+    ns, mine, my_payloads = put_chain(db, 20, 3)  # B's own blocks
+    ns, hs1, p1 = put_chain(da, 21, 4)
+    wait_counter(da, "remote_published_blocks", 4)
+    veth_a = subprocess.run(["ip", "-n", a.netns, "-o", "link", "show", "type", "veth"], capture_output=True,
+                            text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
+    subprocess.run(["ip", "-n", a.netns, "link", "set", veth_a, "down"], check=True)
+    try:
+        with db.client(timeout_s=30) as c:
+            c.register(NS)
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert c.lookup(ns, hs1).hits == 0
+                assert time.monotonic() - t0 < 3.0  # the 1 s query timeout, then fail-fast while it is stuck
+            assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, mine), my_payloads))
+        stats = db.stats()
+        assert stats["remote"]["errors"]["query"] >= 3
+    finally:
+        subprocess.run(["ip", "-n", a.netns, "link", "set", veth_a, "up"], check=True)
+    deadline = time.monotonic() + 90
+    with db.client() as c:
+        while c.lookup(ns, hs1).hits < 4:
+            assert time.monotonic() < deadline, "sharing did not resume after the link came back"
+            time.sleep(0.5)
+        assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs1), p1))
+    assert db.check() == []

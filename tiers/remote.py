@@ -317,11 +317,22 @@ class MooncakeTier(Tier):
         return {"master": self.master, "local_hostname": self.local_hostname, "protocol": self.protocol,
                 "index_blocks": self.index_blocks, "entries": self.held}
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Unmount this host's segment from the cluster; bounded, so an unreachable master cannot hold
+        up the daemon's exit."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def unmount() -> None:
             try:
-                self._mc.close()  # unmounts this host's segment from the cluster
+                self._mc.close()
             except Exception as exc:  # noqa: BLE001 - a dead master must not fail the shutdown
                 log.warning("remote tier: close failed: %s", exc)
+
+        t = threading.Thread(target=unmount, name="kvstore-remote-close", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("remote tier: the cluster did not answer the unmount within %s s; leaving it", timeout_s)
 
