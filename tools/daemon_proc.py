@@ -38,6 +38,8 @@ class DaemonProc:
     name: str
     args: list = field(default_factory=list)
     log_path: str | None = None
+    events_endpoint: str | None = None  # the KV-event PUB socket it bound, when [events] is on
+    events_replay: str | None = None
 
     def client(self, timeout_s: float = 10.0):
         from kvstore.client import KVClient
@@ -139,4 +141,6 @@ def start_daemon(
         raise RuntimeError(f"daemon did not start: {line!r}, exit {code} {tail}")
     fields = dict(kv.split("=", 1) for kv in line.split()[2:])
     port = lambda v: None if v == "None" else int(v)  # noqa: E731
-    return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path)
+    endpoint = lambda key: None if fields.get(key, "None") == "None" else fields[key]  # noqa: E731
+    return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path,
+                      endpoint("events"), endpoint("events_replay"))

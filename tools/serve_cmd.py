@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-bytes", help="disk tier size, e.g. 8GiB")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
     p.add_argument("--policy", help="eviction policy")
+    p.add_argument("--events-endpoint", help="publish KV events on this ZMQ address, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--events-replay-endpoint", help="ZMQ ROUTER address serving missed KV-event batches")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(run=run)
 
@@ -58,6 +60,8 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "disk.path": args.disk_path,
         "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
         "disk.enabled": False if args.no_disk else None,
+        "events.endpoint": args.events_endpoint,
+        "events.replay_endpoint": args.events_replay_endpoint,
     }
 
 
