@@ -2,7 +2,8 @@
 
 GET /healthz  -> {"status": "ok"}
 GET /metrics  -> Prometheus text: blocks and bytes per tier, hits, misses,
-                 evictions, errors, sessions
+                 evictions, errors, sessions; per model (server/metrics.py)
+                 blocks, bytes and counters; requests per op; KV events
 GET /stats    -> the store's stats as JSON, plus sessions and error counts
 GET /check    -> the store's consistency check: {"ok": bool, "problems": [...]}
 POST /clear   -> drop every unpinned committed block
@@ -38,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.errors import AuthError, KVStoreError
 from kvstore.store import TieredStore
+from server.metrics import daemon_families, namespace_families
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,8 @@ class StoreCollector:
                 cap.add_metric([tier], t["capacity_bytes"])
         yield cap
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
+        yield from namespace_families(s)  # per model, bounded (server/metrics.py)
+        yield from daemon_families(s)
 
 
 @web.middleware
