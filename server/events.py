@@ -135,6 +135,10 @@ class EventPublisher:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> dict:
         """Bind (or connect) the sockets on the publisher thread; the endpoints they got, for hello."""
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            raise OSError("[events] needs pyzmq: pip install 'kvstore[tools]'") from None
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()

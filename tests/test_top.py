@@ -22,11 +22,13 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from kvstore.client import KVClient
 from kvstore.keys import Namespace, hash_blocks
 from tests.conftest import ROOT
 
+pytest.importorskip("rich", reason="kvstore top needs rich (the tools extra)")
 NS = Namespace("top-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
