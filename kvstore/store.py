@@ -437,13 +437,20 @@ class TieredStore(Placement):
         return removed
 
     def report_all(self) -> None:
-        """Report every committed block as stored in each tier holding it, parents first (after a
-        `cleared`: the daemon's start, or a resync once events were lost)."""
+        """Report every committed block as stored in each tier holding it (after a `cleared`: the
+        daemon's start, or a resync). Tier by tier, each chain walked from its root, so a parent comes
+        before its children and a chain's blocks come together (one BlockStored per chain)."""
         if self.events is None:
             return
-        for e in sorted((e for e in self.entries.values() if e.committed), key=lambda e: e.depth):
-            for tier in held_tiers(e):
-                self.events.stored(e, tier)
+        roots = [e for e in self.entries.values() if e.parent is None]
+        for tier in self.chain:
+            for root in roots:
+                stack = [root]
+                while stack:
+                    e = stack.pop()
+                    if e.committed and tier.name in held_tiers(e):
+                        self.events.stored(e, tier.name)
+                    stack.extend(self.entries[k] for k in children_of(e))
 
     def subtree(self, root: Key) -> list[Key]:
         """`root` and everything below it, in O(size of the subtree)."""
