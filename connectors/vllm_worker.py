@@ -167,7 +167,8 @@ class WorkerSide:
         attention = self._attention([saves.block_ids[i] for i in reserved])
         tokens = [saves.tokens[i] for i in reserved] if any(saves.tokens) else None
         if self.link.generation == generation:
-            self.link.run("commit", lambda c: c.commit(ns_id, hashes, attention=attention, tokens=_fitting(c, tokens)))
+            self.link.run("commit",
+                          lambda c: c.commit(ns_id, hashes, attention=attention, tokens=_fitting(c, tokens)))
 
     def _attention(self, block_ids: list[int]) -> list[float] | None:
         """The attention estimate of each block from the keys of a few sampled layers (None if unavailable)."""

@@ -147,7 +147,8 @@ class Daemon:
         if self.events is not None:
             self._start_events()
         if sc.admin_port is not None:
-            resync = (lambda: self.events.resync(self.store)) if self.events is not None else None  # type: ignore[union-attr]
+            events = self.events
+            resync = (lambda: events.resync(self.store)) if events is not None else None
             view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path), resync)
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         loop = asyncio.get_running_loop()

@@ -159,8 +159,8 @@ class EventPublisher:
             self._thread.join(timeout_s)
 
     def stats(self) -> dict:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "queued_events": self._queued_events,
-                "lost": self.lost, **self.counts}
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "queued_events": self._queued_events, "lost": self.lost, **self.counts}
 
     # -- the publisher thread -------------------------------------------------------------------
     def _run(self) -> None:

@@ -58,7 +58,8 @@ def namespace_families(stats: dict) -> Iterator:
             nbytes[(model, tier)] += ns["bytes"].get(tier, 0)
         for key in NS_COUNTERS:
             counters[key][model] += ns["counters"].get(key, 0)
-    g_blocks = GaugeMetricFamily("kvstore_namespace_blocks", "Committed blocks per model and tier", labels=["model", "tier"])
+    g_blocks = GaugeMetricFamily("kvstore_namespace_blocks", "Committed blocks per model and tier",
+                                 labels=["model", "tier"])
     g_bytes = GaugeMetricFamily("kvstore_namespace_bytes", "Bytes of committed blocks per model and tier",
                                 labels=["model", "tier"])
     for (model, tier), n in blocks.items():
