@@ -110,6 +110,12 @@ class StoreLink:
             )
 
     @property
+    def wants_tokens(self) -> bool:
+        """Whether the daemon publishes KV events with token ids (then commits should carry them)."""
+        events = self._client.server_info.get("events") if self._client is not None else None
+        return bool(events and events.get("token_ids"))
+
+    @property
     def arena(self):
         return None if self._client is None else self._client.arena
 

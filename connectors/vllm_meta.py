@@ -140,12 +140,15 @@ class SaveBatch:
     hashes: list[bytes] = field(default_factory=list)
     parents: list[bytes | None] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
+    tokens: list[bytes | None] = field(default_factory=list)  # <u4 token ids, for the daemon's KV events
 
-    def add(self, req_id: str, block_id: int, block_hash: bytes, parent: bytes | None) -> None:
+    def add(self, req_id: str, block_id: int, block_hash: bytes, parent: bytes | None,
+            tokens: bytes | None = None) -> None:
         self.req_ids.append(req_id)
         self.block_ids.append(block_id)
         self.hashes.append(block_hash)
         self.parents.append(parent)
+        self.tokens.append(tokens)
 
     def __len__(self) -> int:
         return len(self.hashes)

@@ -13,7 +13,9 @@ request's block ids. Per step it emits a `StepMeta`:
   never wrong bytes).
 * saves: the full blocks of *verified* tokens completed by this step
   (tokens below min(num_computed + num_scheduled, num_tokens): speculative
-  tokens are never in `all_token_ids`), each once, with its parent hash.
+  tokens are never in `all_token_ids`), each once, with its parent hash and,
+  when the daemon publishes KV events with token ids and the request is keyed
+  by its tokens alone (no LoRA, salt or multimodal item), its token ids.
 
 Invariants: a request's pins are released exactly once (load done, request
 finished, or a new lookup); pins of a previous daemon connection are never
@@ -27,9 +29,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
-from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks
+from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks, lora_key
 from kvstore.store import RANK
 
 if TYPE_CHECKING:
@@ -47,13 +51,13 @@ def request_extra_keys(request: "Request") -> ExtraKeys | None:
     """What besides the tokens makes this request's KV differ; None if the store cannot key it."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None  # the KV depends on embeddings, not token ids
-    lora = getattr(request, "lora_request", None)
-    lora_key = f"{lora.lora_name}@{getattr(lora, 'lora_path', '')}" if lora is not None else None
+    adapter = getattr(request, "lora_request", None)
+    lora = lora_key(adapter.lora_name, getattr(adapter, "lora_path", "")) if adapter is not None else None
     mm = tuple(
         MultimodalItem(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
         for f in (getattr(request, "mm_features", None) or ())
     )
-    return ExtraKeys(lora=lora_key, cache_salt=getattr(request, "cache_salt", None), mm=mm)
+    return ExtraKeys(lora=lora, cache_salt=getattr(request, "cache_salt", None), mm=mm)
 
 
 @dataclass
@@ -219,8 +223,13 @@ class SchedulerSide:
         if num_full <= st.num_saved:
             return
         hashes = st.hashes_upto(num_full, self.block_tokens)
+        bt = self.block_tokens
+        # Token ids only for the daemon's KV events, and only for requests keyed by their tokens alone:
+        # a router that hashes token ids must not match a LoRA's or a salted request's blocks.
+        tokens = st.request.all_token_ids if self.link.wants_tokens and st.extra.is_empty() else None
         for i in range(st.num_saved, num_full):
-            saves.add(st.request.request_id, st.block_ids[i], hashes[i], hashes[i - 1] if i else None)
+            ids = np.asarray(tokens[i * bt : (i + 1) * bt], "<u4").tobytes() if tokens is not None else None
+            saves.add(st.request.request_id, st.block_ids[i], hashes[i], hashes[i - 1] if i else None, ids)
         self.stats["save_blocks_offered"] += num_full - st.num_saved
         st.num_saved = num_full
 

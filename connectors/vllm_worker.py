@@ -9,7 +9,8 @@
   (kv_load_failure_policy="recompute").
 * Saves (`wait_for_save`, after the target and draft forwards): one `reserve`
   RPC for the step's SaveBatch, copies paged KV -> arena, one `commit` RPC
-  (with a key-norm attention estimate per block when available). A failed copy
+  (with a key-norm attention estimate per block when available, and the
+  blocks' token ids when the scheduler side sent them, for KV events). A failed copy
   aborts the step's reservations; a save that cannot happen is a future miss.
 
 Nothing here is per block per RPC, and nothing outlives the step: saves are
@@ -27,6 +28,7 @@ from connectors.kv_copy import PagedKV, arena_tensor
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
 from kvstore.keys import Namespace
+from kvstore.protocol import metadata_frame_bytes
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +165,10 @@ class WorkerSide:
                 self.link.run("abort", lambda c: c.abort(ns_id, hashes))
             return
         attention = self._attention([saves.block_ids[i] for i in reserved])
+        tokens = [saves.tokens[i] for i in reserved] if any(saves.tokens) else None
         if self.link.generation == generation:
-            self.link.run("commit", lambda c: c.commit(ns_id, hashes, attention=attention))
+            self.link.run("commit",
+                          lambda c: c.commit(ns_id, hashes, attention=attention, tokens=_fitting(c, tokens)))
 
     def _attention(self, block_ids: list[int]) -> list[float] | None:
         """The attention estimate of each block from the keys of a few sampled layers (None if unavailable)."""
@@ -203,7 +207,16 @@ class WorkerSide:
 
 def _without_requests(saves: SaveBatch, req_ids: set[str]) -> SaveBatch:
     kept = SaveBatch()
-    for r, b, h, p in zip(saves.req_ids, saves.block_ids, saves.hashes, saves.parents):
+    for r, b, h, p, t in zip(saves.req_ids, saves.block_ids, saves.hashes, saves.parents, saves.tokens):
         if r not in req_ids:
-            kept.add(r, b, h, p)
+            kept.add(r, b, h, p, t)
     return kept
+
+
+def _fitting(client, tokens: list | None) -> list | None:
+    """The token ids, unless they would push the commit over the daemon's frame limit (then the
+    blocks are committed without them: KV events carry no token ids for them)."""
+    if tokens is None:
+        return None
+    size = metadata_frame_bytes(len(tokens)) + sum(len(t) + 8 for t in tokens if t is not None)
+    return tokens if size <= client.server_info.get("max_frame_bytes", 0) else None

@@ -87,6 +87,10 @@ class ARCPolicy(EvictionPolicy):
             chosen = self._leaves.pick(second, n_bytes - freed, evictable, pending=pending)
         return chosen or None
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        names = {"t1": "T1 (seen once)", "t2": "T2 (seen again)"}
+        return [names.get(self._leaves.queue.get(k, ""), None) for k in keys]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves
 

@@ -271,6 +271,11 @@ class AttentionPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
+        now_h = self.clock() / self.params.half_life_s
+        return [f"log2 V {self.value(k) - now_h:+.2f}" if k in self._leaves else None for k in keys]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves
 

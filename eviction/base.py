@@ -8,7 +8,8 @@ One policy instance serves one tier. The store calls:
 - `on_remove(key)` when a block leaves the tier (evicted, demoted, promoted, dropped);
 - `on_feedback(key, attention)` for an attention estimate that arrives after the block was
   inserted (a commit passes its estimate in `BlockInfo.attention`; no RPC sends a later one yet);
-- `victims(n_bytes, evictable)` when the tier needs `n_bytes` of room.
+- `victims(n_bytes, evictable)` when the tier needs `n_bytes` of room;
+- `describe(keys)` for inspection tools (read-only).
 
 `victims` answers with keys for which `evictable(key)` is true *now* (the
 store's predicate: committed, unpinned, and a leaf of the prefix tree within
@@ -64,6 +65,11 @@ class EvictionPolicy(ABC):
 
     def on_feedback(self, key: Key, attention: float) -> None:
         """An attention estimate for a block; policies without an attention term ignore it."""
+
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        """What the policy holds of each key, in a few words for `kvstore inspect` (None: untracked).
+        Read-only; may walk the policy's state once per call."""
+        return [None] * len(keys)
 
     @abstractmethod
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None: ...

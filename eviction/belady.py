@@ -53,6 +53,9 @@ class BeladyPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("min", n_bytes, evictable) or None
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        return [f"next use {self.next_use(k)}" if k in self._leaves else None for k in keys]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves
 

@@ -239,6 +239,9 @@ class LFUPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("lfu", n_bytes, evictable) or None
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        return [f"refs {self._hits[k]}" if k in self._hits else None for k in keys]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves
 

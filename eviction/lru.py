@@ -83,6 +83,12 @@ class LRUPolicy(EvictionPolicy):
                         break
         return chosen or None
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        wanted = set(keys) & self._order.keys()
+        rank = {k: i for i, k in enumerate(self._order) if k in wanted} if wanted else {}
+        n = len(self._order)
+        return [f"lru {rank[k] + 1}/{n}" if k in rank else "parked" if k in self._parked else None for k in keys]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._order or key in self._parked
 

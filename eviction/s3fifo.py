@@ -65,6 +65,10 @@ class S3FIFOPolicy(EvictionPolicy):
             while len(self._ghost) > max(len(self._leaves), 1):
                 self._ghost.popitem(last=False)
 
+    def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        queues = {"s": "small", "m": "main"}
+        return [f"{queues[self._leaves.queue[k]]} freq {self._freq[k]}" if k in self._freq else None for k in keys]
+
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         leaves, freq = self._leaves, self._freq
         chosen: list[Key] = []

@@ -270,6 +270,14 @@ class KVClient:
         r = self.call("blocks", ns=ns_id, limit=limit)
         return r["blocks"], r["total"]
 
+    def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
+        """Per hash: None (not stored) or {tier, committed, pins, hits, depth, idle_s, policy_value, copies, ...}."""
+        limit = self.server_info.get("max_batch_blocks", 8192)
+        out: list[dict | None] = []
+        for i in range(0, len(hashes), limit):
+            out += self.call("describe", ns=ns_id, hashes=list(hashes[i : i + limit]))["blocks"]
+        return out
+
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Remove blocks and everything stored under them; pinned subtrees are left alone."""
         return self.call("remove", ns=ns_id, hashes=list(hashes))["removed"]
@@ -281,10 +289,15 @@ class KVClient:
     def reserve(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]]) -> list[Extents | None]:
         return self.call("reserve", ns=ns_id, blocks=[[h, p] for h, p in blocks])["extents"]
 
-    def commit(self, ns_id: str, hashes: Sequence[bytes], attention: Sequence[float] | None = None) -> int:
+    def commit(self, ns_id: str, hashes: Sequence[bytes], attention: Sequence[float] | None = None,
+               tokens: Sequence[bytes | None] | None = None) -> int:
+        """`tokens`: per block its token ids as <u4 bytes (or None), for the daemon's KV events;
+        worth sending only when `server_info["events"]["token_ids"]` says the daemon publishes them."""
         args: dict = {"ns": ns_id, "hashes": list(hashes)}
         if attention is not None:
             args["attention"] = [float(a) for a in attention]
+        if tokens is not None:
+            args["tokens"] = list(tokens)
         return self.call("commit", **args)["committed"]
 
     def abort(self, ns_id: str, hashes: Sequence[bytes]) -> None:

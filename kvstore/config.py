@@ -180,6 +180,51 @@ class GpuConfig:
                  f"gpu.capacity must hold at least one page, got {self.capacity_bytes!r}")
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+TOPIC_FIELDS = ("host", "model", "ns")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """KV events in vLLM's format on a ZMQ PUB socket (server/events.py, docs/kv_events.md).
+    Off unless `endpoint` is set."""
+
+    endpoint: str | None = None  # e.g. "tcp://127.0.0.1:5557"; "ipc:///path" keeps them to who may open the path
+    bind: bool = True  # bind the PUB socket (subscribers connect); false: connect to a subscriber that binds (llm-d)
+    replay_endpoint: str | None = None  # a ROUTER socket (always bound) that serves buffered batches from a seq
+    topic: str = "kv@{host}@{model}"  # per namespace: {host} (this host's name), {model}, {ns} (namespace id)
+    encoding: str = "map"  # "map": events as maps with a "type" key (vLLM 0.32); "array": tagged arrays (older)
+    token_ids: bool = True  # ask engines for each block's token ids and publish them (routers hash them)
+    tenants: bool = False  # also publish the blocks of TCP tenants' namespaces (their token ids included)
+    buffer_batches: int = 10_000  # batches kept for replay
+    max_queue_events: int = 100_000  # events waiting for the publisher thread; past it, dropped and resynced
+    hwm: int = 100_000  # ZMQ send high-water mark of the PUB socket
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, str) and value.startswith(_ZMQ_SCHEMES),
+                     f"events.{name} must be a ZMQ address such as tcp://127.0.0.1:5557 or ipc:///path, got {value!r}")
+        _require(self.replay_endpoint is None or self.endpoint is not None,
+                 "events.replay_endpoint needs events.endpoint")
+        for name in ("bind", "token_ids", "tenants"):
+            _require(isinstance(getattr(self, name), bool), f"events.{name} must be true or false")
+        _require(self.encoding in ("map", "array"), f"events.encoding must be map or array, got {self.encoding!r}")
+        try:
+            _require(isinstance(self.topic, str), "events.topic must be a string")
+            self.topic.format(**{f: "x" for f in TOPIC_FIELDS})
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"events.topic {self.topic!r}: only {{host}}, {{model}} and {{ns}} may be filled in "
+                              f"({type(exc).__name__}: {exc})") from None
+        for name in ("buffer_batches", "max_queue_events", "hwm"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"events.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+
 @dataclass(frozen=True)
 class RemoteConfig:
     """The remote tier: a Mooncake Store cluster shared by the daemons of many hosts (tiers/remote.py,
@@ -238,6 +283,7 @@ class Config:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name) is not None,
@@ -317,6 +363,9 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "index_blocks": ("index_blocks", None),
         "required": ("required", None),
     },
+    "events": {key: (key, None) for key in (
+        "endpoint", "bind", "replay_endpoint", "topic", "encoding", "token_ids", "tenants", "buffer_batches",
+        "max_queue_events", "hwm")},
 }
 _TOP_KEYS = {"name", "policy", "log_level"}
 
@@ -374,6 +423,7 @@ def _build(raw: dict[str, Any]) -> Config:
             host=HostConfig(**sections["host"]),
             disk=DiskConfig(**sections["disk"]),
             remote=RemoteConfig(**sections["remote"]),
+            events=EventsConfig(**sections["events"]),
             **top,
         )
     except TypeError as exc:

@@ -4,11 +4,11 @@ An `Entry` is one block: where it sits (`tier`, `location`), its place in the
 prefix tree (`parent`, `depth`, `kids`), how many of its children sit in each
 tier (`children`, indexed by `RANK`), its pins and its write state, and the
 copies it left in slower persistent tiers when it was promoted out of them
-(`copies`; see kvstore/store.py, "Inclusive"). The tree rule concerns where a
-block sits, not its copies. The tree
-rule "a child never sits in a faster tier than its parent" is kept with the
-per-tier child counts: a block is a leaf *of tier t* when no child lives in t
-or a faster tier.
+(`copies`; see kvstore/store.py, "Inclusive"), and what inspection tools and
+KV events show of it (`hits`, `last_access`, `tokens`). The tree rule concerns
+where a block sits, not its copies. The tree rule "a child never sits in a
+faster tier than its parent" is kept with the per-tier child counts: a block
+is a leaf *of tier t* when no child lives in t or a faster tier.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Entry:
     attention: float | None = None
     kids: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
     copies: dict | None = None  # tier name -> location of a copy kept in a slower, persistent tier
+    hits: int = 0  # times acquired (for `kvstore inspect`)
+    last_access: float = 0.0  # the store's clock at the commit or the latest hit
+    tokens: bytes | None = None  # the block's token ids (<u4), when the writer sent them and KV events are on
 
 
 def link_child(parent: Entry, key: Key) -> None:

@@ -81,6 +81,11 @@ class ExtraKeys:
 NO_EXTRA = ExtraKeys()
 
 
+def lora_key(name: str, path: object = "") -> str:
+    """The `ExtraKeys.lora` of a LoRA adapter (the vLLM connector's and `kvstore inspect`'s)."""
+    return f"{name}@{path}"
+
+
 def hash_blocks(
     token_ids: Sequence[int] | np.ndarray,
     block_tokens: int,

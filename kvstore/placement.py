@@ -6,7 +6,8 @@ between the tiers of its chain; the state they use (`chain`, `tiers`,
 are listed in kvstore/store.py's docstring: victims are leaves of their tier,
 a victim goes one tier down (or is dropped with its subtree below), a copy in
 a persistent tier is dropped before any block is evicted from it, and a
-block that kept a copy goes back to it without a write.
+block that kept a copy goes back to it without a write. Every change of the
+tiers holding a committed block is reported to `events` (kvstore/block_events.py).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Placement:
                 if not evictable(key):
                     raise KVStoreError(f"policy {policy.name} named a victim that is not evictable")
                 self.tier_stats[tier].evictions += 1
+                self.ns_counters[key[0]]["evictions"] += 1
                 self.demote(self.entries[key])
                 if shortfall() <= 0:
                     break
@@ -109,7 +111,7 @@ class Placement:
         """Demote `e` into `below`, making room there first; False (nothing changed) when it cannot.
         A block that kept a copy in `below` goes back to it without a write."""
         if e.copies and below.name in e.copies:
-            self.move(e, below.name, self._take_copy(e, below.name))
+            self.move(e, below.name, self._take_copy(e, below.name), from_copy=True)
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
         if not below.fits(e.nbytes):
@@ -149,15 +151,17 @@ class Placement:
         meta = BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention, self.wall_clock())
         return dst.write_from(alloc, src.segments(e.location), meta), True
 
-    def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False) -> None:
+    def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
         """Re-tier an entry: free its old location (or keep it as a copy), update policies, parent's
-        child counts and stats."""
+        child counts and stats. `from_copy`: `location` is the copy the block kept in `tier`."""
         old = e.tier
         if keep_copy:
             e.copies = {**(e.copies or {}), old: e.location}
             self.copies[old][e.key] = None
         else:
             self._free_location(e)
+            if self.events is not None:
+                self.events.removed(e, old)
         self.policies[old].on_remove(e.key)
         e.tier, e.location = tier, location
         if e.parent is not None:
@@ -165,6 +169,8 @@ class Placement:
             parent.children[RANK[old]] -= 1
             parent.children[RANK[tier]] += 1
         self.policies[tier].on_insert(self.info(e))
+        if self.events is not None and not from_copy:
+            self.events.stored(e, tier)
         if RANK[tier] > RANK[old]:
             self.tier_stats[tier].demotions_in += 1
         else:
@@ -178,6 +184,8 @@ class Placement:
         for tier in list(entry.copies or ()):
             self.drop_copy(entry, tier)
         self._free_location(entry)
+        if self.events is not None and entry.committed:
+            self.events.removed(entry, entry.tier)
         self.policies[entry.tier].on_remove(entry.key)
         del self.entries[entry.key]
         if entry.parent is not None:
@@ -199,3 +207,5 @@ class Placement:
     def drop_copy(self, entry: Entry, tier: str) -> None:
         self.tiers[tier].free(self._take_copy(entry, tier), entry.key)
         self.counters[f"{tier}_copies_dropped"] += 1
+        if self.events is not None:
+            self.events.removed(entry, tier)

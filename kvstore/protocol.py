@@ -120,6 +120,16 @@ def want_blocks(args: dict, limit: int, with_payload: bool) -> list[tuple]:
     return out
 
 
+def want_token_blocks(args: dict, count: int) -> list[bytes | None] | None:
+    """`tokens`: per block, its token ids as little-endian uint32 bytes, or None (optional; for KV events)."""
+    values = want(args, "tokens", list, optional=True)
+    if values is None:
+        return None
+    if len(values) != count or not all(v is None or isinstance(v, bytes) for v in values):
+        raise ProtocolError(f"'tokens' must be a list of {count} items, each bytes (<u4 token ids) or nil")
+    return values
+
+
 def want_floats(args: dict, name: str, count: int) -> list[float] | None:
     values = want(args, name, list, optional=True)
     if values is None:

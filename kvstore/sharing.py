@@ -245,6 +245,8 @@ class RemoteSharing:
                 pe.children[RANK["remote"]] += 1
                 link_child(pe, key)
             store.policies["remote"].on_insert(store.info(entry))
+            if store.events is not None:
+                store.events.stored(entry, "remote")  # known to be in the cluster (kvstore/block_events.py)
             parent = key
             added += 1
         return added

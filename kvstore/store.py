@@ -64,12 +64,13 @@ from kvstore.entry import (  # noqa: F401  (Entry, LookupResult, RANK, TIERS are
     is_leaf_in,
     link_child,
 )
+from kvstore.block_events import BlockEvents, held_tiers
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
 from kvstore.recovery import recover
-from kvstore.store_check import check_store, store_stats
+from kvstore.store_check import check_store, describe_blocks, store_stats
 from tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class TieredStore(Placement):
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
         self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)  # pins on blocks removed as corrupt
         self.counters: Counter = Counter()
+        self.ns_counters: dict[str, Counter] = defaultdict(Counter)  # per namespace: hits, misses, puts, ...
+        self.events: BlockEvents | None = None  # KV events: kvstore/block_events.py
         self.tier_stats: dict[str, TierStats] = {t: TierStats() for t in TIERS}
         self._promoting: dict[Key, asyncio.Task] = {}
         self._inflight: dict[Key, tuple[str, object]] = {}  # pages held by promotions in flight
@@ -168,6 +171,9 @@ class TieredStore(Placement):
             tiers.append(e.tier)
         self.counters["lookup_blocks"] += len(hashes)
         self.counters["lookup_hit_blocks"] += len(tiers)
+        ns_counts = self.ns_counters[ns_id]
+        ns_counts["lookup_blocks"] += len(hashes)
+        ns_counts["lookup_hit_blocks"] += len(tiers)
         return LookupResult(len(tiers), tuple(tiers))
 
     def acquire(self, ns_id: str, hashes: Sequence[bytes], owner: Owner, prefix: bool = True) -> list[Entry | None]:
@@ -196,12 +202,19 @@ class TieredStore(Placement):
             self.sharing.on_hit(hit_keys)
         self.counters["hit_blocks"] += len(hit_keys)
         self.counters["miss_blocks"] += len(hashes) - len(hit_keys)
+        ns_counts = self.ns_counters[ns_id]
+        ns_counts["hit_blocks"] += len(hit_keys)
+        ns_counts["miss_blocks"] += len(hashes) - len(hit_keys)
         return out
 
     def _credit_hits(self, keys: list[Key]) -> None:
         by_tier: dict[str, list[Key]] = defaultdict(list)
+        now = self.clock()
         for key in keys:
-            by_tier[self.entries[key].tier].append(key)
+            e = self.entries[key]
+            e.hits += 1
+            e.last_access = now
+            by_tier[e.tier].append(key)
         for tier, tier_keys in by_tier.items():
             self.tier_stats[tier].hits += len(tier_keys)
             self.policies[tier].on_access(tier_keys)
@@ -330,8 +343,11 @@ class TieredStore(Placement):
         return False
 
     def commit(
-        self, ns_id: str, hashes: Sequence[bytes], owner: Owner, attention: Sequence[float] | None = None
+        self, ns_id: str, hashes: Sequence[bytes], owner: Owner, attention: Sequence[float] | None = None,
+        tokens: Sequence[bytes | None] | None = None,
     ) -> int:
+        """Make reserved blocks readable. `tokens`: each block's token ids (<u4 bytes, block_tokens of
+        them) or None, kept for KV events while `events` is set (routers match requests on them)."""
         self._check_reserved(ns_id, hashes, owner)
         batch = {(ns_id, h) for h in hashes}
         for h in hashes:
@@ -341,19 +357,30 @@ class TieredStore(Placement):
         if attention is not None and len(attention) != len(hashes):
             raise KVStoreError("attention must have one value per committed block")
         ns = self.namespaces[ns_id]
+        if tokens is not None and (len(tokens) != len(hashes) or any(
+                t is not None and len(t) != 4 * ns.block_tokens for t in tokens)):
+            raise KVStoreError(f"tokens must have one entry per committed block, each None or "
+                               f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
+        now = self.clock()
         for i, h in enumerate(hashes):
             e = self.entries[(ns_id, h)]
             e.committed = True
             e.owner = None
+            e.last_access = now
             self.reserved_by_owner[owner].discard(e.key)
             if attention is not None:
                 e.attention = float(attention[i])
+            if tokens is not None and self.events is not None:
+                e.tokens = tokens[i]
             self.policies[e.tier].on_insert(
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention)
             )
+            if self.events is not None:
+                self.events.stored(e, e.tier)
         self.counters["put_blocks"] += len(hashes)
         if self.sharing is not None:
             self.sharing.on_commit([(ns_id, h) for h in hashes])
+        self.ns_counters[ns_id]["put_blocks"] += len(hashes)
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
@@ -407,12 +434,38 @@ class TieredStore(Placement):
         return removed
 
     def clear(self) -> int:
-        """Drop every committed, unpinned block whose subtree is unpinned and committed."""
+        """Drop every committed, unpinned block whose subtree is unpinned and committed.
+
+        Reported to `events` as one `cleared` of every namespace, then `stored` for what survived."""
         roots: dict[str, list[bytes]] = defaultdict(list)
         for e in self.entries.values():
             if e.parent is None:
                 roots[e.key[0]].append(e.key[1])
-        return sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
+        events, self.events = self.events, None
+        try:
+            removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
+        finally:
+            self.events = events
+        if events is not None:
+            events.cleared(list(self.namespaces))
+            self.report_all()
+        return removed
+
+    def report_all(self) -> None:
+        """Report every committed block as stored in each tier holding it (after a `cleared`: the
+        daemon's start, or a resync). Tier by tier, each chain walked from its root, so a parent comes
+        before its children and a chain's blocks come together (one BlockStored per chain)."""
+        if self.events is None:
+            return
+        roots = [e for e in self.entries.values() if e.parent is None]
+        for tier in self.chain:
+            for root in roots:
+                stack = [root]
+                while stack:
+                    e = stack.pop()
+                    if e.committed and tier.name in held_tiers(e):
+                        self.events.stored(e, tier.name)
+                    stack.extend(self.entries[k] for k in children_of(e))
 
     def subtree(self, root: Key) -> list[Key]:
         """`root` and everything below it, in O(size of the subtree)."""
@@ -497,6 +550,11 @@ class TieredStore(Placement):
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
         return store_stats(self)
+
+    def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
+        """What inspection tools show of each block (None: not stored). No pins, no policy events."""
+        self.namespace(ns_id)
+        return describe_blocks(self, ns_id, hashes)
 
     def check(self) -> list[str]:
         """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean).

@@ -1,4 +1,4 @@
-"""The store's stats and its consistency check (`TieredStore.stats`, `TieredStore.check`).
+"""The store's stats, block descriptions and consistency check (`TieredStore.stats`, `.describe`, `.check`).
 
 `check` verifies, for every tier of the chain and every pair of tiers: the
 index against itself (keys, depths, parents present), the tree rule (no child
@@ -12,7 +12,7 @@ against its blocks. It is for tests and post-mortems: it walks everything.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from kvstore.entry import RANK, TIERS, Key, children_of
 
@@ -56,7 +56,41 @@ def store_stats(store: "TieredStore") -> dict:
         "tiers": per_tier,
         "counters": dict(store.counters),
         **({"remote": store.sharing.stats()} if store.sharing is not None else {}),
+        "by_namespace": _by_namespace(store, committed),
     }
+
+
+def _by_namespace(store: "TieredStore", committed: list) -> dict[str, dict]:
+    """Per namespace, in registration order: what identifies it, its blocks and bytes per tier, its counters."""
+    out: dict[str, dict] = {}
+    for ns_id, ns in store.namespaces.items():
+        out[ns_id] = {"model": ns.model, "tenant": ns.tenant, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
+                      "dtype": ns.dtype, "block_tokens": ns.block_tokens, "block_bytes": ns.block_bytes,
+                      "blocks": {}, "bytes": {}, "counters": dict(store.ns_counters.get(ns_id, {}))}
+    for e in committed:
+        row = out.get(e.key[0])
+        if row is not None:
+            row["blocks"][e.tier] = row["blocks"].get(e.tier, 0) + 1
+            row["bytes"][e.tier] = row["bytes"].get(e.tier, 0) + e.nbytes
+    return out
+
+
+def describe_blocks(store: "TieredStore", ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
+    store._reap()
+    found = [store.entries.get((ns_id, h)) for h in hashes]
+    by_tier: dict[str, list[Key]] = defaultdict(list)
+    for e in found:
+        if e is not None:
+            by_tier[e.tier].append(e.key)
+    values: dict[Key, str | None] = {}
+    for tier, keys in by_tier.items():
+        values.update(zip(keys, store.policies[tier].describe(keys)))
+    now = store.clock()
+    return [None if e is None else {
+        "tier": e.tier, "committed": e.committed, "pins": e.pins, "hits": e.hits, "depth": e.depth,
+        "idle_s": now - e.last_access if e.last_access else None, "policy_value": values.get(e.key),
+        "copies": sorted(e.copies or ()), "nbytes": e.nbytes, "attention": e.attention,
+    } for e in found]
 
 
 def check_store(store: "TieredStore") -> list[str]:

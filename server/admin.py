@@ -2,10 +2,13 @@
 
 GET /healthz  -> {"status": "ok"}
 GET /metrics  -> Prometheus text: blocks and bytes per tier, hits, misses,
-                 evictions, errors, sessions
+                 evictions, errors, sessions; per model (server/metrics.py)
+                 blocks, bytes and counters; requests per op; KV events
 GET /stats    -> the store's stats as JSON, plus sessions and error counts
 GET /check    -> the store's consistency check: {"ok": bool, "problems": [...]}
 POST /clear   -> drop every unpinned committed block
+POST /events/resync -> publish AllBlocksCleared and a BlockStored for every block
+                 held (a router whose gap the replay buffer cannot fill asks for it)
 
 Who may ask (`guard_middleware`, before any handler), since any local user can
 reach a loopback port, and a web page can too through DNS rebinding:
@@ -38,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.errors import AuthError, KVStoreError
 from kvstore.store import TieredStore
+from server.metrics import daemon_families, namespace_families
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,7 @@ class AdminView:
     store: TieredStore
     stats: Callable[[], dict]  # the store's stats with the daemon's sessions and error counts
     token: str  # the bearer token every path but OPEN_PATHS needs
+    resync_events: Callable[[], None] | None = None  # None: KV events are off
 
 
 class WrongHost(KVStoreError):
@@ -115,6 +120,8 @@ class StoreCollector:
                                 ("remote_promotions", "Blocks fetched from the remote tier into the host arena"),
                                 ("remote_lookup_hit_blocks", "Blocks a lookup found in the remote tier")):
                 yield CounterMetricFamily(f"kvstore_{name}", help_, value=c.get(name, 0))
+        yield from namespace_families(s)  # per model, bounded (server/metrics.py)
+        yield from daemon_families(s)
 
 
 @web.middleware
@@ -188,6 +195,14 @@ async def clear(request: web.Request) -> web.Response:
     return web.json_response({"removed": request.app[VIEW].store.clear()})
 
 
+async def resync_events(request: web.Request) -> web.Response:
+    resync = request.app[VIEW].resync_events
+    if resync is None:
+        raise KVStoreError("KV events are off: set [events] endpoint in the daemon's config")
+    resync()
+    return web.json_response({"resynced": True})
+
+
 def allowed_hosts(admin_host: str) -> frozenset:
     """Host names the admin plane answers to: loopback, and the bind address if it names one host."""
     names = set(LOOPBACK_NAMES)
@@ -209,6 +224,7 @@ def make_app(view: AdminView, admin_host: str = "127.0.0.1") -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check", check)
     app.router.add_post("/clear", clear)
+    app.router.add_post("/events/resync", resync_events)
     return app
 
 

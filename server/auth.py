@@ -30,7 +30,7 @@ OP_CLASS: dict[str, tuple[str, ...]] = {
     "register": ("read", "write"),
     "lookup": ("read",), "acquire": ("read",), "release": ("read",), "get": ("read",),
     "reserve": ("write",), "commit": ("write",), "abort": ("write",), "put": ("write",),
-    "stats": ("admin",), "blocks": ("admin",), "remove": ("admin",),
+    "stats": ("admin",), "blocks": ("admin",), "remove": ("admin",), "describe": ("admin",),
 }
 
 

@@ -25,6 +25,13 @@ write, then takes the instance lock and writes the admin token there
 (server/instance.py); the arena in /dev/shm is never followed or reused if
 another user put something at its path (tiers/host.py).
 
+KV events (off unless `[events] endpoint` is set; server/events.py): the
+store reports blocks entering and leaving tiers to an `EventPublisher`, which
+the daemon flushes after every request (one KVEventBatch per request, as vLLM
+sends one per engine step) and every FLUSH_S; a thread publishes them. At
+start routers get AllBlocksCleared and the blocks the store recovered; hello
+tells clients the endpoints and whether to send token ids with commits.
+
 SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
 answered with ShuttingDown), the daemon closes every connection itself, the store
 is closed (lower tiers flush), the socket, arena, admin token and lock are
@@ -48,6 +55,7 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
+from server.events import FLUSH_S, EventPublisher
 from server.frames import Oversize, discard, read_frame
 from server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
 from server.rpc import Handlers, Session, error_reply
@@ -90,6 +98,7 @@ class Daemon:
             "arena_bytes": self.store.host.capacity_bytes,
             "page_bytes": self.store.host.page_bytes,
             "gpu": gpu_info(self.store),
+            "events": None,  # {endpoint, replay_endpoint, token_ids} once KV events are published
         }
         sc = config.server
         self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info)
@@ -102,6 +111,8 @@ class Daemon:
         self._admin_runner = None
         self.tcp_port: int | None = None
         self.admin_port: int | None = None
+        self.events = EventPublisher(config.events, self.store.namespaces) if config.events.enabled else None
+        self._flusher: asyncio.Task | None = None
 
     def full_stats(self) -> dict:
         """The store's stats with the daemon's sessions and error counts (admin /stats and /metrics)."""
@@ -110,6 +121,9 @@ class Daemon:
         stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
         stats["errors"] = dict(self.errors)
         stats["gpu"] = self.handlers.info["gpu"]
+        stats["ops"] = dict(self.handlers.op_counts)
+        if self.events is not None:
+            stats["events"] = self.events.stats()
         return stats
 
     # -- lifecycle ------------------------------------------------------------
@@ -130,8 +144,12 @@ class Daemon:
             srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit)
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
+        if self.events is not None:
+            self._start_events()
         if sc.admin_port is not None:
-            view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path))
+            events = self.events
+            resync = (lambda: events.resync(self.store)) if events is not None else None
+            view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path), resync)
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         if self.store.sharing is not None:
             self.store.sharing.start()
@@ -144,10 +162,32 @@ class Daemon:
             self.store.host.path, self.config.policy,
         )
 
+    def _start_events(self) -> None:
+        """Open the KV-event sockets and start from the store's state: AllBlocksCleared, then a
+        BlockStored for every block it recovered (replayable for routers that connect later)."""
+        assert self.events is not None
+        self.handlers.info["events"] = self.events.start()
+        self.store.events = self.events
+        self.events.cleared(list(self.store.namespaces))
+        self.store.report_all()
+        self.events.flush(force=True)
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_events())
+
+    async def _flush_events(self) -> None:
+        """Events of work no request waits for (promotions in flight, admin clears), and resyncs after drops."""
+        assert self.events is not None
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self.events.lost and self.events.has_room():
+                self.events.resync(self.store)
+            self.events.flush()
+
     async def run(self) -> None:
         await self.start()
+        events = self.handlers.info.get("events") or {}
         print(f"kvstore ready socket={self.config.server.socket_path} admin_port={self.admin_port} "
-              f"tcp_port={self.tcp_port}", flush=True)
+              f"tcp_port={self.tcp_port} events={events.get('endpoint')} "
+              f"events_replay={events.get('replay_endpoint')}", flush=True)
         await self._stopped.wait()
         await self.stop()
 
@@ -177,7 +217,11 @@ class Daemon:
             unlink_quietly(self.config.admin_token_path)
         if self.store.sharing is not None:
             await self.store.sharing.stop()  # what is queued is published (bounded), then its threads end
+        if self._flusher is not None:
+            self._flusher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
+        if self.events is not None:
+            self.events.close()  # after the store's close: blocks persisted at close are reported too
         unlink_quietly(self.config.server.socket_path)
         if self._lock_fd is not None:
             unlink_quietly(self.config.lock_path)  # still held: no other daemon of this name is running
@@ -220,6 +264,8 @@ class Daemon:
                     writer.write(pack_frame(reply))
                 finally:
                     session.busy = False
+                    if self.events is not None:
+                        self.events.flush()  # one batch per request, like vLLM's one per engine step
                 await writer.drain()
                 if self._unauthenticated(session):
                     return

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
 from kvstore.keys import Namespace
 from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
-                              want_hashes)
+                              want_hashes, want_token_blocks)
 from kvstore.store import TieredStore
 from kvstore.tokens import TokenScope
 from server.auth import Grant, authenticate, unix_grant
@@ -67,7 +68,9 @@ class Handlers:
             "stats": self.stats,
             "blocks": self.blocks,
             "remove": self.remove,
+            "describe": self.describe,
         }
+        self.op_counts: Counter = Counter()  # requests served per op (stats "ops": `kvstore top`)
 
     async def dispatch(self, session: Session, op: str, args: dict) -> Any:
         handler = self.ops.get(op)
@@ -78,6 +81,7 @@ class Handlers:
                 raise AuthError("say hello first" if session.transport == "unix" else "authenticate with hello first")
             self._authorize(session.grant, op, args)
         session.requests += 1
+        self.op_counts[op] += 1
         result = handler(session, args)
         if inspect.isawaitable(result):
             result = await result
@@ -139,6 +143,11 @@ class Handlers:
             if len(rows) < limit:
                 rows.append([e.key[0], e.key[1], e.tier, e.depth, e.pins, e.committed, e.nbytes])
         return {"blocks": rows, "total": total}
+
+    def describe(self, s: Session, args: dict) -> dict:
+        """Per hash, what inspection tools show of the block (None: not stored): tier, pins, hits, ..."""
+        ns = want(args, "ns", str)
+        return {"blocks": self.store.describe(ns, want_hashes(args, self.max_batch))}
 
     def remove(self, s: Session, args: dict) -> dict:
         """Remove blocks and their subtrees (skipping any subtree with a pinned or unfinished block)."""
@@ -202,7 +211,8 @@ class Handlers:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
         attention = want_floats(args, "attention", len(hashes))
-        return {"committed": self.store.commit(ns, hashes, s.owner, attention)}
+        tokens = want_token_blocks(args, len(hashes))
+        return {"committed": self.store.commit(ns, hashes, s.owner, attention, tokens)}
 
     def abort(self, s: Session, args: dict) -> dict:
         self.store.abort(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
@@ -211,21 +221,23 @@ class Handlers:
     def put(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
         blocks = want_blocks(args, self.max_batch, with_payload=True)
+        tokens = want_token_blocks(args, len(blocks))
         block_bytes = self.store.namespace(ns).block_bytes
         for i, (_, _, payload) in enumerate(blocks):
             if len(payload) != block_bytes:
                 raise NamespaceError(f"blocks[{i}] payload is {len(payload)} B; the namespace's blocks are {block_bytes} B")
         entries = self.store.reserve(ns, [(h, p) for h, p, _ in blocks], s.owner)
-        written = []
+        written, written_tokens = [], []
         try:
-            for entry, (h, _, payload) in zip(entries, blocks):
+            for i, (entry, (h, _, payload)) in enumerate(zip(entries, blocks)):
                 if entry is not None:
                     self.store.host.write(entry.location, payload)
                     written.append(h)
+                    written_tokens.append(tokens[i] if tokens is not None else None)
         except BaseException:
             self.store.abort(ns, [e.key[1] for e in entries if e is not None], s.owner)
             raise
-        self.store.commit(ns, written, s.owner)
+        self.store.commit(ns, written, s.owner, tokens=written_tokens if tokens is not None else None)
         return {"stored": len(written)}
 
     @staticmethod

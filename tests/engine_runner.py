@@ -11,8 +11,8 @@ runs: a list of {"prompts": [{"ids": [...]} | {"text": "..."}, optional
 "signal_path": P, optional "reset_prefix_cache": true}. Runs are generated one after another in the same engine;
 before a run, `signal_path` is created and the runner waits (60 s at most)
 until `wait_for_path` exists. The last stdout line is
-`ENGINE_RESULT {json}`: per run the outputs (token ids, prompt length,
-num_cached_tokens) and its wall time, and the engine's counters (prefix-cache,
+`ENGINE_RESULT {json}`: per run the outputs (token ids, prompt length and
+token ids, num_cached_tokens) and its wall time, and the engine's counters (prefix-cache,
 external-hit and speculative-decoding metrics) after each run.
 """
 
@@ -102,6 +102,7 @@ def _run(llm, run: dict) -> dict:
             "token_ids": list(o.outputs[0].token_ids),
             "text": o.outputs[0].text,
             "prompt_len": len(o.prompt_token_ids or []),
+            "prompt_token_ids": list(o.prompt_token_ids or []),
             "num_cached_tokens": o.num_cached_tokens,
         }
         for o in outs

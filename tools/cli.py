@@ -9,7 +9,8 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ["tools.serve_cmd", "tools.stats_cmd", "tools.inspect_cmd", "tools.replay"]
+COMMAND_MODULES = ["tools.serve_cmd", "tools.stats_cmd", "tools.blocks_cmd", "tools.inspect_cmd", "tools.top_cmd",
+                   "tools.events_cmd", "tools.replay"]
 
 
 def build_parser() -> argparse.ArgumentParser:

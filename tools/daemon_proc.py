@@ -39,6 +39,8 @@ class DaemonProc:
     args: list = field(default_factory=list)
     log_path: str | None = None
     prefix: tuple = ()  # a launcher the daemon runs under, e.g. ("ip", "netns", "exec", "hostA")
+    events_endpoint: str | None = None  # the KV-event PUB socket it bound, when [events] is on
+    events_replay: str | None = None
 
     def client(self, timeout_s: float = 10.0):
         from kvstore.client import KVClient
@@ -144,8 +146,9 @@ def start_daemon(
         raise RuntimeError(f"daemon did not start: {line!r}, exit {code} {tail}")
     fields = dict(kv.split("=", 1) for kv in line.split()[2:])
     port = lambda v: None if v == "None" else int(v)  # noqa: E731
+    endpoint = lambda key: None if fields.get(key, "None") == "None" else fields[key]  # noqa: E731
     return DaemonProc(proc, sock, port(fields["admin_port"]), port(fields["tcp_port"]), name, args, log_path,
-                      tuple(prefix))
+                      tuple(prefix), endpoint("events"), endpoint("events_replay"))
 
 
 _HTTP_SCRIPT = """

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remote", metavar="mooncake://HOST:PORT",
                    help="share blocks with other hosts through this Mooncake master ([remote] in the config)")
     p.add_argument("--policy", help="eviction policy")
+    p.add_argument("--events-endpoint", help="publish KV events on this ZMQ address, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--events-replay-endpoint", help="ZMQ ROUTER address serving missed KV-event batches")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(run=run)
 
@@ -62,6 +64,8 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "disk.enabled": False if args.no_disk else None,
         "remote.kind": "mooncake" if args.remote else None,
         "remote.master": args.remote,
+        "events.endpoint": args.events_endpoint,
+        "events.replay_endpoint": args.events_replay_endpoint,
     }
 
 
