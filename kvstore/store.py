@@ -70,7 +70,7 @@ from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
 from kvstore.recovery import recover
 from kvstore.store_check import check_store, store_stats
-from tiers.base import Tier
+from tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,11 @@ class TieredStore(Placement):
 
     def info(self, e: Entry) -> BlockInfo:
         return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.namespaces[e.key[0]].block_tokens, e.attention)
+
+    def block_meta(self, e: Entry, stamp: float | None = None) -> BlockMeta:
+        """What a persistent tier records with the block."""
+        return BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention,
+                         self.wall_clock() if stamp is None else stamp)
 
     # -- namespaces -----------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> str:
@@ -328,6 +333,7 @@ class TieredStore(Placement):
         if attention is not None and len(attention) != len(hashes):
             raise KVStoreError("attention must have one value per committed block")
         ns = self.namespaces[ns_id]
+        stamp = self.wall_clock()
         for i, h in enumerate(hashes):
             e = self.entries[(ns_id, h)]
             e.committed = True
@@ -338,6 +344,9 @@ class TieredStore(Placement):
             self.policies[e.tier].on_insert(
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention)
             )
+            tier = self.tiers[e.tier]
+            if tier.persistent:
+                tier.placed(e.location, self.block_meta(e, stamp))
         self.counters["put_blocks"] += len(hashes)
         return len(hashes)
 
