@@ -17,9 +17,9 @@ Rules that make an adopted block safe to serve:
 - A record is written only after its block committed (the client copied the
   bytes in before it sent `commit`), so a reserved, never committed block has
   no record and its pages are free at the next start.
-- Its checksum is taken then, off the event loop, by the `kvstore-host-index`
-  thread at the lowest CPU priority (nice 19: the copies of a put storm keep
-  the CPU); records are written in batches, one LMDB transaction per batch.
+- Its checksum is taken then, off the event loop, by a thread at the lowest
+  CPU priority (nice 19: the copies of a put storm keep the CPU); records are
+  written in batches, one LMDB transaction per batch.
   A block freed before its record was written is simply never recorded. So a
   committed block is *durable here* a little after its commit (`pending`).
 - A record is deleted before its pages are handed out again: `forget` queues
@@ -31,14 +31,18 @@ Rules that make an adopted block safe to serve:
   is dropped, never served.
 
 Threads: `record`, `forget`, `settle` run on the owner's thread (the event
-loop); the index thread hashes and writes. `_lock` orders every write
-transaction and the pending/recorded state between them.
+loop). The `kvstore-host-hash` thread (nice 19) checksums committed blocks and
+hands them to the `kvstore-host-index` thread (normal priority), which writes
+them. `_lock` orders every write transaction and the pending/recorded state;
+the hasher never takes it, so the loop never waits behind a preempted
+low-priority thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import stat
 import threading
@@ -98,7 +102,7 @@ def remove_index(path: str) -> None:
 
 
 class HostIndex:
-    """The LMDB placement index of one arena, and the thread that writes it."""
+    """The LMDB placement index of one arena, and the threads that write it."""
 
     def __init__(self, path: str, arena: np.ndarray, geometry: dict) -> None:
         """Open the index at `path`, creating it if absent. `geometry` (capacity, page size, the arena
@@ -115,18 +119,20 @@ class HostIndex:
         except BaseException:
             self.env.close()
             raise
-        self._lock = threading.Lock()  # the state below, and every write transaction
-        self._work = threading.Lock()  # one batch at a time (the thread, or flush on the caller's thread)
-        self._cv = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
         self._pending: dict[bytes, _Pending] = {}  # committed, record not yet written (insertion order)
         self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
         self._recorded: set[bytes] = set()
         self._deletes: list[bytes] = []  # records to delete before their pages are reused
+        self._to_hash: queue.SimpleQueue = queue.SimpleQueue()  # _Pending items (None: stop)
+        self._hashed: queue.SimpleQueue = queue.SimpleQueue()  # [(item, checksum)] batches (None: wake up)
         self._closing = False
         self.records_written = 0
         self.batches = 0
-        self._thread = threading.Thread(target=self._run, name="kvstore-host-index", daemon=True)
-        self._thread.start()
+        self._hasher = threading.Thread(target=self._hash_loop, name="kvstore-host-hash", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-host-index", daemon=True)
+        self._hasher.start()
+        self._writer.start()
 
     def _check_meta(self, want: dict) -> None:
         with self.env.begin(write=True, db=self._db_meta) as txn:
@@ -199,34 +205,31 @@ class HostIndex:
                 self._pending_ids.discard(id(old.extents))
             self._pending[rkey] = item
             self._pending_ids.add(id(extents))
-            self._cv.notify()
+        self._to_hash.put(item)
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
-        (committed by `settle`, which runs before its pages are allocated again)."""
+        (committed by the writer soon, and by `settle` before its pages are allocated again)."""
         rkey = record_key(key)
         with self._lock:
             item = self._pending.pop(rkey, None)
             if item is not None:
                 self._pending_ids.discard(id(item.extents))
-            elif rkey in self._recorded:
-                self._recorded.discard(rkey)
-                self._deletes.append(rkey)
-                self._cv.notify()
+                return
+            if rkey not in self._recorded:
+                return  # never committed here (an aborted reservation)
+            self._recorded.discard(rkey)
+            self._deletes.append(rkey)
+        self._hashed.put(None)  # the writer commits it promptly: a removed block must not come back
 
     @property
     def has_deletes(self) -> bool:
         return bool(self._deletes)
 
     def settle(self) -> None:
-        """Commit the queued deletions (one transaction): the freed pages may be reused now."""
+        """Commit the queued deletions now: the freed pages may be reused after this."""
         with self._lock:
-            if not self._deletes:
-                return
-            with self.env.begin(write=True, db=self._db_blocks) as txn:
-                for rkey in self._deletes:
-                    txn.delete(rkey)
-            self._deletes.clear()
+            self._commit([])
 
     def pending(self, extents: list) -> bool:
         return id(extents) in self._pending_ids
@@ -236,66 +239,85 @@ class HostIndex:
         return len(self._pending)
 
     # -- writing records ---------------------------------------------------------------
-    def _run(self) -> None:
-        try:  # the lowest priority: hashing must never take the CPU from the copies of a put storm
+    def _hash_loop(self) -> None:
+        """Checksums, at the lowest CPU priority: they must never take the CPU from the copies of a
+        put storm. This thread takes no lock the event loop waits for (a preempted nice-19 thread
+        holding one would stall the loop): it reads the blocks' pages and hands results on."""
+        try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
         while True:
+            item = self._to_hash.get()
+            batch, size = [], 0
+            while item is not None and not self._closing:
+                if self._pending.get(item.key) is item:  # a block freed meanwhile is skipped (re-checked below)
+                    # Its pages cannot be reused while it is still pending: a freed block leaves `_pending` first.
+                    batch.append((item, checksum(self.arena, item.extents)))
+                    size += item.record["n"]
+                if size >= BATCH_BYTES:
+                    break
+                try:
+                    item = self._to_hash.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._hashed.put(batch)
+            if item is None or self._closing:
+                return
+
+    def _write_loop(self) -> None:
+        """One transaction per batch of checksummed records (and the deletions queued meanwhile)."""
+        while True:
+            batches = [self._hashed.get()]
+            while True:
+                try:
+                    batches.append(self._hashed.get_nowait())
+                except queue.Empty:
+                    break
             with self._lock:
-                while not self._pending and not self._deletes and not self._closing:
-                    self._cv.wait()
                 if self._closing:
                     return
-            self.settle()  # promptly, so a removed block does not come back after a kill
-            self._write_batch()
+                self._commit([r for batch in batches if batch for r in batch])
 
-    def _write_batch(self) -> bool:
-        """Hash a batch of pending blocks and write the records still pending afterwards (one txn)."""
-        with self._work:
-            with self._lock:
-                batch, size = [], 0
-                for item in self._pending.values():
-                    batch.append(item)
-                    size += item.record["n"]
-                    if size >= BATCH_BYTES:
-                        break
-            if not batch:
-                return False
-            # Outside the lock: a block freed meanwhile is no longer pending below, and its pages
-            # cannot have been reused while it still was (a freed block leaves `_pending` first).
-            sums = [checksum(self.arena, item.extents) for item in batch]
-            with self._lock:
-                live = [(item, x) for item, x in zip(batch, sums) if self._pending.get(item.key) is item]
-                if live:
-                    with self.env.begin(write=True, db=self._db_blocks) as txn:
-                        for item, x in live:
-                            txn.put(item.key, msgpack.packb({**item.record, "x": x}))
-                for item, _ in live:
-                    del self._pending[item.key]
-                    self._pending_ids.discard(id(item.extents))
-                    self._recorded.add(item.key)
-                self.records_written += len(live)
-                self.batches += 1
-                self._cv.notify_all()
-            return True
+    def _commit(self, results: list) -> None:
+        """Under `_lock`: write the records still pending (a block freed since it was hashed is not),
+        delete the queued ones, one transaction."""
+        live = [(item, x) for item, x in results if self._pending.get(item.key) is item]
+        if not live and not self._deletes:
+            return
+        with self.env.begin(write=True, db=self._db_blocks) as txn:
+            for rkey in self._deletes:
+                txn.delete(rkey)
+            for item, x in live:
+                txn.put(item.key, msgpack.packb({**item.record, "x": x}))
+        self._deletes.clear()
+        for item, _ in live:
+            del self._pending[item.key]
+            self._pending_ids.discard(id(item.extents))
+            self._recorded.add(item.key)
+        self.records_written += len(live)
+        self.batches += 1
 
     def flush(self) -> None:
-        """Write every pending record now, on the caller's thread."""
-        while self._write_batch():
-            pass
-        self.settle()
+        """Write every pending record and deletion now, hashing on the caller's thread."""
+        with self._lock:
+            items = list(self._pending.values())
+        results = [(item, checksum(self.arena, item.extents)) for item in items]
+        with self._lock:
+            self._commit(results)
 
     def records(self) -> dict[bytes, dict]:
         with self.env.begin(db=self._db_blocks) as txn:
             return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
 
     def close(self, flush: bool = True) -> None:
-        """Stop the thread; with `flush`, write what is pending first (a clean stop keeps every block)."""
-        with self._lock:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
+        """Stop the threads; with `flush`, write what is pending first (a clean stop keeps every block)."""
+        self._closing = True
+        self._to_hash.put(None)
+        self._hashed.put(None)
+        self._hasher.join()
+        self._writer.join()
         if flush:
             self.flush()
         self.env.close()
