@@ -147,6 +147,8 @@ def test_restart_keeps_every_committed_block(tmp_path, sig, disk):
             assert stats["tiers"]["disk"]["copies"] == stats["counters"]["disk_copies_recovered"] == 12
         assert all(served(d, chains).values())
         assert d.check() == []
+        metrics = d.http("/metrics")[1].decode()
+        assert f"kvstore_host_adopted_blocks {float(in_host)}" in metrics and "kvstore_host_pending_records" in metrics
     finally:
         d.stop()
 
