@@ -177,8 +177,8 @@ class HostArena(Tier):
 
     def placed(self, location: Extents, meta: BlockMeta) -> None:
         if self.index is not None:
-            self.index.record(meta.key, location, {"p": meta.parent, "d": meta.depth, "a": meta.attention,
-                                                   "t": meta.stamp})
+            nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
+            self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
 
     def durable(self, location: Extents) -> bool:
         return self.index is not None and not self.index.pending(location)

@@ -46,6 +46,7 @@ import queue
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -57,7 +58,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-BATCH_BYTES = 64 << 20  # hashed per transaction at most: bounds how long a flush waits behind the thread
+BATCH_BYTES = 16 << 20  # hashed per batch at most: bounds a transaction, and the loop's wait for it
 
 
 class IndexRefused(PermissionError):
@@ -81,9 +82,10 @@ def checksum(arena: np.ndarray, extents: Iterable) -> int:
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    key: bytes
+    key: tuple  # (namespace id, hash): packed by the writer thread, not on the loop
     extents: list
-    record: dict
+    nbytes: int
+    meta: tuple  # (parent, depth, attention, stamp)
 
 
 def remove_index(path: str) -> None:
@@ -120,10 +122,10 @@ class HostIndex:
             self.env.close()
             raise
         self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
-        self._pending: dict[bytes, _Pending] = {}  # committed, record not yet written (insertion order)
+        self._pending: dict[tuple, _Pending] = {}  # committed, record not yet written (insertion order)
         self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
-        self._recorded: set[bytes] = set()
-        self._deletes: list[bytes] = []  # records to delete before their pages are reused
+        self._recorded: set[tuple] = set()
+        self._deletes: list[tuple] = []  # records to delete before their pages are reused
         self._to_hash: queue.SimpleQueue = queue.SimpleQueue()  # _Pending items (None: stop)
         self._hashed: queue.SimpleQueue = queue.SimpleQueue()  # [(item, checksum)] batches (None: wake up)
         self._closing = False
@@ -185,7 +187,7 @@ class HostIndex:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {record_key(k) for k, _ in kept}
+        self._recorded = {k for k, _ in kept}
         with self.env.begin(db=self._db_ns) as txn:
             namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
         return namespaces, kept, used
@@ -195,31 +197,30 @@ class HostIndex:
             txn.put(ns_id.encode(), msgpack.packb(fields))
 
     # -- the owner's thread ---------------------------------------------------------
-    def record(self, key: tuple, extents: list, record: dict) -> None:
-        """A block committed at `extents`: its record (checksum added) will be written shortly."""
-        rkey = record_key(key)
-        item = _Pending(rkey, extents, {**record, "e": extents, "n": sum(n for _, n in extents)})
+    def record(self, key: tuple, extents: list, nbytes: int, meta: tuple) -> None:
+        """A block committed at `extents`; `meta` = (parent, depth, attention, stamp). Its record
+        (checksum added) will be written shortly."""
+        item = _Pending(key, extents, nbytes, meta)
         with self._lock:
-            old = self._pending.pop(rkey, None)
+            old = self._pending.pop(key, None)
             if old is not None:
                 self._pending_ids.discard(id(old.extents))
-            self._pending[rkey] = item
+            self._pending[key] = item
             self._pending_ids.add(id(extents))
         self._to_hash.put(item)
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
         (committed by the writer soon, and by `settle` before its pages are allocated again)."""
-        rkey = record_key(key)
         with self._lock:
-            item = self._pending.pop(rkey, None)
+            item = self._pending.pop(key, None)
             if item is not None:
                 self._pending_ids.discard(id(item.extents))
                 return
-            if rkey not in self._recorded:
+            if key not in self._recorded:
                 return  # never committed here (an aborted reservation)
-            self._recorded.discard(rkey)
-            self._deletes.append(rkey)
+            self._recorded.discard(key)
+            self._deletes.append(key)
         self._hashed.put(None)  # the writer commits it promptly: a removed block must not come back
 
     @property
@@ -254,7 +255,7 @@ class HostIndex:
                 if self._pending.get(item.key) is item:  # a block freed meanwhile is skipped (re-checked below)
                     # Its pages cannot be reused while it is still pending: a freed block leaves `_pending` first.
                     batch.append((item, checksum(self.arena, item.extents)))
-                    size += item.record["n"]
+                    size += item.nbytes
                 if size >= BATCH_BYTES:
                     break
                 try:
@@ -267,7 +268,9 @@ class HostIndex:
                 return
 
     def _write_loop(self) -> None:
-        """One transaction per batch of checksummed records (and the deletions queued meanwhile)."""
+        """One transaction per batch of checksummed records (and the deletions queued meanwhile).
+        Records are packed before the lock is taken, yielding the GIL every few: the loop waits for
+        neither this thread's Python work nor more than one short transaction."""
         while True:
             batches = [self._hashed.get()]
             while True:
@@ -275,24 +278,29 @@ class HostIndex:
                     batches.append(self._hashed.get_nowait())
                 except queue.Empty:
                     break
+            packed = []
+            for i, (item, x) in enumerate(r for batch in batches if batch for r in batch):
+                packed.append((item, record_key(item.key), _pack(item, x)))
+                if i % 16 == 15:
+                    time.sleep(0)
             with self._lock:
                 if self._closing:
                     return
-                self._commit([r for batch in batches if batch for r in batch])
+                self._commit(packed)
 
-    def _commit(self, results: list) -> None:
+    def _commit(self, packed: list) -> None:
         """Under `_lock`: write the records still pending (a block freed since it was hashed is not),
-        delete the queued ones, one transaction."""
-        live = [(item, x) for item, x in results if self._pending.get(item.key) is item]
+        delete the queued ones, one transaction. `packed`: [(item, record key, record)]."""
+        live = [p for p in packed if self._pending.get(p[0].key) is p[0]]
         if not live and not self._deletes:
             return
         with self.env.begin(write=True, db=self._db_blocks) as txn:
-            for rkey in self._deletes:
-                txn.delete(rkey)
-            for item, x in live:
-                txn.put(item.key, msgpack.packb({**item.record, "x": x}))
+            for key in self._deletes:
+                txn.delete(record_key(key))
+            for _, rkey, value in live:
+                txn.put(rkey, value)
         self._deletes.clear()
-        for item, _ in live:
+        for item, _, _ in live:
             del self._pending[item.key]
             self._pending_ids.discard(id(item.extents))
             self._recorded.add(item.key)
@@ -303,9 +311,9 @@ class HostIndex:
         """Write every pending record and deletion now, hashing on the caller's thread."""
         with self._lock:
             items = list(self._pending.values())
-        results = [(item, checksum(self.arena, item.extents)) for item in items]
+        packed = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents))) for item in items]
         with self._lock:
-            self._commit(results)
+            self._commit(packed)
 
     def records(self) -> dict[bytes, dict]:
         with self.env.begin(db=self._db_blocks) as txn:
@@ -321,6 +329,12 @@ class HostIndex:
         if flush:
             self.flush()
         self.env.close()
+
+
+def _pack(item: _Pending, x: int) -> bytes:
+    parent, depth, attention, stamp = item.meta
+    return msgpack.packb({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
+                          "x": x})
 
 
 def _private_dir(path: str) -> None:
