@@ -34,7 +34,10 @@ The rules for every pair of tiers live here, not in the tiers (tiers/base.py):
   needs room drops its copies first, oldest first, before it evicts a block, so
   the blocks a tier holds, and every policy decision, are those of exclusive
   tiers (replay hit ratios do not move).
-- Restart recovery comes from whichever tiers persist (`Tier.recover`).
+- Restart recovery comes from whichever tiers persist (`Tier.recover`): the
+  host arena when it is kept (its placement index, fed by `Tier.placed` at
+  every commit and move into it), then the disk, whose records of blocks
+  already back in the arena become their copies (kvstore/recovery.py).
 - One policy instance per tier.
 
 Threads: every method runs on one thread (the daemon's event loop); only tier
@@ -459,7 +462,8 @@ class TieredStore(Placement):
     def close(self, persist: bool = True) -> None:
         """Drain (the SIGTERM path): with `persist`, move the blocks of the tiers above the first
         persistent one down into it (deepest first, as far as its policy makes room), then flush
-        and close every tier.
+        and close every tier. With a kept host arena that is only the gpu tier's blocks: the host
+        tier stays where it is, for the next start to re-adopt.
 
         Call it when no client is connected any more (nothing pinned, nothing reserved). The daemon
         calls it from an executor thread while its loop still runs: promotions in flight finish first.
