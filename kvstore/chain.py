@@ -50,7 +50,7 @@ def open_store(config: Config) -> TieredStore:
         chain.append(gpu)
     hc = config.host
     try:
-        host = HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault)
+        host = HostArena(config.shm_path, hc.capacity_bytes, hc.page_bytes, hc.prefault, persistent=hc.persistent)
     except ArenaRefused as exc:
         raise OwnershipError(str(exc)) from None
     chain.append(host)

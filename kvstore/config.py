@@ -140,6 +140,9 @@ class HostConfig:
     page_bytes: int = 256 * KiB
     shm_path: str = ""  # default: /dev/shm/kvstore-<uid>-<name>
     prefault: bool = True
+    # The arena and its placement index outlive the daemon; a restart re-adopts them (tiers/host.py).
+    # false: removed at stop, and a SIGTERM writes the host tier down to the disk tier instead.
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
@@ -147,6 +150,7 @@ class HostConfig:
         _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= self.page_bytes,
                  f"host.capacity must hold at least one page, got {self.capacity_bytes!r}")
         _require(isinstance(self.prefault, bool), "host.prefault must be true or false")
+        _require(isinstance(self.persistent, bool), "host.persistent must be true or false")
 
 
 @dataclass(frozen=True)
@@ -341,6 +345,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "page_size": ("page_bytes", "size"),
         "shm_path": ("shm_path", str),
         "prefault": ("prefault", None),
+        "persistent": ("persistent", None),
     },
     "disk": {
         "enabled": ("enabled", None),

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from kvstore.entry import RANK, Entry, Key, is_leaf_in, unlink_child
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import Namespace
-from tiers.base import BlockMeta, Tier
+from tiers.base import Tier
 
 
 class Placement:
@@ -148,8 +148,7 @@ class Placement:
             return alloc, src.read_into(e.location, dst.segments(alloc))
         if not src.host_memory:
             raise KVStoreError(f"internal: no copy path {src.name} -> {dst.name} (the host tier sits between)")
-        meta = BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention, self.wall_clock())
-        return dst.write_from(alloc, src.segments(e.location), meta), True
+        return dst.write_from(alloc, src.segments(e.location), self.block_meta(e)), True
 
     def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
         """Re-tier an entry: free its old location (or keep it as a copy), update policies, parent's
@@ -164,6 +163,8 @@ class Placement:
                 self.events.removed(e, old)
         self.policies[old].on_remove(e.key)
         e.tier, e.location = tier, location
+        if self.tiers[tier].persistent:
+            self.tiers[tier].placed(location, self.block_meta(e))  # the host index records it (disk: at write_from)
         if e.parent is not None:
             parent = self.entries[e.parent]
             parent.children[RANK[old]] -= 1

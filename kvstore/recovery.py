@@ -6,9 +6,11 @@ breadth-first from the roots, so a record whose parent is missing (an orphan,
 e.g. a block whose ancestors lived only in host RAM before a kill -9) is never
 adopted and its pages are freed; a record that does not match its namespace
 is dropped the same way. Adopted blocks enter their tier's policy in the order
-they reached the tier. A key already adopted from a faster persistent tier is
-left where it is (a slower shared tier, such as a remote store, is not ours to
-free).
+they reached the tier. A key already adopted from a faster persistent tier
+(the re-adopted host arena) stays there; its record in a slower tier that keeps
+copies (disk) becomes the block's copy (`Entry.copies`, inclusive tiers), as
+if it had been promoted out of it. A slower shared tier, such as a remote
+store, is not ours to free.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _recover_tier(store: "TieredStore", tier: Tier) -> None:
             log.warning("%s tier: namespace %r not restored: %s", tier.name, ns_id, exc)
     records: dict[Key, tuple[RecoveredBlock, Key | None]] = {}
     children: dict[Key | None, list[Key]] = defaultdict(list)
+    copies: list[tuple[float, Entry, object]] = []
     for b in blocks:
         ns = store.namespaces.get(b.key[0])
         if ns is None or b.nbytes != ns.block_bytes:
@@ -53,6 +56,9 @@ def _recover_tier(store: "TieredStore", tier: Tier) -> None:
             store.counters[f"{tier.name}_records_dropped"] += 1
             continue
         if b.key in store.entries:
+            e = store.entries[b.key]
+            if tier.name in store.copies and RANK[e.tier] < RANK[tier.name]:
+                copies.append((b.stamp, e, b.location))
             continue
         parent = None if b.parent in (None, b"", ROOT_HASH) else (b.key[0], b.parent)
         records[b.key] = (b, parent)
@@ -82,6 +88,10 @@ def _recover_tier(store: "TieredStore", tier: Tier) -> None:
     policy = store.policies[tier.name]
     for _, e in sorted(adopted, key=lambda t: t[0]):
         policy.on_insert(store.info(e))
+    for _, e, location in sorted(copies, key=lambda t: t[0]):  # the copies index is oldest first
+        e.copies = {**(e.copies or {}), tier.name: location}
+        store.copies[tier.name][e.key] = None
     store.counters[f"{tier.name}_blocks_recovered"] = len(adopted)
-    log.info("%s tier: recovered %d blocks, dropped %d orphans; %s", tier.name, len(adopted), len(records),
-             tier.stats())
+    store.counters[f"{tier.name}_copies_recovered"] = len(copies)
+    log.info("%s tier: recovered %d blocks and %d copies of blocks in faster tiers, dropped %d orphans; %s",
+             tier.name, len(adopted), len(copies), len(records), tier.stats())

@@ -34,7 +34,10 @@ The rules for every pair of tiers live here, not in the tiers (tiers/base.py):
   needs room drops its copies first, oldest first, before it evicts a block, so
   the blocks a tier holds, and every policy decision, are those of exclusive
   tiers (replay hit ratios do not move).
-- Restart recovery comes from whichever tiers persist (`Tier.recover`).
+- Restart recovery comes from whichever tiers persist (`Tier.recover`): the
+  host arena when it is kept (its placement index, fed by `Tier.placed` at
+  every commit and move into it), then the disk, whose records of blocks
+  already back in the arena become their copies (kvstore/recovery.py).
 - One policy instance per tier.
 
 Threads: every method runs on one thread (the daemon's event loop); only tier
@@ -71,7 +74,7 @@ from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
 from kvstore.recovery import recover
 from kvstore.store_check import check_store, describe_blocks, store_stats
-from tiers.base import Tier
+from tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,11 @@ class TieredStore(Placement):
 
     def info(self, e: Entry) -> BlockInfo:
         return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.namespaces[e.key[0]].block_tokens, e.attention)
+
+    def block_meta(self, e: Entry, stamp: float | None = None) -> BlockMeta:
+        """What a persistent tier records with the block."""
+        return BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention,
+                         self.wall_clock() if stamp is None else stamp)
 
     # -- namespaces -----------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> str:
@@ -362,6 +370,7 @@ class TieredStore(Placement):
             raise KVStoreError(f"tokens must have one entry per committed block, each None or "
                                f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
         now = self.clock()
+        stamp = self.wall_clock()
         for i, h in enumerate(hashes):
             e = self.entries[(ns_id, h)]
             e.committed = True
@@ -377,6 +386,9 @@ class TieredStore(Placement):
             )
             if self.events is not None:
                 self.events.stored(e, e.tier)
+            tier = self.tiers[e.tier]
+            if tier.persistent:
+                tier.placed(e.location, self.block_meta(e, stamp))
         self.counters["put_blocks"] += len(hashes)
         if self.sharing is not None:
             self.sharing.on_commit([(ns_id, h) for h in hashes])
@@ -518,7 +530,8 @@ class TieredStore(Placement):
     def close(self, persist: bool = True) -> None:
         """Drain (the SIGTERM path): with `persist`, move the blocks of the tiers above the first
         persistent one down into it (deepest first, as far as its policy makes room), then flush
-        and close every tier.
+        and close every tier. With a kept host arena that is only the gpu tier's blocks: the host
+        tier stays where it is, for the next start to re-adopt.
 
         Call it when no client is connected any more (nothing pinned, nothing reserved). The daemon
         calls it from an executor thread while its loop still runs: promotions in flight finish first.

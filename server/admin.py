@@ -95,6 +95,13 @@ class StoreCollector:
             yield CounterMetricFamily("kvstore_disk_checksum_failures", "Disk blocks whose checksum did not verify (dropped)",
                                       value=disk["checksum_failures"])
             yield GaugeMetricFamily("kvstore_disk_pending_writes", "Demotions not yet durable", value=disk["pending_writes"])
+        host = s["tiers"].get("host", {})
+        if "pending_records" in host:  # the arena is kept across restarts
+            yield GaugeMetricFamily("kvstore_host_pending_records",
+                                    "Committed host blocks whose placement record is not written yet (a kill loses them)",
+                                    value=host["pending_records"])
+            yield GaugeMetricFamily("kvstore_host_adopted_blocks", "Host blocks re-adopted from the arena at start",
+                                    value=host["adopted_blocks"])
         c = s["counters"]
         yield CounterMetricFamily("kvstore_misses", "Blocks asked for and not present", value=c.get("miss_blocks", 0))
         yield CounterMetricFamily("kvstore_lookup_blocks", "Blocks looked up", value=c.get("lookup_blocks", 0))

@@ -34,8 +34,11 @@ tells clients the endpoints and whether to send token ids with commits.
 
 SIGTERM/SIGINT drain: listeners close, requests in progress finish (new ones are
 answered with ShuttingDown), the daemon closes every connection itself, the store
-is closed (lower tiers flush), the socket, arena, admin token and lock are
-removed, exit 0.
+is closed (lower tiers flush; the host arena's pending placement records are
+written), the socket, admin token and lock are removed, exit 0. The arena and
+its index stay in /dev/shm for the next start to re-adopt (with
+`host.persistent = false` the arena is removed, and the host tier is written
+down to the disk tier first).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@
   file already there is a killed daemon's), removed at a clean stop.
 
 The arena in /dev/shm is checked by tiers/host.py (it has to be in a shared folder
-for clients to map it).
+for clients to map it). It and its placement index outlive the daemon on purpose
+(host.persistent): the next start re-adopts them.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def read_admin_token(path: str) -> str:
         os.close(fd)
 
 
-def remove_stale_instance(shm_path: str, lock_path: str, token_path: str) -> bool:
-    """Remove the arena, lock and token of an instance whose daemon is gone (killed); False if one still runs."""
+def remove_stale_instance(shm_path: str, lock_path: str, token_path: str, keep_arena: bool = False) -> bool:
+    """Remove the lock and token of an instance whose daemon is gone (killed), and its arena and the
+    arena's index unless `keep_arena` (a successor re-adopts them); False if a daemon still runs."""
     try:
         fd: int | None = _open_private(lock_path, "instance lock", os.O_RDWR)
     except FileNotFoundError:
@@ -126,7 +128,7 @@ def remove_stale_instance(shm_path: str, lock_path: str, token_path: str) -> boo
     try:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not remove_stale_arena(shm_path):
+        if not keep_arena and not remove_stale_arena(shm_path):
             return False
         unlink_quietly(token_path)
         if fd is not None:

@@ -16,6 +16,8 @@ def test_defaults_are_valid_and_per_user():
     assert cfg.host.capacity_bytes == 4 << 30
     assert cfg.server.admin_host == "127.0.0.1" and cfg.server.tcp_port is None
     assert str(cfg.host.page_bytes) and cfg.shm_path.startswith("/dev/shm/kvstore-")
+    assert cfg.host.persistent  # the arena is kept for the next start
+    assert not load_config(None, {"host.persistent": False}).host.persistent
 
 
 def test_toml_then_flags(tmp_path):
@@ -41,6 +43,7 @@ def test_toml_then_flags(tmp_path):
     ('[gpu]\nenabled = "yes"\n', "gpu.enabled must be true or false"),
     ('[gpu]\ncapacity = 4096\npage_size = 8192\n', "gpu.capacity must hold at least one page"),
     ('[gpu]\nsize = "1GiB"\n', "unknown key gpu.size"),
+    ('[host]\npersistent = "yes"\n', "host.persistent must be true or false"),
 ])
 def test_bad_values_are_named(tmp_path, text, fragment):
     path = tmp_path / "bad.toml"

@@ -190,8 +190,10 @@ def test_kill_9_during_a_write_storm_then_restart(tmp_path, mixed):
         print(f"round {round_no}: killed after {storm.acked} puts, {storm.reads} reads; {len(records)} records, "
               f"{len(must_serve)} servable, {len(records) - len(must_serve)} orphans")
     assert total_acknowledged > 50, "the storms never reached the disk: the test proves nothing"
-    # A clean stop persists the host tier too: a SIGTERM restart serves everything the daemon held
-    # (as far as the disk holds it).
+    # A clean stop of a daemon whose arena is not kept (host.persistent = false) writes the host tier
+    # down: a SIGTERM restart serves everything the daemon held (as far as the disk holds it). A kept
+    # arena serves it from the arena: tests/test_host_restart.py.
+    args += ("--no-persistent-host",)
     d = start_daemon(tmp_path, *args, host_bytes="2MiB", page_bytes="64KiB", disk=True)
     try:
         verify(d.socket_path, must_serve, all_chains)
@@ -243,8 +245,9 @@ def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
 
 def test_reads_do_not_make_blocks_less_durable(tmp_path):
     """Tiers are inclusive downward: a block promoted from disk keeps its disk record, so a kill -9
-    after reads loses nothing that was on disk, and demoting the unchanged block again writes nothing."""
-    args = ("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "32MiB")
+    after reads loses nothing that was on disk, and demoting the unchanged block again writes nothing.
+    (The arena is not kept here: the first stop writes every block down, the restarts read the disk.)"""
+    args = ("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "32MiB", "--no-persistent-host")
     chains = [chain_hashes(s, 4) for s in range(1, 11)]  # 40 blocks; the host tier holds 16
     d = start_daemon(tmp_path, *args, host_bytes="1MiB", page_bytes="64KiB", disk=True)
     try:

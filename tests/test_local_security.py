@@ -321,7 +321,9 @@ def mapped(path: str) -> bool:
 def test_a_client_refuses_a_daemon_of_another_user(shared_dir, daemon_factory, tmp_path):
     os.chown(shared_dir, NOBODY, NOBODY)
     os.chmod(shared_dir, 0o700)
-    d = daemon_factory(socket_path=str(shared_dir / "kv.sock"), admin=False, python=nobody_python(tmp_path))
+    # Not persistent: that user's daemon removes its arena at stop (the harness, as root, would not).
+    d = daemon_factory("--no-persistent-host", socket_path=str(shared_dir / "kv.sock"), admin=False,
+                       python=nobody_python(tmp_path))
     arena = f"/dev/shm/kvstore-{NOBODY}-{d.name}"
     assert os.stat(arena).st_uid == NOBODY  # a real daemon of that user
     with pytest.raises(KVStoreError, match=f"uid {NOBODY}") as info:
@@ -349,5 +351,6 @@ def test_a_client_maps_no_arena_another_user_put_at_its_path(daemon, tmp_path, k
         assert type(info.value).__name__ == "OwnershipError"
         assert not mapped(arena if kind == "file" else str(target))
     finally:
+        os.unlink(arena)  # the daemon keeps its arena at stop now (host.persistent): remove what was planted
         if kind == "symlink":
             target.unlink()

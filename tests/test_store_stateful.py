@@ -8,7 +8,10 @@ budgets, so demotions start early in every example. Writers put into the GPU
 pool or the host arena; readers read from either (a GPU reader also reads the
 arena), so reads promote disk -> host -> gpu and evictions demote
 gpu -> host -> disk. A `restart` rule closes the store (persisting the tiers
-above the disk) and reopens it on the same folder.
+above the disk) and reopens it on the same folder. In the chains marked
+`(kept)` the host arena is persistent: a restart re-adopts it, and a `crash`
+rule lets the arena go as a killed daemon would (records not yet written are
+lost, deletions not yet committed bring their blocks back) before reopening.
 
 Invariants checked after every step: capacity never exceeded in any tier,
 pinned and uncommitted blocks never evicted, get-after-put returns identical
@@ -36,7 +39,7 @@ from kvstore.entry import RANK, is_leaf_in
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
-from tiers.host import HostArena
+from tiers.host import HostArena, remove_stale_arena
 
 PAGE = 4096
 BLOCK = 6000  # two pages, the second partly used
@@ -49,6 +52,9 @@ CHAINS = {
     "host+disk": {"host": 6, "disk": 16},
     "gpu+host": {"gpu": 6, "host": 8},
     "gpu+host+disk": {"gpu": 4, "host": 6, "disk": 16},
+    "host(kept)": {"host": 12},
+    "host(kept)+disk": {"host": 6, "disk": 16},
+    "gpu+host(kept)+disk": {"gpu": 4, "host": 6, "disk": 16},
 }
 
 
@@ -56,13 +62,14 @@ def child_hash(parent: bytes | None, token: int) -> bytes:
     return xxhash.xxh3_128_digest((parent or b"root") + token.to_bytes(4, "little"))
 
 
-def make_tiers(pages: dict[str, int], folder: str) -> list:
+def make_tiers(pages: dict[str, int], folder: str, kept_arena: str | None = None) -> list:
     tiers = []
     if "gpu" in pages:
         from tiers.gpu import GpuPool
 
         tiers.append(GpuPool("cpu", pages["gpu"] * PAGE, PAGE))
-    tiers.append(HostArena(f"/dev/shm/kvtest-{uuid.uuid4().hex}", pages["host"] * PAGE, PAGE, prefault=False))
+    path = kept_arena or f"/dev/shm/kvtest-{uuid.uuid4().hex}"
+    tiers.append(HostArena(path, pages["host"] * PAGE, PAGE, prefault=False, persistent=kept_arena is not None))
     if "disk" in pages:
         from tiers.disk import DiskTier
 
@@ -79,8 +86,10 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.folder = os.path.join(self.base, uuid.uuid4().hex)
+        self.kept_arena = f"/dev/shm/kvtest-{uuid.uuid4().hex}" if "(kept)" in self.chain else None
         self._open()
         self.committed: dict[bytes, bytes] = {}  # model: hash -> payload of committed blocks
+        self.last_committed: dict[bytes, bytes] = {}  # hash -> payload of its last commit (what a crash may bring back)
         self.reserved: dict[bytes, tuple[int, bytes]] = {}  # hash -> (owner, payload written so far)
         self.pins: dict[int, list[bytes]] = {o: [] for o in OWNERS}
         self.rng = np.random.default_rng(0)
@@ -89,8 +98,8 @@ class StoreMachine(RuleBasedStateMachine):
     def _open(self) -> None:
         ticks = itertools.count()
         clock = lambda: float(next(ticks))  # noqa: E731  (deterministic: the policies' decay must not see real time)
-        self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder), policy=self.policy, clock=clock,
-                                 wall_clock=clock)
+        self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder, self.kept_arena), policy=self.policy,
+                                 clock=clock, wall_clock=clock)
         self.ns = self.store.register_namespace(NS)
         self.writable = [t.name for t in self.store.chain if t.client_readable]
         if not self.watch_demotions:
@@ -106,6 +115,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.store.close(persist=False)
+        if self.kept_arena is not None:
+            remove_stale_arena(self.kept_arena)
 
     # -- helpers ---------------------------------------------------------------
     def present(self, h: bytes) -> bool:
@@ -142,7 +153,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert h not in self.committed and h not in self.reserved
         if commit:
             self.store.commit(self.ns, [h], owner)
-            self.committed[h] = payload
+            self.committed[h] = self.last_committed[h] = payload
         else:
             self.reserved[h] = (owner, payload)
 
@@ -177,7 +188,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         del self.reserved[h]
         if commit:
-            self.committed[h] = payload
+            self.committed[h] = self.last_committed[h] = payload
 
     @precondition(lambda self: self.committed)
     @rule(data=st.data(), owner=st.sampled_from(OWNERS))
@@ -238,6 +249,28 @@ class StoreMachine(RuleBasedStateMachine):
         after = {k[1] for k in self.store.entries}
         assert after <= before, "a restart brought back a block that was not committed"
         self.committed = {h: p for h, p in self.committed.items() if h in after}
+
+    @precondition(lambda self: self.kept_arena is not None)
+    @rule(dice=st.integers(0, 5))
+    def crash(self, dice):
+        """The daemon is killed: the arena is let go as is (the other tiers close; the disk's own
+        crash behaviour is tests/test_disk_crash.py's), then re-adopted."""
+        if dice:
+            return
+        for tier in self.store.chain:
+            if tier.name == "host":
+                tier.abandon()
+            else:
+                tier.close()
+        if self.store._reader is not None:
+            self.store._reader.shutdown()
+        self._open()
+        self.pins = {o: [] for o in self.pins}
+        self.reserved = {}
+        after = {k[1] for k in self.store.entries}
+        assert after <= set(self.last_committed), "a crash brought back a block that was never committed"
+        # Back: what was committed, or removed just before the kill (its deletion not yet committed).
+        self.committed = {h: self.last_committed[h] for h in after}
 
     # -- invariants ---------------------------------------------------------------
     @invariant()

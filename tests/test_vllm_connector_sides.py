@@ -261,7 +261,8 @@ def test_hits_are_reported_by_the_tier_that_held_them(daemon_factory, tmp_path):
 
     from connectors.vllm import KVStoreConnector
 
-    disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB"]
+    # Not persistent: the host tier goes down to the disk at SIGTERM (a kept arena would report HOST).
+    disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", "--no-persistent-host"]
     d = daemon_factory(*disk, disk=True, name="tiers-test")
     cfg = ConnectorConfig(socket=d.socket_path, retry_s=0.0)
     sched = SchedulerSide(cfg, [namespace()], BT)

@@ -17,7 +17,10 @@ What a tier declares
   views (the arena), so any other tier copies straight into or out of them.
   Every transfer between two tiers goes through such a tier (the host arena
   is in every chain), never through an extra staging copy.
-- `persistent`: it keeps blocks across a restart (`recover`).
+- `persistent`: it keeps blocks across a restart (`recover`). A persistent
+  tier that clients write (the host arena) learns of each block that comes to
+  sit committed in it through `placed`; the others record a block when they
+  take its bytes (`write_from`).
 - `accepts_demotions`: victims of the tier above move down into it. The remote
   tier (tiers/remote.py) does not: it is shared, and what is published to it
   is decided by kvstore/sharing.py.
@@ -111,6 +114,9 @@ class Tier:
     def free(self, location, key: Key | None = None) -> None:
         """Give a block's pages back (and forget its record, in a persistent tier)."""
         self.pages.free(location)
+
+    def placed(self, location, meta: "BlockMeta") -> None:
+        """A committed block now sits at `location` (its commit, or a move into this tier)."""
 
     def locate(self, location) -> list:
         """The page extents of a location (for `check`)."""

@@ -6,7 +6,7 @@ first-touch page faults. Local clients map the same file (`map_arena`) and copy
 payloads directly; payload bytes never cross the socket for them.
 
 /dev/shm is shared by every user and the arena's name is predictable, so the
-daemon never follows or reuses what it finds there: it creates the file with
+daemon never follows what it finds there: it creates the file with
 O_CREAT|O_EXCL|O_NOFOLLOW, and removes a file already at the path only when it
 is a regular file of its own user that no running daemon holds (a killed
 daemon's); anything else (another user's file, a symlink) is refused (ArenaRefused).
@@ -14,27 +14,45 @@ The daemon holds an flock on its arena while it lives, which is how a stale
 arena is told from a live one. Clients map with O_NOFOLLOW and, given the
 daemon's uid, refuse a file that another user owns.
 
+Persistent (`persistent=True`, the daemon's default: config `host.persistent`):
+the arena and its placement index (tiers/host_index.py, `<arena>.index/`)
+outlive the process. A clean stop leaves both; the next start re-adopts an
+arena found at the path when it is a regular 0600 file of ours that no daemon
+holds, of the configured size, whose index is ours, private, readable and
+records the same geometry and the arena's inode: every record that verifies
+(extents, checksum) is a block again, the rest of the pages are free. Anything
+that does not match starts empty, with a log line saying why. Not persistent:
+the arena is removed at stop and a stale one at start (blocks then survive a
+SIGTERM only by being written down to the disk tier).
+
 A block occupies ceil(nbytes / page_bytes) pages, allocated as extents
 (`[offset, length]` runs) by the shared `PageAllocator` (tiers/pages.py); on a
 fresh or lightly fragmented arena a block is one extent, so a copy is one memcpy.
 
 Invariants (see `check`): a page is either free or owned by exactly one
-allocation; used + free == capacity; allocation never exceeds capacity.
+allocation; used + free == capacity; allocation never exceeds capacity; when
+persistent, every committed block has a record whose checksum its bytes match
+(`check_records`, after `flush`), and no other record exists.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
 from typing import Sequence
 
+import lmdb
 import numpy as np
 
-from tiers.base import Tier
+from tiers.base import BlockMeta, RecoveredBlock, Tier
+from tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
 from tiers.pages import Extents, PageAllocator, pair_runs
+
+log = logging.getLogger(__name__)
 
 _OS_PAGE = mmap.PAGESIZE
 
@@ -51,7 +69,8 @@ class HostArena(Tier):
     client_readable = True
     host_memory = True
 
-    def __init__(self, path: str, capacity_bytes: int, page_bytes: int, prefault: bool = True) -> None:
+    def __init__(self, path: str, capacity_bytes: int, page_bytes: int, prefault: bool = True,
+                 persistent: bool = False) -> None:
         if page_bytes <= 0 or page_bytes % _OS_PAGE:
             raise ValueError(f"page_bytes must be a positive multiple of {_OS_PAGE}, got {page_bytes}")
         num_pages = capacity_bytes // page_bytes
@@ -61,10 +80,19 @@ class HostArena(Tier):
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.capacity_bytes = num_pages * page_bytes
-        if not remove_stale_arena(path):
-            raise OSError(f"the arena {path} is in use by a running kvstore daemon (same name?)")
+        self.persistent = persistent
+        self.index: HostIndex | None = None
+        self._recovered: tuple[list, list] | None = None
+        self.adopted_blocks = 0
+        if not (persistent and self._adopt(prefault)):
+            self._create(prefault)
+
+    def _create(self, prefault: bool) -> None:
+        """A new, empty arena (and index, when persistent) at our path."""
+        if not remove_stale_arena(self.path):
+            raise OSError(f"the arena {self.path} is in use by a running kvstore daemon (same name?)")
         # A file object, not a bare fd: an arena dropped without close() (tests) still gives it back.
-        self._file = os.fdopen(_create_private(path), "r+b", buffering=0)
+        self._file = os.fdopen(_create_private(self.path), "r+b", buffering=0)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX)  # held while we live: tells our arena from a stale one
             os.ftruncate(self._file.fileno(), self.capacity_bytes)
@@ -76,7 +104,125 @@ class HostArena(Tier):
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         if prefault:
             self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
-        self.pages = PageAllocator(num_pages, page_bytes, label="host")
+        if self.persistent:
+            try:
+                self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+            except BaseException:
+                self.close(unlink=True)
+                raise
+        self.pages = PageAllocator(self.num_pages, self.page_bytes, label="host")
+
+    def _geometry(self) -> dict:
+        return {"capacity_bytes": self.capacity_bytes, "page_bytes": self.page_bytes,
+                "arena_inode": os.fstat(self._file.fileno()).st_ino}
+
+    def _adopt(self, prefault: bool) -> bool:
+        """Re-adopt the arena a previous daemon left at our path; False (and a log line saying why,
+        unless there was none) when it must start empty instead. OSError when a daemon still holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # none there; a symlink or another user's file is refused by _create
+            return False
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(f"the arena {self.path} is in use by a running kvstore daemon (same name?)") from None
+        self._file = os.fdopen(fd, "r+b", buffering=0)
+        why = self._open_adopted(st, prefault)
+        if why is None:
+            return True
+        log.warning("host tier: starting empty, not re-adopting the arena %s: %s", self.path, why)
+        self.close(unlink=False)
+        return False
+
+    def _open_adopted(self, st: os.stat_result, prefault: bool) -> str | None:
+        """Map the arena, open and load its index; None when adopted, else why not."""
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+        if st.st_size != self.capacity_bytes:
+            return f"it holds {st.st_size} B, the configured host tier {self.capacity_bytes} B"
+        if not os.path.isdir(index_path(self.path)):
+            return f"no placement index beside it ({index_path(self.path)})"
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+        self._mm = mmap.mmap(self._file.fileno(), self.capacity_bytes, flags=flags)  # never written to here
+        _advise_hugepages(self._mm)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        try:
+            self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+            namespaces, kept, used = self.index.load(self.capacity_bytes, self.page_bytes)
+        except (ValueError, lmdb.Error, OSError) as exc:
+            return f"its placement index is unusable: {exc}"
+        self.pages = PageAllocator(self.num_pages, self.page_bytes, used, label="host")
+        self._recovered = (namespaces, kept)
+        self.adopted_blocks = len(kept)
+        log.info("host tier: re-adopted the arena %s: %d blocks, %d MiB", self.path, len(kept),
+                 len(used) * self.page_bytes >> 20)
+        return None
+
+    # -- the store's tier interface (tiers/base.py) ----------------------------------
+    def allocate(self, nbytes: int):
+        if self.index is not None and self.index.has_deletes:
+            self.index.settle()  # no record may point at pages we hand out
+        return self.pages.allocate(nbytes)
+
+    def free(self, location: Extents, key: tuple | None = None) -> None:
+        if key is not None and self.index is not None:
+            self.index.forget(key)
+        self.pages.free(location)
+
+    def placed(self, location: Extents, meta: BlockMeta) -> None:
+        if self.index is not None:
+            nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
+            self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
+
+    def durable(self, location: Extents) -> bool:
+        return self.index is not None and not self.index.pending(location)
+
+    def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
+        namespaces, kept = self._recovered or ([], [])
+        self._recovered = None
+        return namespaces, [RecoveredBlock(key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0))
+                            for key, rec in kept]
+
+    def persist_namespace(self, ns_id: str, fields: dict) -> None:
+        if self.index is not None:
+            self.index.put_namespace(ns_id, fields)
+
+    def flush(self) -> None:
+        if self.index is not None:
+            self.index.flush()
+
+    def check_records(self, placed: dict) -> list[str]:
+        """The index against the committed host blocks (call after `flush`), each block's bytes
+        against its record's checksum."""
+        if self.index is None:
+            return []
+        problems = []
+        records = self.index.records()
+        for key, extents in placed.items():
+            rec = records.pop(record_key(key), None)
+            if rec is None:
+                problems.append(f"host block {key} has no index record")
+            elif rec["e"] != extents or rec["n"] != sum(n for _, n in extents):
+                problems.append(f"index record of host block {key} disagrees with its pages")
+            elif rec["x"] != checksum(self.buf, extents):
+                problems.append(f"host block {key} no longer matches its recorded checksum")
+        if records:
+            problems.append(f"{len(records)} host index records belong to no host block")
+        return problems
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["persistent"] = self.persistent
+        if self.index is not None:
+            out.update(adopted_blocks=self.adopted_blocks, pending_records=self.index.num_pending,
+                       records_written=self.index.records_written)
+        return out
 
     # -- bytes (the store's transfers, TCP inline payloads) ----------------------
     def segments(self, location: Extents) -> list[np.ndarray]:
@@ -97,10 +243,18 @@ class HostArena(Tier):
     def write(self, extents: Extents, data) -> None:
         copy_in(self.buf, extents, data)
 
-    def close(self, unlink: bool = True) -> None:
+    def close(self, unlink: bool | None = None) -> None:
+        """Unmap and let go. A persistent arena is kept (its pending records written first) unless
+        `unlink`; any other is removed unless `unlink` is False."""
+        unlink = not self.persistent if unlink is None else unlink
+        if self.index is not None:
+            self.index.close(flush=not unlink)
+            self.index = None
         self.buf = None  # type: ignore[assignment]
+        mm = getattr(self, "_mm", None)
         try:
-            self._mm.close()
+            if mm is not None:
+                mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
         if unlink:
@@ -108,7 +262,28 @@ class HostArena(Tier):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            _remove_index(self.path)
         self._file.close()  # after the unlink: no successor can take our live arena for a stale one meanwhile
+
+    def abandon(self) -> None:
+        """Let go as a killed daemon would (tests): pending records unwritten, queued deletions
+        uncommitted, nothing removed."""
+        if self.index is not None:
+            self.index.close(flush=False)
+            self.index = None
+        self.buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._file.close()
+
+
+def _remove_index(arena_path: str) -> None:
+    try:
+        remove_index(index_path(arena_path))
+    except IndexRefused as exc:
+        raise ArenaRefused(str(exc)) from None
 
 
 def _describe(st: os.stat_result) -> str:
@@ -117,7 +292,8 @@ def _describe(st: os.stat_result) -> str:
 
 
 def remove_stale_arena(path: str) -> bool:
-    """Unlink a killed daemon's arena at `path`; True if the path is now free, False if a daemon holds it.
+    """Unlink a stopped or killed daemon's arena at `path`, and its placement index; True if the path
+    is now free, False if a daemon holds it.
 
     Only a regular file of our own user is removed (in sticky /dev/shm nobody else can swap
     it between the lstat and the unlink); anything else at the path raises ArenaRefused.
@@ -125,6 +301,7 @@ def remove_stale_arena(path: str) -> bool:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
+        _remove_index(path)  # an index without its arena is worth nothing
         return True
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         raise ArenaRefused(f"the arena path {path} is {_describe(st)}, not a stale arena of uid {os.geteuid()}: "
@@ -137,6 +314,7 @@ def remove_stale_arena(path: str) -> bool:
     finally:
         os.close(fd)
     os.unlink(path)
+    _remove_index(path)
     return True
 
 

@@ -5,8 +5,10 @@ One launcher for every harness (pytest fixtures, the vLLM end-to-end helpers,
 listens, `kvstore ready socket=... admin_port=... tcp_port=...`; `start_daemon`
 reads it, so there is no polling. Its logs (stderr) go to `log_path` when one
 is given, else to the caller's stderr. A daemon that was killed leaves its
-arena in /dev/shm and its lock and admin token beside its socket; `stop` and
-`cleanup` remove them. `http` sends the admin token the daemon wrote
+lock and admin token beside its socket, and every daemon leaves its arena and
+the arena's placement index in /dev/shm for its successor (host.persistent);
+`stop` and `cleanup` remove them, unless `keep_arena` (a restart that is to
+re-adopt the arena). `http` sends the admin token the daemon wrote
 (`<socket folder>/<name>.admin-token`), as the owner's tools do.
 """
 
@@ -84,7 +86,7 @@ class DaemonProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, keep_arena: bool = False) -> int:
         """Signal the daemon and wait; a daemon that outlives `timeout` is killed. Returns its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -93,14 +95,15 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        self.cleanup()
+        self.cleanup(keep_arena)
         return code
 
-    def cleanup(self) -> None:
-        """A killed daemon leaves its arena, lock and token behind: remove them (a clean stop already did)."""
+    def cleanup(self, keep_arena: bool = False) -> None:
+        """Remove what a stopped daemon leaves: its arena and index (unless `keep_arena`); a killed one's
+        lock and token too."""
         if self.proc.poll() is not None:
             remove_stale_instance(f"/dev/shm/kvstore-{os.getuid()}-{self.name}", self.lock_path,
-                                  self.admin_token_path)
+                                  self.admin_token_path, keep_arena)
 
 
 def start_daemon(

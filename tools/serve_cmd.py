@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-bytes", help="host tier size, e.g. 4GiB")
     p.add_argument("--page-bytes", help="host tier page size, e.g. 256KiB")
     p.add_argument("--no-prefault", action="store_true", help="do not prefault the arena")
+    p.add_argument("--no-persistent-host", action="store_true",
+                   help="remove the arena at stop instead of keeping it for the next start (a SIGTERM then "
+                        "writes the host tier down to the disk tier)")
     p.add_argument("--tcp-port", type=int, help="also listen on TCP (needs --tcp-token-file or [[server.tcp_tokens]])")
     p.add_argument("--tcp-host", help="TCP bind address (default 127.0.0.1)")
     p.add_argument("--tcp-token-file", help="file holding a token that grants TCP clients everything")
@@ -59,6 +62,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "host.capacity": size(args.host_bytes, "--host-bytes"),
         "host.page_size": size(args.page_bytes, "--page-bytes"),
         "host.prefault": False if args.no_prefault else None,
+        "host.persistent": False if args.no_persistent_host else None,
         "disk.path": args.disk_path,
         "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
         "disk.enabled": False if args.no_disk else None,

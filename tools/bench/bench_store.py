@@ -23,7 +23,7 @@ for shared memory (`shmem_enabled`), and page size alone is ~9% of memcpy speed.
 It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashing
 included, against a store that holds the whole prompt (p50/p90/p99).
 
-    python tools/bench/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2]
+    python tools/bench/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2] [--no-persistent-host]
     python tools/bench/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
 """
 
@@ -216,6 +216,8 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=64, help="blocks per request chain")
     ap.add_argument("--lookup-iters", type=int, default=200)
     ap.add_argument("--copy-threads", type=int, default=2, help="the client's copy threads (KVClient copy_threads)")
+    ap.add_argument("--no-persistent-host", action="store_true",
+                    help="run the daemon without the host placement index (the arena is not kept at stop)")
     ap.add_argument("--copy-probe", action="store_true",
                     help="only compare memcpy with the store's copy loop against /dev/shm memory, and exit")
     args = ap.parse_args()
@@ -231,7 +233,8 @@ def main() -> int:
         return 0
     total = args.total_mib * MiB
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = start_daemon(tmp, host_bytes=str(total + 640 * MiB), page_bytes="256KiB", admin=False)
+        extra = ("--no-persistent-host",) if args.no_persistent_host else ()
+        daemon = start_daemon(tmp, *extra, host_bytes=str(total + 640 * MiB), page_bytes="256KiB", admin=False)
         try:
             with KVClient(daemon.socket_path, name="bench", copy_threads=args.copy_threads) as client:
                 sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain) for b in (2 * MiB, 256 * 1024)]
@@ -250,6 +253,7 @@ def main() -> int:
         "rounds": args.rounds,
         "batch": args.batch,
         "copy_threads": args.copy_threads,
+        "persistent_host": not args.no_persistent_host,
     }
     if args.json:
         print(json.dumps(result))

@@ -1,0 +1,292 @@
+"""A restart keeps the host tier: the arena and its placement index outlive the daemon (tiers/host_index.py).
+
+Against a real daemon process, restarted under the same name (so at the same
+arena path), with the harness leaving the arena in place (`keep_arena`):
+
+- kill -9 and SIGTERM, with and without a disk tier: every committed block the
+  daemon held comes back byte-identical, from the re-adopted arena or the
+  disk, including blocks that only the host tier held; check() clean.
+- kill -9 during a write storm (puts and reads), several rounds: every block
+  whose record (host or disk index, read after the kill) is reachable from a
+  root is held after the restart, and nothing is ever served wrong.
+- a reserved, never committed block, and a committed block whose bytes were
+  altered after its record was written, are never served after adoption (nor
+  their descendants); the rest of the chain is.
+- a changed host capacity or page size, or a corrupt index, starts empty with
+  a log line saying why; the daemon serves either way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.client import KVClient
+from tests.test_disk_crash import NS, Storm, acknowledged, chain_hashes, payload_for, poll
+from tiers.host import copy_in
+from tiers.host_index import index_path
+from tools.daemon_proc import DaemonProc, start_daemon
+
+BLOCK = NS.block_bytes  # 64 KiB
+
+
+def arena_of(d: DaemonProc) -> str:
+    return f"/dev/shm/kvstore-{os.getuid()}-{d.name}"
+
+
+def put_chains(d: DaemonProc, chains: list[list[bytes]]) -> None:
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        for hashes in chains:
+            assert c.put(ns, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])]) == len(hashes)
+
+
+def held(d: DaemonProc, chains: list[list[bytes]]) -> dict[bytes, str]:
+    """hash -> tier of every block the daemon holds now."""
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        return {h: t for hashes in chains for h, t in zip(hashes, c.lookup(ns, hashes).tiers)}
+
+
+def settled(d: DaemonProc) -> bool:
+    """Every host record and disk write the daemon took is written (what a kill -9 keeps)."""
+    tiers = d.stats()["tiers"]
+    return tiers["host"].get("pending_records", 0) == 0 and tiers["disk"].get("pending_writes", 0) == 0
+
+
+def served(d: DaemonProc, chains: list[list[bytes]]) -> dict[bytes, bool]:
+    """hash -> whether it is served with its own bytes (a wrong byte fails the test)."""
+    out = {}
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        for hashes in chains:
+            for h, data in zip(hashes, c.get(ns, hashes)):
+                assert data is None or np.array_equal(data, payload_for(h)), f"{h.hex()[:16]} served wrong"
+                out[h] = data is not None
+    return out
+
+
+def verify_kept(d: DaemonProc, must: list[bytes], chains: list[list[bytes]]) -> None:
+    """Every block of `must` is held right after the restart, and nothing is served wrong. (Reading
+    them all would not prove more: promotions into a full host tier demote into a full disk, which
+    drops blocks not read yet; tests/test_disk_crash.py can read them all, its host tier starts empty.)"""
+    with KVClient(d.socket_path) as c:
+        ns = c.register(NS)
+        present = {h for hashes in chains for h, _ in zip(hashes, c.lookup(ns, hashes).tiers)}
+    missing = set(must) - present
+    assert not missing, f"{len(missing)} blocks with records are not held after the restart: " + ", ".join(
+        f"{h.hex()[:12]}" for h in sorted(missing)[:5])
+    served(d, chains)
+
+
+def gated(client: KVClient) -> threading.Event:
+    """Make the client's puts and gets wait while the returned event is clear (a paused storm)."""
+    gate = threading.Event()
+    gate.set()
+    for name in ("put", "get"):
+        call = getattr(client, name)
+        setattr(client, name, lambda *a, _call=call, **kw: gate.wait() and _call(*a, **kw))
+    return gate
+
+
+def host_records(arena: str) -> dict[bytes, bytes | None]:
+    """The host placement index, opened read-only after a kill: {hash: parent}."""
+    if not os.path.isdir(index_path(arena)):
+        return {}
+    env = lmdb.open(index_path(arena), subdir=True, readonly=True, max_dbs=4, lock=True)
+    try:
+        with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+            return {msgpack.unpackb(k)[1]: msgpack.unpackb(v)["p"] for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+def reachable(parents: dict[bytes, bytes | None]) -> set[bytes]:
+    """The records whose every ancestor has a record too."""
+    ok: dict[bytes, bool] = {}
+
+    def walk(h: bytes) -> bool:
+        path = []
+        while h not in ok:
+            path.append(h)
+            if h not in parents:
+                ok[h] = False
+                break
+            if parents[h] is None:
+                ok[h] = True
+                break
+            h = parents[h]
+        for x in path:
+            ok[x] = ok[h]
+        return ok[path[0]] if path else ok[h]
+
+    return {h for h in parents if walk(h)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+@pytest.mark.parametrize("disk", [False, True], ids=["host-only", "host+disk"])
+def test_restart_keeps_every_committed_block(tmp_path, sig, disk):
+    """40 blocks of 64 KiB; with a disk tier the 1 MiB host tier holds 16 and reads promote some back
+    (their disk records stay as copies). Before today's change a restart kept none of the host's."""
+    args = ("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "32MiB") if disk else ()
+    host = "1MiB" if disk else "4MiB"
+    chains = [chain_hashes(s, 4) for s in range(1, 11)]
+    d = start_daemon(tmp_path, *args, host_bytes=host, page_bytes="64KiB", disk=disk)
+    try:
+        put_chains(d, chains)
+        if disk:
+            assert all(served(d, chains[:3]).values())  # promotions: host blocks with disk copies
+        before = held(d, chains)
+        assert len(before) == 40 and ("disk" in before.values()) == disk
+        poll(lambda: settled(d), 30, "host records and disk writes")
+        assert d.check() == []
+        assert d.stop(sig, keep_arena=True) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        d = start_daemon(tmp_path, *args, host_bytes=host, page_bytes="64KiB", disk=disk, name=d.name)
+        assert held(d, chains) == before, "a block changed tier or was lost across the restart"
+        assert os.path.exists(arena_of(d)) and os.path.isdir(index_path(arena_of(d)))
+        assert d.check() == []
+        stats = d.stats()
+        in_host = sum(t == "host" for t in before.values())
+        assert stats["tiers"]["host"]["adopted_blocks"] == in_host == stats["counters"]["host_blocks_recovered"]
+        assert stats["counters"].get("host_orphans_dropped", 0) == 0
+        if disk:  # the promoted blocks' disk records are their copies again
+            assert stats["tiers"]["disk"]["copies"] == stats["counters"]["disk_copies_recovered"] == 12
+        assert all(served(d, chains).values())
+        assert d.check() == []
+        metrics = d.http("/metrics")[1].decode()
+        assert f"kvstore_host_adopted_blocks {float(in_host)}" in metrics and "kvstore_host_pending_records" in metrics
+    finally:
+        d.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", [False, True], ids=["host-only", "host+small-disk"])
+def test_kill_9_during_a_storm_then_restart_keeps_the_arena(tmp_path, disk):
+    """Like tests/test_disk_crash.py, but the arena is re-adopted: after each kill every block whose
+    record (host or disk) is reachable from a root is held, none served wrong; reads promote and a
+    small host tier evicts, so host records are deleted and pages reused under the kills. Every
+    other round pauses the storm and lets the index catch up before the kill (a 32-block host tier
+    under a storm churns faster than records may be written on a loaded machine)."""
+    args = ("--disk-path", str(tmp_path / "disk"), "--disk-bytes", str(96 * BLOCK)) if disk else ()
+    host = "2MiB"  # 32 blocks
+    rng = random.Random(77 + disk)
+    must: list[bytes] = []
+    chains: list[list[bytes]] = []
+    name = None
+    total_from_host = 0
+    for round_no in range(4):
+        d = start_daemon(tmp_path, *args, host_bytes=host, page_bytes="64KiB", disk=disk, name=name)
+        name = d.name
+        try:
+            verify_kept(d, must, chains)
+            assert d.check() == []
+            total_from_host += d.stats()["tiers"]["host"].get("adopted_blocks", 0)
+            storm = Storm(d.socket_path, 1000 * (round_no + 1), read_from=list(chains))
+            gate = gated(storm.client)
+            target = rng.randint(20, 80)
+            poll(lambda: storm.acked >= target or storm.error is not None, 120, f"{target} acknowledged puts")
+            assert storm.error is None, storm.error
+            if round_no % 2:  # the storm paused and every record written: the kill must lose nothing
+                gate.clear()
+                poll(lambda: settled(d), 60, "host records and disk writes")
+            d.proc.send_signal(signal.SIGKILL)
+            assert d.proc.wait(timeout=30) == -signal.SIGKILL
+            gate.set()
+            storm.thread.join(timeout=30)
+            storm.client.close()
+            assert storm.wrong == [], "wrong bytes served during the storm"
+        finally:
+            if d.alive():
+                d.stop(signal.SIGKILL, keep_arena=True)
+            d.cleanup(keep_arena=True)
+        chains += storm.chains
+        parents = host_records(arena_of(d))
+        if disk:
+            parents.update(acknowledged(str(tmp_path / "disk"))[0])
+        must = sorted(reachable(parents))
+        print(f"round {round_no}: {storm.acked} puts, {storm.reads} reads; {len(must)} blocks to serve")
+    d = start_daemon(tmp_path, *args, host_bytes=host, page_bytes="64KiB", disk=disk, name=name)
+    try:
+        verify_kept(d, must, chains)
+        assert d.check() == []
+        total_from_host += d.stats()["tiers"]["host"].get("adopted_blocks", 0)
+    finally:
+        d.stop()
+    assert total_from_host > 20, f"the arena brought back {total_from_host} blocks in all: the test proves nothing"
+
+
+def test_torn_or_altered_blocks_are_not_served_after_adoption(tmp_path):
+    d = start_daemon(tmp_path, host_bytes="4MiB", page_bytes="64KiB")
+    good = chain_hashes(1, 4)
+    torn = chain_hashes(2, 2)
+    try:
+        put_chains(d, [good])
+        with KVClient(d.socket_path) as c:  # reserved and written, never committed: a put cut short
+            ns = c.register(NS)
+            for ext, h in zip(c.reserve(ns, list(zip(torn, [None, torn[0]]))), torn):
+                copy_in(c.arena, ext, payload_for(h))
+            poll(lambda: settled(d), 30, "host records")
+            d.stop(signal.SIGKILL, keep_arena=True)
+        with open(arena_of(d), "r+b") as f:  # alter the third block of the chain after its record was written
+            f.seek(host_record_extents(arena_of(d))[good[2]][0][0] + 1000)
+            f.write(b"\xff\x00\xff")
+        d = start_daemon(tmp_path, host_bytes="4MiB", page_bytes="64KiB", name=d.name, log_path=str(tmp_path / "d.log"))
+        got = served(d, [good, torn])
+        assert [got[h] for h in good] == [True, True, False, False], "an altered block (or its child) was served"
+        assert not any(got[h] for h in torn), "a block that was never committed was served"
+        assert d.check() == []
+        stats = d.stats()
+        assert stats["tiers"]["host"]["adopted_blocks"] == 3  # good[3] is dropped as an orphan
+        assert stats["counters"]["host_orphans_dropped"] == 1
+        assert "checksum mismatch" in Path(tmp_path / "d.log").read_text()
+    finally:
+        d.stop()
+
+
+def host_record_extents(arena: str) -> dict[bytes, list]:
+    env = lmdb.open(index_path(arena), subdir=True, readonly=True, max_dbs=4, lock=True)
+    try:
+        with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+            return {msgpack.unpackb(k)[1]: msgpack.unpackb(v)["e"] for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("change", ["capacity", "page-size", "corrupt-index", "no-index"])
+def test_a_mismatched_arena_starts_empty_with_a_log_line(tmp_path, change):
+    chain = chain_hashes(3, 4)
+    d = start_daemon(tmp_path, host_bytes="4MiB", page_bytes="64KiB")
+    try:
+        put_chains(d, [chain])
+    finally:
+        assert d.stop(keep_arena=True) == 0
+    host, page = "4MiB", "64KiB"
+    if change == "capacity":
+        host = "8MiB"
+    elif change == "page-size":
+        page = "128KiB"
+    elif change == "corrupt-index":
+        with open(os.path.join(index_path(arena_of(d)), "data.mdb"), "r+b") as f:
+            f.write(os.urandom(16384))
+    else:
+        import shutil
+
+        shutil.rmtree(index_path(arena_of(d)))
+    log = tmp_path / "d.log"
+    d = start_daemon(tmp_path, host_bytes=host, page_bytes=page, name=d.name, log_path=str(log))
+    try:
+        assert not any(served(d, [chain]).values())
+        assert d.stats()["tiers"]["host"]["adopted_blocks"] == 0
+        assert "host tier: starting empty, not re-adopting the arena" in log.read_text(), log.read_text()
+        put_chains(d, [chain])  # and it serves
+        assert all(served(d, [chain]).values()) and d.check() == []
+    finally:
+        d.stop()
