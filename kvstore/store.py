@@ -65,6 +65,7 @@ from kvstore.entry import (  # noqa: F401  (Entry, LookupResult, RANK, TIERS are
     link_child,
 )
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
+from kvstore.inflight import InflightWaits
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
@@ -113,6 +114,7 @@ class TieredStore(Placement):
         self._reader: ThreadPoolExecutor | None = None
         self._persisted_ns: set[str] = set()
         self.sharing = None  # kvstore.sharing.RemoteSharing where the chain ends in a remote tier
+        self.waits = InflightWaits()  # waits for reserved/announced blocks (kvstore/inflight.py)
         recover(self)
 
     @property
@@ -319,6 +321,7 @@ class TieredStore(Placement):
                 parent_entry.children[RANK[tier]] += 1
                 link_child(parent_entry, key)
             self.reserved_by_owner[owner].add(key)
+            self.waits.notify(key)
             out.append(entry)
         return out
 
@@ -346,6 +349,7 @@ class TieredStore(Placement):
             e.committed = True
             e.owner = None
             self.reserved_by_owner[owner].discard(e.key)
+            self.waits.committed(e.key)
             if attention is not None:
                 e.attention = float(attention[i])
             self.policies[e.tier].on_insert(
@@ -378,6 +382,7 @@ class TieredStore(Placement):
     def release_owner(self, owner: Owner) -> None:
         """The owner is gone: drop its pins and abort its reservations (lease expiry)."""
         self.ghost_pins.pop(owner, None)
+        self.waits.withdraw_owner(owner)
         pins = self.pins_by_owner.pop(owner, Counter())
         for key, n in pins.items():
             entry = self.entries.get(key)
@@ -388,6 +393,24 @@ class TieredStore(Placement):
             self._drop(self.entries[key])
         if pins or reserved:
             self.counters["leases_expired"] += 1
+
+    def expect(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        """Announce that `owner` is about to reserve and commit these blocks: waiters wait for them."""
+        self.namespace(ns_id)
+        self.waits.expect([(ns_id, h) for h in hashes if not self._committed((ns_id, h))], owner)
+
+    def withdraw(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        """Take back `owner`'s announcements (the request finished without saving them)."""
+        self.namespace(ns_id)
+        self.waits.withdraw([(ns_id, h) for h in hashes], owner)
+
+    def _committed(self, key: Key) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.committed
+
+    def _drop(self, entry: Entry) -> None:
+        super()._drop(entry)
+        self.waits.notify(entry.key)  # an aborted or lost reservation ends its waits
 
     # -- removal -------------------------------------------------------------
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
