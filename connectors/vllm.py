@@ -56,7 +56,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        cfg = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(cfg.kv_connector_extra_config).for_role(cfg.kv_role)
         self.scheduler = None
         self.worker = None
         try:
