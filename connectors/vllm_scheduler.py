@@ -158,9 +158,9 @@ class SchedulerSide:
             st.pins, reachable = self._acquire(st.hashes_upto(limit, bt)[start:limit])
             st.pin_key = key
             hits = len(st.pins.hashes) if st.pins else 0
-            if self.config.wait_s > 0 and _proxy_says_wait(request):
+            if _wait_s(request, self.config) > 0 and _proxy_says_wait(request):
                 reachable = limit - start  # the producer was sent this prompt: its blocks will come
-            st.num_wait = reachable - hits
+            st.num_wait = max(reachable - hits, 0) if _wait_s(request, self.config) > 0 else 0
             self.stats["lookups"] += 1
         hits = len(st.pins.hashes) if st.pins else 0
         if st.num_wait:
@@ -190,7 +190,7 @@ class SchedulerSide:
         job = LoadJob(request.request_id, block_ids[start : start + num_load],
                       st.hashes[start : start + num_load], self.config.load_async)
         if num_load > num_pinned:  # some are in flight: the worker waits for them off the engine's thread
-            job.is_async, job.num_ready, job.wait_s = True, num_pinned, self.config.wait_s
+            job.is_async, job.num_ready, job.wait_s = True, num_pinned, _wait_s(request, self.config)
             job.appear = _proxy_says_wait(request)
             st.hit_tiers["host"] += num_load - num_pinned
             self.stats["wait_blocks"] += num_load - num_pinned
@@ -298,6 +298,16 @@ def _proxy_says_wait(request: "Request") -> bool:
     the decode request with kv_transfer_params {"kvstore_wait": true}: its blocks will appear."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and bool(params.get("kvstore_wait"))
+
+
+def _wait_s(request: "Request", config: ConnectorConfig) -> float:
+    """How long this request's load may wait for blocks in flight: the config's wait_s, lowered per
+    request by kv_transfer_params {"kvstore_wait_s": seconds} (0 = take only what is committed)."""
+    params = getattr(request, "kv_transfer_params", None)
+    asked = params.get("kvstore_wait_s") if isinstance(params, dict) else None
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked >= 0:
+        return min(float(asked), config.wait_s)
+    return config.wait_s
 
 
 def _leading(extents: list):

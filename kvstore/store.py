@@ -519,7 +519,10 @@ class TieredStore(Placement):
 
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
-        return store_stats(self)
+        stats = store_stats(self)
+        stats["announced_blocks"] = self.waits.num_expected()  # in flight by a producer's word
+        stats["waited_blocks"] = self.waits.num_waited_keys()  # keys some consumer waits on now
+        return stats
 
     def check(self) -> list[str]:
         """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean).

@@ -20,11 +20,12 @@ engine that fails a check or a connection is skipped until it passes again.
 
 Errors, always as OpenAI-style JSON {"error": {"message", "type", "code"}}:
 malformed JSON or a body that is not an object -> 400; no engine of a kind up
--> 503; a decode engine's own 4xx -> passed through as is; its 5xx or an
-unreachable engine -> 502 naming the engine. A failed prefill does not fail the
-request: the decode engine recomputes what it could not load (its wait ends at
-the prefill engine's withdrawal, lease, or its wait_s) and the reply says so in
-the `x-pd-prefill-error` header. Every upstream call is bounded by timeouts.
+-> 503 for decode engines; a decode engine's own 4xx -> passed through as is; its
+5xx or an unreachable engine -> 502 naming the engine. A failed prefill (or no
+prefill engine up) does not fail the request: the decode engine computes what it
+could not load (its wait ends at the prefill engine's withdrawal, lease, or its
+wait_s) and a non-streamed reply says so in the `x-pd-prefill-error` header.
+Every upstream call is bounded by timeouts.
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ def decode_body(body: dict) -> dict:
 async def prefill(app: web.Application, path: str, body: dict, affinity: str | None) -> str | None:
     """Run the prefill; None when it went well, else why not (the decode engine recomputes)."""
     pool = app[POOLS]["prefill"]
-    url = pool.pick(affinity)
+    try:
+        url = pool.pick(affinity)
+    except UpstreamError as exc:
+        return exc.message
     try:
         async with app[SESSION].post(url + path, json=prefill_body(body)) as resp:
             text = await resp.text()
@@ -166,7 +170,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     affinity = request.headers.get(AFFINITY_HEADER)
     decode_pool = app[POOLS]["decode"]
     decode_url = decode_pool.pick(affinity)
-    app[POOLS]["prefill"].pick(affinity)  # no prefill engine up: 503 now, before anything is sent
     path = request.path
     prefill_task = asyncio.ensure_future(prefill(app, path, body, affinity))
     try:
