@@ -175,6 +175,13 @@ def test_bad_input_gets_clear_errors_and_never_hangs():
             assert r.status == 200 and "500" in r.headers[PREFILL_ERROR_HEADER]
         finally:
             await client.close()
+        client = await proxy_for(nobody, [ok.url])  # no prefill engine up at all: decode-only
+        try:
+            await check_engines(client.server.app)
+            r = await client.post("/v1/completions", json={"prompt": "x"})
+            assert r.status == 200 and "no prefill engine is up" in r.headers[PREFILL_ERROR_HEADER]
+        finally:
+            await client.close()
             for e in (p, d500, d400, p_down, ok):
                 await e.server.close()
 
