@@ -15,6 +15,31 @@ request's block ids. Per step it emits a `StepMeta`:
   (tokens below min(num_computed + num_scheduled, num_tokens): speculative
   tokens are never in `all_token_ids`), each once, with its parent hash.
 
+Prefill/decode disaggregation (kv_role kv_producer / kv_consumer, tools/pd_proxy.py):
+
+* a producer saves and never loads; a consumer loads and never saves
+  (`ConnectorConfig.for_role`, as vLLM's own connectors read is_kv_producer /
+  is_kv_consumer);
+* a producer *announces* a new request's full prompt blocks (`expect`, one RPC
+  per step with new requests) when it first schedules the prefill, before the
+  forward pass that computes them, and withdraws what it did not save when the
+  request finishes. Chosen over reserving at schedule time: a reservation is
+  owned by the connection that copies the bytes (the worker's), and the worker
+  only learns of the request at that step; an announcement costs no arena room
+  and dies with the scheduler's connection, so a dead producer's blocks stop
+  being waited for at its lease;
+* a consumer's lookup (`acquire` with `inflight`) learns how many blocks after
+  the committed prefix are in flight (reserved or announced); a request the
+  proxy marked with kv_transfer_params {"kvstore_wait": true} counts all its
+  full prompt blocks as coming (the producer may not have scheduled it yet: the
+  wait then also waits for them to *appear*). Such a hit is reported with
+  load_kv_async=True; the worker waits in a thread of its own
+  (vllm_worker.py) for at most `wait_s` (lowered per request by
+  kv_transfer_params {"kvstore_wait_s": s}; 0 = never wait) and reports the
+  request through get_finished, with the blocks that did not arrive as load
+  errors (recomputed: kv_load_failure_policy "recompute"). The scheduler
+  loop never waits.
+
 Invariants: a request's pins are released exactly once (load done, request
 finished, or a new lookup); pins of a previous daemon connection are never
 released on a new one; the daemon being away only turns hits into misses.
