@@ -99,6 +99,7 @@ class _ReqState:
     pin_key: tuple[int, int] | None = None  # (first block, block limit) of that lookup
     hit_tiers: Counter = field(default_factory=Counter)  # tier -> blocks of the planned load
     num_wait: int = 0  # blocks after the pinned ones that the lookup found in flight (to be waited for)
+    waited: bool = False  # a waiting load was planned once: a request whose wait failed is not made to wait again
     announced: list[bytes] = field(default_factory=list)  # hashes this (producer) engine announced
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
@@ -183,9 +184,10 @@ class SchedulerSide:
             st.pins, reachable = self._acquire(st.hashes_upto(limit, bt)[start:limit])
             st.pin_key = key
             hits = len(st.pins.hashes) if st.pins else 0
-            if _wait_s(request, self.config) > 0 and _proxy_says_wait(request):
+            may_wait = _wait_s(request, self.config) > 0 and not st.waited
+            if may_wait and _proxy_says_wait(request):
                 reachable = limit - start  # the producer was sent this prompt: its blocks will come
-            st.num_wait = max(reachable - hits, 0) if _wait_s(request, self.config) > 0 else 0
+            st.num_wait = max(reachable - hits, 0) if may_wait else 0
             self.stats["lookups"] += 1
         hits = len(st.pins.hashes) if st.pins else 0
         if st.num_wait:
@@ -215,6 +217,7 @@ class SchedulerSide:
         job = LoadJob(request.request_id, block_ids[start : start + num_load],
                       st.hashes[start : start + num_load], self.config.load_async)
         if num_load > num_pinned:  # some are in flight: the worker waits for them off the engine's thread
+            st.waited = True  # vLLM reschedules the request if the wait fails: then it takes what is committed
             job.is_async, job.num_ready, job.wait_s = True, num_pinned, _wait_s(request, self.config)
             job.appear = _proxy_says_wait(request)
             st.hit_tiers["host"] += num_load - num_pinned

@@ -16,7 +16,8 @@ them). A consumer may `wait` for in-flight blocks of its namespace to commit:
   connection died (`release_owner`, the lease) or the announcement was withdrawn
   (reason "aborted"); when a block is neither stored nor in flight (reason
   "absent", unless `appear`: then it waits for the block to show up, for a
-  producer that has not scheduled the request yet); or at the timeout.
+  producer that has not scheduled the request yet); at the timeout; or when
+  the daemon drains (reason "shutdown").
 
 Announcements belong to a connection like reservations do, and go with it.
 Everything here runs on the daemon's event loop thread.
@@ -51,6 +52,13 @@ class InflightWaits:
         self._futures: dict[Key, asyncio.Future] = {}
         self._expected: dict[Key, set[Owner]] = defaultdict(set)
         self._expected_by_owner: dict[Owner, set[Key]] = defaultdict(set)
+        self.closed = False  # the daemon is draining: every wait answers now
+
+    def close(self) -> None:
+        """End every wait (the daemon drains; a wait must not hold it up)."""
+        self.closed = True
+        for key in list(self._futures):
+            self.notify(key)
 
     # -- signals (called by the store) -------------------------------------------------
     def notify(self, key: Key) -> None:
@@ -150,6 +158,8 @@ async def wait_committed(
             e = store.entries.get(key)
             if e is not None and e.committed:
                 break
+            if store.waits.closed:
+                return result(i, "shutdown")
             if in_flight(store, key):
                 seen_in_flight = True
             elif seen_in_flight:

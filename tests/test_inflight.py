@@ -158,3 +158,18 @@ def test_bad_wait_arguments_are_refused(daemon):
         with pytest.raises(ProtocolError):
             c.call("wait", ns=ns, hashes=hs)
         assert c.ping()
+
+
+def test_a_pending_wait_does_not_hold_up_the_drain(daemon):
+    hs, _ = chain(8, 2)
+    producer = KVClient(daemon.socket_path)
+    ns = producer.register(NS)
+    producer.expect(ns, hs)
+    waiter = Waiter(daemon.socket_path, hs, timeout_s=60)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert daemon.stop() == 0
+    assert time.monotonic() - t0 < 8  # the drain allows 10 s for requests in progress: the wait answered first
+    res = waiter.join()
+    assert (res.ready, res.reason) == (0, "shutdown")
+    producer.close()

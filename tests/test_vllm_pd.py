@@ -92,7 +92,11 @@ class Proc:
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
         self.log.close()
 
 

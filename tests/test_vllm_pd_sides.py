@@ -161,3 +161,17 @@ def test_a_proxied_request_whose_blocks_never_come_times_out_and_recomputes(daem
     elapsed, failed = finished(c.worker, "c")
     assert failed == set(CONSUMER_IDS[:5]) and 0.4 < elapsed < 5
     c.close()
+
+
+def test_a_request_whose_wait_failed_is_not_made_to_wait_again(daemon):
+    """vLLM reschedules a request whose async load failed and asks again: it must not wait again."""
+    c = Engine(daemon.socket_path, "kv_consumer", 2, wait_s=0.3)
+    req = request("c", TOKENS, wait=True)
+    num, is_async = c.sched.get_num_new_matched_tokens(req, 0)
+    assert (num, is_async) == (5 * BT, True)
+    c.sched.update_state_after_alloc(req, blocks(CONSUMER_IDS), num)
+    c.worker.start_load_kv(c.sched.build_connector_meta(sched_output(new=[("c", CONSUMER_IDS, num)], scheduled={})))
+    _, failed = finished(c.worker, "c")
+    assert failed == set(CONSUMER_IDS[:5])
+    assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # rescheduled: recompute now
+    c.close()

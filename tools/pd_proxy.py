@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"pd proxy on http://{args.host}:{args.port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}",
           flush=True)
-    web.run_app(make_app(cfg), host=args.host, port=args.port, print=None)
+    web.run_app(make_app(cfg), host=args.host, port=args.port, print=None, shutdown_timeout=5.0)
     return 0
 
 
