@@ -149,6 +149,7 @@ async def wait_committed(
     pending = [i for i, h in enumerate(hashes) if not store._committed((ns_id, h))]
 
     def result(ready: int, reason: str) -> WaitResult:
+        store.counters[f"waits_{reason}"] += 1  # how waits end: done, absent, aborted, timeout, shutdown
         return WaitResult(ready, tuple(i for i in pending if i < ready), reason)
 
     for i, h in enumerate(hashes):

@@ -10,8 +10,9 @@ One module-scoped world serves every check (engine startups dominate on this mac
   (the daemon's inflight_waits counter) and still loaded them all; the negative control, the same
   start-at-once with waiting disabled for the request (kv_transfer_params kvstore_wait_s=0),
   recomputes the whole prompt;
-* the producer killed mid-prefill: the consumer's wait ends at the producer's lease (well before
-  its 60 s wait_s), it recomputes, its output equals the baseline's cold run, daemon check() clean.
+* the producer killed mid-prefill: the consumer's wait ends at the producer's lease (the daemon
+  counts it "aborted", well before the 60 s wait_s; no wait ever times out), it recomputes, its
+  output equals the baseline's cold run, daemon check() clean.
 """
 
 from __future__ import annotations
@@ -225,11 +226,16 @@ def test_a_producer_killed_mid_prefill_ends_the_wait_at_its_lease_and_the_consum
     while world.daemon_stats()["announced_blocks"] == 0:  # the producer scheduled the prefill
         assert time.monotonic() < deadline, "the producer never announced its blocks"
         time.sleep(0.01)
+    aborted0 = world.daemon_stats()["counters"].get("waits_aborted", 0)
     world.producer.kill()
-    t.join(CONSUMER_WAIT_S * 3)
+    killed_at = time.monotonic()
+    while world.daemon_stats()["counters"].get("waits_aborted", 0) == aborted0:  # the consumer's wait ended
+        assert time.monotonic() - killed_at < CONSUMER_WAIT_S / 2, "the wait did not end at the producer's lease"
+        time.sleep(0.05)
+    t.join(600)  # the recompute (slow on a shared CPU)
     status, headers, reply = out["reply"]
     assert status == 200, reply
-    assert out["s"] < CONSUMER_WAIT_S, "the wait ran into its timeout instead of ending at the lease"
+    assert world.daemon_stats()["counters"].get("waits_timeout", 0) == 0
     assert token_ids(reply) == world.baseline["killed_cold"]
     stats = world.daemon_stats()
     assert stats["announced_blocks"] == 0 and stats["reserved_blocks"] == 0 and stats["pinned_blocks"] == 0
