@@ -122,7 +122,7 @@ class World:
         self.control = ids[3000:4650]  # long: the producer is still prefilling when the consumer asks
         self.killed = ids[5000:6870]
         self.baseline = self._baseline()
-        self.daemon = start_daemon(workdir, host_bytes="1GiB")
+        self.daemon = start_daemon(workdir, host_bytes="1GiB", admin=True)
         self.producer, self.p_url = server(self.model, self.daemon.socket_path, workdir, "producer", "kv_producer")
         self.consumer, self.c_url = server(self.model, self.daemon.socket_path, workdir, "consumer", "kv_consumer",
                                            wait_s=CONSUMER_WAIT_S)
