@@ -13,6 +13,11 @@ are `connectors.vllm_meta.ConnectorConfig`. "recompute" is the right failure
 policy for a cache (a failed load is recomputed, never an error); the
 connector sets it when the config says "fail" (vLLM's default), with a log line.
 
+kv_role: "kv_both" saves and loads; "kv_producer" (a prefill engine) saves and
+never loads, and announces the blocks it is about to save; "kv_consumer" (a
+decode engine) loads and never saves, and waits up to `wait_s` for blocks a
+producer has in flight (vllm_scheduler.py; tools/pd_proxy.py runs the pair).
+
 This class is thin: it picks the scheduler side (`vllm_scheduler.SchedulerSide`,
 in EngineCore) or the worker side (`vllm_worker.WorkerSide`, in each Worker)
 and forwards vLLM's hooks to it. If the engine's KV layout is one the store
@@ -56,7 +61,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        cfg = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(cfg.kv_connector_extra_config).for_role(cfg.kv_role)
         self.scheduler = None
         self.worker = None
         try:

@@ -13,7 +13,7 @@ only plain values: block ids, hashes, step numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +42,9 @@ class ConnectorConfig:
     load: bool = True  # look up and load hits
     model_id: str = ""  # namespace model name; default: the engine's model path/name
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
+    # prefill/decode disaggregation (connectors/vllm_scheduler.py):
+    wait_s: float = 10.0  # a loader waits this long for blocks in flight (reserved/announced); 0 = never wait
+    announce: bool | None = None  # announce prompt blocks before computing them; None = only as kv_producer
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -53,7 +56,24 @@ class ConnectorConfig:
         cfg = cls(**extra)
         if cfg.timeout_s <= 0 or cfg.retry_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_s >= 0")
+        if not 0 <= cfg.wait_s <= 600:
+            raise ValueError("wait_s must be in 0..600 seconds")
         return cfg
+
+    def for_role(self, kv_role: str | None) -> "ConnectorConfig":
+        """Apply vLLM's kv_role the way its own connectors do (KVTransferConfig.is_kv_producer /
+        is_kv_consumer): a kv_producer saves and never loads, a kv_consumer loads and never saves,
+        kv_both (or no role) does both as configured. Only a kv_producer announces by default."""
+        role = kv_role or "kv_both"
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"unknown kv_role {kv_role!r}; use kv_producer, kv_consumer or kv_both")
+        announce = (role == "kv_producer") if self.announce is None else self.announce
+        return replace(
+            self,
+            save=self.save and role != "kv_consumer",
+            load=self.load and role != "kv_producer",
+            announce=announce and role != "kv_consumer",
+        )
 
     @property
     def socket_path(self) -> str:
@@ -130,6 +150,13 @@ class LoadJob:
     block_ids: list[int]
     hashes: list[bytes]
     is_async: bool
+    num_ready: int = -1  # leading blocks committed at lookup; the rest are in flight (-1: all ready)
+    wait_s: float = 0.0  # how long the worker waits for the in-flight ones
+    appear: bool = False  # also wait for blocks not yet reserved/announced (the proxy said they will come)
+
+    @property
+    def needs_wait(self) -> bool:
+        return 0 <= self.num_ready < len(self.hashes)
 
 
 @dataclass

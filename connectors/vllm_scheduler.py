@@ -17,6 +17,31 @@ request's block ids. Per step it emits a `StepMeta`:
   when the daemon publishes KV events with token ids and the request is keyed
   by its tokens alone (no LoRA, salt or multimodal item), its token ids.
 
+Prefill/decode disaggregation (kv_role kv_producer / kv_consumer, tools/pd_proxy.py):
+
+* a producer saves and never loads; a consumer loads and never saves
+  (`ConnectorConfig.for_role`, as vLLM's own connectors read is_kv_producer /
+  is_kv_consumer);
+* a producer *announces* a new request's full prompt blocks (`expect`, one RPC
+  per step with new requests) when it first schedules the prefill, before the
+  forward pass that computes them, and withdraws what it did not save when the
+  request finishes. Chosen over reserving at schedule time: a reservation is
+  owned by the connection that copies the bytes (the worker's), and the worker
+  only learns of the request at that step; an announcement costs no arena room
+  and dies with the scheduler's connection, so a dead producer's blocks stop
+  being waited for at its lease;
+* a consumer's lookup (`acquire` with `inflight`) learns how many blocks after
+  the committed prefix are in flight (reserved or announced); a request the
+  proxy marked with kv_transfer_params {"kvstore_wait": true} counts all its
+  full prompt blocks as coming (the producer may not have scheduled it yet: the
+  wait then also waits for them to *appear*). Such a hit is reported with
+  load_kv_async=True; the worker waits in a thread of its own
+  (vllm_worker.py) for at most `wait_s` (lowered per request by
+  kv_transfer_params {"kvstore_wait_s": s}; 0 = never wait) and reports the
+  request through get_finished, with the blocks that did not arrive as load
+  errors (recomputed: kv_load_failure_policy "recompute"). The scheduler
+  loop never waits.
+
 Invariants: a request's pins are released exactly once (load done, request
 finished, or a new lookup); pins of a previous daemon connection are never
 released on a new one; the daemon being away only turns hits into misses.
@@ -77,6 +102,9 @@ class _ReqState:
     pins: _Pins | None = None  # from the latest lookup, not yet handed to a load
     pin_key: tuple[int, int] | None = None  # (first block, block limit) of that lookup
     hit_tiers: Counter = field(default_factory=Counter)  # tier -> blocks of the planned load
+    num_wait: int = 0  # blocks after the pinned ones that the lookup found in flight (to be waited for)
+    waited: bool = False  # a waiting load was planned once: a request whose wait failed is not made to wait again
+    announced: list[bytes] = field(default_factory=list)  # hashes this (producer) engine announced
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
         have = len(self.hashes)
@@ -103,17 +131,23 @@ class SchedulerSide:
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
 
     # -- RPC helpers ------------------------------------------------------------
-    def _acquire(self, hashes: list[bytes]) -> _Pins | None:
-        """Pin the leading stored blocks in every rank's namespace; the common prefix stays pinned."""
+    def _acquire(self, hashes: list[bytes]) -> tuple[_Pins | None, int]:
+        """Pin the leading stored blocks in every rank's namespace; the common prefix stays pinned.
+        Also: how many leading blocks every rank has committed or in flight (0 unless waits are on)."""
         if not hashes:
-            return None
+            return None, 0
+        waits = self.config.wait_s > 0
 
-        def rpc(client) -> list[tuple[list, list]]:
-            return [client.acquire_with_tiers(ns_id, hashes, prefix=True) for ns_id in self.link.ns_ids]
+        def rpc(client) -> list[tuple[list, list, int]]:
+            if waits:
+                return [client.acquire_inflight(ns_id, hashes) for ns_id in self.link.ns_ids]
+            return [(*client.acquire_with_tiers(ns_id, hashes, prefix=True), 0) for ns_id in self.link.ns_ids]
 
         answers = self.link.run("acquire", rpc)
         if answers is None:
-            return None
+            return None, 0
+        inflight = min(n for _, _, n in answers)
+        answers = [(ext, tiers) for ext, tiers, _ in answers]
         per_rank = [ext for ext, _ in answers]
         hits = min(sum(1 for _ in _leading(ext)) for ext in per_rank)
         generation = self.link.generation
@@ -122,7 +156,7 @@ class SchedulerSide:
             self.link.run("release", lambda c: [c.release(self.link.ns_ids[i], h) for i, h in extra if h])
         # a block's slowest rank (TP) decides which tier its hit came from
         tiers = [max((t[j] or "host" for _, t in answers), key=lambda x: RANK.get(x, len(RANK))) for j in range(hits)]
-        return _Pins(hashes[:hits], generation, tiers) if hits else None
+        return (_Pins(hashes[:hits], generation, tiers) if hits else None), max(inflight, hits)
 
     def _release(self, pins: _Pins | None) -> None:
         if pins is None or not pins.hashes or pins.generation != self.link.generation:
@@ -140,10 +174,8 @@ class SchedulerSide:
 
     # -- admission ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.config.load:
-            return 0, False
-        st = self._state(request)
-        if st is None:
+        st = self._state(request)  # a save-only (kv_producer) engine needs the state for its saves too
+        if st is None or not self.config.load:
             return 0, False
         bt = self.block_tokens
         start = num_computed_tokens // bt
@@ -153,10 +185,18 @@ class SchedulerSide:
         key = (start, limit)
         if st.pin_key != key:  # asked again with other bounds: redo the lookup
             self._release(st.pins)
-            st.pins = self._acquire(st.hashes_upto(limit, bt)[start:limit])
+            st.pins, reachable = self._acquire(st.hashes_upto(limit, bt)[start:limit])
             st.pin_key = key
+            hits = len(st.pins.hashes) if st.pins else 0
+            may_wait = _wait_s(request, self.config) > 0 and not st.waited
+            if may_wait and _proxy_says_wait(request):
+                reachable = limit - start  # the producer was sent this prompt: its blocks will come
+            st.num_wait = max(reachable - hits, 0) if may_wait else 0
             self.stats["lookups"] += 1
         hits = len(st.pins.hashes) if st.pins else 0
+        if st.num_wait:
+            self.stats["wait_lookups"] += 1
+            return (hits + st.num_wait) * bt, True  # in-flight blocks: an async load, finished by get_finished
         return hits * bt, self.config.load_async and hits > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -164,19 +204,29 @@ class SchedulerSide:
         if st is None:
             return
         pins, st.pins, start = st.pins, None, (st.pin_key or (0, 0))[0]
+        num_wait, st.num_wait = st.num_wait, 0
         st.pin_key = None
         st.hit_tiers = Counter()
         num_load = num_external_tokens // self.block_tokens
-        if num_load <= 0 or pins is None:
+        num_pinned = len(pins.hashes) if pins is not None else 0
+        if num_load <= 0 or (pins is None and not num_wait):
             self._release(pins)
             return
         block_ids = list(blocks.get_block_ids()[0])
-        loaded = _Pins(pins.hashes[:num_load], pins.generation)
-        st.hit_tiers = Counter(pins.tiers[:num_load])
-        self._release(_Pins(pins.hashes[num_load:], pins.generation))
-        self._pending_loads.append(
-            LoadJob(request.request_id, block_ids[start : start + num_load], loaded.hashes, self.config.load_async)
-        )
+        generation = pins.generation if pins is not None else self.link.generation
+        loaded = _Pins(pins.hashes[:num_load] if pins is not None else [], generation)
+        st.hit_tiers = Counter(pins.tiers[:num_load] if pins is not None else [])
+        if pins is not None:
+            self._release(_Pins(pins.hashes[num_load:], pins.generation))
+        job = LoadJob(request.request_id, block_ids[start : start + num_load],
+                      st.hashes[start : start + num_load], self.config.load_async)
+        if num_load > num_pinned:  # some are in flight: the worker waits for them off the engine's thread
+            st.waited = True  # vLLM reschedules the request if the wait fails: then it takes what is committed
+            job.is_async, job.num_ready, job.wait_s = True, num_pinned, _wait_s(request, self.config)
+            job.appear = _proxy_says_wait(request)
+            st.hit_tiers["host"] += num_load - num_pinned
+            self.stats["wait_blocks"] += num_load - num_pinned
+        self._pending_loads.append(job)
         self._pending_pins.append(loaded)
         self.stats["load_blocks"] += num_load
 
@@ -194,8 +244,12 @@ class SchedulerSide:
         if self._pending_pins:
             self._pins_by_step[self._step] = self._pending_pins
         self._pending_loads, self._pending_pins = [], []
+        announce: list[bytes] = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
+            if st is not None and self.config.announce and self.config.save and not st.announced:
+                st.announced = st.hashes_upto(st.request.num_prompt_tokens // self.block_tokens, self.block_tokens)
+                announce.extend(st.announced)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
                 self._collect_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta.saves)
@@ -211,6 +265,9 @@ class SchedulerSide:
                 st.block_ids.extend(new_ids[0])
             end = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             self._collect_saves(st, end, meta.saves)
+        if announce:  # before the forward pass that computes them: consumers may wait for these
+            self.link.run("expect", lambda c: [c.expect(ns_id, announce) for ns_id in self.link.ns_ids])
+            self.stats["announced_blocks"] += len(announce)
         self._expire_pins()
         self._step += 1
         return meta
@@ -265,10 +322,29 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st.pins)
+            if st.announced:  # what was not saved will not come: waiters stop waiting for it
+                self.link.run("withdraw", lambda c: [c.withdraw(ns_id, st.announced) for ns_id in self.link.ns_ids])
         return False, None  # saves are synchronous: vLLM may free the blocks now
 
     def shutdown(self) -> None:
         self.link.close()
+
+
+def _proxy_says_wait(request: "Request") -> bool:
+    """The disaggregation proxy (tools/pd_proxy.py) sent this prompt to a prefill engine too and marks
+    the decode request with kv_transfer_params {"kvstore_wait": true}: its blocks will appear."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("kvstore_wait"))
+
+
+def _wait_s(request: "Request", config: ConnectorConfig) -> float:
+    """How long this request's load may wait for blocks in flight: the config's wait_s, lowered per
+    request by kv_transfer_params {"kvstore_wait_s": seconds} (0 = take only what is committed)."""
+    params = getattr(request, "kv_transfer_params", None)
+    asked = params.get("kvstore_wait_s") if isinstance(params, dict) else None
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked >= 0:
+        return min(float(asked), config.wait_s)
+    return config.wait_s
 
 
 def _leading(extents: list):

@@ -13,13 +13,26 @@
   blocks' token ids when the scheduler side sent them, for KV events). A failed copy
   aborts the step's reservations; a save that cannot happen is a future miss.
 
-Nothing here is per block per RPC, and nothing outlives the step: saves are
+* Waiting loads (a LoadJob with blocks in flight: a producer engine is still
+  computing them): handed to a small thread pool, each thread with its own
+  daemon connection (a `wait` holds its connection), so the engine's loop never
+  waits. The thread waits for the blocks to commit (bounded by the job's
+  `wait_s`), then acquires, copies and releases what committed; the request is
+  reported through `get_finished` and any block that did not arrive (timeout,
+  abort, a producer that died) through `get_block_ids_with_load_errors` in the
+  same step, so vLLM recomputes it. The request's blocks are vLLM's alone
+  meanwhile (WAITING_FOR_REMOTE_KVS), so the copy does not race the forward.
+
+Nothing else is per block per RPC, and nothing else outlives the step: saves are
 synchronous, so vLLM may free or reuse the blocks as soon as the step ends.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
@@ -33,6 +46,7 @@ from kvstore.protocol import metadata_frame_bytes
 log = logging.getLogger(__name__)
 
 SCORE_LAYERS = 2  # layers sampled for the attention estimate
+WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
 
 
 def _default_scorer() -> Callable | None:
@@ -58,6 +72,12 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._loads_done: dict[int, int] = {}
         self._failed_reqs: tuple[int, set[str]] = (-1, set())  # (step, requests whose load failed in it)
+        self._lock = threading.Lock()  # guards the two below, written by the wait threads
+        self._waited_done: dict[str, set[int]] = {}  # req id -> its blocks that failed, for get_finished
+        self._wait_pool: ThreadPoolExecutor | None = None
+        self._wait_local = threading.local()  # per wait thread: its StoreLink
+        self._wait_links: list[StoreLink] = []
+        self.wait_stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0}
 
     # -- setup ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -88,14 +108,77 @@ class WorkerSide:
         if not meta.loads:
             return
         self._failed_reqs = (meta.step, set())
-        if self.kv is None:
-            self._fail_all(meta.loads)
-        else:
-            self._load(meta.loads)
-        for job in meta.loads:
+        waiting = [job for job in meta.loads if job.needs_wait and self.kv is not None]
+        now = [job for job in meta.loads if not (job.needs_wait and self.kv is not None)]
+        if now and self.kv is None:
+            self._fail_all(now)
+        elif now:
+            self._load(now)
+        for job in now:
             if job.is_async:
                 self._finished_recving.add(job.req_id)
+        for job in waiting:
+            self._wait_executor().submit(self._wait_and_load, job)
         self._loads_done[meta.step] = 1
+
+    # -- waiting loads (wait threads) -------------------------------------------------------
+    def _wait_executor(self) -> ThreadPoolExecutor:
+        if self._wait_pool is None:
+            self._wait_pool = ThreadPoolExecutor(WAIT_THREADS, thread_name_prefix="kvstore-wait")
+        return self._wait_pool
+
+    def _thread_link(self) -> StoreLink:
+        link = getattr(self._wait_local, "link", None)
+        if link is None:
+            link = StoreLink(self.config.socket_path, [self.namespace], self.config.timeout_s, self.config.retry_s,
+                             "vllm-worker-wait")
+            self._wait_local.link = link
+            with self._lock:
+                self._wait_links.append(link)
+        return link
+
+    def _wait_and_load(self, job: LoadJob) -> None:
+        failed: set[int] = set(job.block_ids)
+        t0 = time.monotonic()
+        try:
+            failed = self._wait_and_copy(job)
+        except Exception as exc:  # never let a wait thread die silently: the request must finish
+            log.warning("kvstore: waiting load of %s failed (%r); vLLM recomputes", job.req_id, exc)
+        with self._lock:
+            self._waited_done[job.req_id] = failed
+            self.wait_stats["jobs"] += 1
+            self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
+            self.wait_stats["blocks_failed"] += len(failed)
+            self.wait_stats["wait_s"] += time.monotonic() - t0
+
+    def _wait_and_copy(self, job: LoadJob) -> set[int]:
+        """Wait for the job's blocks, copy those that committed; the block ids that did not load."""
+        assert self.kv is not None
+        link = self._thread_link()
+        ns = lambda: link.ns_ids[0]  # noqa: E731  (the id of the connection the call runs on)
+        res = link.run("wait", lambda c: c.wait_committed(ns(), job.hashes, job.wait_s, appear=job.appear))
+        ready = res.ready if res is not None else 0
+        if res is not None and res.reason != "done":
+            log.info("kvstore: %s: %d/%d blocks arrived (%s); vLLM recomputes the rest",
+                     job.req_id, ready, len(job.hashes), res.reason)
+        hashes = job.hashes[:ready]
+        extents = link.run("acquire", lambda c: c.acquire(ns(), hashes, prefix=True)) if hashes else []
+        arena = arena_tensor(link.arena) if link.arena is not None and extents else None
+        generation = link.generation
+        loaded = 0
+        try:
+            for block_id, ext in zip(job.block_ids, extents or []):
+                if ext is None or arena is None:
+                    break
+                self.kv.load_from_arena(arena, block_id, ext)
+                loaded += 1
+        except Exception as exc:
+            log.warning("kvstore: copy of a waited block of %s failed (%r)", job.req_id, exc)
+        finally:
+            held = [h for h, e in zip(hashes, extents or []) if e is not None]
+            if held and link.generation == generation:
+                link.run("release", lambda c: c.release(ns(), held))
+        return set(job.block_ids[loaded:])
 
     def _load(self, jobs: list[LoadJob]) -> None:
         hashes = [h for job in jobs for h in job.hashes]
@@ -189,6 +272,11 @@ class WorkerSide:
     # -- per-step reports ---------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_recving = self._finished_recving, set()
+        with self._lock:  # a waited request and its failed blocks are reported in the same step
+            waited, self._waited_done = self._waited_done, {}
+        for req_id, failed in waited.items():
+            done.add(req_id)
+            self._failed_blocks.update(failed)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -202,6 +290,12 @@ class WorkerSide:
         return report
 
     def shutdown(self) -> None:
+        if self._wait_pool is not None:
+            self._wait_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            links, self._wait_links = self._wait_links, []
+        for link in links:
+            link.close()
         self.link.close()
 
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from kvstore.config import default_socket_path
 from kvstore.errors import ERRORS_BY_NAME, DaemonUnavailable, KVStoreError, OwnershipError, ProtocolError
+from kvstore.inflight import WaitResult as WaitReply
 from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
 from kvstore.remote_io import get_inline, put_inline
@@ -315,6 +316,42 @@ class KVClient:
         extents = reply["extents"]
         tiers = reply.get("tiers") or [None if e is None else "host" for e in extents]  # an older daemon
         return extents, tiers
+
+    def acquire_inflight(
+        self, ns_id: str, hashes: Sequence[bytes]
+    ) -> tuple[list[Extents | None], list[str | None], int]:
+        """`acquire_with_tiers(prefix=True)`, plus how many leading blocks are committed or in
+        flight (reserved or announced by a producer): those a consumer may `wait` for."""
+        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=True, inflight=True)
+        extents = reply["extents"]
+        tiers = reply.get("tiers") or [None if e is None else "host" for e in extents]
+        return extents, tiers, int(reply.get("inflight", 0))
+
+    def wait_committed(self, ns_id: str, hashes: Sequence[bytes], timeout_s: float, appear: bool = False) -> WaitReply:
+        """Block until the leading `hashes` are committed, or until one of them stops being in flight
+        (aborted, its producer gone), is absent (unless `appear`), or `timeout_s` passes.
+
+        Holds this connection for the whole wait (replies come in order): use a connection of its
+        own. The socket timeout is stretched to cover the wait."""
+        with self._lock:
+            sock = self._sock
+            if sock is not None:
+                sock.settimeout(self.timeout_s + timeout_s)
+            try:
+                r = self.call("wait", ns=ns_id, hashes=list(hashes), timeout_s=float(timeout_s), appear=appear)
+            finally:
+                if self._sock is not None:
+                    self._sock.settimeout(self.timeout_s)
+        return WaitReply(int(r["ready"]), tuple(r["waited"]), str(r["reason"]))
+
+    def expect(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        """Announce blocks this client's engine is about to save (consumers may wait for them)."""
+        if hashes:
+            self.call("expect", ns=ns_id, hashes=list(hashes))
+
+    def withdraw(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self.call("withdraw", ns=ns_id, hashes=list(hashes))
 
     def release(self, ns_id: str, hashes: Sequence[bytes]) -> None:
         if hashes:

@@ -69,6 +69,7 @@ from kvstore.entry import (  # noqa: F401  (Entry, LookupResult, RANK, TIERS are
 )
 from kvstore.block_events import BlockEvents, held_tiers
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
+from kvstore.inflight import InflightWaits
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
@@ -119,6 +120,7 @@ class TieredStore(Placement):
         self._reader: ThreadPoolExecutor | None = None
         self._persisted_ns: set[str] = set()
         self.sharing = None  # kvstore.sharing.RemoteSharing where the chain ends in a remote tier
+        self.waits = InflightWaits()  # waits for reserved/announced blocks (kvstore/inflight.py)
         recover(self)
 
     @property
@@ -340,6 +342,7 @@ class TieredStore(Placement):
                 parent_entry.children[RANK[tier]] += 1
                 link_child(parent_entry, key)
             self.reserved_by_owner[owner].add(key)
+            self.waits.notify(key)
             out.append(entry)
         return out
 
@@ -377,6 +380,7 @@ class TieredStore(Placement):
             e.owner = None
             e.last_access = now
             self.reserved_by_owner[owner].discard(e.key)
+            self.waits.committed(e.key)
             if attention is not None:
                 e.attention = float(attention[i])
             if tokens is not None and self.events is not None:
@@ -417,6 +421,7 @@ class TieredStore(Placement):
     def release_owner(self, owner: Owner) -> None:
         """The owner is gone: drop its pins and abort its reservations (lease expiry)."""
         self.ghost_pins.pop(owner, None)
+        self.waits.withdraw_owner(owner)
         pins = self.pins_by_owner.pop(owner, Counter())
         for key, n in pins.items():
             entry = self.entries.get(key)
@@ -427,6 +432,24 @@ class TieredStore(Placement):
             self._drop(self.entries[key])
         if pins or reserved:
             self.counters["leases_expired"] += 1
+
+    def expect(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        """Announce that `owner` is about to reserve and commit these blocks: waiters wait for them."""
+        self.namespace(ns_id)
+        self.waits.expect([(ns_id, h) for h in hashes if not self._committed((ns_id, h))], owner)
+
+    def withdraw(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        """Take back `owner`'s announcements (the request finished without saving them)."""
+        self.namespace(ns_id)
+        self.waits.withdraw([(ns_id, h) for h in hashes], owner)
+
+    def _committed(self, key: Key) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.committed
+
+    def _drop(self, entry: Entry) -> None:
+        super()._drop(entry)
+        self.waits.notify(entry.key)  # an aborted or lost reservation ends its waits
 
     # -- removal -------------------------------------------------------------
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
@@ -562,7 +585,10 @@ class TieredStore(Placement):
 
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
-        return store_stats(self)
+        stats = store_stats(self)
+        stats["announced_blocks"] = self.waits.num_expected()  # in flight by a producer's word
+        stats["waited_blocks"] = self.waits.num_waited_keys()  # keys some consumer waits on now
+        return stats
 
     def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
         """What inspection tools show of each block (None: not stored). No pins, no policy events."""

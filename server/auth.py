@@ -29,6 +29,7 @@ OP_CLASS: dict[str, tuple[str, ...]] = {
     "hello": (), "ping": (),
     "register": ("read", "write"),
     "lookup": ("read",), "acquire": ("read",), "release": ("read",), "get": ("read",),
+    "wait": ("read",), "expect": ("write",), "withdraw": ("write",),
     "reserve": ("write",), "commit": ("write",), "abort": ("write",), "put": ("write",),
     "stats": ("admin",), "blocks": ("admin",), "remove": ("admin",), "describe": ("admin",),
 }

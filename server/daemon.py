@@ -200,6 +200,7 @@ class Daemon:
         connections too, so an idle engine's connection would otherwise hold the daemon up."""
         log.info("draining")
         self._stopped.set()
+        self.store.waits.close()  # waits for in-flight blocks answer now rather than hold the drain
         for srv in self._servers:
             srv.close()
         loop = asyncio.get_running_loop()

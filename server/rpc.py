@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
+from kvstore.inflight import MAX_WAIT_S, count_in_flight, wait_committed
 from kvstore.keys import Namespace
 from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
                               want_hashes, want_token_blocks)
@@ -63,6 +64,9 @@ class Handlers:
             "abort": self.abort,
             "acquire": self.acquire,
             "release": self.release,
+            "wait": self.wait,
+            "expect": self.expect,
+            "withdraw": self.withdraw,
             "put": self.put,
             "get": self.get,
             "stats": self.stats,
@@ -167,9 +171,13 @@ class Handlers:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
         prefix = want(args, "prefix", bool, optional=True)
+        inflight = want(args, "inflight", bool, optional=True)
         entries, tiers = await self._acquire(s, ns, hashes, prefix is not False)
-        return {"extents": [e.location if e is not None else None for e in entries],
-                "tiers": [t if e is not None else None for e, t in zip(entries, tiers)]}
+        reply = {"extents": [e.location if e is not None else None for e in entries],
+                 "tiers": [t if e is not None else None for e, t in zip(entries, tiers)]}
+        if inflight:  # how many leading blocks are committed or in flight (a consumer may wait for them)
+            reply["inflight"] = count_in_flight(self.store, ns, hashes)
+        return reply
 
     async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> tuple[list, list]:
         """Pinned entries, promoted into the arena, and the tier each one was found in."""
@@ -179,6 +187,26 @@ class Handlers:
         if any(t not in (None, "host") for t in tiers):
             entries = await self.store.prepare_read(entries, s.owner)  # into the arena, where this client reads
         return entries, tiers
+
+    async def wait(self, s: Session, args: dict) -> dict:
+        """Wait for reserved or announced blocks to commit (kvstore/inflight.py). Pins nothing:
+        the caller acquires the `ready` blocks afterwards. Occupies this connection while it waits."""
+        ns = want(args, "ns", str)
+        hashes = want_hashes(args, self.max_batch)
+        timeout_s = want(args, "timeout_s", (int, float))
+        if not 0 <= timeout_s <= MAX_WAIT_S:
+            raise ProtocolError(f"timeout_s must be in 0..{MAX_WAIT_S:g}")
+        appear = want(args, "appear", bool, optional=True) or False
+        res = await wait_committed(self.store, ns, hashes, float(timeout_s), appear)
+        return {"ready": res.ready, "waited": list(res.waited), "reason": res.reason}
+
+    def expect(self, s: Session, args: dict) -> dict:
+        self.store.expect(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
+        return {}
+
+    def withdraw(self, s: Session, args: dict) -> dict:
+        self.store.withdraw(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
+        return {}
 
     def release(self, s: Session, args: dict) -> dict:
         self.store.release(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)

@@ -66,14 +66,15 @@ def base_env(tmpdir: str, threads: int = 1, multiprocess: bool = False) -> dict[
 
 
 def start_daemon(workdir: str, host_bytes: str = "512MiB", socket: str | None = None,
-                 disk_bytes: str | None = None, extra: tuple[str, ...] = ()) -> DaemonProc:
+                 disk_bytes: str | None = None, extra: tuple[str, ...] = (), admin: bool = False) -> DaemonProc:
     """A daemon on `socket` (default: <workdir>/kvstore.sock), logging to <workdir>/daemon-<name>.log.
 
-    No disk tier unless `disk_bytes` is given (then in <workdir>/disk-<name>); `extra`: more serve flags."""
+    No disk tier unless `disk_bytes` is given (then in <workdir>/disk-<name>); `extra`: more serve flags;
+    the admin plane (for `DaemonProc.check()`) only with `admin`."""
     name = f"vt-{uuid.uuid4().hex[:10]}"
     disk = ["--disk-path", os.path.join(workdir, f"disk-{name}"), "--disk-bytes", disk_bytes] if disk_bytes else []
     return launch_daemon(workdir, *disk, *extra, host_bytes=host_bytes, page_bytes="256KiB", name=name,
-                         disk=bool(disk_bytes), admin=False,
+                         disk=bool(disk_bytes), admin=admin,
                          socket_path=socket or os.path.join(workdir, "kvstore.sock"),
                          log_path=os.path.join(workdir, f"daemon-{name}.log"), env=base_env(workdir))
 

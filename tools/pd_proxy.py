@@ -1,0 +1,321 @@
+"""A prefill/decode disaggregation proxy in front of vLLM OpenAI servers that share a kvstore daemon.
+
+    kvstore proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    (or: python -m tools.pd_proxy ...)
+
+Each /v1/completions or /v1/chat/completions request goes to a prefill engine
+(kv_role kv_producer) with max_tokens=1, and to a decode engine (kv_role
+kv_consumer) as given, marked with kv_transfer_params {"kvstore_wait": true}:
+the decode engine's connector then waits for the prompt's blocks that the
+prefill engine is computing (connectors/vllm_scheduler.py) and loads them
+instead of recomputing. By default both are sent at once (`--mode parallel`:
+the decode engine's admission overlaps the prefill); `--mode sequential` sends
+the decode request once the prefill one has answered (the blocks are committed
+by then: no wait). The decode engine's answer, streamed or not, is the reply.
+
+Engines are chosen round-robin among those up, or by the `x-session-affinity`
+header (rendezvous hashing: a session keeps its engine while it is up). A
+background task GETs each engine's /health every `--health-interval-s`; an
+engine that fails a check or a connection is skipped until it passes again.
+
+Errors, always as OpenAI-style JSON {"error": {"message", "type", "code"}}:
+malformed JSON or a body that is not an object -> 400; no engine of a kind up
+-> 503 for decode engines; a decode engine's own 4xx -> passed through as is; its
+5xx or an unreachable engine -> 502 naming the engine. A failed prefill (or no
+prefill engine up) does not fail the request: the decode engine computes what it
+could not load (its wait ends at the prefill engine's withdrawal, lease, or its
+wait_s) and a non-streamed reply says so in the `x-pd-prefill-error` header.
+Every upstream call is bounded by timeouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+AFFINITY_HEADER = "x-session-affinity"
+PREFILL_ERROR_HEADER = "x-pd-prefill-error"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    mode: str = "parallel"  # or "sequential"
+    health_interval_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("give at least one --prefill and one --decode engine URL")
+        if self.mode not in ("parallel", "sequential"):
+            raise ValueError(f"mode must be parallel or sequential, not {self.mode!r}")
+        for url in self.prefill + self.decode:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass
+class Pool:
+    """The engines of one kind and which of them are up."""
+
+    kind: str
+    urls: tuple[str, ...]
+    up: dict[str, bool] = field(default_factory=dict)
+    _rr: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.up = {u: True for u in self.urls}  # optimistic until the first check says otherwise
+
+    def pick(self, affinity: str | None) -> str:
+        live = [u for u in self.urls if self.up[u]]
+        if not live:
+            raise UpstreamError(503, f"no {self.kind} engine is up (configured: {', '.join(self.urls)})",
+                                "service_unavailable")
+        if affinity:
+            return max(live, key=lambda u: hashlib.sha256(f"{affinity}|{u}".encode()).digest())
+        return live[next(self._rr) % len(live)]
+
+    def mark(self, url: str, up: bool) -> None:
+        if self.up.get(url) != up:
+            log.warning("%s engine %s is %s", self.kind, url, "up" if up else "DOWN")
+        self.up[url] = up
+
+
+CONFIG = web.AppKey("config", ProxyConfig)
+POOLS = web.AppKey("pools", dict)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+def error_json(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except UpstreamError as exc:
+        return error_json(exc.status, exc.message, exc.kind)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a bug here must still answer, not hang the client
+        log.exception("proxy error")
+        return error_json(500, f"proxy error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+async def read_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise UpstreamError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise UpstreamError(400, "the request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+def prefill_body(body: dict) -> dict:
+    out = dict(body, max_tokens=1, stream=False)
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    return out
+
+
+def decode_body(body: dict) -> dict:
+    params = dict(body.get("kv_transfer_params") or {})
+    params["kvstore_wait"] = True
+    return dict(body, kv_transfer_params=params)
+
+
+async def prefill(app: web.Application, path: str, body: dict, affinity: str | None) -> str | None:
+    """Run the prefill; None when it went well, else why not (the decode engine recomputes)."""
+    pool = app[POOLS]["prefill"]
+    try:
+        url = pool.pick(affinity)
+    except UpstreamError as exc:
+        return exc.message
+    try:
+        async with app[SESSION].post(url + path, json=prefill_body(body)) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                return f"prefill engine {url} answered {resp.status}: {text[:300]}"
+            return None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        pool.mark(url, False)
+        return f"prefill engine {url} unreachable: {type(exc).__name__}: {exc}"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    body = await read_body(request)
+    affinity = request.headers.get(AFFINITY_HEADER)
+    decode_pool = app[POOLS]["decode"]
+    decode_url = decode_pool.pick(affinity)
+    path = request.path
+    prefill_task = asyncio.ensure_future(prefill(app, path, body, affinity))
+    try:
+        if app[CONFIG].mode == "sequential":
+            await asyncio.shield(prefill_task)
+        return await forward_decode(request, decode_pool, decode_url, path, body, prefill_task)
+    finally:
+        if not prefill_task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(prefill_task), app[CONFIG].request_timeout_s)
+
+
+async def forward_decode(request: web.Request, pool: Pool, url: str, path: str, body: dict,
+                         prefill_task: asyncio.Future) -> web.StreamResponse:
+    session = request.app[SESSION]
+    try:
+        resp_cm = session.post(url + path, json=decode_body(body))
+        resp = await resp_cm.__aenter__()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        pool.mark(url, False)
+        raise UpstreamError(502, f"decode engine {url} unreachable: {type(exc).__name__}: {exc}") from None
+    try:
+        if resp.status != 200:
+            text = await resp.text()
+            if resp.status >= 500:
+                raise UpstreamError(502, f"decode engine {url} answered {resp.status}: {text[:500]}")
+            return web.Response(status=resp.status, text=text, content_type=resp.content_type or "application/json")
+        headers = {}
+        if body.get("stream"):
+            out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get(
+                "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+        data = await resp.read()
+        if prefill_task.done() and prefill_task.result():
+            headers[PREFILL_ERROR_HEADER] = prefill_task.result()[:200].replace("\n", " ")
+            log.warning("%s", prefill_task.result())
+        return web.Response(status=200, body=data, headers=headers,
+                            content_type=resp.content_type or "application/json")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        pool.mark(url, False)
+        raise UpstreamError(502, f"decode engine {url} failed mid-answer: {type(exc).__name__}: {exc}") from None
+    finally:
+        await resp_cm.__aexit__(None, None, None)
+
+
+async def models(request: web.Request) -> web.Response:
+    pool = request.app[POOLS]["decode"]
+    url = pool.pick(None)
+    try:
+        async with request.app[SESSION].get(url + "/v1/models") as resp:
+            return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        pool.mark(url, False)
+        raise UpstreamError(502, f"decode engine {url} unreachable: {exc}") from None
+
+
+async def health(request: web.Request) -> web.Response:
+    pools = request.app[POOLS]
+    state = {kind: {u: ok for u, ok in p.up.items()} for kind, p in pools.items()}
+    ok = all(any(p.up.values()) for p in pools.values())
+    return web.json_response({"ok": ok, "engines": state}, status=200 if ok else 503)
+
+
+async def check_engines(app: web.Application) -> None:
+    session, cfg = app[SESSION], app[CONFIG]
+    timeout = aiohttp.ClientTimeout(total=max(cfg.connect_timeout_s, 0.5))
+
+    async def one(pool: Pool, url: str) -> None:
+        try:
+            async with session.get(url + "/health", timeout=timeout) as resp:
+                pool.mark(url, resp.status == 200)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pool.mark(url, False)
+
+    await asyncio.gather(*(one(p, u) for p in app[POOLS].values() for u in p.urls))
+
+
+async def _health_loop(app: web.Application) -> None:
+    while True:
+        await check_engines(app)
+        await asyncio.sleep(app[CONFIG].health_interval_s)
+
+
+async def _resources(app: web.Application):
+    cfg = app[CONFIG]
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s,
+                                    connect=cfg.connect_timeout_s)
+    app[SESSION] = aiohttp.ClientSession(timeout=timeout)
+    task = asyncio.create_task(_health_loop(app))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await app[SESSION].close()
+
+
+def make_app(cfg: ProxyConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=64 << 20)
+    app[CONFIG] = cfg
+    app[POOLS] = {"prefill": Pool("prefill", cfg.prefill), "decode": Pool("decode", cfg.decode)}
+    app.cleanup_ctx.append(_resources)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", required=True, help="a prefill engine's base URL (repeatable)")
+    p.add_argument("--decode", action="append", required=True, help="a decode engine's base URL (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=["parallel", "sequential"], default="parallel")
+    p.add_argument("--health-interval-s", type=float, default=2.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.mode, args.health_interval_s,
+                          request_timeout_s=args.request_timeout_s)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    print(f"pd proxy on http://{args.host}:{args.port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}",
+          flush=True)
+    web.run_app(make_app(cfg), host=args.host, port=args.port, print=None, shutdown_timeout=5.0)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("proxy", help="prefill/decode disaggregation proxy for vLLM engines sharing the store")
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(prog="pd_proxy", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(parser.parse_args()))
