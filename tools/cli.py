@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ["tools.serve_cmd", "tools.stats_cmd", "tools.inspect_cmd", "tools.replay"]
+COMMAND_MODULES = ["tools.serve_cmd", "tools.stats_cmd", "tools.inspect_cmd", "tools.replay", "tools.gen_trace"]
 
 
 def build_parser() -> argparse.ArgumentParser:
