@@ -48,6 +48,7 @@ from eviction.base import EvictionPolicy
 from eviction.belady import BeladyPolicy
 from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, next_use_index, read_trace
 from kvstore.keys import Namespace
+from tools.gen_trace import requests_for
 from kvstore.store import TIERS, TieredStore
 from tiers.disk import DiskTier
 from tiers.host import HostArena
@@ -207,7 +208,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, hash_ids)")
+    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, hash_ids), or "
+                                 "gen:SHAPE[:SEED] for a generated one (see `kvstore gen-trace`)")
     p.add_argument("--capacity-blocks", nargs="+", default=["1000,4000,16000"],
                    help="host capacity in blocks; several values or comma lists (default 1000,4000,16000)")
     p.add_argument("--policy", nargs="+", default=["attention"],
@@ -244,7 +246,10 @@ def run(args: argparse.Namespace) -> int:
         unknown = set(policies) - set(ALL_POLICIES)
         if unknown:
             raise ValueError(f"unknown policy {sorted(unknown)}; known: {', '.join(ALL_POLICIES)}")
-        requests = read_trace(args.trace, args.limit)
+        if args.trace.startswith("gen:"):
+            requests = requests_for(args.trace)[: args.limit]
+        else:
+            requests = read_trace(args.trace, args.limit)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvstore replay: {exc}", file=sys.stderr)
         return 2
