@@ -300,8 +300,10 @@ class HostIndex:
         unchecked (a block freed meanwhile has neither), delete the queued ones, one transaction.
         `new`: [(item, record key, packed record, whether it holds the checksum)]; `sums`: [(item,
         record key, packed record with the checksum)]."""
-        new = [r for r in new if self._pending.get(r[0].key) is r[0]]
         sums = [r for r in sums if self._unchecked.get(r[0].key) is r[0]]
+        # A checked new record (`flush`) whose unchecked version the index thread wrote meanwhile is a checksum.
+        sums += [r[:3] for r in new if r[3] and self._unchecked.get(r[0].key) is r[0]]
+        new = [r for r in new if self._pending.get(r[0].key) is r[0]]
         if not new and not sums and not self._deletes:
             return
         with self.env.begin(write=True, db=self._db_blocks) as txn:
