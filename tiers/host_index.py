@@ -49,6 +49,7 @@ import shutil
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -173,6 +174,12 @@ class HostIndex:
         taken = np.zeros(num_pages, dtype=bool)
         kept, bad, used = [], [], []
         reasons: dict[str, int] = {}
+
+        def drop(rkey: bytes, why: str) -> None:
+            bad.append(rkey)
+            reasons[why] = reasons.get(why, 0) + 1
+
+        parsed = []  # (record key, key, record, pages)
         with self.env.begin(db=self._db_blocks) as txn:
             for rkey, raw in txn.cursor():
                 rkey = bytes(rkey)
@@ -182,17 +189,22 @@ class HostIndex:
                     pages = _pages_of(rec["e"], rec["n"], page_bytes, capacity_bytes)
                     if not isinstance(ns_id, str) or not isinstance(h, bytes) or not isinstance(rec["x"], (int, type(None))):
                         raise ValueError("malformed record")
-                    if taken[pages].any():
-                        raise ValueError("overlaps another block")
-                    if rec["x"] is not None and checksum(self.arena, rec["e"]) != rec["x"]:
-                        raise ValueError("checksum mismatch (altered bytes)")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    bad.append(rkey)
-                    reasons[str(exc)] = reasons.get(str(exc), 0) + 1
+                    drop(rkey, str(exc))
                     continue
+                parsed.append((rkey, (ns_id, h), rec, pages))
+        # xxh3 releases the GIL: a large arena is verified on several cores.
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            sums = list(pool.map(lambda p: None if p[2]["x"] is None else checksum(self.arena, p[2]["e"]), parsed))
+        for (rkey, key, rec, pages), x in zip(parsed, sums):
+            if x != rec["x"]:
+                drop(rkey, "checksum mismatch (altered bytes)")
+            elif taken[pages].any():
+                drop(rkey, "overlaps another block")
+            else:
                 taken[pages] = True
                 used.extend(pages)
-                kept.append(((ns_id, h), rec))
+                kept.append((key, rec))
         if bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
                 for rkey in bad:

@@ -3,7 +3,8 @@
 For each case: start a daemon (own process, host tier `--host-gib`, 256 KiB
 pages, optionally a disk tier as large), fill the host tier with chains of
 2 MiB blocks (distinct bytes per block) and wait until the daemon has recorded
-everything (host placement records; disk writes), stop it (SIGTERM or kill -9),
+everything (host placement records with their checksums, which a restart then
+verifies; disk writes), stop it (SIGTERM or kill -9),
 start it again under the same name, and report:
 
 - stop_s: signal -> the old process has exited (a SIGTERM without a kept
@@ -61,8 +62,10 @@ def fill(client: KVClient, ns: str, n: int, base: np.ndarray) -> list[list[bytes
 
 
 def settled(stats: dict) -> bool:
-    tiers = stats["tiers"]
-    return tiers["host"].get("pending_records", 0) == 0 and tiers["disk"].get("pending_writes", 0) == 0
+    """Every placement record, with its checksum, and every disk write is done (what a kill keeps)."""
+    host, disk = stats["tiers"]["host"], stats["tiers"]["disk"]
+    return (host.get("pending_records", 0) == 0 and host.get("unchecked_records", 0) == 0
+            and disk.get("pending_writes", 0) == 0)
 
 
 def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict:
