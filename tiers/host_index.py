@@ -187,7 +187,8 @@ class HostIndex:
                     ns_id, h = msgpack.unpackb(rkey)
                     rec = msgpack.unpackb(raw)
                     pages = _pages_of(rec["e"], rec["n"], page_bytes, capacity_bytes)
-                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not isinstance(rec["x"], (int, type(None))):
+                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
+                            rec["x"] is None or isinstance(rec["x"], int)):
                         raise ValueError("malformed record")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
                     drop(rkey, str(exc))

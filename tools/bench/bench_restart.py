@@ -55,7 +55,8 @@ def fill(client: KVClient, ns: str, n: int, base: np.ndarray) -> list[list[bytes
     chains = []
     for c in range(0, n, CHAIN):
         hs = hash_blocks(np.arange(min(CHAIN, n - c) * 16) + c * 1000, 16)
-        if client.put(ns, [(h, p, payload(base, c + j)) for j, (h, p) in enumerate(zip(hs, [None] + hs[:-1]))]) != len(hs):
+        blocks = [(h, p, payload(base, c + j)) for j, (h, p) in enumerate(zip(hs, [None] + hs[:-1]))]
+        if client.put(ns, blocks) != len(hs):
             raise SystemExit("the host tier did not take every block: lower --host-gib")
         chains.append(hs)
     return chains
