@@ -44,11 +44,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import stat
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
@@ -133,11 +133,14 @@ class HostIndex:
         self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
         self._pending: dict[tuple, _Pending] = {}  # committed, record not yet written (insertion order)
         self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
-        self._recorded: set[tuple] = set()  # keys with a record
+        self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
-        self._deletes: list[tuple] = []  # records to delete before their pages are reused
+        self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
         self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
-        self._to_index: queue.SimpleQueue = queue.SimpleQueue()  # _Pending | [(item, checksum)] | None
+        # For the index thread: _Pending (a new record) | [(item, checksum)]; appended without a lock,
+        # `_index_wake` set after (one wake-up per batch, not per block: the loop holds the GIL meanwhile).
+        self._to_index: deque = deque()
+        self._index_wake = threading.Event()
         self._hash_wake = threading.Event()
         self._stopped = threading.Event()
         self._closing = False
@@ -212,7 +215,7 @@ class HostIndex:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {k for k, _ in kept}
+        self._recorded = {k: record_key(k) for k, _ in kept}
         now = time.monotonic()
         for key, rec in kept:
             if rec["x"] is None:  # checked in the background, like a new record
@@ -244,7 +247,8 @@ class HostIndex:
             self._unchecked.pop(key, None)
             self._pending[key] = item
             self._pending_ids.add(id(extents))
-        self._to_index.put(item)
+        self._to_index.append(item)
+        self._index_wake.set()
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
@@ -255,12 +259,12 @@ class HostIndex:
             if item is not None:
                 self._pending_ids.discard(id(item.extents))
                 return
-            if key not in self._recorded:
+            rkey = self._recorded.pop(key, None)
+            if rkey is None:
                 return  # never committed here (an aborted reservation)
-            self._recorded.discard(key)
             self._unchecked.pop(key, None)
-            self._deletes.append(key)
-        self._to_index.put(None)  # committed promptly: a removed block must not come back after a kill
+            self._deletes.append(rkey)
+        self._index_wake.set()  # committed promptly: a removed block must not come back after a kill
 
     @property
     def has_deletes(self) -> bool:
@@ -289,17 +293,19 @@ class HostIndex:
         short transaction."""
         _name_native_thread("kvstore-index")
         while True:
-            msgs = [self._to_index.get()]
+            self._index_wake.wait()
+            self._index_wake.clear()  # before draining: what is appended from now on sets it again
+            msgs = []
             while True:
                 try:
-                    msgs.append(self._to_index.get_nowait())
-                except queue.Empty:
+                    msgs.append(self._to_index.popleft())
+                except IndexError:
                     break
             new, sums = [], []
             for i, m in enumerate(msgs):
                 if isinstance(m, _Pending):
                     new.append((m, record_key(m.key), _pack(m, None), False))
-                elif m is not None:
+                else:
                     sums += [(item, record_key(item.key), _pack(item, x)) for item, x in m]
                 if i % 16 == 15:
                     time.sleep(0)
@@ -320,16 +326,16 @@ class HostIndex:
         if not new and not sums and not self._deletes:
             return
         with self.env.begin(write=True, db=self._db_blocks) as txn:
-            for key in self._deletes:
-                txn.delete(record_key(key))
+            for rkey in self._deletes:
+                txn.delete(rkey)
             for r in new + sums:
                 txn.put(r[1], r[2])
         self._deletes.clear()
         now = time.monotonic()
-        for item, _, _, checked in new:
+        for item, rkey, _, checked in new:
             del self._pending[item.key]
             self._pending_ids.discard(id(item.extents))
-            self._recorded.add(item.key)
+            self._recorded[item.key] = rkey
             if not checked:
                 item.since = now
                 self._unchecked[item.key] = item
@@ -370,7 +376,8 @@ class HostIndex:
                     if size >= BATCH_BYTES:
                         break
             if batch:
-                self._to_index.put(batch)
+                self._to_index.append(batch)
+                self._index_wake.set()
             elif not any(not i.hashing for i in list(self._unchecked.values())):
                 self._hash_wake.clear()
                 if any(not i.hashing for i in list(self._unchecked.values())):
@@ -406,7 +413,7 @@ class HostIndex:
         self._closing = True
         self._stopped.set()
         self._hash_wake.set()
-        self._to_index.put(None)
+        self._index_wake.set()
         self._hasher.join()
         self._writer.join()
         if flush:
