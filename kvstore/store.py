@@ -190,6 +190,8 @@ class TieredStore(Placement):
         for key in hit_keys:
             self.entries[key].pins += 1
             pins[key] += 1
+        if hit_keys:
+            self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
         self._credit_hits(hit_keys)
         self.counters["hit_blocks"] += len(hit_keys)
         self.counters["miss_blocks"] += len(hashes) - len(hit_keys)

@@ -180,6 +180,10 @@ class HostArena(Tier):
             nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
             self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
 
+    def busy(self) -> None:
+        if self.index is not None:
+            self.index.busy()
+
     def durable(self, location: Extents) -> bool:
         return self.index is not None and not self.index.pending(location)
 

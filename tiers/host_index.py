@@ -25,10 +25,10 @@ Rules that make an adopted block safe to serve:
   `allocate` commits what is still queued first (`settle`), so no record ever
   points at pages that hold another block.
 - The checksum is added to the record later, by the `kvstore-hash` thread
-  (nice 19), once no block has been committed or freed for `QUIET_S` (or the
-  oldest unchecked record is `CHECK_LAG_S` old): hashing reads every byte, and
-  on a memory-bound host it would slow the puts it ran beside. A clean stop
-  checks every block first (`flush`).
+  (nice 19), once no block has been committed, freed or acquired for
+  `QUIET_S` (or the oldest unchecked record is `CHECK_LAG_S` old): hashing
+  reads every byte, and on a memory-bound host it would slow the puts and gets
+  it ran beside. A clean stop checks every block first (`flush`).
 - At adoption every record is checked (extents inside the arena, no overlap,
   length) and a record with a checksum is verified against the bytes: an
   altered block is dropped, never served. A record without one (a kill -9
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 BATCH_BYTES = 16 << 20  # hashed per batch at most: the hasher re-checks that the store is quiet between batches
-QUIET_S = 0.1  # the store has committed and freed nothing for this long: checksums may be taken
+QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this long: checksums may be taken
 CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
 
 
@@ -265,6 +265,10 @@ class HostIndex:
             self._unchecked.pop(key, None)
             self._deletes.append(rkey)
         self._index_wake.set()  # committed promptly: a removed block must not come back after a kill
+
+    def busy(self) -> None:
+        """Clients are reading: no checksums for QUIET_S (a plain store, no lock: a float is atomic)."""
+        self._active_at = time.monotonic()
 
     @property
     def has_deletes(self) -> bool:
