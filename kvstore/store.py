@@ -207,6 +207,8 @@ class TieredStore(Placement):
         for key in hit_keys:
             self.entries[key].pins += 1
             pins[key] += 1
+        if hit_keys:
+            self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
         self._credit_hits(hit_keys)
         if self.sharing is not None and hit_keys:
             self.sharing.on_hit(hit_keys)

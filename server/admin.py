@@ -100,6 +100,9 @@ class StoreCollector:
             yield GaugeMetricFamily("kvstore_host_pending_records",
                                     "Committed host blocks whose placement record is not written yet (a kill loses them)",
                                     value=host["pending_records"])
+            yield GaugeMetricFamily("kvstore_host_unchecked_records",
+                                    "Host placement records without their checksum yet (taken when the store is quiet)",
+                                    value=host["unchecked_records"])
             yield GaugeMetricFamily("kvstore_host_adopted_blocks", "Host blocks re-adopted from the arena at start",
                                     value=host["adopted_blocks"])
         c = s["counters"]

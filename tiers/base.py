@@ -118,6 +118,9 @@ class Tier:
     def placed(self, location, meta: "BlockMeta") -> None:
         """A committed block now sits at `location` (its commit, or a move into this tier)."""
 
+    def busy(self) -> None:
+        """Clients are reading (an acquire): background work that competes for memory may wait."""
+
     def locate(self, location) -> list:
         """The page extents of a location (for `check`)."""
         return location

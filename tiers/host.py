@@ -180,6 +180,10 @@ class HostArena(Tier):
             nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
             self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
 
+    def busy(self) -> None:
+        if self.index is not None:
+            self.index.busy()
+
     def durable(self, location: Extents) -> bool:
         return self.index is not None and not self.index.pending(location)
 
@@ -210,6 +214,8 @@ class HostArena(Tier):
                 problems.append(f"host block {key} has no index record")
             elif rec["e"] != extents or rec["n"] != sum(n for _, n in extents):
                 problems.append(f"index record of host block {key} disagrees with its pages")
+            elif rec["x"] is None:
+                problems.append(f"the index record of host block {key} has no checksum after a flush")
             elif rec["x"] != checksum(self.buf, extents):
                 problems.append(f"host block {key} no longer matches its recorded checksum")
         if records:
@@ -220,8 +226,10 @@ class HostArena(Tier):
         out = super().stats()
         out["persistent"] = self.persistent
         if self.index is not None:
-            out.update(adopted_blocks=self.adopted_blocks, pending_records=self.index.num_pending,
-                       records_written=self.index.records_written)
+            idx = self.index
+            out.update(adopted_blocks=self.adopted_blocks, adopted_unchecked=idx.adopted_unchecked,
+                       pending_records=idx.num_pending, unchecked_records=idx.num_unchecked,
+                       records_written=idx.records_written, checksums_written=idx.checksums_written)
         return out
 
     # -- bytes (the store's transfers, TCP inline payloads) ----------------------

@@ -11,42 +11,45 @@ survives the death of the process that made it.
 Sub-databases: `meta` (format version, geometry, the arena file's inode),
 `namespaces` (id -> fields), `blocks` (msgpack [namespace id, hash] -> record
 {e: extents, n: length, p: parent hash, d: depth, a: attention, t: wall-clock
-time it reached the tier, x: xxh3_64 of its bytes}).
+time it reached the tier, x: xxh3_64 of its bytes, or None until taken}).
 
 Rules that make an adopted block safe to serve:
 - A record is written only after its block committed (the client copied the
-  bytes in before it sent `commit`), so a reserved, never committed block has
-  no record and its pages are free at the next start.
-- Its checksum is taken then, off the event loop, by a thread at the lowest
-  CPU priority (nice 19: the copies of a put storm keep the CPU); records are
-  written in batches, one LMDB transaction per batch.
-  A block freed before its record was written is simply never recorded. So a
-  committed block is *durable here* a little after its commit (`pending`).
+  bytes in before it sent `commit`), so a reserved, never committed block (a
+  put cut short by the kill: a torn block) has no record and its pages are
+  free at the next start. Records are written off the event loop by the
+  `kvstore-index` thread, one LMDB transaction per batch, within milliseconds
+  of the commit (`pending` until then: what a kill -9 loses).
 - A record is deleted before its pages are handed out again: `forget` queues
   the deletion, the index thread commits it soon after, and the arena's
   `allocate` commits what is still queued first (`settle`), so no record ever
   points at pages that hold another block.
-- At adoption each record is checked (extents inside the arena, no overlap,
-  length) and its checksum verified against the bytes: a torn or altered block
-  is dropped, never served.
+- The checksum is added to the record later, by the `kvstore-hash` thread
+  (nice 19), once no block has been committed, freed or acquired for
+  `QUIET_S` (or the oldest unchecked record is `CHECK_LAG_S` old): hashing
+  reads every byte, and on a memory-bound host it would slow the puts and gets
+  it ran beside. A clean stop checks every block first (`flush`).
+- At adoption every record is checked (extents inside the arena, no overlap,
+  length) and a record with a checksum is verified against the bytes: an
+  altered block is dropped, never served. A record without one (a kill -9
+  before the store was quiet) is adopted on the two rules above, and checked
+  in the background like a new one.
 
 Threads: `record`, `forget`, `settle` run on the owner's thread (the event
-loop). The `kvstore-host-hash` thread (nice 19) checksums committed blocks and
-hands them to the `kvstore-host-index` thread (normal priority), which writes
-them. `_lock` orders every write transaction and the pending/recorded state;
-the hasher never takes it, so the loop never waits behind a preempted
-low-priority thread.
+loop). `_lock` orders every write transaction and the state below; the hasher
+never takes it (a preempted nice-19 thread holding it would stall the loop).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import stat
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -58,7 +61,9 @@ import xxhash
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-BATCH_BYTES = 16 << 20  # hashed per batch at most: bounds a transaction, and the loop's wait for it
+BATCH_BYTES = 16 << 20  # hashed per batch at most: the hasher re-checks that the store is quiet between batches
+QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this long: checksums may be taken
+CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
 
 
 class IndexRefused(PermissionError):
@@ -82,10 +87,14 @@ def checksum(arena: np.ndarray, extents: Iterable) -> int:
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    key: tuple  # (namespace id, hash): packed by the writer thread, not on the loop
+    """A block committed in the arena whose record is not written, or has no checksum yet."""
+
+    key: tuple  # (namespace id, hash): packed by the index thread, not on the loop
     extents: list
     nbytes: int
     meta: tuple  # (parent, depth, attention, stamp)
+    since: float = 0.0  # monotonic time its record was written
+    hashing: bool = False
 
 
 def remove_index(path: str) -> None:
@@ -124,13 +133,20 @@ class HostIndex:
         self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
         self._pending: dict[tuple, _Pending] = {}  # committed, record not yet written (insertion order)
         self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
-        self._recorded: set[tuple] = set()
-        self._deletes: list[tuple] = []  # records to delete before their pages are reused
-        self._to_hash: queue.SimpleQueue = queue.SimpleQueue()  # _Pending items (None: stop)
-        self._hashed: queue.SimpleQueue = queue.SimpleQueue()  # [(item, checksum)] batches (None: wake up)
+        self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
+        self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
+        self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
+        self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
+        # For the index thread: _Pending (a new record) | [(item, checksum)]; appended without a lock,
+        # `_index_wake` set after (one wake-up per batch, not per block: the loop holds the GIL meanwhile).
+        self._to_index: deque = deque()
+        self._index_wake = threading.Event()
+        self._hash_wake = threading.Event()
+        self._stopped = threading.Event()
         self._closing = False
         self.records_written = 0
-        self.batches = 0
+        self.checksums_written = 0
+        self.adopted_unchecked = 0
         self._hasher = threading.Thread(target=self._hash_loop, name="kvstore-host-hash", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-host-index", daemon=True)
         self._hasher.start()
@@ -155,12 +171,18 @@ class HostIndex:
 
         A record is kept when its key and fields are well formed, its extents lie inside the arena
         on page boundaries without overlapping another record's, its length matches, and the
-        xxh3_64 of the bytes it points at equals its checksum.
+        xxh3_64 of the bytes it points at equals its checksum where it has one.
         """
         num_pages = capacity_bytes // page_bytes
         taken = np.zeros(num_pages, dtype=bool)
         kept, bad, used = [], [], []
         reasons: dict[str, int] = {}
+
+        def drop(rkey: bytes, why: str) -> None:
+            bad.append(rkey)
+            reasons[why] = reasons.get(why, 0) + 1
+
+        parsed = []  # (record key, key, record, pages)
         with self.env.begin(db=self._db_blocks) as txn:
             for rkey, raw in txn.cursor():
                 rkey = bytes(rkey)
@@ -168,26 +190,42 @@ class HostIndex:
                     ns_id, h = msgpack.unpackb(rkey)
                     rec = msgpack.unpackb(raw)
                     pages = _pages_of(rec["e"], rec["n"], page_bytes, capacity_bytes)
-                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not isinstance(rec["x"], int):
+                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
+                            rec["x"] is None or isinstance(rec["x"], int)):
                         raise ValueError("malformed record")
-                    if taken[pages].any():
-                        raise ValueError("overlaps another block")
-                    if checksum(self.arena, rec["e"]) != rec["x"]:
-                        raise ValueError("checksum mismatch (torn or altered bytes)")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    bad.append(rkey)
-                    reasons[str(exc)] = reasons.get(str(exc), 0) + 1
+                    drop(rkey, str(exc))
                     continue
+                parsed.append((rkey, (ns_id, h), rec, pages))
+        # xxh3 releases the GIL: a large arena is verified on several cores.
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            sums = list(pool.map(lambda p: None if p[2]["x"] is None else checksum(self.arena, p[2]["e"]), parsed))
+        for (rkey, key, rec, pages), x in zip(parsed, sums):
+            if x != rec["x"]:
+                drop(rkey, "checksum mismatch (altered bytes)")
+            elif taken[pages].any():
+                drop(rkey, "overlaps another block")
+            else:
                 taken[pages] = True
                 used.extend(pages)
-                kept.append(((ns_id, h), rec))
+                kept.append((key, rec))
         if bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
                 for rkey in bad:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {k for k, _ in kept}
+        self._recorded = {k: record_key(k) for k, _ in kept}
+        now = time.monotonic()
+        for key, rec in kept:
+            if rec["x"] is None:  # checked in the background, like a new record
+                self._unchecked[key] = _Pending(key, rec["e"], rec["n"], (rec.get("p"), rec.get("d"), rec.get("a"),
+                                                                          rec.get("t")), now)
+        self.adopted_unchecked = len(self._unchecked)
+        if self._unchecked:
+            log.info("host tier: %d re-adopted blocks had no checksum yet (killed before the store was quiet): "
+                     "adopted on their commit records, checked in the background", len(self._unchecked))
+            self._hash_wake.set()
         with self.env.begin(db=self._db_ns) as txn:
             namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
         return namespaces, kept, used
@@ -198,30 +236,39 @@ class HostIndex:
 
     # -- the owner's thread ---------------------------------------------------------
     def record(self, key: tuple, extents: list, nbytes: int, meta: tuple) -> None:
-        """A block committed at `extents`; `meta` = (parent, depth, attention, stamp). Its record
-        (checksum added) will be written shortly."""
+        """A block committed at `extents`; `meta` = (parent, depth, attention, stamp). Its record is
+        written shortly, its checksum once the store is quiet."""
         item = _Pending(key, extents, nbytes, meta)
         with self._lock:
+            self._active_at = time.monotonic()
             old = self._pending.pop(key, None)
             if old is not None:
                 self._pending_ids.discard(id(old.extents))
+            self._unchecked.pop(key, None)
             self._pending[key] = item
             self._pending_ids.add(id(extents))
-        self._to_hash.put(item)
+        self._to_index.append(item)
+        self._index_wake.set()
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
-        (committed by the writer soon, and by `settle` before its pages are allocated again)."""
+        (committed by the index thread soon, and by `settle` before its pages are allocated again)."""
         with self._lock:
+            self._active_at = time.monotonic()
             item = self._pending.pop(key, None)
             if item is not None:
                 self._pending_ids.discard(id(item.extents))
                 return
-            if key not in self._recorded:
+            rkey = self._recorded.pop(key, None)
+            if rkey is None:
                 return  # never committed here (an aborted reservation)
-            self._recorded.discard(key)
-            self._deletes.append(key)
-        self._hashed.put(None)  # the writer commits it promptly: a removed block must not come back
+            self._unchecked.pop(key, None)
+            self._deletes.append(rkey)
+        self._index_wake.set()  # committed promptly: a removed block must not come back after a kill
+
+    def busy(self) -> None:
+        """Clients are reading: no checksums for QUIET_S (a plain store, no lock: a float is atomic)."""
+        self._active_at = time.monotonic()
 
     @property
     def has_deletes(self) -> bool:
@@ -230,7 +277,7 @@ class HostIndex:
     def settle(self) -> None:
         """Commit the queued deletions now: the freed pages may be reused after this."""
         with self._lock:
-            self._commit([])
+            self._commit([], [])
 
     def pending(self, extents: list) -> bool:
         return id(extents) in self._pending_ids
@@ -239,91 +286,138 @@ class HostIndex:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    # -- writing records ---------------------------------------------------------------
-    def _hash_loop(self) -> None:
-        """Checksums, at the lowest CPU priority: they must never take the CPU from the copies of a
-        put storm. This thread takes no lock the event loop waits for (a preempted nice-19 thread
-        holding one would stall the loop): it reads the blocks' pages and hands results on."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            item = self._to_hash.get()
-            batch, size = [], 0
-            while item is not None and not self._closing:
-                if self._pending.get(item.key) is item:  # a block freed meanwhile is skipped (re-checked below)
-                    # Its pages cannot be reused while it is still pending: a freed block leaves `_pending` first.
-                    batch.append((item, checksum(self.arena, item.extents)))
-                    size += item.nbytes
-                if size >= BATCH_BYTES:
-                    break
-                try:
-                    item = self._to_hash.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                self._hashed.put(batch)
-            if item is None or self._closing:
-                return
+    @property
+    def num_unchecked(self) -> int:
+        return len(self._unchecked)
 
+    # -- the index thread: records ------------------------------------------------------
     def _write_loop(self) -> None:
-        """One transaction per batch of checksummed records (and the deletions queued meanwhile).
-        Records are packed before the lock is taken, yielding the GIL every few: the loop waits for
-        neither this thread's Python work nor more than one short transaction."""
+        """One transaction per batch of new records, checksums and deletions. Records are packed
+        before the lock is taken, yielding the GIL every few, so the loop waits for at most one
+        short transaction."""
+        _name_native_thread("kvstore-index")
         while True:
-            batches = [self._hashed.get()]
+            self._index_wake.wait()
+            self._index_wake.clear()  # before draining: what is appended from now on sets it again
+            msgs = []
             while True:
                 try:
-                    batches.append(self._hashed.get_nowait())
-                except queue.Empty:
+                    msgs.append(self._to_index.popleft())
+                except IndexError:
                     break
-            packed = []
-            for i, (item, x) in enumerate(r for batch in batches if batch for r in batch):
-                packed.append((item, record_key(item.key), _pack(item, x)))
+            new, sums = [], []
+            for i, m in enumerate(msgs):
+                if isinstance(m, _Pending):
+                    new.append((m, record_key(m.key), _pack(m, None), False))
+                else:
+                    sums += [(item, record_key(item.key), _pack(item, x)) for item, x in m]
                 if i % 16 == 15:
                     time.sleep(0)
             with self._lock:
                 if self._closing:
                     return
-                self._commit(packed)
+                self._commit(new, sums)
 
-    def _commit(self, packed: list) -> None:
-        """Under `_lock`: write the records still pending (a block freed since it was hashed is not),
-        delete the queued ones, one transaction. `packed`: [(item, record key, record)]."""
-        live = [p for p in packed if self._pending.get(p[0].key) is p[0]]
-        if not live and not self._deletes:
+    def _commit(self, new: list, sums: list) -> None:
+        """Under `_lock`: write the new records still pending and the checksums of records still
+        unchecked (a block freed meanwhile has neither), delete the queued ones, one transaction.
+        `new`: [(item, record key, packed record, whether it holds the checksum)]; `sums`: [(item,
+        record key, packed record with the checksum)]."""
+        sums = [r for r in sums if self._unchecked.get(r[0].key) is r[0]]
+        # A checked new record (`flush`) whose unchecked version the index thread wrote meanwhile is a checksum.
+        sums += [r[:3] for r in new if r[3] and self._unchecked.get(r[0].key) is r[0]]
+        new = [r for r in new if self._pending.get(r[0].key) is r[0]]
+        if not new and not sums and not self._deletes:
             return
         with self.env.begin(write=True, db=self._db_blocks) as txn:
-            for key in self._deletes:
-                txn.delete(record_key(key))
-            for _, rkey, value in live:
-                txn.put(rkey, value)
+            for rkey in self._deletes:
+                txn.delete(rkey)
+            for r in new + sums:
+                txn.put(r[1], r[2])
         self._deletes.clear()
-        for item, _, _ in live:
+        now = time.monotonic()
+        for item, rkey, _, checked in new:
             del self._pending[item.key]
             self._pending_ids.discard(id(item.extents))
-            self._recorded.add(item.key)
-        self.records_written += len(live)
-        self.batches += 1
+            self._recorded[item.key] = rkey
+            if not checked:
+                item.since = now
+                self._unchecked[item.key] = item
+        for item, _, _ in sums:
+            del self._unchecked[item.key]
+        self.records_written += len(new)
+        self.checksums_written += len(sums) + sum(1 for r in new if r[3])
+        if self._unchecked:
+            self._hash_wake.set()
+
+    # -- the hash thread: checksums -----------------------------------------------------------
+    def _hash_loop(self) -> None:
+        """Checksums of recorded blocks, at the lowest CPU priority and only while the store is quiet.
+        Takes no lock the loop waits for: it reads the blocks' pages and hands results on."""
+        _name_native_thread("kvstore-hash")
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while not self._closing:
+            self._hash_wake.wait()
+            wait = self._busy_for()
+            if wait > 0:
+                self._stopped.wait(min(wait, 1.0))  # `close` wakes it
+                continue
+            batch, size = [], 0
+            for item in list(self._unchecked.values()):  # a snapshot (one C-level copy, under the GIL)
+                if item.hashing:
+                    continue
+                if self._busy_for() > 0 or self._closing:
+                    break
+                # A block freed meanwhile leaves `_unchecked` first, and its pages are reused only after:
+                # the checksum of one still there is of its own bytes (re-checked when written).
+                if self._unchecked.get(item.key) is item:
+                    item.hashing = True
+                    batch.append((item, checksum(self.arena, item.extents)))
+                    size += item.nbytes
+                    if size >= BATCH_BYTES:
+                        break
+            if batch:
+                self._to_index.append(batch)
+                self._index_wake.set()
+            elif not any(not i.hashing for i in list(self._unchecked.values())):
+                self._hash_wake.clear()
+                if any(not i.hashing for i in list(self._unchecked.values())):
+                    self._hash_wake.set()  # one arrived meanwhile
+
+    def _busy_for(self) -> float:
+        """Seconds to wait before hashing: 0 once the store is quiet, or the oldest unchecked record is old."""
+        quiet_in = self._active_at + QUIET_S - time.monotonic()
+        if quiet_in <= 0:
+            return 0.0
+        try:
+            oldest = next(iter(self._unchecked.values()))
+        except (StopIteration, RuntimeError):
+            return quiet_in
+        return 0.0 if time.monotonic() - oldest.since >= CHECK_LAG_S else quiet_in
 
     def flush(self) -> None:
-        """Write every pending record and deletion now, hashing on the caller's thread."""
+        """Write every pending record and checksum now, hashing on the caller's thread."""
         with self._lock:
-            items = list(self._pending.values())
-        packed = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents))) for item in items]
+            pending, unchecked = list(self._pending.values()), list(self._unchecked.values())
+        new = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents)), True) for item in pending]
+        sums = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents))) for item in unchecked]
         with self._lock:
-            self._commit(packed)
+            self._commit(new, sums)
 
     def records(self) -> dict[bytes, dict]:
         with self.env.begin(db=self._db_blocks) as txn:
             return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
 
     def close(self, flush: bool = True) -> None:
-        """Stop the threads; with `flush`, write what is pending first (a clean stop keeps every block)."""
+        """Stop the threads; with `flush`, write what is pending first (a clean stop keeps, and has
+        checked, every block)."""
         self._closing = True
-        self._to_hash.put(None)
-        self._hashed.put(None)
+        self._stopped.set()
+        self._hash_wake.set()
+        self._index_wake.set()
         self._hasher.join()
         self._writer.join()
         if flush:
@@ -331,7 +425,17 @@ class HostIndex:
         self.env.close()
 
 
-def _pack(item: _Pending, x: int) -> bytes:
+def _name_native_thread(name: str) -> None:
+    """The name `top -H` and /proc/<pid>/task/*/comm show (Python's thread names stay in Python)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _pack(item: _Pending, x: int | None) -> bytes:
     parent, depth, attention, stamp = item.meta
     return msgpack.packb({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
                           "x": x})

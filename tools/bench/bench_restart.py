@@ -3,7 +3,8 @@
 For each case: start a daemon (own process, host tier `--host-gib`, 256 KiB
 pages, optionally a disk tier as large), fill the host tier with chains of
 2 MiB blocks (distinct bytes per block) and wait until the daemon has recorded
-everything (host placement records; disk writes), stop it (SIGTERM or kill -9),
+everything (host placement records with their checksums, which a restart then
+verifies; disk writes), stop it (SIGTERM or kill -9),
 start it again under the same name, and report:
 
 - stop_s: signal -> the old process has exited (a SIGTERM without a kept
@@ -54,15 +55,18 @@ def fill(client: KVClient, ns: str, n: int, base: np.ndarray) -> list[list[bytes
     chains = []
     for c in range(0, n, CHAIN):
         hs = hash_blocks(np.arange(min(CHAIN, n - c) * 16) + c * 1000, 16)
-        if client.put(ns, [(h, p, payload(base, c + j)) for j, (h, p) in enumerate(zip(hs, [None] + hs[:-1]))]) != len(hs):
+        blocks = [(h, p, payload(base, c + j)) for j, (h, p) in enumerate(zip(hs, [None] + hs[:-1]))]
+        if client.put(ns, blocks) != len(hs):
             raise SystemExit("the host tier did not take every block: lower --host-gib")
         chains.append(hs)
     return chains
 
 
 def settled(stats: dict) -> bool:
-    tiers = stats["tiers"]
-    return tiers["host"].get("pending_records", 0) == 0 and tiers["disk"].get("pending_writes", 0) == 0
+    """Every placement record, with its checksum, and every disk write is done (what a kill keeps)."""
+    host, disk = stats["tiers"]["host"], stats["tiers"]["disk"]
+    return (host.get("pending_records", 0) == 0 and host.get("unchecked_records", 0) == 0
+            and disk.get("pending_writes", 0) == 0)
 
 
 def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict:
