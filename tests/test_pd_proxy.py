@@ -197,3 +197,59 @@ def test_bad_proxy_config_is_refused():
         ProxyConfig(("localhost:1",), ("http://x",))
     with pytest.raises(ValueError, match="mode"):
         ProxyConfig(("http://a",), ("http://b",), mode="sideways")
+
+
+def test_router_mode_forwards_unchanged_to_one_pool_with_affinity_and_skips_a_dead_engine():
+    async def scenario():
+        e1, e2 = FakeEngine("e1"), FakeEngine("e2")
+        for e in (e1, e2):
+            await e.server.start_server()
+        dead = f"http://127.0.0.1:{free_port()}"
+        cfg = ProxyConfig((), (), engines=(e1.url, e2.url, dead), health_interval_s=60, connect_timeout_s=1.0,
+                          request_timeout_s=10.0)
+        assert cfg.mode == "router"
+        client = TestClient(TestServer(make_app(cfg), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            await check_engines(client.server.app)
+            assert client.server.app[POOLS]["engine"].up == {e1.url: True, e2.url: True, dead: False}
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
+            answered = []
+            for _ in range(4):
+                r = await client.post("/v1/completions", json=body)
+                assert r.status == 200
+                answered.append((await r.json())["engine"])
+            assert sorted(answered) == ["e1", "e1", "e2", "e2"]  # round-robin over the live ones
+            assert all(b == body for b in e1.bodies + e2.bodies)  # no prefill step, no kv_transfer_params
+            per_session = {}
+            for s in range(8):
+                for _ in range(3):
+                    r = await client.post("/v1/completions", json=body, headers={AFFINITY_HEADER: f"s{s}"})
+                    per_session.setdefault(s, set()).add((await r.json())["engine"])
+            assert all(len(v) == 1 for v in per_session.values())  # a session keeps its engine
+            assert len(set().union(*per_session.values())) == 2  # and sessions spread over both
+            # an engine going down: its sessions move to the other one
+            e2.healthy = False
+            await check_engines(client.server.app)
+            for s in range(8):
+                r = await client.post("/v1/completions", json=body, headers={AFFINITY_HEADER: f"s{s}"})
+                assert (await r.json())["engine"] == "e1"
+            r = await client.post("/v1/completions", json={**body, "stream": True})
+            assert r.status == 200 and (await r.text()).endswith("data: [DONE]\n\n")
+            e1.healthy = False
+            await check_engines(client.server.app)
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 503 and "no engine is up" in (await r.json())["error"]["message"]
+        finally:
+            await client.close()
+            for e in (e1, e2):
+                await e.server.close()
+
+    run(scenario())
+
+
+def test_router_config_refuses_mixing_modes():
+    import pytest
+
+    with pytest.raises(ValueError, match="not both"):
+        ProxyConfig(("http://a",), ("http://b",), engines=("http://c",))

@@ -1,7 +1,15 @@
-"""A prefill/decode disaggregation proxy in front of vLLM OpenAI servers that share a kvstore daemon.
+"""A prefill/decode disaggregation proxy (or a plain router) in front of vLLM OpenAI servers that share a
+kvstore daemon.
 
     kvstore proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    kvstore proxy --engine http://127.0.0.1:8100 --engine http://127.0.0.1:8101 --port 8000   # router
     (or: python -m tools.pd_proxy ...)
+
+Router mode (`--engine`, no --prefill/--decode): one pool of kv_both engines;
+each request is forwarded unchanged to one engine (round-robin, or by
+`x-session-affinity`), with the same health checks and errors as below (the
+"decode engine" of the messages is then just "engine"). tools/bench/bench_serving.py
+uses it.
 
 Each /v1/completions or /v1/chat/completions request goes to a prefill engine
 (kv_role kv_producer) with max_tokens=1, and to a decode engine (kv_role
@@ -52,17 +60,22 @@ PREFILL_ERROR_HEADER = "x-pd-prefill-error"
 class ProxyConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
-    mode: str = "parallel"  # or "sequential"
+    mode: str = "parallel"  # or "sequential"; "router" when `engines` are given
     health_interval_s: float = 2.0
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
+    engines: tuple[str, ...] = ()  # router mode: one pool, no prefill step
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("give at least one --prefill and one --decode engine URL")
-        if self.mode not in ("parallel", "sequential"):
+        if self.engines:
+            if self.prefill or self.decode:
+                raise ValueError("give either --engine (router) or --prefill and --decode, not both")
+            object.__setattr__(self, "mode", "router")
+        elif not self.prefill or not self.decode:
+            raise ValueError("give at least one --prefill and one --decode engine URL (or --engine URLs)")
+        elif self.mode not in ("parallel", "sequential"):
             raise ValueError(f"mode must be parallel or sequential, not {self.mode!r}")
-        for url in self.prefill + self.decode:
+        for url in self.prefill + self.decode + self.engines:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL {url!r} must start with http:// or https://")
 
@@ -88,15 +101,19 @@ class Pool:
     def pick(self, affinity: str | None) -> str:
         live = [u for u in self.urls if self.up[u]]
         if not live:
-            raise UpstreamError(503, f"no {self.kind} engine is up (configured: {', '.join(self.urls)})",
+            raise UpstreamError(503, f"no {self.what} is up (configured: {', '.join(self.urls)})",
                                 "service_unavailable")
         if affinity:
             return max(live, key=lambda u: hashlib.sha256(f"{affinity}|{u}".encode()).digest())
         return live[next(self._rr) % len(live)]
 
+    @property
+    def what(self) -> str:
+        return "engine" if self.kind == "engine" else f"{self.kind} engine"
+
     def mark(self, url: str, up: bool) -> None:
         if self.up.get(url) != up:
-            log.warning("%s engine %s is %s", self.kind, url, "up" if up else "DOWN")
+            log.warning("%s %s is %s", self.what, url, "up" if up else "DOWN")
         self.up[url] = up
 
 
@@ -168,9 +185,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await read_body(request)
     affinity = request.headers.get(AFFINITY_HEADER)
+    path = request.path
+    if app[CONFIG].mode == "router":
+        pool = app[POOLS]["engine"]
+        return await forward_decode(request, pool, pool.pick(affinity), path, body, None)
     decode_pool = app[POOLS]["decode"]
     decode_url = decode_pool.pick(affinity)
-    path = request.path
     prefill_task = asyncio.ensure_future(prefill(app, path, body, affinity))
     try:
         if app[CONFIG].mode == "sequential":
@@ -183,19 +203,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def forward_decode(request: web.Request, pool: Pool, url: str, path: str, body: dict,
-                         prefill_task: asyncio.Future) -> web.StreamResponse:
+                         prefill_task: asyncio.Future | None) -> web.StreamResponse:
+    """Forward to `url` of `pool`; prefill_task None: router mode, the body goes as is."""
     session = request.app[SESSION]
     try:
-        resp_cm = session.post(url + path, json=decode_body(body))
+        resp_cm = session.post(url + path, json=body if prefill_task is None else decode_body(body))
         resp = await resp_cm.__aenter__()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         pool.mark(url, False)
-        raise UpstreamError(502, f"decode engine {url} unreachable: {type(exc).__name__}: {exc}") from None
+        raise UpstreamError(502, f"{pool.what} {url} unreachable: {type(exc).__name__}: {exc}") from None
+    out = None
     try:
         if resp.status != 200:
             text = await resp.text()
             if resp.status >= 500:
-                raise UpstreamError(502, f"decode engine {url} answered {resp.status}: {text[:500]}")
+                raise UpstreamError(502, f"{pool.what} {url} answered {resp.status}: {text[:500]}")
             return web.Response(status=resp.status, text=text, content_type=resp.content_type or "application/json")
         headers = {}
         if body.get("stream"):
@@ -207,27 +229,32 @@ async def forward_decode(request: web.Request, pool: Pool, url: str, path: str, 
             await out.write_eof()
             return out
         data = await resp.read()
-        if prefill_task.done() and prefill_task.result():
+        if prefill_task is not None and prefill_task.done() and prefill_task.result():
             headers[PREFILL_ERROR_HEADER] = prefill_task.result()[:200].replace("\n", " ")
             log.warning("%s", prefill_task.result())
         return web.Response(status=200, body=data, headers=headers,
                             content_type=resp.content_type or "application/json")
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         pool.mark(url, False)
-        raise UpstreamError(502, f"decode engine {url} failed mid-answer: {type(exc).__name__}: {exc}") from None
+        if out is not None:  # a stream already started: cut it short (no [DONE]); the client sees that
+            log.warning("%s %s failed mid-stream: %s", pool.what, url, exc)
+            with contextlib.suppress(Exception):
+                await out.write_eof()
+            return out
+        raise UpstreamError(502, f"{pool.what} {url} failed mid-answer: {type(exc).__name__}: {exc}") from None
     finally:
         await resp_cm.__aexit__(None, None, None)
 
 
 async def models(request: web.Request) -> web.Response:
-    pool = request.app[POOLS]["decode"]
+    pool = request.app[POOLS]["engine" if request.app[CONFIG].mode == "router" else "decode"]
     url = pool.pick(None)
     try:
         async with request.app[SESSION].get(url + "/v1/models") as resp:
             return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         pool.mark(url, False)
-        raise UpstreamError(502, f"decode engine {url} unreachable: {exc}") from None
+        raise UpstreamError(502, f"{pool.what} {url} unreachable: {exc}") from None
 
 
 async def health(request: web.Request) -> web.Response:
@@ -273,7 +300,10 @@ async def _resources(app: web.Application):
 def make_app(cfg: ProxyConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 << 20)
     app[CONFIG] = cfg
-    app[POOLS] = {"prefill": Pool("prefill", cfg.prefill), "decode": Pool("decode", cfg.decode)}
+    if cfg.mode == "router":
+        app[POOLS] = {"engine": Pool("engine", cfg.engines)}
+    else:
+        app[POOLS] = {"prefill": Pool("prefill", cfg.prefill), "decode": Pool("decode", cfg.decode)}
     app.cleanup_ctx.append(_resources)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
@@ -284,8 +314,10 @@ def make_app(cfg: ProxyConfig) -> web.Application:
 
 # -- command line -----------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, help="a prefill engine's base URL (repeatable)")
-    p.add_argument("--decode", action="append", required=True, help="a decode engine's base URL (repeatable)")
+    p.add_argument("--prefill", action="append", default=[], help="a prefill engine's base URL (repeatable)")
+    p.add_argument("--decode", action="append", default=[], help="a decode engine's base URL (repeatable)")
+    p.add_argument("--engine", action="append", default=[],
+                   help="router mode: an engine's base URL (repeatable; instead of --prefill/--decode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", choices=["parallel", "sequential"], default="parallel")
@@ -296,18 +328,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.mode, args.health_interval_s,
-                          request_timeout_s=args.request_timeout_s)
+                          request_timeout_s=args.request_timeout_s, engines=tuple(args.engine))
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    print(f"pd proxy on http://{args.host}:{args.port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}",
-          flush=True)
+    if cfg.mode == "router":
+        print(f"router on http://{args.host}:{args.port} engines={list(cfg.engines)}", flush=True)
+    else:
+        print(f"pd proxy on http://{args.host}:{args.port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}",
+              flush=True)
     web.run_app(make_app(cfg), host=args.host, port=args.port, print=None, shutdown_timeout=5.0)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("proxy", help="prefill/decode disaggregation proxy for vLLM engines sharing the store")
+    p = sub.add_parser("proxy", help="prefill/decode disaggregation proxy (or, with --engine, a router) for "
+                                     "vLLM engines sharing the store")
     add_arguments(p)
     p.set_defaults(run=run)
 
