@@ -1,0 +1,644 @@
+"""Benchmark: a fleet of vLLM OpenAI servers behind a router, with and without kvstore, on a multi-turn,
+multi-tenant workload derived from the Mooncake conversation trace (issue 15).
+
+Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, bf16, CPU, in-process
+engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
+daemon for the kvstore arms (every engine's connector on it, kv_both), and
+`kvstore proxy --engine ...` (tools/pd_proxy.py, router mode) in front. Arms:
+
+* a: round-robin, vLLM prefix caching only
+* b: session affinity (x-session-affinity = the session id), prefix caching only
+* c: round-robin + kvstore
+* d: affinity + kvstore
+* e_b / e_d: as b / d, but engine 1 is SIGKILLed when half of the schedule has
+  been sent and restarted on the same port at once (cold, ~30-60 s to come up);
+  the router's health checks skip it while it is down. Hit ratio is reported in
+  windows by arrival: before the kill, while it is down, after it is back.
+
+Workload (`build_workload`, seeded, no vLLM needed): the trace's sessions are
+keyed by their second hash_id (every request of the trace starts with hash_id
+0, a shared first block; the block after it opens a conversation and later
+turns of the conversation extend the same prefix). Sessions with at least
+--min-turns requests are taken in order of first appearance, all their turns
+in the trace's arrival order, up to --requests requests. Each hash_id becomes
+a fixed random block of --block-tokens token ids (512 trace tokens -> 64 by
+default), so equal hash_id prefixes give equal token prefixes; the last block
+is cut in proportion to input_length; prompts longer than --max-blocks blocks
+keep their first --max-blocks (the prefix tree is unchanged). Tenants: each
+session belongs to one of --tenants tenants (seeded hash of the session id),
+and the trace's shared block 0 becomes that tenant's system prompt of
+--system-blocks blocks. Arrival times are the trace's timestamps compressed to
+--duration-s. Requests are sent open-loop at those times, as token ids in
+`prompt`, greedy, --max-tokens tokens with ignore_eos, streamed.
+
+Per arm: prompt tokens, local prefix-cache hits and external (connector) hits
+from each engine's own /metrics (vllm:prompt_tokens_total,
+vllm:prefix_cache_hits_total, vllm:external_prefix_cache_hits_total; a killed
+engine's counters are read just before the kill and added), computed = prompt
+- local hits - external hits; per request the engine's
+usage.prompt_tokens_details.cached_tokens (local + external); client-side TTFT
+p50/p90/p99 (first streamed token) and requests/s (requests / time from the
+first send to the last answer). Every arm's generated token ids are compared
+with arm a's for the same request.
+
+    python tools/bench/bench_serving.py [--arms a,b,c,d,e] [--requests 200] [--json out.json] [--plot docs/x.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE_BLOCK = 512
+AFFINITY_HEADER = "x-session-affinity"
+TOKEN_LO, TOKEN_HI = 1000, 48000  # SmolLM2's vocabulary is 49152; stay clear of its special tokens
+MODEL_NAME = "smol"
+METRICS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+           "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+           "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+
+
+# -- workload -----------------------------------------------------------------------------------
+@dataclass
+class Request:
+    idx: int
+    arrival_s: float
+    session: str
+    tenant: int
+    hash_ids: list[int]  # after the --max-blocks cap
+    prompt: list[int] = field(repr=False)
+
+
+def load_trace(path: Path | str = TRACE, limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if limit and len(rows) >= limit:
+                    break
+    return rows
+
+
+def session_of(row: dict) -> str:
+    ids = row["hash_ids"]
+    return f"s{ids[1]}" if len(ids) > 1 else f"s{ids[0]}-single"
+
+
+def block_tokens_for(key: str, block_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(hashlib.sha256(f"{seed}|{key}".encode()).digest())
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(block_tokens)]
+
+
+def tenant_of(session: str, tenants: int, seed: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}|tenant|{session}".encode()).digest()[:4], "big") % tenants
+
+
+def build_workload(rows: list[dict], requests: int = 200, block_tokens: int = 64, max_blocks: int = 24,
+                   seed: int = 0, tenants: int = 4, system_blocks: int = 4, min_turns: int = 2,
+                   duration_s: float = 240.0) -> list[Request]:
+    turns: dict[str, int] = defaultdict(int)
+    for r in rows:
+        turns[session_of(r)] += 1
+    chosen: set[str] = set()
+    total = 0
+    for r in rows:  # sessions in order of first appearance, until their turns fill `requests`
+        s = session_of(r)
+        if s not in chosen and turns[s] >= min_turns and total < requests:
+            chosen.add(s)
+            total += turns[s]
+    picked = [r for r in rows if session_of(r) in chosen][:requests]
+    if not picked:
+        return []
+    t0, t1 = picked[0]["timestamp"], picked[-1]["timestamp"]
+    scale = duration_s / max(t1 - t0, 1)
+    cache: dict[str, list[int]] = {}
+
+    def block(key: str) -> list[int]:
+        if key not in cache:
+            cache[key] = block_tokens_for(key, block_tokens, seed)
+        return cache[key]
+
+    out = []
+    for i, r in enumerate(picked):
+        s = session_of(r)
+        tenant = tenant_of(s, tenants, seed)
+        ids = list(r["hash_ids"])
+        n_full = len(ids)
+        length = max(1, math.ceil(r["input_length"] * block_tokens / TRACE_BLOCK))
+        if n_full > max_blocks:
+            ids, length = ids[:max_blocks], max_blocks * block_tokens
+        prompt: list[int] = []
+        for j, h in enumerate(ids):
+            if j == 0 and h == 0:  # the trace's shared first block: this tenant's system prompt
+                for k in range(system_blocks):
+                    prompt += block(f"tenant{tenant}/sys{k}")
+                length += (system_blocks - 1) * block_tokens
+            else:
+                prompt += block(f"h{h}")
+        prompt = prompt[:max(length, 1)]
+        out.append(Request(i, (r["timestamp"] - t0) * scale, s, tenant, ids, prompt))
+    return out
+
+
+def workload_stats(reqs: list[Request], block_tokens: int) -> dict:
+    """Tokens total, and the tokens an infinite shared cache would still compute (first sight of a block)."""
+    seen: set[tuple] = set()
+    total = fresh = 0
+    for r in reqs:
+        total += len(r.prompt)
+        nblk = len(r.prompt) // block_tokens
+        for j in range(nblk):
+            key = tuple(r.prompt[: (j + 1) * block_tokens][-block_tokens:]) + (j,)
+            if key not in seen:
+                seen.add(key)
+                fresh += block_tokens
+        fresh += len(r.prompt) - nblk * block_tokens
+    return {"requests": len(reqs), "sessions": len({r.session for r in reqs}), "prompt_tokens": total,
+            "min_computed_tokens": fresh, "max_prompt": max(len(r.prompt) for r in reqs),
+            "mean_prompt": round(total / len(reqs), 1)}
+
+
+# -- processes ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for m in re.finditer(r"^(vllm:[A-Za-z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        try:
+            out[m.group(1)] += float(m.group(2))
+        except ValueError:
+            pass
+    return dict(out)
+
+
+class Server:
+    """One `python -m vllm.entrypoints.openai.api_server` (in-process engine) on a fixed port."""
+
+    def __init__(self, args, model: str, kvt: dict | None, workdir: str, name: str, port: int) -> None:
+        from tests.vllm_helpers import base_env
+
+        self.args, self.model, self.kvt, self.workdir, self.name, self.port = args, model, kvt, workdir, name, port
+        self.base_env = base_env
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.dead_counters: dict[str, float] = defaultdict(float)  # counters of killed incarnations
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        a = self.args
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "bfloat16", "--block-size", str(a.block_tokens), "--max-model-len", str(a.max_model_len),
+               "--kv-cache-memory-bytes", str(a.engine_kv_mib << 20), "--enforce-eager", "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--max-num-seqs", str(a.max_num_seqs),
+               "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--seed", "0",
+               "--uvicorn-log-level", "warning"]
+        if self.kvt:
+            cmd += ["--kv-transfer-config", json.dumps(self.kvt)]
+        tmp = tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.workdir)
+        env = self.base_env(tmp, threads=1, multiprocess=False)
+        self.starts += 1
+        self.log = open(os.path.join(self.workdir, f"{self.name}-{self.starts}.log"), "w")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 400) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {open(self.log.name).read()[-4000:]}")
+            try:
+                http_get(self.url + "/v1/models", timeout=2)
+                return time.monotonic() - t0
+            except Exception:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s} s; see {self.log.name}")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(http_get(self.url + "/metrics"))
+
+    def counters(self) -> dict[str, float]:
+        live = self.metrics()
+        return {k: live.get(k, 0.0) + self.dead_counters.get(k, 0.0) for k in set(live) | set(self.dead_counters)}
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group, its counters read just before and kept."""
+        for k, v in self.metrics().items():
+            self.dead_counters[k] += v
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc:
+            self.log.close()
+
+
+class Router:
+    def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5) -> None:
+        from tests.vllm_helpers import base_env
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "tools.pd_proxy", "--port", str(self.port),
+               "--health-interval-s", str(health_interval_s)]
+        for u in urls:
+            cmd += ["--engine", u]
+        self.log = open(os.path.join(workdir, "router.log"), "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(workdir), stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            try:
+                http_get(self.url + "/health", timeout=2)
+                return
+            except Exception:
+                time.sleep(0.2)
+        raise RuntimeError("router did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=15)
+        self.log.close()
+
+
+# -- client -------------------------------------------------------------------------------------
+async def send_one(session, url: str, req: Request, args, affinity: bool, t_start: float) -> dict:
+    body = {"model": MODEL_NAME, "prompt": req.prompt, "max_tokens": args.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    headers = {AFFINITY_HEADER: req.session} if affinity else {}
+    tries, last_err = 0, ""
+    while tries < args.retries:
+        tries += 1
+        t0 = time.monotonic()
+        ttft = None
+        text, token_ids, usage, done = [], [], None, False
+        try:
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+                if resp.status != 200:
+                    last_err = f"{resp.status}: {(await resp.text())[:200]}"
+                    await asyncio.sleep(1.0)
+                    continue
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        line = event.decode().strip()
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            done = True
+                            continue
+                        obj = json.loads(data)
+                        for ch in obj.get("choices") or []:
+                            if ttft is None and (ch.get("text") or ch.get("token_ids")):
+                                ttft = time.monotonic() - t0
+                            text.append(ch.get("text") or "")
+                            token_ids += ch.get("token_ids") or []
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+        except Exception as exc:  # the engine died under us: try again (the router then skips it)
+            last_err = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(1.0)
+            continue
+        if not done:
+            last_err = "stream cut short"
+            await asyncio.sleep(1.0)
+            continue
+        t1 = time.monotonic()
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        return {"idx": req.idx, "ok": True, "tries": tries, "sent_s": t0 - t_start, "done_s": t1 - t_start,
+                "ttft_s": ttft, "text": "".join(text), "token_ids": token_ids,
+                "prompt_tokens": (usage or {}).get("prompt_tokens", len(req.prompt)),
+                "cached_tokens": details.get("cached_tokens")}
+    return {"idx": req.idx, "ok": False, "tries": tries, "error": last_err}
+
+
+async def drive(url: str, reqs: list[Request], args, affinity: bool, on_half=None) -> tuple[list[dict], float]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        t_start = time.monotonic()
+        half = reqs[len(reqs) // 2].arrival_s if reqs else 0
+        tasks = []
+        fired = False
+        for r in reqs:
+            delay = r.arrival_s - (time.monotonic() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if on_half and not fired and r.arrival_s >= half:
+                fired = True
+                on_half(time.monotonic() - t_start)
+            tasks.append(asyncio.create_task(send_one(session, url, r, args, affinity, t_start)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.monotonic() - t_start
+
+
+# -- arms ---------------------------------------------------------------------------------------
+ARMS = {
+    "a": ("round-robin, prefix caching only", False, False, False),
+    "b": ("affinity, prefix caching only", True, False, False),
+    "c": ("round-robin + kvstore", False, True, False),
+    "d": ("affinity + kvstore", True, True, False),
+    "e_b": ("affinity, prefix caching only, engine 1 killed and restarted", True, False, True),
+    "e_d": ("affinity + kvstore, engine 1 killed and restarted", True, True, True),
+}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def hit_ratio(rows: list[dict]) -> float | None:
+    p = sum(r["prompt_tokens"] for r in rows if r.get("cached_tokens") is not None)
+    c = sum(r["cached_tokens"] for r in rows if r.get("cached_tokens") is not None)
+    return round(c / p, 4) if p else None
+
+
+def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
+    from tests.vllm_helpers import connector_config, start_daemon
+
+    label, affinity, kvstore, restart = ARMS[arm]
+    workdir = tempfile.mkdtemp(prefix=f"arm-{arm}-", dir=root)
+    daemon = start_daemon(workdir, host_bytes=args.store_bytes) if kvstore else None
+    kvt = connector_config(daemon.socket_path) if kvstore else None
+    servers = [Server(args, model, kvt, workdir, f"engine{i}", free_port()) for i in range(args.engines)]
+    router = None
+    events: dict[str, float] = {}
+    try:
+        t0 = time.monotonic()
+        for s in servers:
+            s.start()
+        startup = [s.wait_ready() for s in servers]
+        print(f"[{arm}] {len(servers)} engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        router = Router([s.url for s in servers], workdir)
+        base = [s.metrics() for s in servers]  # zero after a cold start, but read them anyway
+
+        restarter = None
+
+        def on_half(t: float) -> None:
+            nonlocal restarter
+            victim = servers[1 % len(servers)]
+
+            def cycle() -> None:
+                events["kill_s"] = t
+                victim.kill()
+                victim.start()
+                victim.wait_ready()
+                events["back_s"] = t + (time.monotonic() - t_kill)
+
+            t_kill = time.monotonic()
+            restarter = threading.Thread(target=cycle)
+            restarter.start()
+
+        results, wall = asyncio.run(drive(router.url, reqs, args, affinity, on_half if restart else None))
+        if restarter:
+            restarter.join()
+        counters = [s.counters() for s in servers]
+    finally:
+        if router:
+            router.stop()
+        for s in servers:
+            s.stop()
+        if daemon:
+            daemon.stop()
+    tot = {k: sum(c.get(k, 0.0) - b.get(k, 0.0) for c, b in zip(counters, base)) for k in METRICS}
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    prompt = tot["vllm:prompt_tokens_total"]
+    local, ext = tot["vllm:prefix_cache_hits_total"], tot["vllm:external_prefix_cache_hits_total"]
+    first_send = min((r["sent_s"] for r in ok), default=0.0)
+    last_done = max((r["done_s"] for r in ok), default=wall)
+    out = {
+        "arm": arm, "label": label, "affinity": affinity, "kvstore": kvstore, "restart": restart,
+        "requests": len(reqs), "ok": len(ok), "failed": len(results) - len(ok),
+        "retried": sum(1 for r in ok if r["tries"] > 1),
+        "engine_startup_s": [round(x, 1) for x in startup],
+        "prompt_tokens": int(prompt), "local_hit_tokens": int(local), "external_hit_tokens": int(ext),
+        "computed_tokens": int(prompt - local - ext),
+        "reused_frac": round((local + ext) / prompt, 4) if prompt else None,
+        "preemptions": int(tot["vllm:num_preemptions_total"]),
+        "ttft_p50_ms": round(pct(ttft, 0.5) * 1000, 1), "ttft_p90_ms": round(pct(ttft, 0.9) * 1000, 1),
+        "ttft_p99_ms": round(pct(ttft, 0.99) * 1000, 1),
+        "ttft_mean_ms": round(statistics.fmean(ttft) * 1000, 1) if ttft else None,
+        "wall_s": round(wall, 1), "req_per_s": round(len(ok) / max(last_done - first_send, 1e-9), 3),
+        "hit_ratio_requests": hit_ratio(ok), "metrics": tot, "events": events,
+        "per_request": [{k: r.get(k) for k in ("idx", "ok", "tries", "sent_s", "done_s", "ttft_s", "prompt_tokens",
+                                                "cached_tokens", "token_ids", "text", "error")} for r in results],
+    }
+    if restart and "kill_s" in events:
+        back = events.get("back_s", float("inf"))
+        sent = {r["idx"]: r for r in ok}
+        win = {"before": [], "down": [], "after": []}
+        for r in reqs:
+            res = sent.get(r.idx)
+            if not res:
+                continue
+            w = "before" if r.arrival_s < events["kill_s"] else ("down" if r.arrival_s < back else "after")
+            win[w].append(res)
+        out["windows"] = {k: {"requests": len(v), "hit_ratio": hit_ratio(v),
+                              "ttft_p50_ms": round(pct([x["ttft_s"] for x in v if x["ttft_s"]], 0.5) * 1000, 1)
+                              if v else None} for k, v in win.items()}
+    return out
+
+
+def compare_outputs(arms: list[dict]) -> dict:
+    ref = arms[0]
+    ref_ids = {r["idx"]: r for r in ref["per_request"] if r["ok"]}
+    out = {}
+    for a in arms[1:]:
+        mism, first_tok, compared = [], 0, 0
+        for r in a["per_request"]:
+            x = ref_ids.get(r["idx"])
+            if not r["ok"] or not x:
+                continue
+            compared += 1
+            ra, rb = r["token_ids"] or r["text"], x["token_ids"] or x["text"]
+            if ra != rb:
+                mism.append(r["idx"])
+                if (r["token_ids"] or [None])[0] != (x["token_ids"] or [None])[0]:
+                    first_tok += 1
+        out[a["arm"]] = {"vs": ref["arm"], "compared": compared, "mismatches": len(mism),
+                         "first_token_differs": first_tok, "mismatched_idx": mism[:50]}
+    return out
+
+
+def table(arms: list[dict]) -> str:
+    lines = ["| arm | routing | kvstore | prompt tok | computed | local hits | external hits | reused | "
+             "TTFT p50 / p90 / p99 ms | req/s | failed (retried) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for a in arms:
+        lines.append(f"| {a['arm']} | {'affinity' if a['affinity'] else 'round-robin'}"
+                     f"{' + restart' if a['restart'] else ''} | {'yes' if a['kvstore'] else 'no'} | "
+                     f"{a['prompt_tokens']} | {a['computed_tokens']} | {a['local_hit_tokens']} | "
+                     f"{a['external_hit_tokens']} | {a['reused_frac']:.1%} | {a['ttft_p50_ms']:.0f} / "
+                     f"{a['ttft_p90_ms']:.0f} / {a['ttft_p99_ms']:.0f} | {a['req_per_s']:.2f} | "
+                     f"{a['failed']} ({a['retried']}) |")
+    return "\n".join(lines)
+
+
+def plot(arms: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = [a["arm"] for a in arms]
+    ax = axes[0]
+    ax.bar(names, [a["computed_tokens"] for a in arms], label="computed")
+    ax.bar(names, [a["local_hit_tokens"] for a in arms], bottom=[a["computed_tokens"] for a in arms],
+           label="local prefix-cache hits")
+    ax.bar(names, [a["external_hit_tokens"] for a in arms],
+           bottom=[a["computed_tokens"] + a["local_hit_tokens"] for a in arms], label="kvstore hits")
+    ax.set_title("prompt tokens by source")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    w = 0.27
+    xs = range(len(arms))
+    for k, (q, off) in enumerate((("p50", -w), ("p90", 0), ("p99", w))):
+        ax.bar([x + off for x in xs], [a[f"ttft_{q}_ms"] for a in arms], width=w, label=q)
+    ax.set_xticks(list(xs), names)
+    ax.set_yscale("log")
+    ax.set_title("TTFT (ms, client side)")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for a in arms:
+        if not a["restart"]:
+            continue
+        rows = sorted((r for r in a["per_request"] if r["ok"] and r["cached_tokens"] is not None),
+                      key=lambda r: r["sent_s"])
+        xs2, ys = [], []
+        for i in range(len(rows)):
+            win = rows[max(0, i - 19): i + 1]
+            xs2.append(rows[i]["sent_s"])
+            ys.append(sum(r["cached_tokens"] for r in win) / max(sum(r["prompt_tokens"] for r in win), 1))
+        ax.plot(xs2, ys, label=a["label"].split(",")[0] if not a["kvstore"] else "affinity + kvstore")
+        ev = a["events"]
+        if "kill_s" in ev:
+            ax.axvline(ev["kill_s"], color="red", ls="--", lw=0.8)
+            ax.axvline(ev.get("back_s", ev["kill_s"]), color="green", ls="--", lw=0.8)
+    ax.set_title("arm e: hit ratio (20-request window); kill / back")
+    ax.set_xlabel("s")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", default="a,b,c,d,e", help="a,b,c,d,e (e = e_b and e_d)")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--block-tokens", type=int, default=64, help="tokens per trace block (512 in the trace)")
+    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--system-blocks", type=int, default=4)
+    ap.add_argument("--min-turns", type=int, default=2)
+    ap.add_argument("--duration-s", type=float, default=240.0, help="the trace's arrival times compressed to this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--engine-kv-mib", type=int, default=256, help="each engine's own KV cache")
+    ap.add_argument("--store-bytes", default="4GiB", help="kvstore daemon host tier")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt + max tokens, rounded up")
+    ap.add_argument("--retries", type=int, default=5)
+    ap.add_argument("--request-timeout-s", type=float, default=900.0)
+    ap.add_argument("--json", default="", help="write every number (per request too) to this file")
+    ap.add_argument("--plot", default="", help="write a PNG here")
+    ap.add_argument("--stats-only", action="store_true", help="print the workload's statistics and exit")
+    args = ap.parse_args()
+    reqs = build_workload(load_trace(args.trace), args.requests, args.block_tokens, args.max_blocks, args.seed,
+                          args.tenants, args.system_blocks, args.min_turns, args.duration_s)
+    stats = workload_stats(reqs, args.block_tokens)
+    print(json.dumps({"workload": stats}), file=sys.stderr, flush=True)
+    if args.stats_only:
+        return
+    if not args.max_model_len:
+        args.max_model_len = int(math.ceil((stats["max_prompt"] + args.max_tokens + 1) / 256) * 256)
+    from tests.vllm_helpers import build_model
+
+    model = build_model("smollm2")
+    root = tempfile.mkdtemp(prefix="bench-serving-")
+    arms = []
+    for a in args.arms.split(","):
+        for name in (["e_b", "e_d"] if a == "e" else [a]):
+            res = run_arm(name, reqs, args, model, root)
+            arms.append(res)
+            brief = {k: v for k, v in res.items() if k not in ("per_request", "metrics")}
+            print(json.dumps(brief), file=sys.stderr, flush=True)
+            if args.json:  # after every arm: a cut-short run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "workload": stats, "arms": arms,
+                               "outputs": compare_outputs(arms) if len(arms) > 1 else {}}, f)
+    cmp = compare_outputs(arms) if len(arms) > 1 else {}
+    print(table(arms))
+    for a in arms:
+        if "windows" in a:
+            print(f"{a['arm']}: windows {json.dumps(a['windows'])}, events {json.dumps(a['events'])}")
+    print("outputs vs arm", arms[0]["arm"], json.dumps({k: {x: v[x] for x in ("compared", "mismatches",
+                                                          "first_token_differs")} for k, v in cmp.items()}))
+    if args.plot:
+        plot(arms, args.plot)
+
+
+if __name__ == "__main__":
+    main()
