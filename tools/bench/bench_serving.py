@@ -1,7 +1,7 @@
 """Benchmark: a fleet of vLLM OpenAI servers behind a router, with and without kvstore, on a multi-turn,
 multi-tenant workload derived from the Mooncake conversation trace (issue 15).
 
-Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, bf16, CPU, in-process
+Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, in-process
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
 daemon for the kvstore arms (every engine's connector on it, kv_both), and
 `kvstore proxy --engine ...` (tools/pd_proxy.py, router mode) in front. Arms:
@@ -224,7 +224,7 @@ class Server:
         a = self.args
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "bfloat16", "--block-size", str(a.block_tokens), "--max-model-len", str(a.max_model_len),
+               "--dtype", a.dtype, "--block-size", str(a.block_tokens), "--max-model-len", str(a.max_model_len),
                "--kv-cache-memory-bytes", str(a.engine_kv_mib << 20), "--enforce-eager", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--max-num-seqs", str(a.max_num_seqs),
                "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--seed", "0",
@@ -595,6 +595,8 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=240.0, help="the trace's arrival times compressed to this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--dtype", default="float32",
+                    help="float32: on CPUs without AVX-512 (this box) bf16 matmuls take a ~5x slower path")
     ap.add_argument("--engine-kv-mib", type=int, default=256, help="each engine's own KV cache")
     ap.add_argument("--store-bytes", default="4GiB", help="kvstore daemon host tier")
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -606,6 +608,7 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="write a PNG here")
     ap.add_argument("--stats-only", action="store_true", help="print the workload's statistics and exit")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop engines, router and daemon on the way out
     reqs = build_workload(load_trace(args.trace), args.requests, args.block_tokens, args.max_blocks, args.seed,
                           args.tenants, args.system_blocks, args.min_turns, args.duration_s)
     stats = workload_stats(reqs, args.block_tokens)
