@@ -107,3 +107,24 @@ def test_parse_metrics_sums_labelled_series():
     m = parse_metrics(text)
     assert m["vllm:prompt_tokens_total"] == 120.0 and m["vllm:prefix_cache_hits_total"] == 7.0
     json.dumps(m)
+
+
+def test_simulated_hit_accounting_orders_the_arms():
+    from tools.bench.bench_serving import simulate
+
+    rows = load_trace(TRACE, limit=3000) if TRACE.exists() else None
+    if rows is None:
+        return
+    reqs = build_workload(rows, requests=80, block_tokens=32, max_blocks=16, seed=0)
+    small = 2000  # tokens of local cache per engine: far below the working set
+    a = simulate(reqs, 2, 32, small, affinity=False, store=False)
+    b = simulate(reqs, 2, 32, small, affinity=True, store=False)
+    c = simulate(reqs, 2, 32, small, affinity=False, store=True)
+    d = simulate(reqs, 2, 32, small, affinity=True, store=True)
+    assert a["prompt"] == b["prompt"] == c["prompt"] == sum(len(r.prompt) for r in reqs)
+    assert c["computed"] == d["computed"] < b["computed"] <= a["computed"]
+    assert d["local"] >= c["local"]
+    # a dead engine: affinity alone recomputes more, the store keeps what it had
+    dead = (1, 30, 45)
+    assert simulate(reqs, 2, 32, small, True, False, dead)["computed"] >= b["computed"]
+    assert simulate(reqs, 2, 32, small, True, True, dead)["computed"] == d["computed"]

@@ -182,6 +182,51 @@ def workload_stats(reqs: list[Request], block_tokens: int) -> dict:
             "mean_prompt": round(total / len(reqs), 1)}
 
 
+def simulate(reqs: list[Request], engines: int, block_tokens: int, local_tokens: int, affinity: bool,
+             store: bool, dead: tuple[int, int, int] | None = None) -> dict:
+    """Hit accounting without engines: each engine an LRU of `local_tokens` worth of full blocks, the store
+    unbounded; a request's blocks are looked up as vLLM does (longest local prefix, then the store's
+    continuation; the last token is never a hit), then all its full blocks are inserted. Sequential (no
+    concurrency, no blocks in flight). `dead` = (engine, first request idx, first idx back): that engine
+    takes nothing in between and comes back empty. The rendezvous hash is the router's (tools/pd_proxy.py)."""
+    from collections import OrderedDict
+
+    cap = max(local_tokens // block_tokens, 1)
+    caches = [OrderedDict() for _ in range(engines)]
+    shared: set = set()
+    rr = 0
+    tot = {"prompt": 0, "local": 0, "external": 0}
+    for r in reqs:
+        live = [e for e in range(engines) if not (dead and e == dead[0] and dead[1] <= r.idx < dead[2])]
+        if dead and r.idx == dead[2]:
+            caches[dead[0]].clear()
+        if affinity:
+            e = max(live, key=lambda u: hashlib.sha256(f"{r.session}|{u}".encode()).digest())
+        else:
+            e, rr = live[rr % len(live)], rr + 1
+        keys = [tuple(r.prompt[: (j + 1) * block_tokens]) for j in range((len(r.prompt) - 1) // block_tokens)]
+        keys = [hashlib.sha256(str(k).encode()).digest() for k in keys]
+        n_local = 0
+        while n_local < len(keys) and keys[n_local] in caches[e]:
+            n_local += 1
+        n_ext = n_local
+        if store:
+            while n_ext < len(keys) and keys[n_ext] in shared:
+                n_ext += 1
+        tot["prompt"] += len(r.prompt)
+        tot["local"] += n_local * block_tokens
+        tot["external"] += (n_ext - n_local) * block_tokens
+        for k in keys:
+            caches[e][k] = True
+            caches[e].move_to_end(k)
+            if store:
+                shared.add(k)
+        while len(caches[e]) > cap:
+            caches[e].popitem(last=False)
+    tot["computed"] = tot["prompt"] - tot["local"] - tot["external"]
+    return tot
+
+
 # -- processes ----------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -581,6 +626,11 @@ def plot(arms: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def kv_bytes_per_token(dtype: str) -> int:
+    """SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K and V)."""
+    return 30 * 3 * 64 * 2 * (4 if dtype == "float32" else 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default="a,b,c,d,e", help="a,b,c,d,e (e = e_b and e_d)")
@@ -614,6 +664,10 @@ def main() -> None:
     stats = workload_stats(reqs, args.block_tokens)
     print(json.dumps({"workload": stats}), file=sys.stderr, flush=True)
     if args.stats_only:
+        local = (args.engine_kv_mib << 20) // kv_bytes_per_token(args.dtype)
+        for arm, (label, aff, kv, _) in ARMS.items():
+            if not arm.startswith("e"):
+                print(arm, label, json.dumps(simulate(reqs, args.engines, args.block_tokens, local, aff, kv)))
         return
     if not args.max_model_len:
         args.max_model_len = int(math.ceil((stats["max_prompt"] + args.max_tokens + 1) / 256) * 256)
