@@ -449,6 +449,17 @@ def pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def affinity_split(reqs: list[Request], urls: list[str]) -> dict:
+    """Where the router's rendezvous hash (tools/pd_proxy.py Pool.pick) sends each session, all engines up."""
+    out = {u: {"sessions": set(), "requests": 0, "prompt_tokens": 0} for u in urls}
+    for r in reqs:
+        u = max(urls, key=lambda x: hashlib.sha256(f"{r.session}|{x}".encode()).digest())
+        out[u]["sessions"].add(r.session)
+        out[u]["requests"] += 1
+        out[u]["prompt_tokens"] += len(r.prompt)
+    return {u: dict(v, sessions=len(v["sessions"])) for u, v in out.items()}
+
+
 def hit_ratio(rows: list[dict]) -> float | None:
     p = sum(r["prompt_tokens"] for r in rows if r.get("cached_tokens") is not None)
     c = sum(r["cached_tokens"] for r in rows if r.get("cached_tokens") is not None)
@@ -523,6 +534,9 @@ def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
         "ttft_mean_ms": round(statistics.fmean(ttft) * 1000, 1) if ttft else None,
         "wall_s": round(wall, 1), "req_per_s": round(len(ok) / max(last_done - first_send, 1e-9), 3),
         "hit_ratio_requests": hit_ratio(ok), "metrics": tot, "events": events,
+        "engines": [s.url for s in servers],
+        "per_engine_metrics": [{k: c.get(k, 0.0) - b.get(k, 0.0) for k in METRICS} for c, b in zip(counters, base)],
+        "affinity_split": affinity_split(reqs, [s.url for s in servers]) if affinity else None,
         "per_request": [{k: r.get(k) for k in ("idx", "ok", "tries", "sent_s", "done_s", "ttft_s", "prompt_tokens",
                                                 "cached_tokens", "token_ids", "text", "error")} for r in results],
     }
