@@ -323,12 +323,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--health-interval-s", type=float, default=2.0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--connect-timeout-s", type=float, default=3.0,
+                   help="connect timeout to an engine, and the time a health check may take")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.mode, args.health_interval_s,
-                          request_timeout_s=args.request_timeout_s, engines=tuple(args.engine))
+                          connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
+                          engines=tuple(args.engine))
     except ValueError as exc:
         log.error("%s", exc)
         return 2

@@ -10,8 +10,8 @@ daemon for the kvstore arms (every engine's connector on it, kv_both), and
 * b: session affinity (x-session-affinity = the session id), prefix caching only
 * c: round-robin + kvstore
 * d: affinity + kvstore
-* e_b / e_d: as b / d, but engine 1 is SIGKILLed when half of the schedule has
-  been sent and restarted on the same port at once (cold, ~30-60 s to come up);
+* e_b / e_d: as b / d, but engine 1 is SIGKILLed when the middle request is sent
+  (or at --kill-at-s) and restarted on the same port at once (cold, ~30-60 s to come up);
   the router's health checks skip it while it is down. Hit ratio is reported in
   windows by arrival: before the kill, while it is down, after it is back.
 
@@ -323,12 +323,13 @@ class Server:
 
 
 class Router:
-    def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5) -> None:
+    def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5,
+                 health_timeout_s: float = 3.0) -> None:
         from tests.vllm_helpers import base_env
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "tools.pd_proxy", "--port", str(self.port),
-               "--health-interval-s", str(health_interval_s)]
+               "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s)]
         for u in urls:
             cmd += ["--engine", u]
         self.log = open(os.path.join(workdir, "router.log"), "w")
@@ -408,13 +409,15 @@ async def send_one(session, url: str, req: Request, args, affinity: bool, t_star
 
 
 async def drive(url: str, reqs: list[Request], args, affinity: bool, on_half=None) -> tuple[list[dict], float]:
+    """Send every request at its arrival time; `on_half(t)` is called once, at the first arrival at or past
+    --kill-at-s (or, when that is 0, the arrival of the middle request)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         t_start = time.monotonic()
-        half = reqs[len(reqs) // 2].arrival_s if reqs else 0
+        half = args.kill_at_s or (reqs[len(reqs) // 2].arrival_s if reqs else 0)
         tasks = []
         fired = False
         for r in reqs:
@@ -482,7 +485,7 @@ def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
             s.start()
         startup = [s.wait_ready() for s in servers]
         print(f"[{arm}] {len(servers)} engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        router = Router([s.url for s in servers], workdir)
+        router = Router([s.url for s in servers], workdir, health_timeout_s=args.health_timeout_s)
         base = [s.metrics() for s in servers]  # zero after a cold start, but read them anyway
 
         restarter = None
@@ -667,6 +670,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt + max tokens, rounded up")
     ap.add_argument("--retries", type=int, default=5)
+    ap.add_argument("--kill-at-s", type=float, default=0.0,
+                    help="arm e: kill engine 1 at the first arrival at or after this time (0: the middle request's)")
+    ap.add_argument("--health-timeout-s", type=float, default=3.0,
+                    help="the router's health-check timeout (a loaded engine answers /health slowly)")
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--json", default="", help="write every number (per request too) to this file")
     ap.add_argument("--plot", default="", help="write a PNG here")
