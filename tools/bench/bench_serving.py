@@ -580,6 +580,33 @@ def compare_outputs(arms: list[dict]) -> dict:
     return out
 
 
+def restart_vs_base(arms: list[dict]) -> dict:
+    """Arm e's windows against the same requests in the arm without the restart (e_b vs b, e_d vs d): the hit
+    ratio grows along a conversation anyway, so a window is only comparable with itself."""
+    by = {a["arm"]: a for a in arms}
+    out = {}
+    for e, base in (("e_b", "b"), ("e_d", "d")):
+        if e not in by or base not in by or "kill_s" not in by[e]["events"]:
+            continue
+        ev = by[e]["events"]
+        arrivals = {r["idx"]: r["sent_s"] for r in by[base]["per_request"] if r["ok"]}  # no restart: sent on time
+        res = {}
+        for name, lo, hi in (("before", 0, ev["kill_s"]), ("down", ev["kill_s"], ev.get("back_s", 1e9)),
+                             ("after", ev.get("back_s", 1e9), 1e9)):
+            idx = {i for i, t in arrivals.items() if lo <= t < hi}
+            rows_e = [r for r in by[e]["per_request"] if r["ok"] and r["idx"] in idx]
+            rows_b = [r for r in by[base]["per_request"] if r["ok"] and r["idx"] in idx]
+            both = {r["idx"] for r in rows_e} & {r["idx"] for r in rows_b}
+            res[name] = {"requests": len(both),
+                         "hit_ratio": hit_ratio([r for r in rows_e if r["idx"] in both]),
+                         f"hit_ratio_{base}": hit_ratio([r for r in rows_b if r["idx"] in both]),
+                         "ttft_p50_ms": round(pct([r["ttft_s"] for r in rows_e if r["idx"] in both], .5) * 1000),
+                         f"ttft_p50_ms_{base}": round(pct([r["ttft_s"] for r in rows_b if r["idx"] in both], .5)
+                                                      * 1000)}
+        out[e] = res
+    return out
+
+
 def table(arms: list[dict]) -> str:
     lines = ["| arm | routing | kvstore | prompt tok | computed | local hits | external hits | reused | "
              "TTFT p50 / p90 / p99 ms | req/s | failed (retried) |",
@@ -678,7 +705,18 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write every number (per request too) to this file")
     ap.add_argument("--plot", default="", help="write a PNG here")
     ap.add_argument("--stats-only", action="store_true", help="print the workload's statistics and exit")
+    ap.add_argument("--from-json", default="",
+                    help="no run: report (table, outputs, restart windows, --plot) from these --json files, "
+                         "comma-separated; a later file's arm replaces an earlier one's")
     args = ap.parse_args()
+    if args.from_json:
+        merged: dict[str, dict] = {}
+        for path in args.from_json.split(","):
+            for a in json.load(open(path))["arms"]:
+                merged[a["arm"]] = a
+        arms = [merged[k] for k in ARMS if k in merged]
+        report(arms, args.plot)
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop engines, router and daemon on the way out
     reqs = build_workload(load_trace(args.trace), args.requests, args.block_tokens, args.max_blocks, args.seed,
                           args.tenants, args.system_blocks, args.min_turns, args.duration_s)
@@ -707,15 +745,20 @@ def main() -> None:
                 with open(args.json, "w") as f:
                     json.dump({"args": vars(args), "workload": stats, "arms": arms,
                                "outputs": compare_outputs(arms) if len(arms) > 1 else {}}, f)
+    report(arms, args.plot)
+
+
+def report(arms: list[dict], plot_path: str = "") -> None:
     cmp = compare_outputs(arms) if len(arms) > 1 else {}
     print(table(arms))
     for a in arms:
         if "windows" in a:
             print(f"{a['arm']}: windows {json.dumps(a['windows'])}, events {json.dumps(a['events'])}")
+    print("restart windows vs the same requests without the restart:", json.dumps(restart_vs_base(arms)))
     print("outputs vs arm", arms[0]["arm"], json.dumps({k: {x: v[x] for x in ("compared", "mismatches",
                                                           "first_token_differs")} for k, v in cmp.items()}))
-    if args.plot:
-        plot(arms, args.plot)
+    if plot_path:
+        plot(arms, plot_path)
 
 
 if __name__ == "__main__":
