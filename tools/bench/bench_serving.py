@@ -1,7 +1,7 @@
 """Benchmark: a fleet of vLLM OpenAI servers behind a router, with and without kvstore, on a multi-turn,
 multi-tenant workload derived from the Mooncake conversation trace (issue 15).
 
-Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, in-process
+Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, eager
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
 daemon for the kvstore arms (every engine's connector on it, kv_both), and
 `kvstore proxy --engine ...` (tools/pd_proxy.py, router mode) in front. Arms:
@@ -250,7 +250,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class Server:
-    """One `python -m vllm.entrypoints.openai.api_server` (in-process engine) on a fixed port."""
+    """One `python -m vllm.entrypoints.openai.api_server` on a fixed port (own process group: a kill takes its
+    EngineCore process too)."""
 
     def __init__(self, args, model: str, kvt: dict | None, workdir: str, name: str, port: int) -> None:
         from tests.vllm_helpers import base_env
