@@ -21,7 +21,7 @@ keyed by their second hash_id (every request of the trace starts with hash_id
 turns of the conversation extend the same prefix). Sessions with at least
 --min-turns requests are taken in order of first appearance, all their turns
 in the trace's arrival order, up to --requests requests. Each hash_id becomes
-a fixed random block of --block-tokens token ids (512 trace tokens -> 64 by
+a fixed random block of --block-tokens token ids (512 trace tokens -> 32 by
 default), so equal hash_id prefixes give equal token prefixes; the last block
 is cut in proportion to input_length; prompts longer than --max-blocks blocks
 keep their first --max-blocks (the prefix tree is unchanged). Tenants: each
@@ -41,7 +41,7 @@ p50/p90/p99 (first streamed token) and requests/s (requests / time from the
 first send to the last answer). Every arm's generated token ids are compared
 with arm a's for the same request.
 
-    python tools/bench/bench_serving.py [--arms a,b,c,d,e] [--requests 200] [--json out.json] [--plot docs/x.png]
+    python tools/bench/bench_serving.py [--arms a,b,c,d,e] [--requests 150] [--json out.json] [--plot docs/x.png]
 """
 
 from __future__ import annotations
@@ -681,19 +681,19 @@ def main() -> None:
     ap.add_argument("--arms", default="a,b,c,d,e", help="a,b,c,d,e (e = e_b and e_d)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--block-tokens", type=int, default=64, help="tokens per trace block (512 in the trace)")
-    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--block-tokens", type=int, default=32, help="tokens per trace block (512 in the trace)")
+    ap.add_argument("--max-blocks", type=int, default=16)
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--system-blocks", type=int, default=4)
     ap.add_argument("--min-turns", type=int, default=2)
-    ap.add_argument("--duration-s", type=float, default=240.0, help="the trace's arrival times compressed to this")
+    ap.add_argument("--duration-s", type=float, default=180.0, help="the trace's arrival times compressed to this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--dtype", default="float32",
                     help="float32: on CPUs without AVX-512 (this box) bf16 matmuls take a ~5x slower path")
     ap.add_argument("--engine-kv-mib", type=int, default=256, help="each engine's own KV cache")
-    ap.add_argument("--store-bytes", default="4GiB", help="kvstore daemon host tier")
+    ap.add_argument("--store-bytes", default="2GiB", help="kvstore daemon host tier")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt + max tokens, rounded up")
