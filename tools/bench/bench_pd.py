@@ -23,7 +23,7 @@ prompt length (2k and 8k tokens by default), fresh prompts per arm and repeat:
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`; medians over --repeats.
 
-    python tools/bench/bench_pd.py [--lengths 2048,8000] [--repeats 3] [--json]
+    python tools/bench/bench_pd.py [--lengths 2048,8000] [--repeats 3] [--dtype auto] [--wait-s 300] [--json]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from vllm import LLM, SamplingParams
 spec = json.loads(sys.argv[2])
-llm = LLM(model=spec["model"], dtype="bfloat16", block_size=128, kv_cache_memory_bytes=1 << 30,
+llm = LLM(model=spec["model"], dtype=spec["dtype"], block_size=128, kv_cache_memory_bytes=1 << 30,
           max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"], enforce_eager=True,
           enable_prefix_caching=True, seed=0, kv_transfer_config=spec["kvt"])
 print("READY", flush=True)
@@ -67,8 +67,8 @@ for line in sys.stdin:
 
 
 class Engine:
-    def __init__(self, model: str, kvt: dict, max_model_len: int, workdir: str, name: str) -> None:
-        spec = json.dumps({"model": model, "kvt": kvt, "max_model_len": max_model_len})
+    def __init__(self, model: str, kvt: dict, max_model_len: int, workdir: str, name: str, dtype: str) -> None:
+        spec = json.dumps({"model": model, "kvt": kvt, "max_model_len": max_model_len, "dtype": dtype})
         self.log = open(os.path.join(workdir, f"{name}.log"), "w")
         self.proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(REPO), spec], cwd=REPO,
                                      env=base_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -135,12 +135,26 @@ def measure(producer: Engine, consumer: Engine, prompts, length: int, repeats: i
     }
 
 
+def cpu_dtype() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8000")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="auto: bfloat16 where the CPU has AVX-512 bf16 or AMX, else float32 (vLLM CPU's bf16 "
+                         "path is ~5x slower without them)")
+    ap.add_argument("--wait-s", type=float, default=300.0,
+                    help="the consumer's wait for in-flight blocks (longer than a producer's prefill)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    dtype = cpu_dtype() if args.dtype == "auto" else args.dtype
     lengths = [int(x) for x in args.lengths.split(",")]
     model = build_model("smollm2")
     ids = tokenize(model, corpus_text(400_000))
@@ -150,9 +164,9 @@ def main() -> None:
     results = []
     try:
         kvt_p = {**connector_config(daemon.socket_path), "kv_role": "kv_producer"}
-        kvt_c = {**connector_config(daemon.socket_path, wait_s=120.0), "kv_role": "kv_consumer"}
+        kvt_c = {**connector_config(daemon.socket_path, wait_s=args.wait_s), "kv_role": "kv_consumer"}
         engines: dict[str, Engine] = {}
-        threads = [threading.Thread(target=lambda n, k: engines.__setitem__(n, Engine(model, k, max_len, workdir, n)),
+        threads = [threading.Thread(target=lambda n, k: engines.__setitem__(n, Engine(model, k, max_len, workdir, n, dtype)),
                                     args=(n, k)) for n, k in (("producer", kvt_p), ("consumer", kvt_c))]
         for t in threads:
             t.start()
@@ -182,7 +196,7 @@ def main() -> None:
     finally:
         daemon.stop()
     if args.json:
-        print(json.dumps({"results": results}, indent=1))
+        print(json.dumps({"dtype": dtype, "wait_s": args.wait_s, "results": results}, indent=1))
     else:
         for r in results:
             print(f"{r['prompt_tokens']:>6} tokens: cold {r['cold_ms']} ms, after producer {r['after_producer_ms']} ms, "

@@ -1,0 +1,165 @@
+"""A fast single-tier replay for eviction research: the store's eviction rules without the store.
+
+`kvstore replay` drives the real `TieredStore`, which is what the published
+numbers must come from; about half of its time is the store's own bookkeeping
+(index entries, pins, arena pages, `check()`). This loop keeps only what decides
+which blocks are resident, so a policy variant is judged 2-3x faster:
+
+- a request's hit is its longest resident prefix; the hit chain goes to
+  `on_access`, root first (as `acquire` does);
+- its missing tail is reserved in order: room for the whole tail is made in one
+  `victims` round first (the parent of the first new block protected), then
+  block by block (each block's parent protected); a block that finds no room
+  ends the tail (its children would be orphans); reserved blocks are children
+  of their parents at once but reach the policy (`on_insert`) only at commit,
+  after the whole tail is reserved;
+- a victim must be resident, committed, without resident children and not
+  protected (the store's `evictable`), and the loop asks again while it is
+  short of room, as `_make_room` does.
+
+Capacity is in blocks (one page each). One tier, no attention estimates, no
+Belady. tests/test_policy_sim.py checks that every registered policy gets the
+same hit count per request here as through `tools/replay.py` on generated
+traces, so a change to the store's eviction rules that this file does not
+follow fails there.
+
+    python tools/bench/policy_sim.py gen:agentic ../shared/traces/mooncake_synthetic_trace.jsonl \
+        --policy lru arc attention --capacity-blocks 1000,4000,16000
+    python tools/bench/policy_sim.py TRACE --factory mymodule:make   # make(clock) -> EvictionPolicy
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from eviction.base import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
+from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, read_trace  # noqa: E402
+from tools.gen_trace import requests_for  # noqa: E402
+
+PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
+PAGE = 4096
+
+
+def simulate(requests: Sequence[Request], policy: str | PolicyFactory, capacity_blocks: int,
+             block_tokens: int = TRACE_BLOCK_TOKENS, hits_out: list | None = None) -> dict:
+    """Replay `requests` against `policy` (a registered name or `factory(clock)`); hit counts."""
+    if capacity_blocks <= 0:
+        raise ValueError("capacity_blocks must be positive")
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    pol = make_policy(policy, clock=clock) if isinstance(policy, str) else policy(clock)
+    # key -> [parent, committed, resident children]
+    resident: dict[bytes, list] = {}
+    free = capacity_blocks
+    hit_blocks = blocks = 0
+
+    def make_room(missing: int, protect: set) -> bool:
+        nonlocal free
+
+        def evictable(key) -> bool:
+            r = resident.get(key)
+            return r is not None and r[1] and r[2] == 0 and key not in protect
+
+        while free < missing:
+            victims = pol.victims((missing - free) * PAGE, evictable)
+            if not victims:
+                return False
+            for key in victims:
+                if not evictable(key):
+                    raise RuntimeError(f"policy {pol.name} named a victim that is not evictable")
+                parent = resident.pop(key)[0]
+                if parent is not None:
+                    resident[parent][2] -= 1
+                pol.on_remove(key)
+                free += 1
+                if free >= missing:
+                    break
+        return True
+
+    for req in requests:
+        now[0] = req.timestamp_s
+        chain, _tokens = expand(req, block_tokens)
+        n = len(chain)
+        hits = 0
+        while hits < n and chain[hits] in resident:
+            hits += 1
+        if hits:
+            pol.on_access(chain[:hits])
+        hit_blocks += hits
+        blocks += n
+        if hits_out is not None:
+            hits_out.append(hits)
+        if hits == n:
+            continue
+        parent = chain[hits - 1] if hits else None
+        if free < n - hits:
+            make_room(n - hits, {parent} if parent is not None else set())
+        reserved = []
+        for depth in range(hits, n):
+            key = chain[depth]
+            if free < 1 and not make_room(1, {parent} if parent is not None else set()):
+                break
+            resident[key] = [parent, False, 0]
+            free -= 1
+            if parent is not None:
+                resident[parent][2] += 1
+            reserved.append((key, parent, depth))
+            parent = key
+        for key, parent, depth in reserved:
+            resident[key][1] = True
+            pol.on_insert(BlockInfo(key, parent, depth, PAGE, block_tokens, None))
+    return {"policy": getattr(pol, "name", str(policy)), "capacity_blocks": capacity_blocks,
+            "block_tokens": block_tokens, "blocks": blocks, "hit_blocks": hit_blocks,
+            "hit_ratio": hit_blocks / blocks if blocks else 0.0}
+
+
+def load(spec: str, limit: int | None = None) -> list[Request]:
+    reqs = requests_for(spec) if spec.startswith("gen:") else read_trace(spec)
+    return reqs[:limit] if limit is not None else reqs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", help="Mooncake JSONL trace files or gen:SHAPE[:SEED]")
+    p.add_argument("--policy", nargs="*", default=[], help="registered policy names")
+    p.add_argument("--factory", nargs="*", default=[], help="module:function, function(clock) -> EvictionPolicy")
+    p.add_argument("--capacity-blocks", default="1000,4000,16000")
+    p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--json", action="store_true", help="one JSON object per run")
+    args = p.parse_args(argv)
+    caps = [int(c) for c in args.capacity_blocks.split(",")]
+    subjects: list[tuple[str, str | PolicyFactory]] = [(name, name) for name in args.policy]
+    for spec in args.factory:
+        module, _, fn = spec.partition(":")
+        subjects.append((spec, getattr(importlib.import_module(module), fn)))
+    if not subjects:
+        p.error("give --policy and/or --factory")
+    for trace in args.traces:
+        reqs = load(trace, args.limit)
+        for label, subject in subjects:
+            row = []
+            for cap in caps:
+                t0 = time.perf_counter()
+                res = simulate(reqs, subject, cap, args.block_tokens)
+                res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
+                if args.json:
+                    print(json.dumps(res), flush=True)
+                row.append(res["hit_ratio"])
+            if not args.json:
+                print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
