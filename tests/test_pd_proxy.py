@@ -253,3 +253,33 @@ def test_router_config_refuses_mixing_modes():
 
     with pytest.raises(ValueError, match="not both"):
         ProxyConfig(("http://a",), ("http://b",), engines=("http://c",))
+
+
+def test_affinity_with_bounded_loads_spreads_a_hot_session_and_keeps_it_home_when_idle():
+    from contextlib import ExitStack
+
+    from tools.pd_proxy import Pool
+
+    urls = ("http://a:1", "http://b:1", "http://c:1")
+    pure, bounded = Pool("engine", urls, 0.0), Pool("engine", urls, 1.25)
+    home = pure.pick("hot")
+    assert bounded.pick("hot") == home  # nothing in flight: the session's own engine
+    with ExitStack() as held:
+        for _ in range(12):  # 12 concurrent requests of one session
+            held.enter_context(pure.busy(pure.pick("hot")))
+            held.enter_context(bounded.busy(bounded.pick("hot")))
+        assert pure.inflight[home] == 12  # pure rendezvous hashing piles them on one engine
+        assert max(bounded.inflight.values()) <= 5  # ceil(1.25 * 12 / 3)
+        assert bounded.inflight[home] == max(bounded.inflight.values())
+        assert sum(bounded.inflight.values()) == 12
+    assert set(bounded.inflight.values()) == {0}  # released
+    assert bounded.pick("hot") == home
+    bounded.up[home] = False  # a dead engine is still skipped
+    assert bounded.pick("hot") != home
+
+
+def test_a_load_bound_below_one_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="load-bound"):
+        ProxyConfig((), (), engines=("http://a:1",), load_bound=0.5)

@@ -22,7 +22,10 @@ the decode request once the prefill one has answered (the blocks are committed
 by then: no wait). The decode engine's answer, streamed or not, is the reply.
 
 Engines are chosen round-robin among those up, or by the `x-session-affinity`
-header (rendezvous hashing: a session keeps its engine while it is up). A
+header (rendezvous hashing: a session keeps its engine while it is up and not
+over `--load-bound` (1.25) times its share of the requests in flight; then the
+next engine of the session's order takes it: bounded-load consistent hashing,
+so skewed sessions cannot pile onto one engine). A
 background task GETs each engine's /health every `--health-interval-s`; an
 engine that fails a check or a connection is skipped until it passes again.
 
@@ -45,6 +48,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -65,6 +69,7 @@ class ProxyConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
     engines: tuple[str, ...] = ()  # router mode: one pool, no prefill step
+    load_bound: float = 1.25  # affinity with bounded loads (Pool); 0: pure rendezvous hashing
 
     def __post_init__(self) -> None:
         if self.engines:
@@ -75,6 +80,8 @@ class ProxyConfig:
             raise ValueError("give at least one --prefill and one --decode engine URL (or --engine URLs)")
         elif self.mode not in ("parallel", "sequential"):
             raise ValueError(f"mode must be parallel or sequential, not {self.mode!r}")
+        if self.load_bound and self.load_bound < 1:
+            raise ValueError(f"--load-bound must be >= 1 (or 0: off), not {self.load_bound}")
         for url in self.prefill + self.decode + self.engines:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL {url!r} must start with http:// or https://")
@@ -88,15 +95,26 @@ class UpstreamError(Exception):
 
 @dataclass
 class Pool:
-    """The engines of one kind and which of them are up."""
+    """The engines of one kind, which of them are up, and how many requests each has in flight.
+
+    `load_bound` (c >= 1, 0 = off) bounds session affinity (consistent hashing with bounded loads,
+    Mirrokni et al. 2018): a session's engine is the first of its rendezvous order that has fewer
+    than ceil(c * (requests in flight + 1) / engines up) requests in flight, so one engine never
+    takes much more than its share however the sessions hash. Round-robin ignores it.
+    """
 
     kind: str
     urls: tuple[str, ...]
+    load_bound: float = 0.0
     up: dict[str, bool] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
+        if self.load_bound and self.load_bound < 1:
+            raise ValueError(f"load bound must be >= 1 (or 0: off), not {self.load_bound}")
         self.up = {u: True for u in self.urls}  # optimistic until the first check says otherwise
+        self.inflight = {u: 0 for u in self.urls}
 
     def pick(self, affinity: str | None) -> str:
         live = [u for u in self.urls if self.up[u]]
@@ -104,8 +122,21 @@ class Pool:
             raise UpstreamError(503, f"no {self.what} is up (configured: {', '.join(self.urls)})",
                                 "service_unavailable")
         if affinity:
-            return max(live, key=lambda u: hashlib.sha256(f"{affinity}|{u}".encode()).digest())
+            order = sorted(live, key=lambda u: hashlib.sha256(f"{affinity}|{u}".encode()).digest(), reverse=True)
+            if not self.load_bound:
+                return order[0]
+            cap = math.ceil(self.load_bound * (sum(self.inflight[u] for u in live) + 1) / len(live))
+            return next((u for u in order if self.inflight[u] < cap), order[0])
         return live[next(self._rr) % len(live)]
+
+    @contextlib.contextmanager
+    def busy(self, url: str):
+        """Count a request in flight on `url` for the bounded-load choice."""
+        self.inflight[url] += 1
+        try:
+            yield
+        finally:
+            self.inflight[url] -= 1
 
     @property
     def what(self) -> str:
@@ -171,11 +202,12 @@ async def prefill(app: web.Application, path: str, body: dict, affinity: str | N
     except UpstreamError as exc:
         return exc.message
     try:
-        async with app[SESSION].post(url + path, json=prefill_body(body)) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                return f"prefill engine {url} answered {resp.status}: {text[:300]}"
-            return None
+        with pool.busy(url):
+            async with app[SESSION].post(url + path, json=prefill_body(body)) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    return f"prefill engine {url} answered {resp.status}: {text[:300]}"
+                return None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         pool.mark(url, False)
         return f"prefill engine {url} unreachable: {type(exc).__name__}: {exc}"
@@ -205,6 +237,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def forward_decode(request: web.Request, pool: Pool, url: str, path: str, body: dict,
                          prefill_task: asyncio.Future | None) -> web.StreamResponse:
     """Forward to `url` of `pool`; prefill_task None: router mode, the body goes as is."""
+    with pool.busy(url):
+        return await _forward(request, pool, url, path, body, prefill_task)
+
+
+async def _forward(request: web.Request, pool: Pool, url: str, path: str, body: dict,
+                   prefill_task: asyncio.Future | None) -> web.StreamResponse:
     session = request.app[SESSION]
     try:
         resp_cm = session.post(url + path, json=body if prefill_task is None else decode_body(body))
@@ -301,9 +339,10 @@ def make_app(cfg: ProxyConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 << 20)
     app[CONFIG] = cfg
     if cfg.mode == "router":
-        app[POOLS] = {"engine": Pool("engine", cfg.engines)}
+        app[POOLS] = {"engine": Pool("engine", cfg.engines, cfg.load_bound)}
     else:
-        app[POOLS] = {"prefill": Pool("prefill", cfg.prefill), "decode": Pool("decode", cfg.decode)}
+        app[POOLS] = {"prefill": Pool("prefill", cfg.prefill, cfg.load_bound),
+                      "decode": Pool("decode", cfg.decode, cfg.load_bound)}
     app.cleanup_ctx.append(_resources)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
@@ -325,13 +364,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--connect-timeout-s", type=float, default=3.0,
                    help="connect timeout to an engine, and the time a health check may take")
+    p.add_argument("--load-bound", type=float, default=1.25,
+                   help="affinity with bounded loads: a session moves off its engine while that engine has more "
+                        "than this factor times its share of the requests in flight (0: never)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.mode, args.health_interval_s,
                           connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
-                          engines=tuple(args.engine))
+                          engines=tuple(args.engine), load_bound=args.load_bound)
     except ValueError as exc:
         log.error("%s", exc)
         return 2

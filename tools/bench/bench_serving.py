@@ -325,12 +325,13 @@ class Server:
 
 class Router:
     def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5,
-                 health_timeout_s: float = 3.0) -> None:
+                 health_timeout_s: float = 3.0, load_bound: float = 0.0) -> None:
         from tests.vllm_helpers import base_env
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "tools.pd_proxy", "--port", str(self.port),
-               "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s)]
+               "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s),
+               "--load-bound", str(load_bound)]
         for u in urls:
             cmd += ["--engine", u]
         self.log = open(os.path.join(workdir, "router.log"), "w")
@@ -486,7 +487,8 @@ def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
             s.start()
         startup = [s.wait_ready() for s in servers]
         print(f"[{arm}] {len(servers)} engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        router = Router([s.url for s in servers], workdir, health_timeout_s=args.health_timeout_s)
+        router = Router([s.url for s in servers], workdir, health_timeout_s=args.health_timeout_s,
+                        load_bound=args.load_bound)
         base = [s.metrics() for s in servers]  # zero after a cold start, but read them anyway
 
         restarter = None
@@ -526,6 +528,7 @@ def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
     last_done = max((r["done_s"] for r in ok), default=wall)
     out = {
         "arm": arm, "label": label, "affinity": affinity, "kvstore": kvstore, "restart": restart,
+        "load_bound": args.load_bound,
         "requests": len(reqs), "ok": len(ok), "failed": len(results) - len(ok),
         "retried": sum(1 for r in ok if r["tries"] > 1),
         "engine_startup_s": [round(x, 1) for x in startup],
@@ -703,6 +706,9 @@ def main() -> None:
     ap.add_argument("--health-timeout-s", type=float, default=3.0,
                     help="the router's health-check timeout (a loaded engine answers /health slowly)")
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
+    ap.add_argument("--load-bound", type=float, default=0.0,
+                    help="the router's bounded-load affinity (kvstore proxy --load-bound; 0: pure rendezvous "
+                         "hashing, as in the documented run; the proxy's own default is 1.25)")
     ap.add_argument("--json", default="", help="write every number (per request too) to this file")
     ap.add_argument("--plot", default="", help="write a PNG here")
     ap.add_argument("--stats-only", action="store_true", help="print the workload's statistics and exit")
