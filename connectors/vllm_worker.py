@@ -17,7 +17,10 @@
   computing them): handed to a small thread pool, each thread with its own
   daemon connection (a `wait` holds its connection), so the engine's loop never
   waits. The thread waits for the blocks to commit (bounded by the job's
-  `wait_s`), then acquires, copies and releases what committed; the request is
+  `wait_s`) and acquires what committed; the engine thread copies those blocks
+  at its next `get_finished` (a copy from the wait thread would pay a GIL
+  hand-over per block and layer while the engine loop steps: seconds at 8k
+  tokens), then the wait thread releases them. The request is
   reported through `get_finished` and any block that did not arrive (timeout,
   abort, a producer that died) through `get_block_ids_with_load_errors` in the
   same step, so vLLM recomputes it. The request's blocks are vLLM's alone
@@ -33,6 +36,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -47,6 +51,16 @@ log = logging.getLogger(__name__)
 
 SCORE_LAYERS = 2  # layers sampled for the attention estimate
 WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
+
+
+@dataclass(eq=False)
+class _WaitedCopy:
+    """A waited load whose blocks committed and are pinned by its wait thread; the engine thread copies them."""
+
+    job: LoadJob
+    extents: list
+    arena: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _default_scorer() -> Callable | None:
@@ -77,6 +91,8 @@ class WorkerSide:
         self._wait_pool: ThreadPoolExecutor | None = None
         self._wait_local = threading.local()  # per wait thread: its StoreLink
         self._wait_links: list[StoreLink] = []
+        self._to_copy: list[_WaitedCopy] = []  # waited loads whose blocks committed: copied by the engine thread
+        self._closing = False
         self.wait_stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0}
 
     # -- setup ----------------------------------------------------------------------
@@ -138,21 +154,29 @@ class WorkerSide:
         return link
 
     def _wait_and_load(self, job: LoadJob) -> None:
-        failed: set[int] = set(job.block_ids)
+        failed: set[int] | None = set(job.block_ids)
         t0 = time.monotonic()
         try:
             failed = self._wait_and_copy(job)
         except Exception as exc:  # never let a wait thread die silently: the request must finish
             log.warning("kvstore: waiting load of %s failed (%r); vLLM recomputes", job.req_id, exc)
         with self._lock:
-            self._waited_done[job.req_id] = failed
+            if failed is not None:  # None: the engine thread copied the blocks and reported the request
+                self._waited_done[job.req_id] = failed
             self.wait_stats["jobs"] += 1
             self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
-            self.wait_stats["blocks_failed"] += len(failed)
+            self.wait_stats["blocks_failed"] += len(failed if failed is not None else ())
             self.wait_stats["wait_s"] += time.monotonic() - t0
 
-    def _wait_and_copy(self, job: LoadJob) -> set[int]:
-        """Wait for the job's blocks, copy those that committed; the block ids that did not load."""
+    def _wait_and_copy(self, job: LoadJob) -> set[int] | None:
+        """Wait for the job's blocks and acquire those that committed; the engine thread copies them.
+
+        Returns the block ids that did not load when this thread reports the request itself, None
+        when the engine thread copied and reported it (`_copy_waited`, from `get_finished`). The copy
+        is not done here: one copy call per block and layer from a second thread, while the engine
+        loop keeps stepping, pays a GIL hand-over (up to the 5 ms switch interval) per call: seconds
+        at 8k tokens.
+        """
         assert self.kv is not None
         link = self._thread_link()
         ns = lambda: link.ns_ids[0]  # noqa: E731  (the id of the connection the call runs on)
@@ -165,20 +189,43 @@ class WorkerSide:
         extents = link.run("acquire", lambda c: c.acquire(ns(), hashes, prefix=True)) if hashes else []
         arena = arena_tensor(link.arena) if link.arena is not None and extents else None
         generation = link.generation
-        loaded = 0
-        try:
-            for block_id, ext in zip(job.block_ids, extents or []):
-                if ext is None or arena is None:
-                    break
-                self.kv.load_from_arena(arena, block_id, ext)
-                loaded += 1
-        except Exception as exc:
-            log.warning("kvstore: copy of a waited block of %s failed (%r)", job.req_id, exc)
-        finally:
-            held = [h for h, e in zip(hashes, extents or []) if e is not None]
+        held = [h for h, e in zip(hashes, extents or []) if e is not None]
+        if not held or arena is None:
             if held and link.generation == generation:
                 link.run("release", lambda c: c.release(ns(), held))
-        return set(job.block_ids[loaded:])
+            return set(job.block_ids)
+        item = _WaitedCopy(job, extents, arena)
+        try:
+            with self._lock:
+                self._to_copy.append(item)
+            while not item.done.wait(0.5):  # the engine thread copies at its next get_finished
+                if self._closing:
+                    with self._lock:
+                        if item in self._to_copy:  # not taken: nobody copies it now
+                            self._to_copy.remove(item)
+                            return set(job.block_ids)
+            return None
+        finally:
+            if link.generation == generation:
+                link.run("release", lambda c: c.release(ns(), held))
+
+    def _copy_waited(self) -> None:
+        """Engine thread: copy the blocks of waited loads that committed, and report those requests."""
+        with self._lock:
+            items, self._to_copy = self._to_copy, []
+        for item in items:
+            loaded = 0
+            try:
+                for block_id, ext in zip(item.job.block_ids, item.extents):
+                    if ext is None:
+                        break
+                    self.kv.load_from_arena(item.arena, block_id, ext)
+                    loaded += 1
+            except Exception as exc:
+                log.warning("kvstore: copy of a waited block of %s failed (%r)", item.job.req_id, exc)
+            with self._lock:
+                self._waited_done[item.job.req_id] = set(item.job.block_ids[loaded:])
+            item.done.set()
 
     def _load(self, jobs: list[LoadJob]) -> None:
         hashes = [h for job in jobs for h in job.hashes]
@@ -271,6 +318,8 @@ class WorkerSide:
 
     # -- per-step reports ---------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._to_copy:
+            self._copy_waited()
         done, self._finished_recving = self._finished_recving, set()
         with self._lock:  # a waited request and its failed blocks are reported in the same step
             waited, self._waited_done = self._waited_done, {}
@@ -290,6 +339,7 @@ class WorkerSide:
         return report
 
     def shutdown(self) -> None:
+        self._closing = True
         if self._wait_pool is not None:
             self._wait_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
