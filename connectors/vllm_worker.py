@@ -214,14 +214,8 @@ class WorkerSide:
         with self._lock:
             items, self._to_copy = self._to_copy, []
         for item in items:
-            loaded = 0
-            try:
-                for block_id, ext in zip(item.job.block_ids, item.extents):
-                    if ext is None:
-                        break
-                    self.kv.load_from_arena(item.arena, block_id, ext)
-                    loaded += 1
-            except Exception as exc:
+            loaded, exc = self._copy_blocks(item.job, item.extents, item.arena)
+            if exc is not None:
                 log.warning("kvstore: copy of a waited block of %s failed (%r)", item.job.req_id, exc)
             with self._lock:
                 self._waited_done[item.job.req_id] = set(item.job.block_ids[loaded:])
@@ -246,16 +240,24 @@ class WorkerSide:
                 self.link.run("release", lambda c: c.release(self.link.ns_ids[0], held))
 
     def _load_job(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> None:
+        loaded, exc = self._copy_blocks(job, extents, arena)
+        if exc is not None:
+            self._fail(job, loaded, f"copy failed: {exc!r}")
+        elif loaded < len(extents):
+            self._fail(job, loaded, "block no longer stored")
+
+    def _copy_blocks(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> tuple[int, Exception | None]:
+        """Copy the job's blocks from the arena in order, up to the first absent extent or failed copy:
+        (blocks copied, the copy's exception or None). Never raises: the engine must not crash on a load."""
         assert self.kv is not None
         for i, (block_id, ext) in enumerate(zip(job.block_ids, extents)):
             if ext is None:
-                self._fail(job, i, "block no longer stored")
-                return
+                return i, None
             try:
                 self.kv.load_from_arena(arena, block_id, ext)
-            except Exception as exc:  # never let the engine crash on a load
-                self._fail(job, i, f"copy failed: {exc!r}")
-                return
+            except Exception as exc:
+                return i, exc
+        return min(len(job.block_ids), len(extents)), None
 
     def _fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first, len(job.block_ids), why)
