@@ -86,7 +86,8 @@ def test_top_shows_moving_numbers_in_a_terminal_and_q_quits(daemon_factory):
         client.start()
         screen = read_for(master, 6)
         counts = [int(n) for n in re.findall(r"blocks (\d+)\s+sessions", screen)]
-        assert len(counts) >= 3 and counts == sorted(counts) and counts[-1] > counts[0] > 0, counts
+        # the first frame after the writer starts may come before its first commit, so it can show 0
+        assert counts == sorted(counts) and len(set(counts)) >= 3, counts
         tables = re.findall(r"requests/s\s*\n[^\n]*\n┃([^\n]*)┃\s*\n[^\n]*\n│([^\n]*)│", screen)
         assert tables, screen[-3000:]
         header, values = ([c.strip() for c in row.split(sep)] for row, sep in zip(tables[-1], "┃│"))
