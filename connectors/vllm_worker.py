@@ -33,6 +33,7 @@ synchronous, so vLLM may free or reuse the blocks as soon as the step ends.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 SCORE_LAYERS = 2  # layers sampled for the attention estimate
 WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
+# A step's block copies are split over this many threads (the engine thread and helpers) when they move
+# at least SPLIT_BYTES: the engine's own compute threads are idle while it copies, and one thread moves
+# 4-6 GB/s here where the memory moves more. Copies release the GIL (numpy loops), so the threads overlap.
+COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+SPLIT_BYTES = 16 << 20
 
 
 @dataclass(eq=False)
@@ -60,6 +66,8 @@ class _WaitedCopy:
     job: LoadJob
     extents: list
     arena: torch.Tensor
+    answered: float  # monotonic time the daemon's wait answered
+    acquired: float  # ... and the acquire
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -92,6 +100,7 @@ class WorkerSide:
         self._wait_local = threading.local()  # per wait thread: its StoreLink
         self._wait_links: list[StoreLink] = []
         self._to_copy: list[_WaitedCopy] = []  # waited loads whose blocks committed: copied by the engine thread
+        self._copy_pool: ThreadPoolExecutor | None = None  # helpers of the engine thread's copies (_split_copy)
         self._closing = False
         self.wait_stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0}
 
@@ -181,6 +190,7 @@ class WorkerSide:
         link = self._thread_link()
         ns = lambda: link.ns_ids[0]  # noqa: E731  (the id of the connection the call runs on)
         res = link.run("wait", lambda c: c.wait_committed(ns(), job.hashes, job.wait_s, appear=job.appear))
+        answered = time.monotonic()
         ready = res.ready if res is not None else 0
         if res is not None and res.reason != "done":
             log.info("kvstore: %s: %d/%d blocks arrived (%s); vLLM recomputes the rest",
@@ -194,7 +204,7 @@ class WorkerSide:
             if held and link.generation == generation:
                 link.run("release", lambda c: c.release(ns(), held))
             return set(job.block_ids)
-        item = _WaitedCopy(job, extents, arena)
+        item = _WaitedCopy(job, extents, arena, answered, time.monotonic())
         try:
             with self._lock:
                 self._to_copy.append(item)
@@ -214,15 +224,20 @@ class WorkerSide:
         with self._lock:
             items, self._to_copy = self._to_copy, []
         for item in items:
+            start = time.monotonic()
             loaded, exc = self._copy_blocks(item.job, item.extents, item.arena)
             if exc is not None:
                 log.warning("kvstore: copy of a waited block of %s failed (%r)", item.job.req_id, exc)
+            trace = {"req": item.job.req_id, "blocks": loaded, "answered": item.answered,
+                     "acquired": item.acquired, "copy_start": start, "copy_end": time.monotonic()}
+            log.debug("kvstore: waited load %s", trace, extra={"kvstore_trace": trace})
             with self._lock:
                 self._waited_done[item.job.req_id] = set(item.job.block_ids[loaded:])
             item.done.set()
 
     def _load(self, jobs: list[LoadJob]) -> None:
         hashes = [h for job in jobs for h in job.hashes]
+        t0 = time.monotonic()
         extents = self.link.run("acquire", lambda c: c.acquire(self.link.ns_ids[0], hashes, prefix=False))
         arena = self._arena_view()
         if extents is None or arena is None:
@@ -230,14 +245,19 @@ class WorkerSide:
             return
         generation = self.link.generation
         pos = 0
+        t1 = time.monotonic()
         try:
             for job in jobs:
                 self._load_job(job, extents[pos : pos + len(job.hashes)], arena)
                 pos += len(job.hashes)
         finally:
+            t2 = time.monotonic()
             held = [h for h, e in zip(hashes, extents) if e is not None]
             if held and self.link.generation == generation:
                 self.link.run("release", lambda c: c.release(self.link.ns_ids[0], held))
+            if log.isEnabledFor(logging.DEBUG):
+                trace = {"loaded": len(held), "acquire": t1 - t0, "copy": t2 - t1, "release": time.monotonic() - t2}
+                log.debug("kvstore: step load %s", trace, extra={"kvstore_trace": trace})
 
     def _load_job(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> None:
         loaded, exc = self._copy_blocks(job, extents, arena)
@@ -247,17 +267,40 @@ class WorkerSide:
             self._fail(job, loaded, "block no longer stored")
 
     def _copy_blocks(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> tuple[int, Exception | None]:
-        """Copy the job's blocks from the arena in order, up to the first absent extent or failed copy:
-        (blocks copied, the copy's exception or None). Never raises: the engine must not crash on a load."""
+        """Copy the job's blocks from the arena, up to the first absent extent or failed copy: (blocks
+        copied, the copy's exception or None). Never raises: the engine must not crash on a load."""
         assert self.kv is not None
-        for i, (block_id, ext) in enumerate(zip(job.block_ids, extents)):
-            if ext is None:
-                return i, None
-            try:
-                self.kv.load_from_arena(arena, block_id, ext)
-            except Exception as exc:
-                return i, exc
-        return min(len(job.block_ids), len(extents)), None
+        kv = self.kv
+        pairs = list(zip(job.block_ids, extents))
+        present = next((i for i, (_, ext) in enumerate(pairs) if ext is None), len(pairs))
+        return self._split_copy(lambda b, ext: kv.load_from_arena(arena, b, ext), pairs[:present])
+
+    def _split_copy(self, copy: Callable, pairs: list) -> tuple[int, Exception | None]:
+        """copy(block_id, extents) for each pair, the pairs split in contiguous runs over the copy threads
+        when they are large enough: (leading pairs copied before the first failure, its exception)."""
+
+        def run(lo: int, hi: int) -> tuple[int, Exception | None]:
+            for i in range(lo, hi):
+                try:
+                    copy(*pairs[i])
+                except Exception as exc:
+                    return i, exc
+            return hi, None
+
+        n = len(pairs)
+        assert self.kv is not None
+        parts = min(COPY_THREADS, n)
+        if parts < 2 or self.kv.device.type != "cpu" or n * self.kv.block_bytes < SPLIT_BYTES:
+            return run(0, n)
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvstore-copy")
+        bounds = [n * k // parts for k in range(parts + 1)]
+        futures = [self._copy_pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, parts)]
+        results = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
+        for (done, exc), hi in zip(results, bounds[1:]):
+            if done < hi:  # the first run that stopped short: what came before it is loaded
+                return done, exc
+        return n, None
 
     def _fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first, len(job.block_ids), why)
@@ -288,10 +331,10 @@ class WorkerSide:
             return
         hashes = [saves.hashes[i] for i in reserved]
         ns_id = self.link.ns_ids[0]
-        try:
-            for i in reserved:
-                self.kv.save_to_arena(arena, saves.block_ids[i], slots[i])
-        except Exception as exc:
+        kv = self.kv
+        _, exc = self._split_copy(lambda b, ext: kv.save_to_arena(arena, b, ext),
+                                  [(saves.block_ids[i], slots[i]) for i in reserved])
+        if exc is not None:
             log.warning("kvstore: save copy failed (%r); aborting %d reserved blocks", exc, len(hashes))
             if self.link.generation == generation:
                 self.link.run("abort", lambda c: c.abort(ns_id, hashes))
@@ -301,6 +344,9 @@ class WorkerSide:
         if self.link.generation == generation:
             self.link.run("commit",
                           lambda c: c.commit(ns_id, hashes, attention=attention, tokens=_fitting(c, tokens)))
+            if log.isEnabledFor(logging.DEBUG):
+                trace = {"committed": len(hashes), "at": time.monotonic()}
+                log.debug("kvstore: commit %s", trace, extra={"kvstore_trace": trace})
 
     def _attention(self, block_ids: list[int]) -> list[float] | None:
         """The attention estimate of each block from the keys of a few sampled layers (None if unavailable)."""
@@ -344,6 +390,8 @@ class WorkerSide:
         self._closing = True
         if self._wait_pool is not None:
             self._wait_pool.shutdown(wait=False, cancel_futures=True)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=False)
         with self._lock:
             links, self._wait_links = self._wait_links, []
         for link in links:

@@ -6,6 +6,7 @@ No engine runs here (fast); vLLM is imported only for the metadata base classes.
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from connectors.vllm_meta import ConnectorConfig, LoadJob, StepMeta, WorkerReport  # noqa: E402
 from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from connectors import vllm_worker  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import ExtraKeys, Namespace, hash_blocks  # noqa: E402
 
@@ -233,6 +235,48 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(s
     assert len(meta.saves) == 7  # the step offered the new blocks ...
     assert sched_b.link.client().stats()["blocks"] == stored  # ... but none were stored
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
+
+
+def test_split_copies_move_every_block_and_stop_at_the_first_failure(sides, monkeypatch):
+    """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact,
+    and a failed block fails itself and every later block of the load, wherever the runs were cut."""
+    monkeypatch.setattr(vllm_worker, "SPLIT_BYTES", 0)
+    monkeypatch.setattr(vllm_worker, "COPY_THREADS", 3)
+    sched_a, make_worker = sides
+    worker_a, kv_a = make_worker(21)
+    tokens = list(range(7000, 7000 + 5 * BT + 3))
+    req = request("a", tokens)
+    sched_a.get_num_new_matched_tokens(req, 0)
+    sched_a.update_state_after_alloc(req, blocks([3, 4, 5, 6, 7, 8]), 0)
+    run_step(sched_a, worker_a, sched_output(new=[("a", [3, 4, 5, 6, 7, 8], 0)], scheduled={"a": len(tokens)}))
+
+    def load_into(seed: int, req_id: str, fail_block: int | None):
+        sched = SchedulerSide(sched_a.config, [namespace()], BT)
+        worker, kv = make_worker(seed)
+        req = request(req_id, tokens[: 4 * BT] + [5] * 9)
+        num, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert num == 4 * BT
+        sched.update_state_after_alloc(req, blocks([9, 10, 11, 12, 13]), num)
+        real, threads = worker.kv.load_from_arena, set()
+
+        def load(arena, block_id, extents):
+            threads.add(threading.current_thread().name.split("_")[0])
+            if block_id == fail_block:
+                raise RuntimeError("injected copy failure")
+            real(arena, block_id, extents)
+
+        monkeypatch.setattr(worker.kv, "load_from_arena", load)
+        meta = run_step(sched, worker, sched_output(new=[(req_id, [9, 10, 11, 12, 13], num)], scheduled={req_id: 9}))
+        return meta, kv, threads
+
+    meta, kv_b, threads = load_into(22, "b", None)
+    assert meta.invalid == set() and "kvstore-copy" in threads and len(threads) == 2
+    for name in LAYERS:
+        assert torch.equal(kv_b[name][9:13], kv_a[name][3:7])
+    meta, kv_c, _ = load_into(23, "c", 11)  # the third of four blocks: a run that is not the first
+    assert meta.invalid == {11, 12}
+    for name in LAYERS:
+        assert torch.equal(kv_c[name][9:11], kv_a[name][3:5])
 
 
 def test_preempted_request_resumes_with_new_blocks(sides):

@@ -23,7 +23,7 @@ prompt length (2k and 8k tokens by default), fresh prompts per arm and repeat:
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`; medians over --repeats.
 
-    python tools/bench/bench_pd.py [--lengths 2048,8000] [--repeats 3] [--dtype auto] [--wait-s 300] [--json]
+    python tools/bench/bench_pd.py [--lengths 2048,8000] [--repeats 3] [--dtype auto] [--wait-s 300] [--arms all|waiting] [--json]
 """
 
 from __future__ import annotations
@@ -47,9 +47,17 @@ from tests.vllm_helpers import base_env, build_model, connector_config, corpus_t
 BS = 128
 
 ENGINE = r"""
-import json, sys, time
+import json, logging, sys, time
 sys.path.insert(0, sys.argv[1])
 from vllm import LLM, SamplingParams
+traces = []  # the connector's stage times (monotonic), for the waiting arm's breakdown
+class Trace(logging.Handler):
+    def emit(self, record):
+        if hasattr(record, "kvstore_trace"):
+            traces.append(record.kvstore_trace)
+conn_log = logging.getLogger("connectors.vllm_worker")
+conn_log.setLevel(logging.DEBUG)
+conn_log.addHandler(Trace())
 spec = json.loads(sys.argv[2])
 llm = LLM(model=spec["model"], dtype=spec["dtype"], block_size=128, kv_cache_memory_bytes=1 << 30,
           max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"], enforce_eager=True,
@@ -59,10 +67,11 @@ for line in sys.stdin:
     cmd = json.loads(line)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                             extra_args={"kv_transfer_params": cmd["params"]} if cmd.get("params") else None)
+    traces.clear()
     t0 = time.monotonic()
     out = llm.generate([{"prompt_token_ids": cmd["ids"]}], params, use_tqdm=False)[0]
     t1 = time.monotonic()
-    print("RESULT " + json.dumps({"t0": t0, "t1": t1, "cached": out.num_cached_tokens}), flush=True)
+    print("RESULT " + json.dumps({"t0": t0, "t1": t1, "cached": out.num_cached_tokens, "trace": traces}), flush=True)
 """
 
 
@@ -98,20 +107,45 @@ class Engine:
         self.log.close()
 
 
-def measure(producer: Engine, consumer: Engine, prompts, length: int, repeats: int) -> dict:
+STAGES = ("wake", "acquire", "to_copy", "copy", "after_copy")
+
+
+def stages(pr: dict, cr: dict) -> dict[str, float]:
+    """Where the waiting consumer's time after the producer's last commit went (seconds): the daemon's
+    wait answering (wake), the acquire, waiting for the engine thread's next get_finished (to_copy),
+    the copy, and the rest: reporting the request and the tail prefill a local hit computes too."""
+    commits = [t["at"] for t in pr["trace"] if "committed" in t]
+    loads = [t for t in cr["trace"] if "copy_end" in t]
+    if not commits or len(loads) != 1:
+        return {}
+    w = loads[0]
+    return {"wake": w["answered"] - max(commits), "acquire": w["acquired"] - w["answered"],
+            "to_copy": w["copy_start"] - w["acquired"], "copy": w["copy_end"] - w["copy_start"],
+            "after_copy": cr["t1"] - w["copy_end"], "producer_after_commit": pr["t1"] - max(commits)}
+
+
+def measure(producer: Engine, consumer: Engine, prompts, length: int, repeats: int, arms: str = "all") -> dict:
+    """`arms` "all": every arm of the docstring; "waiting": only the waiting arm, its local hit being
+    the same prompt served again by the consumer."""
     rows: dict[str, list[float]] = {k: [] for k in ("cold", "after_producer", "local_hit", "producer",
                                                    "waiting", "waiting_added")}
     cached: dict[str, list[int]] = {"after_producer": [], "waiting": []}
+    parts: dict[str, list[float]] = {}
     for r in range(repeats):
-        cold = consumer.serve(next(prompts), {"kvstore_wait_s": 0})
-        rows["cold"].append(cold["t1"] - cold["t0"])
-        p = next(prompts)
-        producer.serve(p)
-        hit = consumer.serve(p)
-        rows["after_producer"].append(hit["t1"] - hit["t0"])
-        cached["after_producer"].append(hit["cached"])
-        local = consumer.serve(p)
-        rows["local_hit"].append(local["t1"] - local["t0"])
+        if arms == "all":
+            cold = consumer.serve(next(prompts), {"kvstore_wait_s": 0})
+            rows["cold"].append(cold["t1"] - cold["t0"])
+            p = next(prompts)
+            producer.serve(p)
+            hit = consumer.serve(p)
+            rows["after_producer"].append(hit["t1"] - hit["t0"])
+            cached["after_producer"].append(hit["cached"])
+            for t in hit["trace"]:
+                if "loaded" in t:  # the step load's own times
+                    for k in ("acquire", "copy", "release"):
+                        parts.setdefault(f"load_{k}", []).append(t[k])
+            local = consumer.serve(p)
+            rows["local_hit"].append(local["t1"] - local["t0"])
         w = next(prompts)
         producer.send(w)
         consumer.send(w, {"kvstore_wait": True})
@@ -120,19 +154,27 @@ def measure(producer: Engine, consumer: Engine, prompts, length: int, repeats: i
         rows["waiting"].append(cr["t1"] - cr["t0"])
         rows["waiting_added"].append(cr["t1"] - pr["t1"])
         cached["waiting"].append(cr["cached"])
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    return {
+        for k, v in stages(pr, cr).items():
+            parts.setdefault(k, []).append(v)
+        if arms == "waiting":
+            local = consumer.serve(w)
+            rows["local_hit"].append(local["t1"] - local["t0"])
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    out = {
         "prompt_tokens": length,
         "loaded_tokens_expected": (length - 1) // BS * BS,
         "cached_tokens": cached,
         **{f"{k}_ms": round(v * 1000, 1) for k, v in med.items()},
-        "after_producer_vs_local_hit": round(med["after_producer"] / med["local_hit"], 3),
-        "after_producer_vs_cold": round(med["after_producer"] / med["cold"], 3),
         # what waiting adds beyond what the consumer must do anyway after the producer's commit
         # (load + the tail prefill that a local hit computes too)
         "wait_overhead_ms": round((med["waiting_added"] - med["local_hit"]) * 1000, 1),
-        "all_ms": {k: [round(x * 1000, 1) for x in v] for k, v in rows.items()},
+        "stages_ms": {k: round(statistics.median(v) * 1000, 1) for k, v in parts.items()},
+        "all_ms": {k: [round(x * 1000, 1) for x in v] for k, v in {**rows, **parts}.items() if v},
     }
+    if arms == "all":
+        out["after_producer_vs_local_hit"] = round(med["after_producer"] / med["local_hit"], 3)
+        out["after_producer_vs_cold"] = round(med["after_producer"] / med["cold"], 3)
+    return out
 
 
 def cpu_dtype() -> str:
@@ -152,6 +194,8 @@ def main() -> None:
                          "path is ~5x slower without them)")
     ap.add_argument("--wait-s", type=float, default=300.0,
                     help="the consumer's wait for in-flight blocks (longer than a producer's prefill)")
+    ap.add_argument("--arms", choices=("all", "waiting"), default="all",
+                    help="waiting: only the waiting arm (and a local hit on its prompt), with its stage times")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     dtype = cpu_dtype() if args.dtype == "auto" else args.dtype
@@ -187,9 +231,10 @@ def main() -> None:
             w = next(gen)
             producer.serve(w)
             consumer.serve(w)
-            consumer.serve(next(gen), {"kvstore_wait_s": 0})
+            if args.arms == "all":
+                consumer.serve(next(gen), {"kvstore_wait_s": 0})
         for length in lengths:
-            results.append(measure(producer, consumer, fresh(length), length, args.repeats))
+            results.append(measure(producer, consumer, fresh(length), length, args.repeats, args.arms))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         producer.close()
         consumer.close()
@@ -199,9 +244,12 @@ def main() -> None:
         print(json.dumps({"dtype": dtype, "wait_s": args.wait_s, "results": results}, indent=1))
     else:
         for r in results:
-            print(f"{r['prompt_tokens']:>6} tokens: cold {r['cold_ms']} ms, after producer {r['after_producer_ms']} ms, "
-                  f"local hit {r['local_hit_ms']} ms (x{r['after_producer_vs_local_hit']}), producer "
-                  f"{r['producer_ms']} ms, waiting consumer {r['waiting_ms']} ms, added {r['waiting_added_ms']} ms")
+            if "cold_ms" in r:
+                print(f"{r['prompt_tokens']:>6} tokens: cold {r['cold_ms']} ms, after producer {r['after_producer_ms']} ms, "
+                      f"local hit {r['local_hit_ms']} ms (x{r['after_producer_vs_local_hit']})")
+            print(f"{r['prompt_tokens']:>6} tokens: producer {r['producer_ms']} ms, waiting consumer {r['waiting_ms']} ms, "
+                  f"added {r['waiting_added_ms']} ms, local hit {r['local_hit_ms']} ms, overhead "
+                  f"{r['wait_overhead_ms']} ms; stages {r['stages_ms']}")
 
 
 if __name__ == "__main__":
