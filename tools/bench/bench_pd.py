@@ -19,7 +19,11 @@ prompt length (2k and 8k tokens by default), fresh prompts per arm and repeat:
   <= 50 ms at 8k), and the consumer's TTFT vs the producer's own. The consumer
   still computes the prompt's tail after the load (a local hit computes it
   too), so `wait_overhead_ms` = added latency - local-hit TTFT is the part
-  that waiting itself costs.
+  that waiting itself costs (two different prefills subtracted: noisy).
+  The connector's debug traces time the stages exactly (`stages_ms`: the
+  daemon's wake-up after the last commit, acquire, copy, ...), and
+  `ready_after_producer` is the end of the consumer's copy minus the
+  producer's finish: the waiting path's latency without the tail prefill.
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`; medians over --repeats.
 
@@ -113,7 +117,10 @@ STAGES = ("wake", "acquire", "to_copy", "copy", "after_copy")
 def stages(pr: dict, cr: dict) -> dict[str, float]:
     """Where the waiting consumer's time after the producer's last commit went (seconds): the daemon's
     wait answering (wake), the acquire, waiting for the engine thread's next get_finished (to_copy),
-    the copy, and the rest: reporting the request and the tail prefill a local hit computes too."""
+    the copy, and the rest (after_copy): reporting the request and the tail prefill a local hit
+    computes too. The producer returns its own request `producer_after_commit` after that commit;
+    `ready_after_producer` = the copy's end - the producer's finish is what the waiting path adds
+    over the producer's finish before the consumer can compute (the goal's measure)."""
     commits = [t["at"] for t in pr["trace"] if "committed" in t]
     loads = [t for t in cr["trace"] if "copy_end" in t]
     if not commits or len(loads) != 1:
@@ -121,7 +128,8 @@ def stages(pr: dict, cr: dict) -> dict[str, float]:
     w = loads[0]
     return {"wake": w["answered"] - max(commits), "acquire": w["acquired"] - w["answered"],
             "to_copy": w["copy_start"] - w["acquired"], "copy": w["copy_end"] - w["copy_start"],
-            "after_copy": cr["t1"] - w["copy_end"], "producer_after_commit": pr["t1"] - max(commits)}
+            "after_copy": cr["t1"] - w["copy_end"], "producer_after_commit": pr["t1"] - max(commits),
+            "ready_after_producer": w["copy_end"] - pr["t1"]}
 
 
 def measure(producer: Engine, consumer: Engine, prompts, length: int, repeats: int, arms: str = "all") -> dict:
