@@ -631,7 +631,8 @@ def plot(arms: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    restarts = [a for a in arms if a["restart"]]
+    fig, axes = plt.subplots(1, 3 if restarts else 2, figsize=(15 if restarts else 10, 4.2))
     names = [a["arm"] for a in arms]
     ax = axes[0]
     ax.bar(names, [a["computed_tokens"] for a in arms], label="computed")
@@ -650,10 +651,12 @@ def plot(arms: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_title("TTFT (ms, client side)")
     ax.legend(fontsize=8)
+    if not restarts:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     ax = axes[2]
-    for a in arms:
-        if not a["restart"]:
-            continue
+    for a in restarts:
         rows = sorted((r for r in a["per_request"] if r["ok"] and r["cached_tokens"] is not None),
                       key=lambda r: r["sent_s"])
         xs2, ys = [], []
@@ -706,9 +709,9 @@ def main() -> None:
     ap.add_argument("--health-timeout-s", type=float, default=3.0,
                     help="the router's health-check timeout (a loaded engine answers /health slowly)")
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
-    ap.add_argument("--load-bound", type=float, default=0.0,
-                    help="the router's bounded-load affinity (kvstore proxy --load-bound; 0: pure rendezvous "
-                         "hashing, as in the documented run; the proxy's own default is 1.25)")
+    ap.add_argument("--load-bound", type=float, default=1.25,
+                    help="the router's bounded-load affinity (kvstore proxy --load-bound, same default; 0: pure "
+                         "rendezvous hashing, as in the first documented run)")
     ap.add_argument("--json", default="", help="write every number (per request too) to this file")
     ap.add_argument("--plot", default="", help="write a PNG here")
     ap.add_argument("--stats-only", action="store_true", help="print the workload's statistics and exit")
