@@ -15,7 +15,7 @@ daemon for the kvstore arms (every engine's connector on it, kv_both), and
   the router's health checks skip it while it is down. Hit ratio is reported in
   windows by arrival: before the kill, while it is down, after it is back.
 
-Workload (`build_workload`, seeded, no vLLM needed): the trace's sessions are
+Workload (`tools/bench/serving_workload.py`, seeded, no vLLM needed): the trace's sessions are
 keyed by their second hash_id (every request of the trace starts with hash_id
 0, a shared first block; the block after it opens a conversation and later
 turns of the conversation extend the same prefix). Sessions with at least
@@ -48,11 +48,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import os
-import random
 import re
 import signal
 import socket
@@ -64,167 +62,21 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
-TRACE_BLOCK = 512
+from tools.bench.serving_report import compare_outputs, hit_ratio, pct, report  # noqa: E402
+from tools.bench.serving_workload import (  # noqa: E402
+    TRACE, Request, affinity_split, build_workload, kv_bytes_per_token, load_trace, simulate, workload_stats)
+
 AFFINITY_HEADER = "x-session-affinity"
-TOKEN_LO, TOKEN_HI = 1000, 48000  # SmolLM2's vocabulary is 49152; stay clear of its special tokens
 MODEL_NAME = "smol"
 METRICS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
            "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
            "vllm:generation_tokens_total", "vllm:num_preemptions_total")
-
-
-# -- workload -----------------------------------------------------------------------------------
-@dataclass
-class Request:
-    idx: int
-    arrival_s: float
-    session: str
-    tenant: int
-    hash_ids: list[int]  # after the --max-blocks cap
-    prompt: list[int] = field(repr=False)
-
-
-def load_trace(path: Path | str = TRACE, limit: int | None = None) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if limit and len(rows) >= limit:
-                    break
-    return rows
-
-
-def session_of(row: dict) -> str:
-    ids = row["hash_ids"]
-    return f"s{ids[1]}" if len(ids) > 1 else f"s{ids[0]}-single"
-
-
-def block_tokens_for(key: str, block_tokens: int, seed: int) -> list[int]:
-    rng = random.Random(hashlib.sha256(f"{seed}|{key}".encode()).digest())
-    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(block_tokens)]
-
-
-def tenant_of(session: str, tenants: int, seed: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}|tenant|{session}".encode()).digest()[:4], "big") % tenants
-
-
-def build_workload(rows: list[dict], requests: int = 200, block_tokens: int = 64, max_blocks: int = 24,
-                   seed: int = 0, tenants: int = 4, system_blocks: int = 4, min_turns: int = 2,
-                   duration_s: float = 240.0) -> list[Request]:
-    turns: dict[str, int] = defaultdict(int)
-    for r in rows:
-        turns[session_of(r)] += 1
-    chosen: set[str] = set()
-    total = 0
-    for r in rows:  # sessions in order of first appearance, until their turns fill `requests`
-        s = session_of(r)
-        if s not in chosen and turns[s] >= min_turns and total < requests:
-            chosen.add(s)
-            total += turns[s]
-    picked = [r for r in rows if session_of(r) in chosen][:requests]
-    if not picked:
-        return []
-    t0, t1 = picked[0]["timestamp"], picked[-1]["timestamp"]
-    scale = duration_s / max(t1 - t0, 1)
-    cache: dict[str, list[int]] = {}
-
-    def block(key: str) -> list[int]:
-        if key not in cache:
-            cache[key] = block_tokens_for(key, block_tokens, seed)
-        return cache[key]
-
-    out = []
-    for i, r in enumerate(picked):
-        s = session_of(r)
-        tenant = tenant_of(s, tenants, seed)
-        ids = list(r["hash_ids"])
-        n_full = len(ids)
-        length = max(1, math.ceil(r["input_length"] * block_tokens / TRACE_BLOCK))
-        if n_full > max_blocks:
-            ids, length = ids[:max_blocks], max_blocks * block_tokens
-        prompt: list[int] = []
-        for j, h in enumerate(ids):
-            if j == 0 and h == 0:  # the trace's shared first block: this tenant's system prompt
-                for k in range(system_blocks):
-                    prompt += block(f"tenant{tenant}/sys{k}")
-                length += (system_blocks - 1) * block_tokens
-            else:
-                prompt += block(f"h{h}")
-        prompt = prompt[:max(length, 1)]
-        out.append(Request(i, (r["timestamp"] - t0) * scale, s, tenant, ids, prompt))
-    return out
-
-
-def workload_stats(reqs: list[Request], block_tokens: int) -> dict:
-    """Tokens total, and the tokens an infinite shared cache would still compute (first sight of a block)."""
-    seen: set[tuple] = set()
-    total = fresh = 0
-    for r in reqs:
-        total += len(r.prompt)
-        nblk = len(r.prompt) // block_tokens
-        for j in range(nblk):
-            key = tuple(r.prompt[: (j + 1) * block_tokens][-block_tokens:]) + (j,)
-            if key not in seen:
-                seen.add(key)
-                fresh += block_tokens
-        fresh += len(r.prompt) - nblk * block_tokens
-    return {"requests": len(reqs), "sessions": len({r.session for r in reqs}), "prompt_tokens": total,
-            "min_computed_tokens": fresh, "max_prompt": max(len(r.prompt) for r in reqs),
-            "mean_prompt": round(total / len(reqs), 1)}
-
-
-def simulate(reqs: list[Request], engines: int, block_tokens: int, local_tokens: int, affinity: bool,
-             store: bool, dead: tuple[int, int, int] | None = None) -> dict:
-    """Hit accounting without engines: each engine an LRU of `local_tokens` worth of full blocks, the store
-    unbounded; a request's blocks are looked up as vLLM does (longest local prefix, then the store's
-    continuation; the last token is never a hit), then all its full blocks are inserted. Sequential (no
-    concurrency, no blocks in flight). `dead` = (engine, first request idx, first idx back): that engine
-    takes nothing in between and comes back empty. The rendezvous hash is the router's (tools/pd_proxy.py)."""
-    from collections import OrderedDict
-
-    cap = max(local_tokens // block_tokens, 1)
-    caches = [OrderedDict() for _ in range(engines)]
-    shared: set = set()
-    rr = 0
-    tot = {"prompt": 0, "local": 0, "external": 0}
-    for r in reqs:
-        live = [e for e in range(engines) if not (dead and e == dead[0] and dead[1] <= r.idx < dead[2])]
-        if dead and r.idx == dead[2]:
-            caches[dead[0]].clear()
-        if affinity:
-            e = max(live, key=lambda u: hashlib.sha256(f"{r.session}|{u}".encode()).digest())
-        else:
-            e, rr = live[rr % len(live)], rr + 1
-        keys = [tuple(r.prompt[: (j + 1) * block_tokens]) for j in range((len(r.prompt) - 1) // block_tokens)]
-        keys = [hashlib.sha256(str(k).encode()).digest() for k in keys]
-        n_local = 0
-        while n_local < len(keys) and keys[n_local] in caches[e]:
-            n_local += 1
-        n_ext = n_local
-        if store:
-            while n_ext < len(keys) and keys[n_ext] in shared:
-                n_ext += 1
-        tot["prompt"] += len(r.prompt)
-        tot["local"] += n_local * block_tokens
-        tot["external"] += (n_ext - n_local) * block_tokens
-        for k in keys:
-            caches[e][k] = True
-            caches[e].move_to_end(k)
-            if store:
-                shared.add(k)
-        while len(caches[e]) > cap:
-            caches[e].popitem(last=False)
-    tot["computed"] = tot["prompt"] - tot["local"] - tot["external"]
-    return tot
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -445,32 +297,6 @@ ARMS = {
 }
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def affinity_split(reqs: list[Request], urls: list[str]) -> dict:
-    """Where the router's rendezvous hash (tools/pd_proxy.py Pool.pick) sends each session, all engines up."""
-    out = {u: {"sessions": set(), "requests": 0, "prompt_tokens": 0} for u in urls}
-    for r in reqs:
-        u = max(urls, key=lambda x: hashlib.sha256(f"{r.session}|{x}".encode()).digest())
-        out[u]["sessions"].add(r.session)
-        out[u]["requests"] += 1
-        out[u]["prompt_tokens"] += len(r.prompt)
-    return {u: dict(v, sessions=len(v["sessions"])) for u, v in out.items()}
-
-
-def hit_ratio(rows: list[dict]) -> float | None:
-    p = sum(r["prompt_tokens"] for r in rows if r.get("cached_tokens") is not None)
-    c = sum(r["cached_tokens"] for r in rows if r.get("cached_tokens") is not None)
-    return round(c / p, 4) if p else None
-
-
 def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
     from tests.vllm_helpers import connector_config, start_daemon
 
@@ -563,125 +389,6 @@ def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
     return out
 
 
-def compare_outputs(arms: list[dict]) -> dict:
-    ref = arms[0]
-    ref_ids = {r["idx"]: r for r in ref["per_request"] if r["ok"]}
-    out = {}
-    for a in arms[1:]:
-        mism, first_tok, compared = [], 0, 0
-        for r in a["per_request"]:
-            x = ref_ids.get(r["idx"])
-            if not r["ok"] or not x:
-                continue
-            compared += 1
-            ra, rb = r["token_ids"] or r["text"], x["token_ids"] or x["text"]
-            if ra != rb:
-                mism.append(r["idx"])
-                if (r["token_ids"] or [None])[0] != (x["token_ids"] or [None])[0]:
-                    first_tok += 1
-        out[a["arm"]] = {"vs": ref["arm"], "compared": compared, "mismatches": len(mism),
-                         "first_token_differs": first_tok, "mismatched_idx": mism[:50]}
-    return out
-
-
-def restart_vs_base(arms: list[dict]) -> dict:
-    """Arm e's windows against the same requests in the arm without the restart (e_b vs b, e_d vs d): the hit
-    ratio grows along a conversation anyway, so a window is only comparable with itself."""
-    by = {a["arm"]: a for a in arms}
-    out = {}
-    for e, base in (("e_b", "b"), ("e_d", "d")):
-        if e not in by or base not in by or "kill_s" not in by[e]["events"]:
-            continue
-        ev = by[e]["events"]
-        arrivals = {r["idx"]: r["sent_s"] for r in by[base]["per_request"] if r["ok"]}  # no restart: sent on time
-        res = {}
-        for name, lo, hi in (("before", 0, ev["kill_s"]), ("down", ev["kill_s"], ev.get("back_s", 1e9)),
-                             ("after", ev.get("back_s", 1e9), 1e9)):
-            idx = {i for i, t in arrivals.items() if lo <= t < hi}
-            rows_e = [r for r in by[e]["per_request"] if r["ok"] and r["idx"] in idx]
-            rows_b = [r for r in by[base]["per_request"] if r["ok"] and r["idx"] in idx]
-            both = {r["idx"] for r in rows_e} & {r["idx"] for r in rows_b}
-            res[name] = {"requests": len(both),
-                         "hit_ratio": hit_ratio([r for r in rows_e if r["idx"] in both]),
-                         f"hit_ratio_{base}": hit_ratio([r for r in rows_b if r["idx"] in both]),
-                         "ttft_p50_ms": round(pct([r["ttft_s"] for r in rows_e if r["idx"] in both], .5) * 1000),
-                         f"ttft_p50_ms_{base}": round(pct([r["ttft_s"] for r in rows_b if r["idx"] in both], .5)
-                                                      * 1000)}
-        out[e] = res
-    return out
-
-
-def table(arms: list[dict]) -> str:
-    lines = ["| arm | routing | kvstore | prompt tok | computed | local hits | external hits | reused | "
-             "TTFT p50 / p90 / p99 ms | req/s | failed (retried) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
-    for a in arms:
-        lines.append(f"| {a['arm']} | {'affinity' if a['affinity'] else 'round-robin'}"
-                     f"{' + restart' if a['restart'] else ''} | {'yes' if a['kvstore'] else 'no'} | "
-                     f"{a['prompt_tokens']} | {a['computed_tokens']} | {a['local_hit_tokens']} | "
-                     f"{a['external_hit_tokens']} | {a['reused_frac']:.1%} | {a['ttft_p50_ms']:.0f} / "
-                     f"{a['ttft_p90_ms']:.0f} / {a['ttft_p99_ms']:.0f} | {a['req_per_s']:.2f} | "
-                     f"{a['failed']} ({a['retried']}) |")
-    return "\n".join(lines)
-
-
-def plot(arms: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    restarts = [a for a in arms if a["restart"]]
-    fig, axes = plt.subplots(1, 3 if restarts else 2, figsize=(15 if restarts else 10, 4.2))
-    names = [a["arm"] for a in arms]
-    ax = axes[0]
-    ax.bar(names, [a["computed_tokens"] for a in arms], label="computed")
-    ax.bar(names, [a["local_hit_tokens"] for a in arms], bottom=[a["computed_tokens"] for a in arms],
-           label="local prefix-cache hits")
-    ax.bar(names, [a["external_hit_tokens"] for a in arms],
-           bottom=[a["computed_tokens"] + a["local_hit_tokens"] for a in arms], label="kvstore hits")
-    ax.set_title("prompt tokens by source")
-    ax.legend(fontsize=8)
-    ax = axes[1]
-    w = 0.27
-    xs = range(len(arms))
-    for k, (q, off) in enumerate((("p50", -w), ("p90", 0), ("p99", w))):
-        ax.bar([x + off for x in xs], [a[f"ttft_{q}_ms"] for a in arms], width=w, label=q)
-    ax.set_xticks(list(xs), names)
-    ax.set_yscale("log")
-    ax.set_title("TTFT (ms, client side)")
-    ax.legend(fontsize=8)
-    if not restarts:
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        return
-    ax = axes[2]
-    for a in restarts:
-        rows = sorted((r for r in a["per_request"] if r["ok"] and r["cached_tokens"] is not None),
-                      key=lambda r: r["sent_s"])
-        xs2, ys = [], []
-        for i in range(len(rows)):
-            win = rows[max(0, i - 19): i + 1]
-            xs2.append(rows[i]["sent_s"])
-            ys.append(sum(r["cached_tokens"] for r in win) / max(sum(r["prompt_tokens"] for r in win), 1))
-        ax.plot(xs2, ys, label=a["label"].split(",")[0] if not a["kvstore"] else "affinity + kvstore")
-        ev = a["events"]
-        if "kill_s" in ev:
-            ax.axvline(ev["kill_s"], color="red", ls="--", lw=0.8)
-            ax.axvline(ev.get("back_s", ev["kill_s"]), color="green", ls="--", lw=0.8)
-    ax.set_title("arm e: hit ratio (20-request window); kill / back")
-    ax.set_xlabel("s")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def kv_bytes_per_token(dtype: str) -> int:
-    """SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K and V)."""
-    return 30 * 3 * 64 * 2 * (4 if dtype == "float32" else 2)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default="a,b,c,d,e", help="a,b,c,d,e (e = e_b and e_d)")
@@ -756,19 +463,6 @@ def main() -> None:
                     json.dump({"args": vars(args), "workload": stats, "arms": arms,
                                "outputs": compare_outputs(arms) if len(arms) > 1 else {}}, f)
     report(arms, args.plot)
-
-
-def report(arms: list[dict], plot_path: str = "") -> None:
-    cmp = compare_outputs(arms) if len(arms) > 1 else {}
-    print(table(arms))
-    for a in arms:
-        if "windows" in a:
-            print(f"{a['arm']}: windows {json.dumps(a['windows'])}, events {json.dumps(a['events'])}")
-    print("restart windows vs the same requests without the restart:", json.dumps(restart_vs_base(arms)))
-    print("outputs vs arm", arms[0]["arm"], json.dumps({k: {x: v[x] for x in ("compared", "mismatches",
-                                                          "first_token_differs")} for k, v in cmp.items()}))
-    if plot_path:
-        plot(arms, plot_path)
 
 
 if __name__ == "__main__":
