@@ -9,13 +9,9 @@
   (kv_load_failure_policy="recompute").
 * Saves (`wait_for_save`, after the target and draft forwards): one `reserve`
   RPC for the step's SaveBatch, copies paged KV -> arena, one `commit` RPC
-  per `BATCH_BYTES` (64 MiB) of blocks, so that a consumer waiting for them
-  copies the first batches while this engine copies the rest (with a key-norm
-  attention estimate per block when available, and the blocks' token ids when
-  the scheduler side sent them, for KV events). A failed copy aborts the
-  step's reservations not yet committed; a save that cannot happen is a future miss.
-* Copies of a step that move >= 16 MiB are split over the engine thread and
-  `COPY_THREADS` - 1 helpers (`_split_copy`).
+  (with a key-norm attention estimate per block when available, and the
+  blocks' token ids when the scheduler side sent them, for KV events). A failed copy
+  aborts the step's reservations; a save that cannot happen is a future miss.
 
 * Waiting loads (a LoadJob with blocks in flight: a producer engine is still
   computing them): handed to a small thread pool, each thread with its own

@@ -117,16 +117,15 @@ STAGES = ("wake", "acquire", "to_copy", "copy", "after_copy")
 def stages(pr: dict, cr: dict) -> dict[str, float]:
     """Where the waiting consumer's time after the producer's last commit went (seconds): the daemon's
     wait answering (wake), the acquire, waiting for the engine thread's next get_finished (to_copy),
-    the copy (of the last chunk: the producer commits a big save in batches, and the consumer copies
-    each batch as it comes), and the rest (after_copy): reporting the request and the tail prefill a local hit
+    the copy, and the rest (after_copy): reporting the request and the tail prefill a local hit
     computes too. The producer returns its own request `producer_after_commit` after that commit;
     `ready_after_producer` = the copy's end - the producer's finish is what the waiting path adds
     over the producer's finish before the consumer can compute (the goal's measure)."""
     commits = [t["at"] for t in pr["trace"] if "committed" in t]
-    loads = [t for t in cr["trace"] if "copy_end" in t]  # one per chunk (64 MiB), the last one's times
-    if not commits or not loads:
+    loads = [t for t in cr["trace"] if "copy_end" in t]
+    if not commits or len(loads) != 1:
         return {}
-    w = max(loads, key=lambda t: t["copy_end"])
+    w = loads[0]
     return {"wake": w["answered"] - max(commits), "acquire": w["acquired"] - w["answered"],
             "to_copy": w["copy_start"] - w["acquired"], "copy": w["copy_end"] - w["copy_start"],
             "after_copy": cr["t1"] - w["copy_end"], "producer_after_commit": pr["t1"] - max(commits),
