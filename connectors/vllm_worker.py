@@ -17,11 +17,10 @@
   computing them): handed to a small thread pool, each thread with its own
   daemon connection (a `wait` holds its connection), so the engine's loop never
   waits. The thread waits for the blocks to commit (bounded by the job's
-  `wait_s`), chunk by chunk of `BATCH_BYTES` (a producer commits a big step in
-  batches of that size), and acquires what committed; the engine thread copies
-  each chunk at its next `get_finished` (a copy from the wait thread would pay a GIL
+  `wait_s`) and acquires what committed; the engine thread copies those blocks
+  at its next `get_finished` (a copy from the wait thread would pay a GIL
   hand-over per block and layer while the engine loop steps: seconds at 8k
-  tokens), then the wait thread releases it. The request is
+  tokens), then the wait thread releases them. The request is
   reported through `get_finished` and any block that did not arrive (timeout,
   abort, a producer that died) through `get_block_ids_with_load_errors` in the
   same step, so vLLM recomputes it. The request's blocks are vLLM's alone
@@ -58,10 +57,6 @@ WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
 # 4-6 GB/s here where the memory moves more. Copies release the GIL (numpy loops), so the threads overlap.
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 SPLIT_BYTES = 16 << 20
-# A step that saves more than this commits its blocks in batches of this size, and a waiting load takes
-# them in chunks of this size: a consumer (PD) copies the first batches while the producer still copies
-# the rest, so only the last batch's copy is left after the producer's finish.
-BATCH_BYTES = 64 << 20
 
 
 @dataclass(eq=False)
@@ -69,14 +64,10 @@ class _WaitedCopy:
     """A waited load whose blocks committed and are pinned by its wait thread; the engine thread copies them."""
 
     job: LoadJob
-    first: int  # the chunk's first block, an index into the job's blocks
-    extents: list  # of the chunk's blocks that committed
+    extents: list
     arena: torch.Tensor
-    final: bool  # the engine thread reports the request after this chunk
     answered: float  # monotonic time the daemon's wait answered
     acquired: float  # ... and the acquire
-    loaded: int = 0  # blocks of the chunk copied (set by the engine thread) ...
-    reported: bool = False  # ... and whether it reported the request (the last chunk, or a failed copy)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -174,80 +165,59 @@ class WorkerSide:
     def _wait_and_load(self, job: LoadJob) -> None:
         failed: set[int] | None = set(job.block_ids)
         t0 = time.monotonic()
-        with self._lock:  # counted before the request can be reported
-            self.wait_stats["jobs"] += 1
-            self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
         try:
             failed = self._wait_and_copy(job)
         except Exception as exc:  # never let a wait thread die silently: the request must finish
             log.warning("kvstore: waiting load of %s failed (%r); vLLM recomputes", job.req_id, exc)
         with self._lock:
             if failed is not None:  # None: the engine thread copied the blocks and reported the request
-                self._report_waited(job.req_id, failed)
+                self._waited_done[job.req_id] = failed
+            self.wait_stats["jobs"] += 1
+            self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
+            self.wait_stats["blocks_failed"] += len(failed if failed is not None else ())
             self.wait_stats["wait_s"] += time.monotonic() - t0
 
-    def _report_waited(self, req_id: str, failed: set[int]) -> None:
-        """(Under the lock.) The request goes out at the next get_finished, its failed blocks with it."""
-        self._waited_done[req_id] = failed
-        self.wait_stats["blocks_failed"] += len(failed)
-
     def _wait_and_copy(self, job: LoadJob) -> set[int] | None:
-        """Wait for the job's blocks chunk by chunk, acquire those that committed; the engine thread copies them.
+        """Wait for the job's blocks and acquire those that committed; the engine thread copies them.
 
         Returns the block ids that did not load when this thread reports the request itself, None
-        when the engine thread reported it (`_copy_waited`, from `get_finished`: after the last
-        chunk, or a failed copy). The copy is not done here: one copy call per block and layer from
-        a second thread, while the engine loop keeps stepping, pays a GIL hand-over (up to the 5 ms
-        switch interval) per call: seconds at 8k tokens.
+        when the engine thread copied and reported it (`_copy_waited`, from `get_finished`). The copy
+        is not done here: one copy call per block and layer from a second thread, while the engine
+        loop keeps stepping, pays a GIL hand-over (up to the 5 ms switch interval) per call: seconds
+        at 8k tokens.
         """
         assert self.kv is not None
         link = self._thread_link()
         ns = lambda: link.ns_ids[0]  # noqa: E731  (the id of the connection the call runs on)
-        per = max(1, BATCH_BYTES // self.kv.block_bytes)
-        deadline = time.monotonic() + job.wait_s
-        first, n = 0, len(job.hashes)
-        while first < n:
-            chunk = job.hashes[first : first + per]
-            left = max(0.0, deadline - time.monotonic())
-            res = link.run("wait", lambda c: c.wait_committed(ns(), chunk, left, appear=job.appear))
-            answered = time.monotonic()
-            ready = res.ready if res is not None else 0
-            if res is not None and res.reason != "done":
-                log.info("kvstore: %s: %d/%d blocks arrived (%s); vLLM recomputes the rest",
-                         job.req_id, first + ready, n, res.reason)
-            hashes = chunk[:ready]
-            extents = link.run("acquire", lambda c: c.acquire(ns(), hashes, prefix=True)) if hashes else []
-            arena = arena_tensor(link.arena) if link.arena is not None and extents else None
-            generation = link.generation
-            held = [h for h, e in zip(hashes, extents or []) if e is not None]
-            if not held or arena is None:
-                if held and link.generation == generation:
-                    link.run("release", lambda c: c.release(ns(), held))
-                break
-            final = first + len(held) >= n or len(held) < len(chunk)
-            item = _WaitedCopy(job, first, extents, arena, final, answered, time.monotonic())
-            try:
-                if not self._handed_to_engine(item):
-                    break
-            finally:
-                if link.generation == generation:
-                    link.run("release", lambda c: c.release(ns(), held))
-            if item.reported:
-                return None  # the engine thread reported the request
-            first += item.loaded
-        return set(job.block_ids[first:])
-
-    def _handed_to_engine(self, item: _WaitedCopy) -> bool:
-        """Queue a chunk for the engine thread and wait until it is copied (False: closing, not copied)."""
-        with self._lock:
-            self._to_copy.append(item)
-        while not item.done.wait(0.5):  # the engine thread copies at its next get_finished
-            if self._closing:
-                with self._lock:
-                    if item in self._to_copy:  # not taken: nobody copies it now
-                        self._to_copy.remove(item)
-                        return False
-        return True
+        res = link.run("wait", lambda c: c.wait_committed(ns(), job.hashes, job.wait_s, appear=job.appear))
+        answered = time.monotonic()
+        ready = res.ready if res is not None else 0
+        if res is not None and res.reason != "done":
+            log.info("kvstore: %s: %d/%d blocks arrived (%s); vLLM recomputes the rest",
+                     job.req_id, ready, len(job.hashes), res.reason)
+        hashes = job.hashes[:ready]
+        extents = link.run("acquire", lambda c: c.acquire(ns(), hashes, prefix=True)) if hashes else []
+        arena = arena_tensor(link.arena) if link.arena is not None and extents else None
+        generation = link.generation
+        held = [h for h, e in zip(hashes, extents or []) if e is not None]
+        if not held or arena is None:
+            if held and link.generation == generation:
+                link.run("release", lambda c: c.release(ns(), held))
+            return set(job.block_ids)
+        item = _WaitedCopy(job, extents, arena, answered, time.monotonic())
+        try:
+            with self._lock:
+                self._to_copy.append(item)
+            while not item.done.wait(0.5):  # the engine thread copies at its next get_finished
+                if self._closing:
+                    with self._lock:
+                        if item in self._to_copy:  # not taken: nobody copies it now
+                            self._to_copy.remove(item)
+                            return set(job.block_ids)
+            return None
+        finally:
+            if link.generation == generation:
+                link.run("release", lambda c: c.release(ns(), held))
 
     def _copy_waited(self) -> None:
         """Engine thread: copy the blocks of waited loads that committed, and report those requests."""
@@ -255,17 +225,14 @@ class WorkerSide:
             items, self._to_copy = self._to_copy, []
         for item in items:
             start = time.monotonic()
-            block_ids = item.job.block_ids[item.first :]
-            item.loaded, exc = self._copy_blocks(block_ids, item.extents, item.arena)
+            loaded, exc = self._copy_blocks(item.job, item.extents, item.arena)
             if exc is not None:
                 log.warning("kvstore: copy of a waited block of %s failed (%r)", item.job.req_id, exc)
-            trace = {"req": item.job.req_id, "first": item.first, "blocks": item.loaded, "answered": item.answered,
+            trace = {"req": item.job.req_id, "blocks": loaded, "answered": item.answered,
                      "acquired": item.acquired, "copy_start": start, "copy_end": time.monotonic()}
             log.debug("kvstore: waited load %s", trace, extra={"kvstore_trace": trace})
-            if item.final or item.loaded < len(item.extents):
-                item.reported = True
-                with self._lock:
-                    self._report_waited(item.job.req_id, set(block_ids[item.loaded :]))
+            with self._lock:
+                self._waited_done[item.job.req_id] = set(item.job.block_ids[loaded:])
             item.done.set()
 
     def _load(self, jobs: list[LoadJob]) -> None:
@@ -293,19 +260,18 @@ class WorkerSide:
                 log.debug("kvstore: step load %s", trace, extra={"kvstore_trace": trace})
 
     def _load_job(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> None:
-        loaded, exc = self._copy_blocks(job.block_ids, extents, arena)
+        loaded, exc = self._copy_blocks(job, extents, arena)
         if exc is not None:
             self._fail(job, loaded, f"copy failed: {exc!r}")
         elif loaded < len(extents):
             self._fail(job, loaded, "block no longer stored")
 
-    def _copy_blocks(self, block_ids: Sequence[int], extents: Sequence,
-                     arena: torch.Tensor) -> tuple[int, Exception | None]:
-        """Copy blocks from their arena extents, up to the first absent extent or failed copy: (blocks
+    def _copy_blocks(self, job: LoadJob, extents: Sequence, arena: torch.Tensor) -> tuple[int, Exception | None]:
+        """Copy the job's blocks from the arena, up to the first absent extent or failed copy: (blocks
         copied, the copy's exception or None). Never raises: the engine must not crash on a load."""
         assert self.kv is not None
         kv = self.kv
-        pairs = list(zip(block_ids, extents))
+        pairs = list(zip(job.block_ids, extents))
         present = next((i for i, (_, ext) in enumerate(pairs) if ext is None), len(pairs))
         return self._split_copy(lambda b, ext: kv.load_from_arena(arena, b, ext), pairs[:present])
 
@@ -363,30 +329,23 @@ class WorkerSide:
         reserved = [i for i, ext in enumerate(slots) if ext is not None]
         if not reserved:
             return
-        ns_id = self.link.ns_ids[0]
-        block_ids = [saves.block_ids[i] for i in reserved]
         hashes = [saves.hashes[i] for i in reserved]
-        attention = self._attention(block_ids)
-        tokens = [saves.tokens[i] for i in reserved] if any(saves.tokens) else None
+        ns_id = self.link.ns_ids[0]
         kv = self.kv
-        per = max(1, BATCH_BYTES // kv.block_bytes)  # committed batch by batch: a waiting consumer starts early
-        for lo in range(0, len(reserved), per):
-            hi = lo + per
-            _, exc = self._split_copy(lambda b, ext: kv.save_to_arena(arena, b, ext),
-                                      [(saves.block_ids[i], slots[i]) for i in reserved[lo:hi]])
-            if exc is not None:
-                log.warning("kvstore: save copy failed (%r); aborting %d reserved blocks", exc, len(hashes) - lo)
-                if self.link.generation == generation:
-                    self.link.run("abort", lambda c: c.abort(ns_id, hashes[lo:]))
-                return
-            if self.link.generation != generation:
-                return
-            batch_attention = attention[lo:hi] if attention is not None else None
-            batch_tokens = tokens[lo:hi] if tokens is not None else None
-            self.link.run("commit", lambda c: c.commit(ns_id, hashes[lo:hi], attention=batch_attention,
-                                                       tokens=_fitting(c, batch_tokens)))
+        _, exc = self._split_copy(lambda b, ext: kv.save_to_arena(arena, b, ext),
+                                  [(saves.block_ids[i], slots[i]) for i in reserved])
+        if exc is not None:
+            log.warning("kvstore: save copy failed (%r); aborting %d reserved blocks", exc, len(hashes))
+            if self.link.generation == generation:
+                self.link.run("abort", lambda c: c.abort(ns_id, hashes))
+            return
+        attention = self._attention([saves.block_ids[i] for i in reserved])
+        tokens = [saves.tokens[i] for i in reserved] if any(saves.tokens) else None
+        if self.link.generation == generation:
+            self.link.run("commit",
+                          lambda c: c.commit(ns_id, hashes, attention=attention, tokens=_fitting(c, tokens)))
             if log.isEnabledFor(logging.DEBUG):
-                trace = {"committed": len(hashes[lo:hi]), "at": time.monotonic()}
+                trace = {"committed": len(hashes), "at": time.monotonic()}
                 log.debug("kvstore: commit %s", trace, extra={"kvstore_trace": trace})
 
     def _attention(self, block_ids: list[int]) -> list[float] | None:

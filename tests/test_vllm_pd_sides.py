@@ -3,7 +3,6 @@ real daemon (fast: no engine). The engines themselves are in tests/test_vllm_pd.
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -14,7 +13,6 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors import vllm_worker  # noqa: E402
 from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from tests.test_vllm_connector_sides import (BT, LAYERS, NB, blocks, kv_tensors, namespace,  # noqa: E402
@@ -177,67 +175,3 @@ def test_a_request_whose_wait_failed_is_not_made_to_wait_again(daemon):
     assert failed == set(CONSUMER_IDS[:5])
     assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # rescheduled: recompute now
     c.close()
-
-
-def test_a_big_save_commits_in_batches_and_the_waiting_consumer_copies_each_while_the_rest_is_saved(
-        daemon, monkeypatch):
-    """Batches of 2 blocks: the consumer has copied the first batch before the producer saves its last one."""
-    monkeypatch.setattr(vllm_worker, "BATCH_BYTES", 2 * namespace().block_bytes)
-    p = Engine(daemon.socket_path, "kv_producer", 1)
-    c = Engine(daemon.socket_path, "kv_consumer", 2)
-    req_p, meta_p = producer_schedules(p)
-    assert consumer_admits(c)[:2] == (5 * BT, True)
-    chunks, first_copied, overlapped = [], threading.Event(), []
-    copy_blocks, save = c.worker._copy_blocks, p.worker.kv.save_to_arena
-
-    def consumer_copy(block_ids, extents, arena):
-        chunks.append(list(block_ids[: len(extents)]))
-        out = copy_blocks(block_ids, extents, arena)
-        first_copied.set()
-        return out
-
-    def producer_save(arena, block_id, extents):
-        if block_id == PRODUCER_IDS[4]:  # the last batch waits until the consumer copied the first
-            overlapped.append(first_copied.wait(10))
-        save(arena, block_id, extents)
-
-    monkeypatch.setattr(c.worker, "_copy_blocks", consumer_copy)
-    monkeypatch.setattr(p.worker.kv, "save_to_arena", producer_save)
-    p.worker.start_load_kv(meta_p)
-    saver = threading.Thread(target=p.worker.wait_for_save, args=(meta_p,))
-    saver.start()
-    elapsed, failed = finished(c.worker, "c", timeout_s=30)
-    saver.join(10)
-    assert overlapped == [True], "the consumer copied nothing before the producer's last batch"
-    assert failed == set() and chunks == [[9, 10], [11, 12], [13]]
-    for name in LAYERS:
-        assert torch.equal(c.kv[name][9:14], p.kv[name][3:8])
-    p.sched.request_finished(req_p)
-    p.close(), c.close()
-    assert daemon.check() == []
-
-
-def test_a_failed_batch_keeps_the_committed_ones_and_the_consumer_recomputes_from_it(daemon, monkeypatch):
-    monkeypatch.setattr(vllm_worker, "BATCH_BYTES", 2 * namespace().block_bytes)
-    p = Engine(daemon.socket_path, "kv_producer", 1)
-    c = Engine(daemon.socket_path, "kv_consumer", 2)
-    req_p, meta_p = producer_schedules(p)
-    assert consumer_admits(c)[:2] == (5 * BT, True)
-    save = p.worker.kv.save_to_arena
-
-    def producer_save(arena, block_id, extents):
-        if block_id == PRODUCER_IDS[2]:
-            raise RuntimeError("injected save failure")
-        save(arena, block_id, extents)
-
-    monkeypatch.setattr(p.worker.kv, "save_to_arena", producer_save)
-    p.worker.start_load_kv(meta_p)
-    p.worker.wait_for_save(meta_p)  # batch 1 committed, batches 2 and 3 aborted
-    p.sched.request_finished(req_p)  # ... and their announcements withdrawn
-    elapsed, failed = finished(c.worker, "c")
-    assert failed == set(CONSUMER_IDS[2:5]) and elapsed < 5
-    for name in LAYERS:
-        assert torch.equal(c.kv[name][9:11], p.kv[name][3:5])
-    assert p.sched.link.client().stats()["blocks"] == 2
-    p.close(), c.close()
-    assert daemon.check() == []
