@@ -12,6 +12,8 @@
   (with a key-norm attention estimate per block when available, and the
   blocks' token ids when the scheduler side sent them, for KV events). A failed copy
   aborts the step's reservations; a save that cannot happen is a future miss.
+* Copies of a step that move >= 16 MiB are split over the engine thread and
+  `COPY_THREADS` - 1 helpers (`_split_copy`).
 
 * Waiting loads (a LoadJob with blocks in flight: a producer engine is still
   computing them): handed to a small thread pool, each thread with its own
@@ -165,17 +167,22 @@ class WorkerSide:
     def _wait_and_load(self, job: LoadJob) -> None:
         failed: set[int] | None = set(job.block_ids)
         t0 = time.monotonic()
+        with self._lock:  # counted before the request can be reported
+            self.wait_stats["jobs"] += 1
+            self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
         try:
             failed = self._wait_and_copy(job)
         except Exception as exc:  # never let a wait thread die silently: the request must finish
             log.warning("kvstore: waiting load of %s failed (%r); vLLM recomputes", job.req_id, exc)
         with self._lock:
             if failed is not None:  # None: the engine thread copied the blocks and reported the request
-                self._waited_done[job.req_id] = failed
-            self.wait_stats["jobs"] += 1
-            self.wait_stats["blocks_waited"] += len(job.hashes) - max(job.num_ready, 0)
-            self.wait_stats["blocks_failed"] += len(failed if failed is not None else ())
+                self._report_waited(job.req_id, failed)
             self.wait_stats["wait_s"] += time.monotonic() - t0
+
+    def _report_waited(self, req_id: str, failed: set[int]) -> None:
+        """(Under the lock.) The request goes out at the next get_finished, its failed blocks with it."""
+        self._waited_done[req_id] = failed
+        self.wait_stats["blocks_failed"] += len(failed)
 
     def _wait_and_copy(self, job: LoadJob) -> set[int] | None:
         """Wait for the job's blocks and acquire those that committed; the engine thread copies them.
@@ -232,7 +239,7 @@ class WorkerSide:
                      "acquired": item.acquired, "copy_start": start, "copy_end": time.monotonic()}
             log.debug("kvstore: waited load %s", trace, extra={"kvstore_trace": trace})
             with self._lock:
-                self._waited_done[item.job.req_id] = set(item.job.block_ids[loaded:])
+                self._report_waited(item.job.req_id, set(item.job.block_ids[loaded:]))
             item.done.set()
 
     def _load(self, jobs: list[LoadJob]) -> None:
