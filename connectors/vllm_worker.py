@@ -235,9 +235,10 @@ class WorkerSide:
             loaded, exc = self._copy_blocks(item.job, item.extents, item.arena)
             if exc is not None:
                 log.warning("kvstore: copy of a waited block of %s failed (%r)", item.job.req_id, exc)
-            trace = {"req": item.job.req_id, "blocks": loaded, "answered": item.answered,
-                     "acquired": item.acquired, "copy_start": start, "copy_end": time.monotonic()}
-            log.debug("kvstore: waited load %s", trace, extra={"kvstore_trace": trace})
+            if log.isEnabledFor(logging.DEBUG):
+                trace = {"req": item.job.req_id, "blocks": loaded, "answered": item.answered,
+                         "acquired": item.acquired, "copy_start": start, "copy_end": time.monotonic()}
+                log.debug("kvstore: waited load %s", trace, extra={"kvstore_trace": trace})
             with self._lock:
                 self._report_waited(item.job.req_id, set(item.job.block_ids[loaded:]))
             item.done.set()

@@ -111,9 +111,6 @@ class Engine:
         self.log.close()
 
 
-STAGES = ("wake", "acquire", "to_copy", "copy", "after_copy")
-
-
 def stages(pr: dict, cr: dict) -> dict[str, float]:
     """Where the waiting consumer's time after the producer's last commit went (seconds): the daemon's
     wait answering (wake), the acquire, waiting for the engine thread's next get_finished (to_copy),
