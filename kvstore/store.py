@@ -40,6 +40,11 @@ The rules for every pair of tiers live here, not in the tiers (tiers/base.py):
   already back in the arena become their copies (kvstore/recovery.py).
 - One policy instance per tier.
 
+The class is in parts: moving blocks between tiers is kvstore/placement.py,
+reads that bring blocks up kvstore/promotion.py, taking blocks out (admin
+removal, clear, discarding lost bytes) kvstore/removal.py, and `check()` /
+`stats()` kvstore/store_check.py.
+
 Threads: every method runs on one thread (the daemon's event loop); only tier
 reads that wait on I/O run in the store's reader threads, and they touch no entry.
 `check()` verifies index vs tiers vs refcounts vs tree; tests call it after every scenario.
@@ -67,20 +72,21 @@ from kvstore.entry import (  # noqa: F401  (Entry, LookupResult, RANK, TIERS are
     is_leaf_in,
     link_child,
 )
-from kvstore.block_events import BlockEvents, held_tiers
+from kvstore.block_events import BlockEvents
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.inflight import InflightWaits
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import promote_for_read
 from kvstore.recovery import recover
+from kvstore.removal import Removal
 from kvstore.store_check import check_store, describe_blocks, store_stats
 from tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
 
 
-class TieredStore(Placement):
+class TieredStore(Removal, Placement):
     def __init__(
         self,
         tiers: Tier | Sequence[Tier],
@@ -452,93 +458,6 @@ class TieredStore(Placement):
     def _drop(self, entry: Entry) -> None:
         super()._drop(entry)
         self.waits.notify(entry.key)  # an aborted or lost reservation ends its waits
-
-    # -- removal -------------------------------------------------------------
-    def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
-        """Admin removal of the given blocks and their subtrees, where nothing in them is pinned."""
-        self.namespace(ns_id)
-        removed = 0
-        for h in hashes:
-            entry = self.entries.get((ns_id, h))
-            if entry is None or not entry.committed:
-                continue
-            subtree = self.subtree(entry.key)
-            if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
-                continue
-            for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
-                self._drop(self.entries[key])
-                removed += 1
-        return removed
-
-    def clear(self) -> int:
-        """Drop every committed, unpinned block whose subtree is unpinned and committed.
-
-        Reported to `events` as one `cleared` of every namespace, then `stored` for what survived."""
-        roots: dict[str, list[bytes]] = defaultdict(list)
-        for e in self.entries.values():
-            if e.parent is None:
-                roots[e.key[0]].append(e.key[1])
-        events, self.events = self.events, None
-        try:
-            removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
-        finally:
-            self.events = events
-        if events is not None:
-            events.cleared(list(self.namespaces))
-            self.report_all()
-        return removed
-
-    def report_all(self) -> None:
-        """Report every committed block as stored in each tier holding it (after a `cleared`: the
-        daemon's start, or a resync). Tier by tier, each chain walked from its root, so a parent comes
-        before its children and a chain's blocks come together (one BlockStored per chain)."""
-        if self.events is None:
-            return
-        roots = [e for e in self.entries.values() if e.parent is None]
-        for tier in self.chain:
-            for root in roots:
-                stack = [root]
-                while stack:
-                    e = stack.pop()
-                    if e.committed and tier.name in held_tiers(e):
-                        self.events.stored(e, tier.name)
-                    stack.extend(self.entries[k] for k in children_of(e))
-
-    def subtree(self, root: Key) -> list[Key]:
-        """`root` and everything below it, in O(size of the subtree)."""
-        entries = self.entries
-        out, stack = [], [root]
-        while stack:
-            key = stack.pop()
-            out.append(key)
-            stack.extend(children_of(entries[key]))
-        return out
-
-    def discard(self, entry: Entry) -> None:
-        """Remove a block and its subtree whatever their pins (corrupt or lost bytes)."""
-        for key in sorted(self.subtree(entry.key), key=lambda k: -self.entries[k].depth):
-            e = self.entries[key]
-            for owner, pins in self.pins_by_owner.items():
-                n = pins.pop(key, 0)
-                if n:
-                    self.ghost_pins[owner][key] += n
-            e.pins = 0
-            if not e.committed:
-                self.reserved_by_owner[e.owner].discard(key)
-            self._drop(e)
-            self.counters[f"{entry.tier}_blocks_discarded"] += 1
-
-    def _reap(self) -> None:
-        """Discard the blocks whose write to a tier failed after it took their bytes."""
-        for tier in self.chain:
-            for key in tier.failed_writes():
-                e = self.entries.get(key)
-                if e is not None and e.tier == tier.name and tier.lost(e.location):
-                    self.counters[f"{tier.name}_write_failures"] += 1
-                    self.discard(e)
-                elif e is not None and e.copies and tier.name in e.copies and tier.lost(e.copies[tier.name]):
-                    self.counters[f"{tier.name}_write_failures"] += 1
-                    self.drop_copy(e, tier.name)  # the block itself is safe in a faster tier
 
     # -- lifecycle ---------------------------------------------------------------
     def reader(self) -> ThreadPoolExecutor:

@@ -41,3 +41,25 @@ def test_a_policy_naming_a_pinned_victim_is_an_error():
 
     with pytest.raises(RuntimeError, match="not evictable"):
         simulate(load("gen:agentic", limit=200), lambda clock: Bad(clock=clock), 20)
+
+
+def test_variants_and_the_summary_against_the_best_baseline(capsys):
+    from tools.bench.policy_sim import summary, variant
+
+    label, factory = variant("h30:half_life_s=30,gate=false")
+    pol = factory(lambda: 0.0)
+    assert label == "h30" and pol.params.half_life_s == 30 and pol.params.gate is False
+    with pytest.raises(ValueError, match="not FIELD=VALUE"):
+        variant("x:no_such_field=1")
+    with pytest.raises(ValueError, match="positive"):
+        variant("x:half_life_s=0")  # AttentionParams' own check
+    # Two cells: the variant is above the best baseline in one, below in the other; the oracle takes the better.
+    lines = summary({("t", 1): {"lru": 0.5, "arc": 0.6, "a": 0.7, "b": 0.1},
+                     ("t", 2): {"lru": 0.5, "arc": 0.4, "a": 0.3, "b": 0.55}})
+    assert lines[0].split()[0] == "a" and "1/2 cells, mean -0.0500, worst -0.2000" in lines[0]
+    assert lines[1].split()[0] == "b" and "1/2 cells, mean -0.2250, worst -0.5000" in lines[1]
+    assert lines[2].split()[0] == "oracle" and "2/2 cells, mean +0.0750, worst +0.0500" in lines[2]
+    assert main(["gen:agentic", "--limit", "80", "--capacity-blocks", "40", "--policy", "lru",
+                 "--variant", "short:half_life_s=5", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "short" in out and "oracle" in out and "cells" in out

@@ -26,6 +26,15 @@ follow fails there.
     python tools/bench/policy_sim.py gen:agentic ../shared/traces/mooncake_synthetic_trace.jsonl \
         --policy lru arc attention --capacity-blocks 1000,4000,16000
     python tools/bench/policy_sim.py TRACE --factory mymodule:make   # make(clock) -> EvictionPolicy
+    python tools/bench/policy_sim.py TRACE --policy lru lfu arc s3fifo \
+        --variant h30:half_life_s=30 h240:half_life_s=240 --summary
+
+`--variant LABEL:FIELD=VALUE,...` is the attention policy with those
+`AttentionParams` fields changed. `--summary` ends with, per subject, the
+cells (trace x capacity) where it is at or above the best of the classical
+baselines that ran (LRU, LFU, ARC, S3-FIFO), its mean and worst difference to
+that best, and the same for `oracle`: the best subject per cell, i.e. what a
+perfect per-workload choice among the subjects would reach.
 """
 
 from __future__ import annotations
@@ -42,12 +51,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
 from eviction.base import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
 from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, read_trace  # noqa: E402
 from tools.gen_trace import requests_for  # noqa: E402
 
 PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
 PAGE = 4096
+BASELINES = ("lru", "lfu", "arc", "s3fifo")
 
 
 def simulate(requests: Sequence[Request], policy: str | PolicyFactory, capacity_blocks: int,
@@ -128,11 +139,45 @@ def load(spec: str, limit: int | None = None) -> list[Request]:
     return reqs[:limit] if limit is not None else reqs
 
 
+def variant(spec: str) -> tuple[str, PolicyFactory]:
+    """`LABEL:FIELD=VALUE,...` -> (label, factory of the attention policy with those params)."""
+    label, _, fields = spec.partition(":")
+    kwargs: dict[str, object] = {}
+    for item in filter(None, fields.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in AttentionParams.__dataclass_fields__:
+            raise ValueError(f"variant {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
+                             f"{', '.join(AttentionParams.__dataclass_fields__)}")
+        kwargs[name] = value == "true" if value in ("true", "false") else float(value)
+    params = AttentionParams(**kwargs)  # type: ignore[arg-type]
+    return label, lambda clock: AttentionPolicy(clock, params)
+
+
+def summary(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+    """Per subject: cells at or above the best baseline, mean and worst difference; and the oracle."""
+    cells = {cell: row for cell, row in results.items() if any(b in row for b in BASELINES)}
+    subjects = sorted({label for row in cells.values() for label in row if label not in BASELINES})
+    lines = []
+    for label in [*subjects, "oracle"]:
+        diffs = []
+        for row in cells.values():
+            best = max(row[b] for b in BASELINES if b in row)
+            mine = max(row[s] for s in subjects) if label == "oracle" else row.get(label)
+            if mine is not None:
+                diffs.append(mine - best)
+        if diffs:
+            lines.append(f"{label:20s} at or above the best baseline in {sum(d >= 0 for d in diffs)}/{len(diffs)}"
+                         f" cells, mean {sum(diffs) / len(diffs):+.4f}, worst {min(diffs):+.4f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="Mooncake JSONL trace files or gen:SHAPE[:SEED]")
     p.add_argument("--policy", nargs="*", default=[], help="registered policy names")
     p.add_argument("--factory", nargs="*", default=[], help="module:function, function(clock) -> EvictionPolicy")
+    p.add_argument("--variant", nargs="*", default=[], help="LABEL:FIELD=VALUE,... attention policy variants")
+    p.add_argument("--summary", action="store_true", help="end with cells/mean/worst against the best baseline")
     p.add_argument("--capacity-blocks", default="1000,4000,16000")
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
     p.add_argument("--limit", type=int)
@@ -143,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.factory:
         module, _, fn = spec.partition(":")
         subjects.append((spec, getattr(importlib.import_module(module), fn)))
+    try:
+        subjects += [variant(spec) for spec in args.variant]
+    except ValueError as exc:
+        p.error(str(exc))
     if not subjects:
-        p.error("give --policy and/or --factory")
+        p.error("give --policy, --factory and/or --variant")
+    results: dict[tuple[str, int], dict[str, float]] = {}
     for trace in args.traces:
         reqs = load(trace, args.limit)
         for label, subject in subjects:
@@ -156,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps(res), flush=True)
                 row.append(res["hit_ratio"])
+                results.setdefault((trace, cap), {})[label] = res["hit_ratio"]
             if not args.json:
                 print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
+    if args.summary:
+        print("\n".join(summary(results)))
     return 0
 
 
