@@ -63,6 +63,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from eviction.halflife import HALF_LIVES_S, HalfLifeExperts
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -90,10 +91,15 @@ class AttentionParams:
     depth_weight: float = DEPTH_WEIGHT
     attention_weight: float = ATTENTION_WEIGHT
     gate: bool = True  # False: always the full ATTENTION_WEIGHT (for experiments)
+    adapt: bool = True  # False: a fixed half_life_s (the policy before eviction/halflife.py)
+    half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt; half_life_s is where it starts
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or self.attn_context_tokens <= 0:
             raise ValueError("half_life_s and attn_context_tokens must be positive")
+        if self.adapt and self.half_life_s not in self.half_lives:
+            raise ValueError(f"half_life_s {self.half_life_s} is not one of the experts {self.half_lives}: "
+                             "pick one, or set adapt=False for a fixed half-life")
         if not 0 <= self.attention_weight < 1:
             raise ValueError("attention_weight must be in [0, 1): the attention term must stay positive")
         if min(self.insert_credit, self.hit_credit, self.ghost_credit) <= 0 or self.ghost_factor < 0:
@@ -140,6 +146,20 @@ class AttentionPolicy(EvictionPolicy):
         # key -> (log F, A or None, whether the gate still waits for its first re-reference)
         self._ghost = GhostTable(params.ghost_factor)
         self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
+        self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
+                                        hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
+                                        ghost_factor=params.ghost_factor) if params.adapt else None)
+
+    @property
+    def half_life_s(self) -> float:
+        """The half-life reuse counts decay with now (the leading expert's, when adapting)."""
+        return self.experts.half_life_s if self.experts is not None else self.params.half_life_s
+
+    def _now_h(self) -> float:
+        """The decay clock: time in half-lives, continuous across changes of the half-life."""
+        if self.experts is not None:
+            return self.experts.advance(self.clock())
+        return self.clock() / self.params.half_life_s
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
@@ -194,13 +214,15 @@ class AttentionPolicy(EvictionPolicy):
     def on_insert(self, info: BlockInfo) -> None:
         p = self.params
         key = info.key
-        now_h = self.clock() / p.half_life_s
+        now_h = self._now_h()
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
             self._freq[key], old_a, waiting = ghost
             if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                 self.gate.hit[old_a >= 0.5] += 1
         self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
+        if self.experts is not None:
+            self.experts.inserted(key, ghost is not None)
         depth_tokens = info.depth * info.block_tokens
         cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
@@ -212,7 +234,9 @@ class AttentionPolicy(EvictionPolicy):
 
     def on_access(self, keys: Sequence[Key]) -> None:
         p = self.params
-        now_h = self.clock() / p.half_life_s
+        now_h = self._now_h()
+        if self.experts is not None:
+            self.experts.accessed(keys)
         top = -math.inf
         leaves = self._leaves
         for key in reversed(keys):  # tail first, carrying the max up the chain
@@ -267,13 +291,15 @@ class AttentionPolicy(EvictionPolicy):
         waiting = key in self._unhit and a is not None
         self._unhit.discard(key)
         self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(self._leaves))
+        if self.experts is not None:
+            self.experts.removed(key)
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
-        now_h = self.clock() / self.params.half_life_s
+        now_h = self._now_h()
         return [f"log2 V {self.value(k) - now_h:+.2f}" if k in self._leaves else None for k in keys]
 
     def __contains__(self, key: Key) -> bool:

@@ -46,9 +46,11 @@ def test_a_policy_naming_a_pinned_victim_is_an_error():
 def test_variants_and_the_summary_against_the_best_baseline(capsys):
     from tools.bench.policy_sim import summary, variant
 
-    label, factory = variant("h30:half_life_s=30,gate=false")
+    label, factory = variant("h30:half_life_s=30,gate=false,adapt=false")
     pol = factory(lambda: 0.0)
-    assert label == "h30" and pol.params.half_life_s == 30 and pol.params.gate is False
+    assert label == "h30" and pol.params.half_life_s == 30 and pol.params.gate is False and pol.experts is None
+    with pytest.raises(ValueError, match="not one of the experts"):
+        variant("x:half_life_s=45")  # adapting: the start must be an expert
     with pytest.raises(ValueError, match="not FIELD=VALUE"):
         variant("x:no_such_field=1")
     with pytest.raises(ValueError, match="positive"):
@@ -60,6 +62,6 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
     assert lines[1].split()[0] == "b" and "1/2 cells, mean -0.2250, worst -0.5000" in lines[1]
     assert lines[2].split()[0] == "oracle" and "2/2 cells, mean +0.0750, worst +0.0500" in lines[2]
     assert main(["gen:agentic", "--limit", "80", "--capacity-blocks", "40", "--policy", "lru",
-                 "--variant", "short:half_life_s=5", "--summary"]) == 0
+                 "--variant", "short:half_life_s=5,adapt=false", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "short" in out and "oracle" in out and "cells" in out

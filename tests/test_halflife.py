@@ -1,0 +1,85 @@
+"""eviction/halflife.py: the attention policy's half-life follows the expert that would have hit most."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from eviction.attention import AttentionParams, AttentionPolicy
+from eviction.base import BlockInfo
+from eviction.halflife import HALF_LIVES_S, HalfLifeExperts, sampled
+from tools.bench.policy_sim import load, simulate
+
+KEYS = [b"\x00" * 8, b"block-hash-0123", ("ns", b"\x17" * 32), "a", 12345, ("ns", "k7")]
+
+
+def test_the_sample_is_about_one_key_in_eight_and_the_same_in_every_process():
+    rng = random.Random(1)
+    keys = [rng.randbytes(32) for _ in range(20000)]
+    share = sum(map(sampled, keys)) / len(keys)
+    assert 0.115 < share < 0.135  # 1/8 = 0.125; binomial sd 0.0023
+    assert sum(sampled(("ns", k)) for k in keys[:2000]) == sum(map(sampled, keys[:2000]))  # store keys: the hash
+    assert len({i % 8 for i in range(8000) if sampled(i)}) == 8  # sequential trace ids are mixed, not taken modulo 8
+    here = [sampled(k) for k in KEYS]
+    code = ("import sys; sys.path.insert(0, '.'); from eviction.halflife import sampled; "
+            f"print([sampled(k) for k in {KEYS!r}])")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        assert out.strip() == str(here)
+
+
+def test_a_switch_keeps_the_clock_continuous_and_changes_its_rate():
+    ex = HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
+    assert ex.half_life_s == 240.0
+    ex.advance(0.0)
+    assert ex.advance(480.0) == pytest.approx(2.0)  # two half-lives of 240 s
+    ex.lead = HALF_LIVES_S.index(30.0)  # what a decision does
+    assert ex.advance(480.0) == pytest.approx(2.0)  # no jump at the switch
+    assert ex.advance(540.0) == pytest.approx(4.0)  # then 60 s = two half-lives of 30 s
+    assert ex.advance(500.0) == pytest.approx(4.0)  # a clock that steps back does not move it
+
+
+def test_bad_experts_are_refused():
+    kw = dict(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        HalfLifeExperts((30.0, float("inf")), 30.0, **kw)
+    with pytest.raises(ValueError, match="must be one of"):
+        HalfLifeExperts((30.0, 240.0), 100.0, **kw)
+    with pytest.raises(ValueError, match="not one of the experts"):
+        AttentionParams(half_life_s=100.0)
+    assert AttentionParams(half_life_s=100.0, adapt=False).half_life_s == 100.0  # fixed: any positive value
+
+
+@pytest.mark.parametrize("shape, leader", [("gen:agentic", 30.0), ("gen:scan", 2000.0)])
+def test_the_policy_moves_to_the_half_life_the_workload_wants_and_hits_more(shape, leader):
+    """Agent loops reuse a context seconds after writing it (a short memory wins); documents queried at
+    random reward a long one. The fixed 240 s policy (adapt=False) is the negative control."""
+    reqs = load(shape)
+    made: list[AttentionPolicy] = []
+    adaptive = simulate(reqs, lambda clock: made.append(AttentionPolicy(clock)) or made[-1], 4000)
+    fixed = simulate(reqs, lambda clock: AttentionPolicy(clock, AttentionParams(adapt=False)), 4000)
+    experts = made[0].experts
+    assert experts is not None and made[0].half_life_s == leader
+    assert experts.switches <= 5  # it settles instead of flapping
+    assert adaptive["hit_ratio"] > fixed["hit_ratio"] + 0.015, (adaptive["hit_ratio"], fixed["hit_ratio"])
+
+
+def test_only_sampled_keys_cost_expert_state_and_evicted_ones_are_remembered_within_bounds():
+    t = [0.0]
+    p = AttentionPolicy(lambda: t[0])
+    ex = p.experts
+    keys = [random.Random(2).randbytes(16) + bytes([i % 256, i // 256]) for i in range(4000)]
+    for i, k in enumerate(keys):
+        t[0] = i * 0.1
+        p.on_insert(BlockInfo(k, None, 0, 100, 16))
+        if i >= 500:
+            p.on_remove(keys[i - 500])  # 500 resident
+    assert set(ex._fx) == {k for k in keys[-500:] if sampled(k)}
+    assert len(ex._gx) <= 4 * len(ex._fx) and set(ex._gx).isdisjoint(ex._fx)
+    assert len(ex._keys) == len(ex._pos) == len(ex._fx) + len(ex._gx)
+    assert all(ex._keys[i] == k for k, i in ex._pos.items())
