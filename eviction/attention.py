@@ -7,8 +7,16 @@ Value of block b at time t (higher = keep):
 - F_b, reuse: an LRFU-style decayed hit count. Each hit of a chain credits
   every matched block `HIT_CREDIT` = 1; a commit credits a new block
   `INSERT_CREDIT` = 0.5 (most blocks are referenced once, so a first touch is
-  worth less than a hit); between events F decays as 2^(-dt / HALF_LIFE_S),
-  HALF_LIFE_S = 240 s.
+  worth less than a hit); between events F decays as 2^(-dt / h).
+- h, the half-life, is chosen online (eviction/halflife.py): experts with
+  h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) keep their own F for 1 key in
+  8, and the one whose F would have kept the blocks that were referenced
+  (counterfactual hits) sets h. Agent loops end at 30 s (recency), documents
+  queried at random at 2000 s (frequency), chat at 240 s, where the policy
+  starts (`HALF_LIFE_S`, the value it was tuned to on the conversation trace
+  when h was fixed). No half-life fits every workload: each fixed one lost to
+  a textbook policy somewhere (docs/benchmarks.md, "Every trace").
+  `AttentionParams(adapt=False)` is the fixed-h policy (for experiments).
 - History: a block dropped from the tier leaves its F in a ghost table of at
   most `GHOST_FACTOR` = 4 x (resident blocks) entries, oldest dropped first. A
   block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
@@ -50,7 +58,8 @@ exposes its parent as a new leaf (`LeafQueues.pick`).
 
 All blocks decay at the same rate, so the order of two blocks changes only
 when one of them is touched: the heap holds time-free log keys,
-log2 V + t / HALF_LIFE_S, and never needs re-sorting. Events are O(log n)
+log2 V + tau, tau = the time in half-lives (with a fixed h, t / h; when h
+changes, tau only changes its rate, so no key moves), and never needs re-sorting. Events are O(log n)
 plus the length of the chain they touch.
 """
 

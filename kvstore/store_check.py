@@ -41,6 +41,9 @@ def store_stats(store: "TieredStore") -> dict:
         else:
             row.update(tier.stats())
             row["promotions_out"] = st.promotions_out
+            half_life = getattr(store.policies.get(name), "half_life_s", None)
+            if half_life is not None:  # the attention policy's current choice (eviction/halflife.py)
+                row["policy_half_life_s"] = half_life
             row["checksum_failures"] = store.counters.get(f"{name}_checksum_failures", 0)
             if tier.persistent:
                 row["durable_blocks"] = sum(1 for e in blocks if tier.durable(e.location))

@@ -136,7 +136,10 @@ def test_stats_cli(daemon):
     out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--json", "--socket", daemon.socket_path],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["tiers"]["host"]["capacity_bytes"] == 64 << 20
+    stats = json.loads(out.stdout)
+    assert stats["tiers"]["host"]["capacity_bytes"] == 64 << 20
+    assert stats["policy"] == "attention"  # the default; the half-life it runs with now (eviction/halflife.py):
+    assert stats["tiers"]["host"]["policy_half_life_s"] in (30.0, 240.0, 2000.0)
     human = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", daemon.socket_path],
                            cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert "host" in human.stdout and "capacity 64.0 MiB" in human.stdout
