@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from typing import Hashable, Sequence
 
 Key = Hashable
@@ -107,7 +108,7 @@ class HalfLifeExperts:
         self.tau = 0.0  # the policy's clock, at the leader's rate
         self._t: float | None = None
         self._fx: dict[Key, list[float]] = {}  # resident sampled key -> time-free log2 F_i per expert
-        self._gx: dict[Key, list[float]] = {}  # remembered (evicted) sampled keys, oldest first
+        self._gx: OrderedDict[Key, list[float]] = OrderedDict()  # remembered (evicted) sampled keys, oldest first
         self._keys: list[Key] = []  # resident + remembered sampled keys, for uniform sampling
         self._pos: dict[Key, int] = {}
         self.threshold: list[float] | None = None  # q_i, log2 F_i now
@@ -165,9 +166,7 @@ class HalfLifeExperts:
         gx[key] = fx
         limit = self.ghost_factor * max(len(self._fx), 1)
         while len(gx) > limit:
-            old = next(iter(gx))
-            del gx[old]
-            self._forget(old)
+            self._forget(gx.popitem(last=False)[0])
 
     # -- internals -----------------------------------------------------------------
     def _credit(self, fx: list[float] | None, which: int) -> list[float]:
