@@ -9,16 +9,17 @@ Value of block b at time t (higher = keep):
   `INSERT_CREDIT` = 0.5 (most blocks are referenced once, so a first touch is
   worth less than a hit); between events F decays as 2^(-dt / h).
 - h, the half-life, is chosen online (eviction/halflife.py): experts with
-  h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) keep their own F for 1 key in
-  8, and the one whose F would have kept the blocks that were referenced
-  (counterfactual hits) sets h. Agent loops end at 30 s (recency), documents
-  queried at random at 2000 s (frequency), chat at 240 s, where the policy
-  starts (`HALF_LIFE_S`, the value it was tuned to on the conversation trace
-  when h was fixed). No half-life fits every workload: each fixed one lost to
-  a textbook policy somewhere (docs/benchmarks.md, "Every trace").
+  h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) each replay 1 key in 8 in a
+  miniature cache, and the one that would have hit most sets h. Agent loops
+  end at 30 s (recency), documents queried at random at 2000 s (frequency),
+  chat mostly at 240 s (the value the policy was tuned to on the conversation
+  trace when h was fixed, `HALF_LIFE_S`). It starts at the longest. No
+  half-life fits every workload: each fixed one lost to a textbook policy
+  somewhere (docs/benchmarks.md, "Every trace").
   `AttentionParams(adapt=False)` is the fixed-h policy (for experiments).
 - History: a block dropped from the tier leaves its F in a ghost table of at
-  most `GHOST_FACTOR` = 4 x (resident blocks) entries, oldest dropped first. A
+  most `GHOST_FACTOR` = 16 x (resident blocks) entries, oldest dropped first
+  (about 250 bytes each in CPython, ~4 KB per resident block). A
   block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
   (coming back after eviction is a hit the cache missed: ARC/LRFU history).
 - C_b, the recompute cost the block saves, tokens * (1 + depth_tokens /
@@ -29,7 +30,12 @@ Value of block b at time t (higher = keep):
   (~2*params): ~30k for a Llama-8B shape. DEPTH_WEIGHT = 0.25 damps the depth
   factor: at full weight it lost hit ratio *and* compute saved on the Mooncake
   conversation trace, where long chains are reused less often (see
-  docs/benchmarks.md, "Eviction replay").
+  docs/benchmarks.md, "Eviction replay"). While a half-life above
+  `DEPTH_OFF_ABOVE_S` = 1000 s leads (the 2000 s expert), the depth term is
+  off (weight 0): in the log domain a depth factor d is worth d x h seconds of
+  recency, 8x more at 2000 s than at 240 s where the weight was tuned, and
+  there it cost hit ratio (scan 16k: -.0093 with it vs +.0000 without, against
+  LFU). The weight in force when a block is committed is its weight for good.
 - S_b, its size in bytes.
 - W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
   clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
@@ -79,9 +85,10 @@ HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5
 HIT_CREDIT = 1.0
 GHOST_CREDIT = 1.0
-GHOST_FACTOR = 4.0
+GHOST_FACTOR = 16.0
 ATTN_CONTEXT_TOKENS = 32768
 DEPTH_WEIGHT = 0.25
+DEPTH_OFF_ABOVE_S = 1000.0
 ATTENTION_WEIGHT = 0.5
 GATE_MIN_BLOCKS = 1000
 GATE_HALVING = 65536
@@ -91,7 +98,7 @@ GATE_HALVING = 65536
 class AttentionParams:
     """The constants above as one value, so replays can compare variants."""
 
-    half_life_s: float = HALF_LIFE_S
+    half_life_s: float | None = None  # fixed: the half-life (None: HALF_LIFE_S); adapting: the start (None: longest)
     insert_credit: float = INSERT_CREDIT
     hit_credit: float = HIT_CREDIT
     ghost_credit: float = GHOST_CREDIT
@@ -101,12 +108,13 @@ class AttentionParams:
     attention_weight: float = ATTENTION_WEIGHT
     gate: bool = True  # False: always the full ATTENTION_WEIGHT (for experiments)
     adapt: bool = True  # False: a fixed half_life_s (the policy before eviction/halflife.py)
-    half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt; half_life_s is where it starts
+    half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt
+    depth_off_above_s: float = DEPTH_OFF_ABOVE_S  # adapting: no depth term while a longer half-life leads
 
     def __post_init__(self) -> None:
-        if self.half_life_s <= 0 or self.attn_context_tokens <= 0:
+        if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
             raise ValueError("half_life_s and attn_context_tokens must be positive")
-        if self.adapt and self.half_life_s not in self.half_lives:
+        if self.adapt and self.half_life_s is not None and self.half_life_s not in self.half_lives:
             raise ValueError(f"half_life_s {self.half_life_s} is not one of the experts {self.half_lives}: "
                              "pick one, or set adapt=False for a fixed half-life")
         if not 0 <= self.attention_weight < 1:
@@ -155,6 +163,7 @@ class AttentionPolicy(EvictionPolicy):
         # key -> (log F, A or None, whether the gate still waits for its first re-reference)
         self._ghost = GhostTable(params.ghost_factor)
         self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
+        self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
                                         ghost_factor=params.ghost_factor) if params.adapt else None)
@@ -162,13 +171,20 @@ class AttentionPolicy(EvictionPolicy):
     @property
     def half_life_s(self) -> float:
         """The half-life reuse counts decay with now (the leading expert's, when adapting)."""
-        return self.experts.half_life_s if self.experts is not None else self.params.half_life_s
+        return self.experts.half_life_s if self.experts is not None else self._fixed_h
+
+    @property
+    def depth_weight(self) -> float:
+        """The depth weight given to blocks committed now (0 while a long half-life leads)."""
+        if self.experts is not None and self.experts.half_life_s > self.params.depth_off_above_s:
+            return 0.0
+        return self.params.depth_weight
 
     def _now_h(self) -> float:
         """The decay clock: time in half-lives, continuous across changes of the half-life."""
         if self.experts is not None:
             return self.experts.advance(self.clock())
-        return self.clock() / self.params.half_life_s
+        return self.clock() / self._fixed_h
 
     # -- the value --------------------------------------------------------
     def _credit(self, key: Key, credit: float, now_h: float) -> None:
@@ -231,9 +247,9 @@ class AttentionPolicy(EvictionPolicy):
                 self.gate.hit[old_a >= 0.5] += 1
         self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
         if self.experts is not None:
-            self.experts.inserted(key, ghost is not None)
+            self.experts.inserted(key)
         depth_tokens = info.depth * info.block_tokens
-        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** p.depth_weight
+        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** self.depth_weight
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
         if info.attention is not None:
             self._set_attention(key, info.attention)

@@ -1,4 +1,4 @@
-"""The attention policy's half-life, chosen online among experts by counterfactual hit counts.
+"""The attention policy's half-life, chosen online among experts by miniature simulations.
 
 No single half-life fits every workload (docs/benchmarks.md, "Every trace"):
 agent loops want reuse forgotten within ~30 s (LRU-like), documents queried
@@ -9,66 +9,63 @@ half-life the policy decays its reuse counts with.
 
 - Experts see a sample of the keys: a key is sampled iff a fixed hash of it
   falls in 1 / 2^`SAMPLE_BITS` (the same in every process, no PYTHONHASHSEED).
-  For every sampled key, resident or remembered (its ghost), each expert keeps
-  its own decayed reuse count F_i, credited exactly as the policy credits F
-  (insert, hit, return from the ghost table) but decayed with its own
-  half-life. Keys sampled by hash keep their reuse pattern, so the sample is a
-  small copy of the workload (SHARDS, Waldspurger et al., FAST'15).
-- Counterfactual hits: expert i, holding as many blocks as the policy, would
-  hold the blocks with the highest F_i among the blocks it could hold, i.e.
-  the sampled resident and remembered ones (N keys, of which C resident). So
-  its threshold q_i is the F_i at rank C of N, estimated from `QUANTILE_KEYS`
-  random sampled keys, and a reference to a sampled key (a hit, or a block
-  re-admitted from the ghost table) scores one for every expert whose F_i of
-  that key, just before the reference, was >= q_i. Blocks never seen before
-  score for nobody. This judges every expert on every reference at the cost
-  of a few float operations, without simulating any cache.
-- Decision: every max(16, C / 8) sampled references the thresholds are
-  re-estimated and the expert with the highest score leads (ties keep the
-  current one). Scores decay by half per C sampled references (one turnover
-  of the sampled cache), so a workload that changes is followed within a few
-  turnovers.
+  Keys sampled by hash keep their reuse pattern, so the sampled references are
+  a small copy of the workload (SHARDS, Waldspurger et al., FAST'15).
+- Each expert is a miniature cache (`MiniCache`) replaying the sampled
+  references: the policy's reuse count F (credited exactly as the policy
+  credits it: insert, hit, return from its own ghost table) decayed with the
+  expert's half-life, the lowest F evicted, as many blocks held as the policy
+  holds sampled blocks now (so it follows the tier's size), and a ghost table
+  of `ghost_factor` x that many evicted keys. A reference is a hit in the
+  miniature or not; that is the expert's score. Unlike a threshold on the
+  expert's counts (what this module did first), a miniature pays for keeping
+  stale blocks, so a long memory is judged fairly (it lost conversation 16k by
+  .013 as a threshold expert; docs).
+- Decision: every max(16, C / 8) sampled references (C = sampled blocks held)
+  the expert with the highest score leads (ties keep the current one). Scores
+  decay by half per C sampled references (one turnover of the sampled cache),
+  so a workload that changes is followed within a few turnovers.
+- The policy starts with the longest half-life. Until the first decision
+  little is evicted, and a long memory loses nothing: counts decayed at 30 s
+  can never be recovered if the workload turns out to want 2000 s, while
+  counts kept at 2000 s decay away within minutes once 30 s leads.
 - Switching costs nothing: the policy's time-free keys are log2 V + tau with a
   clock tau that advances at rate 1 / (half-life of the leader); a switch only
   changes the rate from then on (values are continuous, no re-keying).
 
 Constants, and why none needs re-tuning per workload:
 
-- `HALF_LIVES_S` = 30 s, 240 s, 2000 s: one short, one the value tuned on the
-  conversation trace before this module existed, one long, 8x apart. A fixed
-  half-life in seconds or in cache turnovers lost somewhere (docs); choosing
-  among three was at or above the best classical baseline in 11 of 21 cells
-  (any fixed one: at most 8). Experts in cache turnovers (0.5, 4, 32) did
-  worse (10 cells, worst -.033), a finer grid of five (15 ... 4000 s) no
-  better (10 cells). A workload whose reuse lives far outside 30-2000 s gets
-  the nearest expert, which is what the fixed policy gave it at best. A half-life of infinity (pure LFU) is not an expert: the
-  ghost table forgets blocks it would hold forever, so its counterfactual
-  counts were optimistic (it led on the conversation trace at 16k blocks,
-  where it loses .07).
-- `SAMPLE_BITS` = 3 (1 key in 8): cost against noise. Judging every key gave
-  the same cells (11) and mean (+.0034 vs +.0032, both with 8x ghosts) at
-  about twice the policy's cost; 1 in 8 costs 12-13% of replay speed.
-- `QUANTILE_KEYS` = 128: the rank C of N is read to within ~1/sqrt(128) of
-  its quantile; finer did not change decisions.
+- `HALF_LIVES_S` = 30 s, 240 s, 2000 s: one short, the value the policy was
+  tuned to on the conversation trace with a fixed half-life, one long, 8x
+  apart. Every fixed half-life lost to a textbook policy somewhere; a finer
+  grid (8 s or 15 ... 4000 s) or an infinite one gave fewer cells at or above
+  the best baseline (docs). A workload whose reuse lives outside 30-2000 s
+  gets the nearest expert, which is what a fixed policy gave it at best.
+- `SAMPLE_BITS` = 3 (1 key in 8): cost against noise. Simulating every key
+  gave the same cells at twice the cost; 1 in 4 was no better.
+- Ghost tables of 16 x (blocks held), in the miniatures and in the policy
+  (`GHOST_FACTOR` in attention.py): a block that returns after 4 turnovers of
+  a small cache is still recognised; with 4x the choice at 1k blocks was
+  worse (synthetic 1k: -.0120 vs +.0004 against ARC).
 - `SCORE_HALF_TURNOVERS` = 1: scores halve per turnover of the sampled cache
   (counted in references, so it does not depend on the request rate). Halving
-  per 6.6 turnovers (longer memory) gave 10 cells and mean +.0023, per 0.43
-  turnovers 11 cells and +.0024; 1 gave 11 and +.0030.
+  per 2 or per 0.5 turnovers gave fewer cells (12 vs 13); a switch margin
+  (1-3 %, or 1-2 sigma of the experts' disagreements) held tenants at 2000 s
+  but followed the shift trace's new hot set too late (-.02).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-import random
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
 Key = Hashable
 
 HALF_LIVES_S = (30.0, 240.0, 2000.0)
-START_S = 240.0
 SAMPLE_BITS = 3
-QUANTILE_KEYS = 128
 SCORE_HALF_TURNOVERS = 1.0
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
@@ -87,138 +84,137 @@ def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
     return ((x * _MIX) & _MASK) >> (64 - bits) == 0 if bits else True
 
 
-class HalfLifeExperts:
-    """One decayed reuse count per expert for every sampled key, and the choice of the leader."""
+class MiniCache:
+    """One expert: an LRFU cache with its own half-life over the sampled references."""
 
-    def __init__(self, half_lives: Sequence[float] = HALF_LIVES_S, start: float = START_S, *,
+    __slots__ = ("half_life_s", "tau", "values", "ghost", "hits", "_heap", "_seq", "_credits", "_ghost_factor")
+
+    def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float) -> None:
+        self.half_life_s = half_life_s
+        self.tau = 0.0  # this expert's clock: seconds / half_life_s
+        self.values: dict[Key, float] = {}  # held key -> time-free log2 F
+        self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
+        self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
+        self._heap: list[tuple[float, int, Key]] = []  # (log2 F, seq, key): equal F, oldest first; stale skipped
+        self._seq = itertools.count()
+        self._credits = tuple((c, math.log2(c)) for c in credits)  # insert, hit, ghost return
+        self._ghost_factor = ghost_factor
+
+    def reference(self, key: Key, capacity: int, weight: float) -> bool:
+        """Replay one reference to `key` holding at most `capacity` keys; True if it was a hit."""
+        values, tau = self.values, self.tau
+        old = values.get(key)
+        hit = old is not None
+        if hit:
+            self.hits += weight
+            credit, log_credit = self._credits[1]
+        else:
+            old = self.ghost.pop(key, None)
+            credit, log_credit = self._credits[0 if old is None else 2]
+            self._make_room(capacity)
+        if old is None or old - tau < -60:
+            new = log_credit + tau
+        else:
+            new = math.log2(2.0 ** (old - tau) + credit) + tau
+        values[key] = new
+        heapq.heappush(self._heap, (new, next(self._seq), key))
+        if len(self._heap) > 4 * len(values) + 64:  # drop stale entries
+            self._heap = [(f, next(self._seq), k) for k, f in values.items()]
+            heapq.heapify(self._heap)
+        return hit
+
+    def _make_room(self, capacity: int) -> None:
+        values, heap, ghost = self.values, self._heap, self.ghost
+        while len(values) >= capacity and heap:
+            f, _, k = heapq.heappop(heap)
+            if values.get(k) == f:
+                del values[k]
+                ghost[k] = f
+        limit = self._ghost_factor * capacity
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
+
+
+class HalfLifeExperts:
+    """The miniature caches, the sampled keys the policy holds, and the choice of the leader."""
+
+    def __init__(self, half_lives: Sequence[float] = HALF_LIVES_S, start: float | None = None, *,
                  insert_credit: float, hit_credit: float, ghost_credit: float, ghost_factor: float,
                  sample_bits: int = SAMPLE_BITS) -> None:
         if not half_lives or min(half_lives) <= 0 or not all(math.isfinite(h) for h in half_lives):
             raise ValueError("half_lives must be positive and finite")
-        if start not in half_lives:
-            raise ValueError(f"the starting half-life {start} must be one of {tuple(half_lives)}")
         self.half_lives = tuple(float(h) for h in half_lives)
+        start = max(self.half_lives) if start is None else start
+        if start not in self.half_lives:
+            raise ValueError(f"the starting half-life {start} must be one of {self.half_lives}")
         self.lead = self.half_lives.index(start)
-        self.credits = (math.log2(insert_credit), math.log2(hit_credit), math.log2(ghost_credit))
-        self._raw = (insert_credit, hit_credit, ghost_credit)
-        self.ghost_factor = ghost_factor
         self.sample_bits = sample_bits
-        m = len(self.half_lives)
-        self.taus = [0.0] * m  # expert i's clock: seconds / half_lives[i]
+        credits = (insert_credit, hit_credit, ghost_credit)
+        self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
         self.tau = 0.0  # the policy's clock, at the leader's rate
         self._t: float | None = None
-        self._fx: dict[Key, list[float]] = {}  # resident sampled key -> time-free log2 F_i per expert
-        self._gx: OrderedDict[Key, list[float]] = OrderedDict()  # remembered (evicted) sampled keys, oldest first
-        self._keys: list[Key] = []  # resident + remembered sampled keys, for uniform sampling
-        self._pos: dict[Key, int] = {}
-        self.threshold: list[float] | None = None  # q_i, log2 F_i now
-        self.score = [0.0] * m  # decayed counterfactual hits, in units of the current weight
+        self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
-        self.switches = 0
         self._refs = 0
-        self._rng = random.Random(0x5EED)
+        self.switches = 0
 
     @property
     def half_life_s(self) -> float:
         return self.half_lives[self.lead]
+
+    @property
+    def scores(self) -> list[float]:
+        """Each expert's decayed hit count, in hits as of now."""
+        return [m.hits / self._weight for m in self.minis]
 
     def advance(self, t: float) -> float:
         """Move every clock to time `t` (seconds); the policy's clock tau, in half-lives of the leader."""
         last = self._t
         if last is not None and t > last:
             dt = t - last
-            self.taus = [tau + dt / h for tau, h in zip(self.taus, self.half_lives)]
+            for m in self.minis:
+                m.tau += dt / m.half_life_s
             self.tau += dt / self.half_lives[self.lead]
         self._t = t if last is None or t > last else last
         return self.tau
 
     # -- events (the policy calls advance() first) ---------------------------------
-    def inserted(self, key: Key, returning: bool) -> None:
-        """`key` entered the tier; `returning`: it came back from the policy's ghost table."""
-        if key in self._fx or not sampled(key, self.sample_bits):
+    def inserted(self, key: Key) -> None:
+        """`key` entered the tier: a reference the tier missed."""
+        if key in self._held or not sampled(key, self.sample_bits):
             return
-        fx = self._gx.pop(key, None)
-        if fx is not None:
-            self._judge(fx)  # a reference the policy missed: which experts would have hit?
-        elif key not in self._pos:
-            self._pos[key] = len(self._keys)
-            self._keys.append(key)
-        self._fx[key] = self._credit(fx, 2 if returning else 0)
-        self._count(1)
+        self._held.add(key)
+        self._reference(key)
 
     def accessed(self, keys: Sequence[Key]) -> None:
-        fxs = self._fx
-        n = 0
+        """A hit on the held `keys` (others are ignored: they reach `inserted` when committed)."""
+        held = self._held
         for key in keys:
-            fx = fxs.get(key)
-            if fx is not None:
-                n += 1
-                self._judge(fx)
-                fxs[key] = self._credit(fx, 1)
-        if n:
-            self._count(n)
+            if key in held:
+                self._reference(key)
 
     def removed(self, key: Key) -> None:
-        fx = self._fx.pop(key, None)
-        if fx is None:
-            return
-        gx = self._gx
-        gx[key] = fx
-        limit = self.ghost_factor * max(len(self._fx), 1)
-        while len(gx) > limit:
-            self._forget(gx.popitem(last=False)[0])
+        self._held.discard(key)
 
     # -- internals -----------------------------------------------------------------
-    def _credit(self, fx: list[float] | None, which: int) -> list[float]:
-        """F_i <- F_i decayed to now + credit, in the time-free log domain of each expert."""
-        log_c, c = self.credits[which], self._raw[which]
-        if fx is None:
-            return [log_c + tau for tau in self.taus]
-        out = []
-        for f, tau in zip(fx, self.taus):
-            d = f - tau
-            out.append((log_c if d < -60 else math.log2(2.0**d + c)) + tau)
-        return out
-
-    def _judge(self, fx: list[float]) -> None:
-        q = self.threshold
-        if q is None:
-            return
-        score, w = self.score, self._weight
-        for i, (f, tau) in enumerate(zip(fx, self.taus)):
-            if f - tau >= q[i]:
-                score[i] += w
-
-    def _count(self, n: int) -> None:
-        """`n` sampled references: decay the scores (by raising the weight of the next ones), maybe decide."""
-        c = max(len(self._fx), 1)
-        self._weight *= 2.0 ** (n / (SCORE_HALF_TURNOVERS * c))
-        self._refs += n
-        if self._refs >= max(16, c // 8):
+    def _reference(self, key: Key) -> None:
+        capacity = max(len(self._held), 1)
+        weight = self._weight
+        for m in self.minis:
+            m.reference(key, capacity, weight)
+        self._weight *= 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
+        self._refs += 1
+        if self._refs >= max(16, capacity // 8):
             self._refs = 0
-            if self._weight > 1e100:  # renormalise; only the scores' order matters
-                self.score = [s / self._weight for s in self.score]
-                self._weight = 1.0
-            self._estimate_thresholds()
-            best = max(range(len(self.score)), key=lambda i: (self.score[i], i == self.lead))
-            if best != self.lead:
-                self.lead = best  # the policy's clock runs at the new half-life from now on
-                self.switches += 1
+            self._decide()
 
-    def _estimate_thresholds(self) -> None:
-        n, c = len(self._keys), len(self._fx)
-        if n <= c or n < 32:
-            self.threshold = None  # nothing evicted yet: every expert holds everything
-            return
-        keys, fx, gx, rng = self._keys, self._fx, self._gx, self._rng
-        picks = [keys[rng.randrange(n)] for _ in range(QUANTILE_KEYS)]
-        rows = [fx.get(k) or gx[k] for k in picks]
-        rank = min(QUANTILE_KEYS - 1, int(c / n * QUANTILE_KEYS))
-        self.threshold = [sorted((r[i] for r in rows), reverse=True)[rank] - tau for i, tau in enumerate(self.taus)]
-
-    def _forget(self, key: Key) -> None:
-        i = self._pos.pop(key)
-        last = self._keys.pop()
-        if i < len(self._keys):
-            self._keys[i] = last
-            self._pos[last] = i
+    def _decide(self) -> None:
+        minis = self.minis
+        if self._weight > 1e100:  # renormalise; only the scores' order matters
+            for m in minis:
+                m.hits /= self._weight
+            self._weight = 1.0
+        best = max(range(len(minis)), key=lambda i: (minis[i].hits, i == self.lead))
+        if best != self.lead:
+            self.lead = best  # the policy's clock runs at the new half-life from now on
+            self.switches += 1
