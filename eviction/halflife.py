@@ -111,7 +111,7 @@ class MiniCache:
         else:
             old = self.ghost.pop(key, None)
             credit, log_credit = self._credits[0 if old is None else 2]
-            self._make_room(capacity)
+            self._trim(capacity - 1)
         if old is None or old - tau < -60:
             new = log_credit + tau
         else:
@@ -121,17 +121,20 @@ class MiniCache:
         if len(self._heap) > 4 * len(values) + 64:  # drop stale entries
             self._heap = [(f, next(self._seq), k) for k, f in values.items()]
             heapq.heapify(self._heap)
+        if hit and len(values) > capacity:  # the tier shrank since the last miss
+            self._trim(capacity)
         return hit
 
-    def _make_room(self, capacity: int) -> None:
+    def _trim(self, limit: int) -> None:
+        """Evict the lowest counts down to `limit` keys, into a ghost table of ghost_factor x (limit + 1)."""
         values, heap, ghost = self.values, self._heap, self.ghost
-        while len(values) >= capacity and heap:
+        while len(values) > limit and heap:
             f, _, k = heapq.heappop(heap)
             if values.get(k) == f:
                 del values[k]
                 ghost[k] = f
-        limit = self._ghost_factor * capacity
-        while len(ghost) > limit:
+        bound = self._ghost_factor * (limit + 1)
+        while len(ghost) > bound:
             ghost.popitem(last=False)
 
 
@@ -157,6 +160,7 @@ class HalfLifeExperts:
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
         self._refs = 0
         self.switches = 0
+        self.led = [0] * len(self.half_lives)  # sampled references seen while each expert led
 
     @property
     def half_life_s(self) -> float:
@@ -203,6 +207,7 @@ class HalfLifeExperts:
         for m in self.minis:
             m.reference(key, capacity, weight)
         self._weight *= 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
+        self.led[self.lead] += 1
         self._refs += 1
         if self._refs >= max(16, capacity // 8):
             self._refs = 0
