@@ -249,7 +249,9 @@ class AttentionPolicy(EvictionPolicy):
         if self.experts is not None:
             self.experts.inserted(key)
         depth_tokens = info.depth * info.block_tokens
-        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** self.depth_weight
+        e = self.experts
+        dw = p.depth_weight if e is None or e.half_lives[e.lead] <= p.depth_off_above_s else 0.0  # self.depth_weight
+        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** dw if dw else info.block_tokens
         self._cost[key] = math.log2(cost / max(info.nbytes, 1))
         if info.attention is not None:
             self._set_attention(key, info.attention)

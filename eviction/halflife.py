@@ -69,19 +69,21 @@ SAMPLE_BITS = 3
 SCORE_HALF_TURNOVERS = 1.0
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
+_log2 = math.log2
+_heappush = heapq.heappush
 
 
 def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
     """Whether the experts follow `key`: a fixed 64-bit mix of it has `bits` leading zero bits."""
-    if isinstance(key, tuple) and key:
+    if type(key) is tuple and key:
         key = key[-1]  # the store's keys are (namespace, block hash)
-    if isinstance(key, (bytes, bytearray)):
+    if type(key) is bytes or isinstance(key, (bytes, bytearray)):
         x = int.from_bytes(key[:8], "little")
     elif isinstance(key, int):
         x = key
     else:
         x = int.from_bytes(str(key).encode()[:8].ljust(8, b"\0"), "little")
-    return ((x * _MIX) & _MASK) >> (64 - bits) == 0 if bits else True
+    return (x * _MIX) & _MASK < 1 << (64 - bits)
 
 
 class MiniCache:
@@ -96,7 +98,7 @@ class MiniCache:
         self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
         self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
         self._heap: list[tuple[float, int, Key]] = []  # (log2 F, seq, key): equal F, oldest first; stale skipped
-        self._seq = itertools.count()
+        self._seq = itertools.count().__next__
         self._credits = tuple((c, math.log2(c)) for c in credits)  # insert, hit, ghost return
         self._ghost_factor = ghost_factor
 
@@ -111,15 +113,17 @@ class MiniCache:
         else:
             old = self.ghost.pop(key, None)
             credit, log_credit = self._credits[0 if old is None else 2]
-            self._trim(capacity - 1)
+            if len(values) >= capacity:
+                self._trim(capacity - 1)
         if old is None or old - tau < -60:
             new = log_credit + tau
         else:
-            new = math.log2(2.0 ** (old - tau) + credit) + tau
+            new = _log2(2.0 ** (old - tau) + credit) + tau
         values[key] = new
-        heapq.heappush(self._heap, (new, next(self._seq), key))
-        if len(self._heap) > 4 * len(values) + 64:  # drop stale entries
-            self._heap = [(f, next(self._seq), k) for k, f in values.items()]
+        heap = self._heap
+        _heappush(heap, (new, self._seq(), key))
+        if len(heap) > 4 * len(values) + 64:  # drop stale entries
+            self._heap = [(f, self._seq(), k) for k, f in values.items()]
             heapq.heapify(self._heap)
         if hit and len(values) > capacity:  # the tier shrank since the last miss
             self._trim(capacity)
@@ -127,9 +131,9 @@ class MiniCache:
 
     def _trim(self, limit: int) -> None:
         """Evict the lowest counts down to `limit` keys, into a ghost table of ghost_factor x (limit + 1)."""
-        values, heap, ghost = self.values, self._heap, self.ghost
-        while len(values) > limit and heap:
-            f, _, k = heapq.heappop(heap)
+        values, ghost = self.values, self.ghost
+        while len(values) > limit and self._heap:
+            f, _, k = heapq.heappop(self._heap)
             if values.get(k) == f:
                 del values[k]
                 ghost[k] = f
@@ -158,6 +162,7 @@ class HalfLifeExperts:
         self._t: float | None = None
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
+        self._decay_for, self._decay = 0, 1.0  # the weight's growth per reference, for this capacity
         self._refs = 0
         self.switches = 0
         self.led = [0] * len(self.half_lives)  # sampled references seen while each expert led
@@ -185,7 +190,7 @@ class HalfLifeExperts:
     # -- events (the policy calls advance() first) ---------------------------------
     def inserted(self, key: Key) -> None:
         """`key` entered the tier: a reference the tier missed."""
-        if key in self._held or not sampled(key, self.sample_bits):
+        if not sampled(key, self.sample_bits) or key in self._held:
             return
         self._held.add(key)
         self._reference(key)
@@ -202,11 +207,13 @@ class HalfLifeExperts:
 
     # -- internals -----------------------------------------------------------------
     def _reference(self, key: Key) -> None:
-        capacity = max(len(self._held), 1)
+        capacity = len(self._held) or 1
         weight = self._weight
         for m in self.minis:
             m.reference(key, capacity, weight)
-        self._weight *= 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
+        if capacity != self._decay_for:  # scores halve per SCORE_HALF_TURNOVERS x capacity references
+            self._decay_for, self._decay = capacity, 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
+        self._weight = weight * self._decay
         self.led[self.lead] += 1
         self._refs += 1
         if self._refs >= max(16, capacity // 8):
