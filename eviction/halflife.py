@@ -25,10 +25,13 @@ half-life the policy decays its reuse counts with.
   the expert with the highest score leads (ties keep the current one). Scores
   decay by half per C sampled references (one turnover of the sampled cache),
   so a workload that changes is followed within a few turnovers.
-- The policy starts with the longest half-life. Until the first decision
-  little is evicted, and a long memory loses nothing: counts decayed at 30 s
-  can never be recovered if the workload turns out to want 2000 s, while
-  counts kept at 2000 s decay away within minutes once 30 s leads.
+- The policy starts with the longest half-life. While the tier still holds
+  everything, the miniatures tie and the start keeps leading. Counts decayed
+  at 30 s or 240 s in that time are lost for good if the workload wants
+  2000 s (scan 16k: -.0071 against LFU starting at 240 s, +.0003 at
+  2000 s). The price is a hot set that moves after the warm-up: its old
+  counts from the 2000 s warm-up outlive the move until the miniatures see
+  it (held-out shift draws at 16k: -.02 against LRU; docs, "Held-out seeds").
 - Switching costs nothing: the policy's time-free keys are log2 V + tau with a
   clock tau that advances at rate 1 / (half-life of the leader); a switch only
   changes the rate from then on (values are continuous, no re-keying).
@@ -46,10 +49,11 @@ Constants, and why none needs re-tuning per workload:
 - Ghost tables of 16 x (blocks held), in the miniatures and in the policy
   (`GHOST_FACTOR` in attention.py): a block that returns after 4 turnovers of
   a small cache is still recognised; with 4x the choice at 1k blocks was
-  worse (synthetic 1k: -.0120 vs +.0004 against ARC).
+  worse (synthetic 1k against ARC: -.0120 with 4x, -.0009 with 16x).
 - `SCORE_HALF_TURNOVERS` = 1: scores halve per turnover of the sampled cache
   (counted in references, so it does not depend on the request rate). Halving
-  per 2 or per 0.5 turnovers gave fewer cells (12 vs 13); a switch margin
+  per 2 or per 0.5 turnovers gave no more cells and a worse worst cell
+  (-.0081, -.0038 vs -.0028); a switch margin
   (1-3 %, or 1-2 sigma of the experts' disagreements) held tenants at 2000 s
   but followed the shift trace's new hot set too late (-.02).
 """
