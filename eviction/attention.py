@@ -78,7 +78,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import HALF_LIVES_S, HalfLifeExperts, WarmupCounts
+from eviction.halflife import HALF_LIVES_S, HalfLifeExperts
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -110,7 +110,6 @@ class AttentionParams:
     adapt: bool = True  # False: a fixed half_life_s (the policy before eviction/halflife.py)
     half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt
     depth_off_above_s: float = DEPTH_OFF_ABOVE_S  # adapting: no depth term while a longer half-life leads
-    rekey: bool = True  # adapting: recount under the first clear new leader (halflife.WarmupCounts)
 
     def __post_init__(self) -> None:
         if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
@@ -168,9 +167,6 @@ class AttentionPolicy(EvictionPolicy):
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
                                         ghost_factor=params.ghost_factor) if params.adapt else None)
-        self._warmup = (WarmupCounts(self.experts, params.ghost_factor)
-                        if self.experts is not None and params.rekey else None)
-        self.rekeys = 0
 
     @property
     def half_life_s(self) -> float:
@@ -252,8 +248,6 @@ class AttentionPolicy(EvictionPolicy):
         self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
         if self.experts is not None:
             self.experts.inserted(key)
-            if self._warmup is not None:
-                self._warmup.inserted(key, ghost is not None)
         depth_tokens = info.depth * info.block_tokens
         e = self.experts
         dw = p.depth_weight if e is None or e.half_lives[e.lead] <= p.depth_off_above_s else 0.0  # self.depth_weight
@@ -264,8 +258,6 @@ class AttentionPolicy(EvictionPolicy):
         self._leaves.add(key, info.parent, info.nbytes, "v", self._own(key))  # one heap push, final value
         if info.parent is not None:
             self._kids.setdefault(info.parent, set()).add(key)
-        if self._warmup is not None:
-            self._check_warmup()
 
     def on_access(self, keys: Sequence[Key]) -> None:
         p = self.params
@@ -285,48 +277,6 @@ class AttentionPolicy(EvictionPolicy):
             leaves.update(key, "v", top)
         if keys and keys[0] in leaves:
             self._raise(keys[0], top)
-        if self._warmup is not None:
-            self._warmup.accessed(keys)
-            self._check_warmup()
-
-    def _check_warmup(self) -> None:
-        """Recount under a new leader once it clearly beats the start; stop tracking after the window."""
-        if self.experts.rekey_due():  # type: ignore[union-attr]
-            self._rekey()
-            self._warmup = None
-        elif self._warmup.expired():  # type: ignore[union-attr]
-            self._warmup = None
-
-    def _rekey(self) -> None:
-        """Every block's F recounted under the leader's half-life (eviction/halflife.py, WarmupCounts),
-        its value recomputed with the tree rule over the resident tree, the heap rebuilt: O(n), once."""
-        e, warm = self.experts, self._warmup
-        assert e is not None and warm is not None
-        lead, tau = e.lead, e.tau
-        freq = self._freq
-        for key in freq:
-            lf = warm.log_count(key, lead)
-            if lf is not None:
-                freq[key] = lf + tau
-
-        def recount(key, value):
-            lf = warm.log_count(key, lead)
-            return value if lf is None else (lf + tau, value[1], value[2])
-
-        self._ghost.rewrite(recount)
-        leaves, kids = self._leaves, self._kids
-        values: dict[Key, float] = {}
-        stack = [(k, False) for k in leaves.prio if leaves.parent.get(k) not in leaves]
-        while stack:  # children before parents: V = max(own, children's V)
-            key, done = stack.pop()
-            children = [c for c in kids.get(key, ()) if c in leaves]
-            if done:
-                values[key] = max([self._own(key)] + [values[c] for c in children])
-            else:
-                stack.append((key, True))
-                stack.extend((c, False) for c in children)
-        leaves.reprioritise(values)
-        self.rekeys += 1
 
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
@@ -368,8 +318,6 @@ class AttentionPolicy(EvictionPolicy):
         waiting = key in self._unhit and a is not None
         self._unhit.discard(key)
         self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(self._leaves))
-        if self._warmup is not None:
-            self._warmup.removed(key)
         if self.experts is not None:
             self.experts.removed(key)
 

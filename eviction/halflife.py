@@ -71,8 +71,6 @@ Key = Hashable
 HALF_LIVES_S = (30.0, 240.0, 2000.0)
 SAMPLE_BITS = 3
 SCORE_HALF_TURNOVERS = 1.0
-REKEY_MARGIN = 0.05
-REKEY_WINDOW_TURNOVERS = 32
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
@@ -160,7 +158,7 @@ class HalfLifeExperts:
         start = max(self.half_lives) if start is None else start
         if start not in self.half_lives:
             raise ValueError(f"the starting half-life {start} must be one of {self.half_lives}")
-        self.lead = self.start = self.half_lives.index(start)
+        self.lead = self.half_lives.index(start)
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
         self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
@@ -171,8 +169,6 @@ class HalfLifeExperts:
         self._decay_for, self._decay = 0, 1.0  # the weight's growth per reference, for this capacity
         self._refs = 0
         self.switches = 0
-        self.references = 0  # sampled references so far
-        self._credit_rows = tuple((c, math.log2(c)) for c in credits)
         self.led = [0] * len(self.half_lives)  # sampled references seen while each expert led
 
     @property
@@ -194,24 +190,6 @@ class HalfLifeExperts:
             self.tau += dt / self.half_lives[self.lead]
         self._t = t if last is None or t > last else last
         return self.tau
-
-    def credit_all(self, row: list[float] | None, which: int) -> list[float]:
-        """A count under every expert's half-life (time-free log2 F in each expert's clock) after one
-        event: `which` 0 insert, 1 hit, 2 return from the ghost table. `row` None: the key's first."""
-        credit, log_credit = self._credit_rows[which]
-        if row is None:
-            return [log_credit + m.tau for m in self.minis]
-        out = []
-        for f, m in zip(row, self.minis):
-            d = f - m.tau
-            out.append((log_credit if d < -60 else _log2(2.0 ** d + credit)) + m.tau)
-        return out
-
-    def rekey_due(self) -> bool:
-        """A leader other than the start, ahead of it by `REKEY_MARGIN`: time to recount under it."""
-        if self.lead == self.start:
-            return False
-        return self.minis[self.lead].hits >= self.minis[self.start].hits * (1.0 + REKEY_MARGIN)
 
     # -- events (the policy calls advance() first) ---------------------------------
     def inserted(self, key: Key) -> None:
@@ -242,7 +220,6 @@ class HalfLifeExperts:
         self._weight = weight * self._decay
         self.led[self.lead] += 1
         self._refs += 1
-        self.references += 1
         if self._refs >= max(16, capacity // 8):
             self._refs = 0
             self._decide()
@@ -257,54 +234,3 @@ class HalfLifeExperts:
         if best != self.lead:
             self.lead = best  # the policy's clock runs at the new half-life from now on
             self.switches += 1
-
-
-class WarmupCounts:
-    """Every key's count under every expert's half-life, from the start until the policy recounts.
-
-    The policy starts at the longest half-life, and while the miniatures tie
-    (the tier still holds everything) counts build up at that rate. When
-    another expert first leads the start by `REKEY_MARGIN` (5%), the policy
-    recounts every block under the leader from these rows (`rekey`), so a
-    workload that wants a short memory does not carry the warm-up's long one
-    (held-out shift draws at 16k: -.0205 / -.0193 without, -.0146 / -.0140
-    with). The rows cost one float per expert per key and are dropped at the
-    recount, or after `REKEY_WINDOW_TURNOVERS` turnovers of the sampled cache
-    without one (a workload the start suits never pays for them again).
-    """
-
-    def __init__(self, experts: HalfLifeExperts, ghost_factor: float) -> None:
-        self.experts = experts
-        self.rows: dict[Key, list[float]] = {}  # resident key -> time-free log2 F per expert
-        self.ghost: OrderedDict[Key, list[float]] = OrderedDict()  # removed keys, oldest first
-        self.ghost_factor = ghost_factor
-
-    def inserted(self, key: Key, returning: bool) -> None:
-        row = self.ghost.pop(key, None)
-        self.rows[key] = self.experts.credit_all(row, 2 if returning else 0)
-
-    def accessed(self, keys: Sequence[Key]) -> None:
-        rows, credit_all = self.rows, self.experts.credit_all
-        for key in keys:
-            row = rows.get(key)
-            if row is not None:
-                rows[key] = credit_all(row, 1)
-
-    def removed(self, key: Key) -> None:
-        row = self.rows.pop(key, None)
-        if row is None:
-            return
-        ghost = self.ghost
-        ghost[key] = row
-        limit = self.ghost_factor * max(len(self.rows), 1)
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
-
-    def log_count(self, key: Key, expert: int) -> float | None:
-        """log2 F of `key` now under `expert`'s half-life, or None if it has no row."""
-        row = self.rows.get(key) or self.ghost.get(key)
-        return None if row is None else row[expert] - self.experts.minis[expert].tau
-
-    def expired(self) -> bool:
-        e = self.experts
-        return e.references > REKEY_WINDOW_TURNOVERS * max(len(e._held), 1)

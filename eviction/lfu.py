@@ -119,19 +119,6 @@ class LeafQueues:
         if len(heap) > 2 * self.count[queue] + 1024:
             self._rebuild(queue)
 
-    def reprioritise(self, prio: dict) -> None:
-        """Set many keys' priorities at once and rebuild every heap, O(n)."""
-        self.prio.update(prio)
-        self._token.clear()
-        heaps: dict[str, list] = {}
-        for key, queue in self.queue.items():
-            if self.is_leaf(key):
-                token = self._token[key] = next(self._tokens)
-                heaps.setdefault(queue, []).append((self.prio[key], token, key))
-        for heap in heaps.values():
-            heapq.heapify(heap)
-        self._heaps = heaps
-
     def _rebuild(self, queue: str) -> None:
         token = self._token
         heap = [(p, token[k], k) for p, t, k in self._heaps[queue] if token.get(k) == t]
@@ -204,12 +191,6 @@ class GhostTable:
 
     def pop(self, key: Key, default: object = None) -> object:
         return self._items.pop(key, default)
-
-    def rewrite(self, fn: Callable[[Key, object], object]) -> None:
-        """Replace every remembered value by fn(key, value), order kept."""
-        items = self._items
-        for key, value in items.items():
-            items[key] = fn(key, value)
 
     def __len__(self) -> int:
         return len(self._items)
