@@ -10,12 +10,18 @@ Value of block b at time t (higher = keep):
   worth less than a hit); between events F decays as 2^(-dt / h).
 - h, the half-life, is chosen online (eviction/halflife.py): experts with
   h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) each replay 1 key in 8 in a
-  miniature cache, and the one that would have hit most sets h. Agent loops
+  miniature cache, and the one that would have hit most leads. Agent loops
   end at 30 s (recency), documents queried at random at 2000 s (frequency),
   chat mostly at 240 s (the value the policy was tuned to on the conversation
   trace when h was fixed, `HALF_LIFE_S`). It starts at the longest. No
   half-life fits every workload: each fixed one lost to a textbook policy
-  somewhere (docs/benchmarks.md, "Every trace").
+  somewhere (docs/benchmarks.md, "Every trace"). Every block keeps its F,
+  C and V under *every* expert's h (a short list per block), and the tier is
+  ordered by the leader's: a new leader re-keys the tier's leaves at once
+  (`LeafQueues.rekey`), so a switch is exact and a switch back restores the
+  order the tier would have had (with one F per block, a spell under 30 s
+  erased the counts a 2000 s workload needed, and a 2000 s warm-up outlived a
+  hot set that moved: held-out shift 16k lost .02 to LRU that way).
   `AttentionParams(adapt=False)` is the fixed-h policy (for experiments).
 - History: a block dropped from the tier leaves its F in a ghost table of at
   most `GHOST_FACTOR` = 16 x (resident blocks) entries, oldest dropped first
@@ -35,7 +41,7 @@ Value of block b at time t (higher = keep):
   off (weight 0): in the log domain a depth factor d is worth d x h seconds of
   recency, 8x more at 2000 s than at 240 s where the weight was tuned, and
   there it cost hit ratio (scan 16k: -.0093 with it vs +.0000 without, against
-  LFU). The weight in force when a block is committed is its weight for good.
+  LFU). Each expert's C uses its own weight, so a switch changes it exactly.
 - S_b, its size in bytes.
 - W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
   clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
@@ -63,10 +69,11 @@ Among leaves the lowest V goes, and an answer stops after a victim that
 exposes its parent as a new leaf (`LeafQueues.pick`).
 
 All blocks decay at the same rate, so the order of two blocks changes only
-when one of them is touched: the heap holds time-free log keys,
-log2 V + tau, tau = the time in half-lives (with a fixed h, t / h; when h
-changes, tau only changes its rate, so no key moves), and never needs re-sorting. Events are O(log n)
-plus the length of the chain they touch.
+when one of them is touched: values are time-free log keys, log2 V + tau_i,
+tau_i = the time in half-lives of expert i, and the heap never needs
+re-sorting except when the leader changes. Events are O(log n) plus the
+length of the chain they touch, times the number of experts (3) for the
+arithmetic; a switch is O(resident blocks).
 """
 
 from __future__ import annotations
@@ -155,18 +162,25 @@ class AttentionPolicy(EvictionPolicy):
         super().__init__(**({"clock": clock} if clock else {}))
         self.params = params
         self.gate = AttentionGate()
-        self._leaves = LeafQueues()
-        self._freq: dict[Key, float] = {}  # log2 F_b + t_b / h (time-free)
-        self._cost: dict[Key, float] = {}  # log2 (C_b / S_b)
+        self._leaves = LeafQueues()  # priority: the block's V under the leading expert (`_val[key][lead]`)
+        # Per block, one entry per expert (one in all for a fixed half-life), time-free log values:
+        self._freq: dict[Key, list[float]] = {}  # log2 F_b + tau_i
+        self._cost: dict[Key, list[float]] = {}  # log2 (C_b / S_b), with expert i's depth weight
+        self._val: dict[Key, list[float]] = {}  # log2 V_b + tau_i (own value, tree rule applied)
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
-        # key -> (log F, A or None, whether the gate still waits for its first re-reference)
+        # key -> (log F per expert, A or None, whether the gate still waits for its first re-reference)
         self._ghost = GhostTable(params.ghost_factor)
         self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
                                         ghost_factor=params.ghost_factor) if params.adapt else None)
+        halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
+        self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
+                         for h in halves]
+        self._lead = self.experts.lead if self.experts is not None else 0
+        self.rekeys = 0  # switches of the leading expert followed (each re-keys the tier)
 
     @property
     def half_life_s(self) -> float:
@@ -175,26 +189,35 @@ class AttentionPolicy(EvictionPolicy):
 
     @property
     def depth_weight(self) -> float:
-        """The depth weight given to blocks committed now (0 while a long half-life leads)."""
-        if self.experts is not None and self.experts.half_life_s > self.params.depth_off_above_s:
-            return 0.0
-        return self.params.depth_weight
+        """The depth weight of the order in force now (0 while a long half-life leads)."""
+        return self._depth_w[self._lead]
 
-    def _now_h(self) -> float:
-        """The decay clock: time in half-lives, continuous across changes of the half-life."""
+    def _taus(self) -> list[float]:
+        """Each expert's clock: time in its half-lives (one clock for a fixed half-life)."""
         if self.experts is not None:
             return self.experts.advance(self.clock())
-        return self.clock() / self._fixed_h
+        return [self.clock() / self._fixed_h]
+
+    def _follow(self) -> None:
+        """After the experts saw an event: if another one leads, order the tier by its values."""
+        lead = self.experts.lead  # type: ignore[union-attr]
+        if lead != self._lead:
+            self._lead = lead
+            self.rekeys += 1
+            self._leaves.rekey({key: v[lead] for key, v in self._val.items()})
 
     # -- the value --------------------------------------------------------
-    def _credit(self, key: Key, credit: float, now_h: float) -> None:
-        """F_b <- F_b * 2^(-dt/h) + credit, in the time-free log domain."""
+    def _credit(self, key: Key, credit: float, taus: list[float]) -> list[float]:
+        """F_b <- F_b * 2^(-dt/h_i) + credit under every expert, in the time-free log domain."""
         old = self._freq.get(key)
-        decayed = -math.inf if old is None else old - now_h  # log2 of F_b now
-        if decayed < -60:
-            self._freq[key] = math.log2(credit) + now_h
+        lc = math.log2(credit)
+        if old is None:
+            new = [lc + tau for tau in taus]
         else:
-            self._freq[key] = math.log2(2.0**decayed + credit) + now_h
+            new = [lc + tau if f - tau < -60 else math.log2(2.0 ** (f - tau) + credit) + tau
+                   for f, tau in zip(old, taus)]
+        self._freq[key] = new
+        return new
 
     def value(self, key: Key) -> float:
         """V_b as a time-free log value, log2 V_b + t/h (compare only against each other).
@@ -215,74 +238,83 @@ class AttentionPolicy(EvictionPolicy):
         """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
         return self.params.attention_weight * (self.gate.value() if self.params.gate else 1.0)
 
-    def _own(self, key: Key) -> float:
-        val = self._freq[key] + self._cost[key]
+    def _own(self, key: Key, freq: list[float]) -> list[float]:
         a = self._att.get(key)
-        if a is not None:
-            val += math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
-        return val
+        if a is None:
+            return [f + c for f, c in zip(freq, self._cost[key])]
+        w = math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
+        return [f + c + w for f, c in zip(freq, self._cost[key])]
 
-    def _raise(self, key: Key, val: float) -> None:
-        """Set key's value to at least `val` and lift ancestors to keep parent >= child."""
-        leaves = self._leaves
-        prio = leaves.prio
-        cur = prio.get(key, -math.inf)
-        if val > cur:  # type: ignore[operator]
-            leaves.update(key, "v", val)
-        top = max(val, cur)  # type: ignore[type-var]
-        parent = leaves.parent.get(key)
-        while parent is not None and parent in prio and prio[parent] < top:  # type: ignore[operator]
-            leaves.update(parent, "v", top)
-            parent = leaves.parent.get(parent)
+    def _lift(self, key: Key, top: list[float]) -> None:
+        """Raise key's values to at least `top` (per expert), the heap if the leader's rose."""
+        cur = self._val[key]
+        if all(c >= t for c, t in zip(cur, top)):
+            return
+        new = [c if c >= t else t for c, t in zip(cur, top)]
+        self._val[key] = new
+        if new[self._lead] != cur[self._lead]:
+            self._leaves.update(key, "v", new[self._lead])
 
     # -- events -------------------------------------------------------------
     def on_insert(self, info: BlockInfo) -> None:
         p = self.params
         key = info.key
-        now_h = self._now_h()
+        taus = self._taus()
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
             self._freq[key], old_a, waiting = ghost
             if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                 self.gate.hit[old_a >= 0.5] += 1
-        self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, now_h)
+        freq = self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, taus)
         if self.experts is not None:
             self.experts.inserted(key)
-        depth_tokens = info.depth * info.block_tokens
-        e = self.experts
-        dw = p.depth_weight if e is None or e.half_lives[e.lead] <= p.depth_off_above_s else 0.0  # self.depth_weight
-        cost = info.block_tokens * (1.0 + depth_tokens / p.attn_context_tokens) ** dw if dw else info.block_tokens
-        self._cost[key] = math.log2(cost / max(info.nbytes, 1))
+            self._follow()
+        depth = 1.0 + info.depth * info.block_tokens / p.attn_context_tokens
+        size = math.log2(info.block_tokens / max(info.nbytes, 1))
+        self._cost[key] = [size + dw * math.log2(depth) if dw else size for dw in self._depth_w]
         if info.attention is not None:
             self._set_attention(key, info.attention)
-        self._leaves.add(key, info.parent, info.nbytes, "v", self._own(key))  # one heap push, final value
+        own = self._val[key] = self._own(key, freq)
+        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead])  # one heap push, final value
         if info.parent is not None:
             self._kids.setdefault(info.parent, set()).add(key)
 
     def on_access(self, keys: Sequence[Key]) -> None:
-        p = self.params
-        now_h = self._now_h()
+        credit = self.params.hit_credit
+        taus = self._taus()
         if self.experts is not None:
             self.experts.accessed(keys)
-        top = -math.inf
-        leaves = self._leaves
+            self._follow()
+        lead = self._lead
+        top: list[float] | None = None
+        leaves, vals = self._leaves, self._val
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in leaves:
                 continue
             if key in self._unhit:
                 self._unhit.discard(key)
                 self.gate.hit[self._att[key] >= 0.5] += 1
-            self._credit(key, p.hit_credit, now_h)
-            top = max(top, self._own(key), leaves.prio[key])  # type: ignore[type-var]
-            leaves.update(key, "v", top)
-        if keys and keys[0] in leaves:
-            self._raise(keys[0], top)
+            own = self._own(key, self._credit(key, credit, taus))
+            cur = vals[key]
+            if top is None:
+                top = [o if o >= c else c for o, c in zip(own, cur)]
+            else:
+                top = [max(o, c, t) for o, c, t in zip(own, cur, top)]
+            vals[key] = top
+            leaves.update(key, "v", top[lead])
+        if top is not None:
+            parent = leaves.parent.get(keys[0]) if keys[0] in leaves else None
+            while parent is not None and parent in leaves:  # keep parent >= child above the chain
+                if all(c >= t for c, t in zip(vals[parent], top)):
+                    break
+                self._lift(parent, top)
+                parent = leaves.parent.get(parent)
 
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
             return
         self._set_attention(key, attention)
-        self._leaves.update(key, "v", max(self._own(key), self._leaves.prio[key]))  # type: ignore[type-var]
+        self._lift(key, self._own(key, self._freq[key]))
 
     def _set_attention(self, key: Key, attention: float) -> None:
         try:
@@ -309,11 +341,11 @@ class AttentionPolicy(EvictionPolicy):
                 kids.discard(key)
                 if not kids:
                     del self._kids[parent]
-            if parent in leaves and leaves.prio[parent] < leaves.prio[key]:  # type: ignore[operator]
-                leaves.update(parent, "v", leaves.prio[key])  # the tree rule, applied before it becomes a leaf
+            if parent in leaves:
+                self._lift(parent, self._val[key])  # the tree rule, applied before it becomes a leaf
         self._kids.pop(key, None)
         leaves.remove(key)
-        del self._cost[key]
+        del self._cost[key], self._val[key]
         a = self._att.pop(key, None)
         waiting = key in self._unhit and a is not None
         self._unhit.discard(key)
@@ -326,8 +358,8 @@ class AttentionPolicy(EvictionPolicy):
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
-        now_h = self._now_h()
-        return [f"log2 V {self.value(k) - now_h:+.2f}" if k in self._leaves else None for k in keys]
+        now = self._taus()[self._lead]
+        return [f"log2 V {self.value(k) - now:+.2f}" if k in self._leaves else None for k in keys]
 
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves

@@ -25,16 +25,17 @@ half-life the policy decays its reuse counts with.
   the expert with the highest score leads (ties keep the current one). Scores
   decay by half per C sampled references (one turnover of the sampled cache),
   so a workload that changes is followed within a few turnovers.
+- The policy keeps every block's value under every expert's half-life
+  (eviction/attention.py) and orders its tier by the leader's: a switch
+  re-keys the tier's leaves at once (O(resident blocks), a few times per
+  thousand references at most), so it is exact and reversible. A stretch
+  under the wrong expert costs only the evictions made in it, never the
+  counts: with one value per block, switching changed only the decay rate
+  from then on, so counts decayed at 30 s were lost for good and a 2000 s
+  warm-up outlived a hot set that moved (held-out shift draws at 16k: -.02
+  against LRU before, -.002 to -.003 with the re-key; docs, "Every trace").
 - The policy starts with the longest half-life. While the tier still holds
-  everything, the miniatures tie and the start keeps leading. Counts decayed
-  at 30 s or 240 s in that time are lost for good if the workload wants
-  2000 s (scan 16k: -.0071 against LFU starting at 240 s, +.0003 at
-  2000 s). The price is a hot set that moves after the warm-up: its old
-  counts from the 2000 s warm-up outlive the move until the miniatures see
-  it (held-out shift draws at 16k: -.02 against LRU; docs, "Held-out seeds").
-- Switching costs nothing: the policy's time-free keys are log2 V + tau with a
-  clock tau that advances at rate 1 / (half-life of the leader); a switch only
-  changes the rate from then on (values are continuous, no re-keying).
+  everything, the miniatures tie and the start keeps leading.
 
 Constants, and why none needs re-tuning per workload:
 
@@ -162,7 +163,6 @@ class HalfLifeExperts:
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
         self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
-        self.tau = 0.0  # the policy's clock, at the leader's rate
         self._t: float | None = None
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
@@ -180,16 +180,18 @@ class HalfLifeExperts:
         """Each expert's decayed hit count, in hits as of now."""
         return [m.hits / self._weight for m in self.minis]
 
-    def advance(self, t: float) -> float:
-        """Move every clock to time `t` (seconds); the policy's clock tau, in half-lives of the leader."""
+    def advance(self, t: float) -> list[float]:
+        """Move every expert's clock to time `t` (seconds); their clocks, in half-lives of each.
+
+        The clocks start at 0 at the first call and never step back; the policy
+        keeps each block's value under expert i against clock i."""
         last = self._t
         if last is not None and t > last:
             dt = t - last
             for m in self.minis:
                 m.tau += dt / m.half_life_s
-            self.tau += dt / self.half_lives[self.lead]
         self._t = t if last is None or t > last else last
-        return self.tau
+        return [m.tau for m in self.minis]
 
     # -- events (the policy calls advance() first) ---------------------------------
     def inserted(self, key: Key) -> None:
@@ -232,5 +234,5 @@ class HalfLifeExperts:
             self._weight = 1.0
         best = max(range(len(minis)), key=lambda i: (minis[i].hits, i == self.lead))
         if best != self.lead:
-            self.lead = best  # the policy's clock runs at the new half-life from now on
+            self.lead = best  # the policy re-keys its tier to this expert's values (attention.py)
             self.switches += 1

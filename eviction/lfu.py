@@ -119,6 +119,18 @@ class LeafQueues:
         if len(heap) > 2 * self.count[queue] + 1024:
             self._rebuild(queue)
 
+    def rekey(self, prio: dict[Key, object]) -> None:
+        """Give tracked keys new priorities at once (`prio`: key -> priority) and rebuild the
+        heaps from the leaves: O(tracked keys), for a policy that changes its whole order."""
+        self.prio.update(prio)
+        mine = self.prio
+        heaps: dict[str, list] = {queue: [] for queue in self._heaps}
+        for key, token in self._token.items():
+            heaps.setdefault(self.queue[key], []).append((mine[key], token, key))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
+
     def _rebuild(self, queue: str) -> None:
         token = self._token
         heap = [(p, token[k], k) for p, t, k in self._heaps[queue] if token.get(k) == t]
