@@ -21,7 +21,7 @@ Recency is a per-event tick; within a hit chain the tail is touched first.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
@@ -80,7 +80,7 @@ class ARCPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         self._c = max(self._c, len(self._leaves))
         first, second = ("t1", "t2") if self._leaves.count["t1"] > self._p else ("t2", "t1")
-        pending: Counter = Counter()
+        pending: dict = {}
         chosen = self._leaves.pick(first, n_bytes, evictable, pending=pending)
         freed = sum(self._leaves.nbytes[k] for k in chosen)
         if not chosen:  # nothing evictable in the preferred list

@@ -171,7 +171,6 @@ class AttentionPolicy(EvictionPolicy):
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         # key -> (log F per expert, A or None, whether the gate still waits for its first re-reference)
         self._ghost = GhostTable(params.ghost_factor)
-        self._kids: dict[Key, set] = {}  # tracked children, for `value` and the tree rule
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
@@ -181,6 +180,10 @@ class AttentionPolicy(EvictionPolicy):
                          for h in halves]
         self._lead = self.experts.lead if self.experts is not None else 0
         self.rekeys = 0  # switches of the leading expert followed (each re-keys the tier)
+        # Shared, never mutated: the F of a first insert for the current clocks, and C per block shape.
+        self._fresh: tuple[list[float] | None, list[float]] = (None, [])
+        self._costs: dict[tuple[int, int, int], list[float]] = {}
+        self._fixed_taus: tuple[float | None, list[float]] = (None, [])
 
     @property
     def half_life_s(self) -> float:
@@ -196,7 +199,30 @@ class AttentionPolicy(EvictionPolicy):
         """Each expert's clock: time in its half-lives (one clock for a fixed half-life)."""
         if self.experts is not None:
             return self.experts.advance(self.clock())
-        return [self.clock() / self._fixed_h]
+        t = self.clock()
+        if t != self._fixed_taus[0]:
+            self._fixed_taus = (t, [t / self._fixed_h])
+        return self._fixed_taus[1]
+
+    def _first_freq(self, taus: list[float]) -> list[float]:
+        """F of a block's first insert, log2 INSERT_CREDIT + tau_i (one list per clock reading)."""
+        if self._fresh[0] is not taus:
+            lc = math.log2(self.params.insert_credit)
+            self._fresh = (taus, [lc + tau for tau in taus])
+        return self._fresh[1]
+
+    def _block_cost(self, info: BlockInfo) -> list[float]:
+        """log2 (C_b / S_b) under each expert's depth weight, shared between blocks of one shape."""
+        shape = (info.depth, info.block_tokens, info.nbytes)
+        cost = self._costs.get(shape)
+        if cost is None:
+            if len(self._costs) >= 65536:
+                self._costs.clear()
+            p = self.params
+            depth = math.log2(1.0 + info.depth * info.block_tokens / p.attn_context_tokens)
+            size = math.log2(info.block_tokens / max(info.nbytes, 1))
+            cost = self._costs[shape] = [size + dw * depth if dw else size for dw in self._depth_w]
+        return cost
 
     def _follow(self) -> None:
         """After the experts saw an event: if another one leads, order the tier by its values."""
@@ -219,20 +245,30 @@ class AttentionPolicy(EvictionPolicy):
         self._freq[key] = new
         return new
 
-    def value(self, key: Key) -> float:
-        """V_b as a time-free log value, log2 V_b + t/h (compare only against each other).
+    def value(self, key: Key, kids: dict[Key, list] | None = None) -> float:
+        """V_b as a time-free log value, log2 V_b + tau of the leader (compare only against each other).
 
         Internal blocks store only what reached them so far (their own value, the
         chains carried up by hits, children already removed); their full V, the
-        max over the resident subtree, is computed here on demand.
+        max over the resident subtree, is computed here on demand (`kids`: the
+        tracked children of every key, `_children()`; built here when not given).
         """
-        best = self._leaves.prio[key]
-        stack = list(self._kids.get(key, ()))
+        kids = self._children() if kids is None else kids
+        prio = self._leaves.prio
+        best = prio[key]
+        stack = list(kids.get(key, ()))
         while stack:
             child = stack.pop()
-            best = max(best, self._leaves.prio[child])  # type: ignore[type-var]
-            stack.extend(self._kids.get(child, ()))
+            best = max(best, prio[child])  # type: ignore[type-var]
+            stack.extend(kids.get(child, ()))
         return best  # type: ignore[return-value]
+
+    def _children(self) -> dict[Key, list]:
+        kids: dict[Key, list] = {}
+        for key, parent in self._leaves.parent.items():
+            if parent is not None:
+                kids.setdefault(parent, []).append(key)
+        return kids
 
     def attention_weight(self) -> float:
         """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
@@ -245,39 +281,42 @@ class AttentionPolicy(EvictionPolicy):
         w = math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
         return [f + c + w for f, c in zip(freq, self._cost[key])]
 
-    def _lift(self, key: Key, top: list[float]) -> None:
-        """Raise key's values to at least `top` (per expert), the heap if the leader's rose."""
+    def _lift(self, key: Key, top: list[float]) -> bool:
+        """Raise key's values to at least `top` (per expert), the heap if the leader's rose;
+        False if none rose."""
         cur = self._val[key]
-        if all(c >= t for c, t in zip(cur, top)):
-            return
-        new = [c if c >= t else t for c, t in zip(cur, top)]
+        new = [*map(max, cur, top)]
+        if new == cur:
+            return False
         self._val[key] = new
-        if new[self._lead] != cur[self._lead]:
-            self._leaves.update(key, "v", new[self._lead])
+        lead = self._lead
+        if new[lead] != cur[lead]:
+            self._leaves.update(key, "v", new[lead])
+        return True
 
     # -- events -------------------------------------------------------------
     def on_insert(self, info: BlockInfo) -> None:
-        p = self.params
         key = info.key
         taus = self._taus()
         ghost = self._ghost.pop(key, None)
-        if ghost is not None:
+        if ghost is None:
+            freq = self._freq[key] = self._first_freq(taus)
+        else:
             self._freq[key], old_a, waiting = ghost
             if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                 self.gate.hit[old_a >= 0.5] += 1
-        freq = self._credit(key, p.ghost_credit if ghost is not None else p.insert_credit, taus)
+            freq = self._credit(key, self.params.ghost_credit, taus)
         if self.experts is not None:
             self.experts.inserted(key)
             self._follow()
-        depth = 1.0 + info.depth * info.block_tokens / p.attn_context_tokens
-        size = math.log2(info.block_tokens / max(info.nbytes, 1))
-        self._cost[key] = [size + dw * math.log2(depth) if dw else size for dw in self._depth_w]
+        cost = self._cost[key] = self._block_cost(info)
         if info.attention is not None:
             self._set_attention(key, info.attention)
-        own = self._val[key] = self._own(key, freq)
+            own = self._own(key, freq)
+        else:
+            own = [f + c for f, c in zip(freq, cost)]
+        self._val[key] = own
         self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead])  # one heap push, final value
-        if info.parent is not None:
-            self._kids.setdefault(info.parent, set()).add(key)
 
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
@@ -286,29 +325,30 @@ class AttentionPolicy(EvictionPolicy):
             self.experts.accessed(keys)
             self._follow()
         lead = self._lead
+        leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
+        tracked = leaves.queue
+        lc, log2 = math.log2(credit), math.log2
         top: list[float] | None = None
-        leaves, vals = self._leaves, self._val
         for key in reversed(keys):  # tail first, carrying the max up the chain
-            if key not in leaves:
+            if key not in tracked:
                 continue
-            if key in self._unhit:
-                self._unhit.discard(key)
-                self.gate.hit[self._att[key] >= 0.5] += 1
-            own = self._own(key, self._credit(key, credit, taus))
-            cur = vals[key]
-            if top is None:
-                top = [o if o >= c else c for o, c in zip(own, cur)]
+            # F_b <- F_b * 2^(-dt/h_i) + credit under every expert (`_credit`, inline: the hot path)
+            freq = freqs[key] = [lc + tau if f - tau < -60 else log2(2.0 ** (f - tau) + credit) + tau
+                                 for f, tau in zip(freqs[key], taus)]
+            if att and key in att:
+                if key in self._unhit:
+                    self._unhit.discard(key)
+                    self.gate.hit[att[key] >= 0.5] += 1
+                own = self._own(key, freq)
             else:
-                top = [max(o, c, t) for o, c, t in zip(own, cur, top)]
+                own = [f + c for f, c in zip(freq, costs[key])]
+            top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
             leaves.update(key, "v", top[lead])
         if top is not None:
-            parent = leaves.parent.get(keys[0]) if keys[0] in leaves else None
-            while parent is not None and parent in leaves:  # keep parent >= child above the chain
-                if all(c >= t for c, t in zip(vals[parent], top)):
-                    break
-                self._lift(parent, top)
-                parent = leaves.parent.get(parent)
+            parent = leaves.parent.get(keys[0]) if keys[0] in tracked else None
+            while parent is not None and parent in tracked and self._lift(parent, top):
+                parent = leaves.parent.get(parent)  # keep parent >= child above the chain
 
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
@@ -331,25 +371,22 @@ class AttentionPolicy(EvictionPolicy):
         self._att[key] = a
 
     def on_remove(self, key: Key) -> None:
-        if key not in self._leaves:
-            return
         leaves = self._leaves
+        if key not in leaves.queue:
+            return
         parent = leaves.parent[key]
-        if parent is not None:
-            kids = self._kids.get(parent)
-            if kids is not None:
-                kids.discard(key)
-                if not kids:
-                    del self._kids[parent]
-            if parent in leaves:
-                self._lift(parent, self._val[key])  # the tree rule, applied before it becomes a leaf
-        self._kids.pop(key, None)
+        val = self._val.pop(key)
+        if parent is not None and parent in leaves.queue:
+            self._lift(parent, val)  # the tree rule, applied before it becomes a leaf
         leaves.remove(key)
-        del self._cost[key], self._val[key]
-        a = self._att.pop(key, None)
-        waiting = key in self._unhit and a is not None
-        self._unhit.discard(key)
-        self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(self._leaves))
+        del self._cost[key]
+        if self._att:
+            a = self._att.pop(key, None)
+            waiting = key in self._unhit and a is not None
+            self._unhit.discard(key)
+        else:  # no estimates at all (the common case without an attention signal)
+            a, waiting = None, False
+        self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(leaves.queue))
         if self.experts is not None:
             self.experts.removed(key)
 
@@ -359,7 +396,8 @@ class AttentionPolicy(EvictionPolicy):
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
         now = self._taus()[self._lead]
-        return [f"log2 V {self.value(k) - now:+.2f}" if k in self._leaves else None for k in keys]
+        kids = self._children()
+        return [f"log2 V {self.value(k, kids) - now:+.2f}" if k in self._leaves else None for k in keys]
 
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves

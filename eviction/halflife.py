@@ -164,6 +164,7 @@ class HalfLifeExperts:
         credits = (insert_credit, hit_credit, ghost_credit)
         self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
         self._t: float | None = None
+        self._taus = [0.0] * len(self.half_lives)
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
         self._decay_for, self._decay = 0, 1.0  # the weight's growth per reference, for this capacity
@@ -186,12 +187,15 @@ class HalfLifeExperts:
         The clocks start at 0 at the first call and never step back; the policy
         keeps each block's value under expert i against clock i."""
         last = self._t
-        if last is not None and t > last:
+        if last is not None and t <= last:
+            return self._taus
+        if last is not None:
             dt = t - last
             for m in self.minis:
                 m.tau += dt / m.half_life_s
-        self._t = t if last is None or t > last else last
-        return [m.tau for m in self.minis]
+        self._t = t
+        self._taus = [m.tau for m in self.minis]  # a new list per reading: callers may keep it
+        return self._taus
 
     # -- events (the policy calls advance() first) ---------------------------------
     def inserted(self, key: Key) -> None:

@@ -15,7 +15,11 @@ the attention policy. It mirrors the prefix tree as far as the policy sees it
   so non-leaves never reach the top and stale entries are skipped lazily;
 - `pick` returns only keys for which the store's `evictable` is true now, in
   eviction order, and pushes back every live entry it popped, so it changes
-  nothing (the store calls `on_remove` for the victims it takes);
+  nothing (the store calls `on_remove` for the victims it takes). The victims'
+  own entries are kept aside until the next `pick` and pushed back then only
+  if still live: the store removes nearly every victim before asking again,
+  so they would only have been popped again as stale (one push and one pop
+  saved per eviction);
 - `pick` ends its answer after a victim that is the last child of a tracked
   parent, even if it covers less than asked: that parent becomes a leaf once
   the victim is gone and may be the better next victim, so the store (which
@@ -55,6 +59,7 @@ class LeafQueues:
         self._token: dict[Key, int] = {}
         self._heaps: dict[str, list] = {}
         self._tokens = itertools.count()
+        self._lent: list[tuple[str, tuple]] = []  # (queue, heap entry) of the last pick's victims
 
     def __contains__(self, key: Key) -> bool:
         return key in self.queue
@@ -75,7 +80,7 @@ class LeafQueues:
         if parent is not None:
             self.children[parent] += 1
             self._token.pop(parent, None)  # no longer a leaf
-        if self.is_leaf(key):
+        if not self.children.get(key):
             self._push(key)
 
     def update(self, key: Key, queue: str, prio: object) -> None:
@@ -88,7 +93,7 @@ class LeafQueues:
             self.bytes[queue] += nbytes
             self.queue[key] = queue
         self.prio[key] = prio
-        if self.is_leaf(key):
+        if not self.children.get(key):
             self._push(key)
 
     def remove(self, key: Key) -> None:
@@ -124,6 +129,7 @@ class LeafQueues:
         heaps from the leaves: O(tracked keys), for a policy that changes its whole order."""
         self.prio.update(prio)
         mine = self.prio
+        self._lent.clear()  # every live leaf is in the new heaps
         heaps: dict[str, list] = {queue: [] for queue in self._heaps}
         for key, token in self._token.items():
             heaps.setdefault(self.queue[key], []).append((mine[key], token, key))
@@ -144,7 +150,7 @@ class LeafQueues:
         evictable: Callable[[Key], bool],
         exclude: frozenset | set = frozenset(),
         limit: int | None = None,
-        pending: Counter | None = None,
+        pending: dict | None = None,
     ) -> list[Key]:
         """The lowest-priority evictable leaves of `queue` covering `n_bytes`, in eviction order.
 
@@ -154,36 +160,44 @@ class LeafQueues:
         evictable *now*). `pending` counts, per parent, children already named
         by the caller in this round (it is updated).
         """
+        token = self._token
+        if self._lent:  # the last answer's victims the caller did not take
+            for q, entry in self._lent:
+                if token.get(entry[2]) == entry[1]:
+                    heapq.heappush(self._heaps[q], entry)
+            self._lent.clear()
         heap = self._heaps.get(queue)
         if not heap:
             return []
-        token = self._token
-        pending = Counter() if pending is None else pending
+        pending = {} if pending is None else pending
         chosen: list[Key] = []
         held: list = []
+        lent = self._lent
         freed = 0
         while heap and freed < n_bytes and (limit is None or len(chosen) < limit):
             entry = heapq.heappop(heap)
             key = entry[2]
             if token.get(key) != entry[1]:
                 continue  # stale: re-prioritised, no longer a leaf, or gone
-            held.append(entry)
             if key not in exclude and evictable(key):
                 chosen.append(key)
+                lent.append((queue, entry))
                 freed += self.nbytes[key]
                 if self.exposes_parent(key, pending):
                     break
+            else:
+                held.append(entry)
         for entry in held:
             heapq.heappush(heap, entry)
         return chosen
 
-    def exposes_parent(self, key: Key, pending: Counter) -> bool:
+    def exposes_parent(self, key: Key, pending: dict) -> bool:
         """Count `key` as named; true when that names the last child of a tracked parent."""
         parent = self.parent.get(key)
         if parent is None:
             return False
-        pending[parent] += 1
-        return parent in self.queue and pending[parent] >= self.children.get(parent, 0)
+        named = pending[parent] = pending.get(parent, 0) + 1
+        return parent in self.queue and named >= self.children.get(parent, 0)
 
 
 class GhostTable:

@@ -20,7 +20,7 @@ changes only through `on_insert`/`on_remove`.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
@@ -73,7 +73,7 @@ class S3FIFOPolicy(EvictionPolicy):
         leaves, freq = self._leaves, self._freq
         chosen: list[Key] = []
         chosen_set: set = set()
-        pending: Counter = Counter()
+        pending: dict = {}
         freed = small_chosen = 0
         budget = 4 * len(leaves) + 16  # every step moves or picks; freq bounds the moves
         while freed < n_bytes and budget > 0:

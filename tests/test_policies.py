@@ -431,3 +431,32 @@ def test_lfu_resumes_an_evicted_blocks_count_from_its_ghost(ghost_factor, first_
     assert p.victims(1, lambda k: True) == [first_victim]
     with pytest.raises(ValueError):
         LFUPolicy(ghost_factor=-1)
+
+
+@pytest.mark.parametrize("name", ["lfu", "arc", "s3fifo", "attention"])
+def test_victims_the_store_did_not_take_are_named_again(name):
+    """`LeafQueues.pick` keeps its victims' heap entries aside until the next call: the ones the
+    store did not remove must come back, in the same order, and removed ones must not."""
+    clock = FakeClock()
+    p = build(name, clock, {})
+    for i in range(6):
+        clock.now = i
+        p.on_insert(info(f"k{i}", None, 0))
+    first = p.victims(300, lambda k: True)
+    assert first is not None and len(first) == 3
+    assert p.victims(300, lambda k: True) == first  # nothing taken: the same answer
+    p.on_remove(first[0])
+    again = p.victims(300, lambda k: True)
+    assert again[:2] == first[1:] and first[0] not in again
+
+
+def test_leaf_queues_rekey_reorders_every_leaf_at_once():
+    from eviction.lfu import LeafQueues
+
+    q = LeafQueues()
+    for i, (key, parent) in enumerate([("a", None), ("b", "a"), ("c", None), ("d", None)]):
+        q.add(key, parent, 100, "v", i)
+    assert q.pick("v", 300, lambda k: True) == ["b"]  # b (1) exposes a: the answer ends there
+    q.rekey({"a": 9, "b": 8, "c": 2, "d": 1})
+    assert q.pick("v", 300, lambda k: True) == ["d", "c", "b"]  # a is internal: never named
+    assert q.prio["a"] == 9
