@@ -169,7 +169,8 @@ class AttentionPolicy(EvictionPolicy):
         self._val: dict[Key, list[float]] = {}  # log2 V_b + tau_i (own value, tree rule applied)
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
-        # key -> (log F per expert, A or None, whether the gate still waits for its first re-reference)
+        # key -> log F per expert (a list), or for a block that had an estimate a tuple
+        # (log F per expert, A, whether the gate still waits for its first re-reference)
         self._ghost = GhostTable(params.ghost_factor)
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
@@ -302,9 +303,11 @@ class AttentionPolicy(EvictionPolicy):
         if ghost is None:
             freq = self._freq[key] = self._first_freq(taus)
         else:
-            self._freq[key], old_a, waiting = ghost
-            if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
-                self.gate.hit[old_a >= 0.5] += 1
+            if type(ghost) is tuple:
+                ghost, old_a, waiting = ghost
+                if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
+                    self.gate.hit[old_a >= 0.5] += 1
+            self._freq[key] = ghost
             freq = self._credit(key, self.params.ghost_credit, taus)
         if self.experts is not None:
             self.experts.inserted(key)
@@ -380,13 +383,13 @@ class AttentionPolicy(EvictionPolicy):
             self._lift(parent, val)  # the tree rule, applied before it becomes a leaf
         leaves.remove(key)
         del self._cost[key]
-        if self._att:
-            a = self._att.pop(key, None)
-            waiting = key in self._unhit and a is not None
+        freq = self._freq.pop(key)
+        a = self._att.pop(key, None) if self._att else None
+        if a is not None:
+            self._ghost.remember(key, (freq, a, key in self._unhit), len(leaves.queue))
             self._unhit.discard(key)
-        else:  # no estimates at all (the common case without an attention signal)
-            a, waiting = None, False
-        self._ghost.remember(key, (self._freq.pop(key), a, waiting), len(leaves.queue))
+        else:  # no estimate (the common case without an attention signal): the counts alone
+            self._ghost.remember(key, freq, len(leaves.queue))
         if self.experts is not None:
             self.experts.removed(key)
 

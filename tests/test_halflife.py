@@ -79,6 +79,20 @@ def test_a_switch_re_keys_the_tier_exactly_and_back():
     assert p.depth_weight == 0.0  # no depth term under the longest memory
 
 
+def test_the_lead_changes_only_on_a_difference_beyond_two_standard_deviations():
+    """Experts that disagree on 100 references (weight 1 each) differ by noise of sd 10: 15 hits
+    ahead is not enough to take the lead, 25 is; ties and a lead already held change nothing."""
+    ex = HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
+    lead, other = ex.lead, HALF_LIVES_S.index(30.0)
+    ex._apart[lead][other] = ex._apart[other][lead] = 100.0
+    ex.minis[lead].hits, ex.minis[other].hits = 100.0, 115.0
+    ex._decide()
+    assert ex.lead == lead and ex.switches == 0
+    ex.minis[other].hits = 125.0
+    ex._decide()
+    assert ex.lead == other and ex.switches == 1 and ex.half_life_s == 30.0
+
+
 def test_bad_experts_are_refused():
     kw = dict(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
     with pytest.raises(ValueError, match="positive and finite"):
