@@ -155,6 +155,13 @@ class AttentionGate:
         return min(1.0, max(0.0, (r_hi - r_lo) / (r_hi + r_lo)))
 
 
+def _credited(freq: list[float], taus: list[float], credit: float) -> list[float]:
+    """F_b <- F_b * 2^(-dt/h_i) + credit under every expert i, in the time-free log domain
+    (log2 F_b + tau_i); a count decayed below 2^-60 of the credit starts over."""
+    lc, log2 = math.log2(credit), math.log2
+    return [lc + tau if f - tau < -60 else log2(2.0 ** (f - tau) + credit) + tau for f, tau in zip(freq, taus)]
+
+
 class AttentionPolicy(EvictionPolicy):
     name = "attention"
 
@@ -234,18 +241,6 @@ class AttentionPolicy(EvictionPolicy):
             self._leaves.rekey({key: v[lead] for key, v in self._val.items()})
 
     # -- the value --------------------------------------------------------
-    def _credit(self, key: Key, credit: float, taus: list[float]) -> list[float]:
-        """F_b <- F_b * 2^(-dt/h_i) + credit under every expert, in the time-free log domain."""
-        old = self._freq.get(key)
-        lc = math.log2(credit)
-        if old is None:
-            new = [lc + tau for tau in taus]
-        else:
-            new = [lc + tau if f - tau < -60 else math.log2(2.0 ** (f - tau) + credit) + tau
-                   for f, tau in zip(old, taus)]
-        self._freq[key] = new
-        return new
-
     def value(self, key: Key, kids: dict[Key, list] | None = None) -> float:
         """V_b as a time-free log value, log2 V_b + tau of the leader (compare only against each other).
 
@@ -307,8 +302,7 @@ class AttentionPolicy(EvictionPolicy):
                 ghost, old_a, waiting = ghost
                 if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                     self.gate.hit[old_a >= 0.5] += 1
-            self._freq[key] = ghost
-            freq = self._credit(key, self.params.ghost_credit, taus)
+            freq = self._freq[key] = _credited(ghost, taus, self.params.ghost_credit)
         if self.experts is not None:
             self.experts.inserted(key)
             self._follow()
@@ -330,14 +324,11 @@ class AttentionPolicy(EvictionPolicy):
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
         tracked = leaves.queue
-        lc, log2 = math.log2(credit), math.log2
         top: list[float] | None = None
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            # F_b <- F_b * 2^(-dt/h_i) + credit under every expert (`_credit`, inline: the hot path)
-            freq = freqs[key] = [lc + tau if f - tau < -60 else log2(2.0 ** (f - tau) + credit) + tau
-                                 for f, tau in zip(freqs[key], taus)]
+            freq = freqs[key] = _credited(freqs[key], taus, credit)
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)
