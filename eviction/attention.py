@@ -85,7 +85,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import HALF_LIVES_S, HalfLifeExperts
+from eviction.halflife import FORGET_LOG2, HALF_LIVES_S, HalfLifeExperts
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -157,9 +157,10 @@ class AttentionGate:
 
 def _credited(freq: list[float], taus: list[float], credit: float) -> list[float]:
     """F_b <- F_b * 2^(-dt/h_i) + credit under every expert i, in the time-free log domain
-    (log2 F_b + tau_i); a count decayed below 2^-60 of the credit starts over."""
-    lc, log2 = math.log2(credit), math.log2
-    return [lc + tau if f - tau < -60 else log2(2.0 ** (f - tau) + credit) + tau for f, tau in zip(freq, taus)]
+    (log2 F_b + tau_i); a count decayed below 2^FORGET_LOG2 of the credit starts over, as in the
+    experts' miniatures (halflife.MiniCache), which must credit exactly as the policy does."""
+    lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
+    return [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau for f, tau in zip(freq, taus)]
 
 
 class AttentionPolicy(EvictionPolicy):

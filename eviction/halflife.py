@@ -87,6 +87,7 @@ HALF_LIVES_S = (30.0, 240.0, 2000.0)
 SAMPLE_BITS = 3
 SCORE_HALF_TURNOVERS = 0.5
 SWITCH_SIGMAS = 2.0
+FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here and in attention.py)
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
@@ -135,7 +136,7 @@ class MiniCache:
             credit, log_credit = self._credits[0 if old is None else 2]
             if len(values) >= capacity:
                 self._trim(capacity - 1)
-        if old is None or old - tau < -60:
+        if old is None or old - tau < FORGET_LOG2:
             new = log_credit + tau
         else:
             new = _log2(2.0 ** (old - tau) + credit) + tau
