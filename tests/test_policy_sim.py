@@ -55,6 +55,13 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
         variant("x:no_such_field=1")
     with pytest.raises(ValueError, match="positive"):
         variant("x:half_life_s=0")  # AttentionParams' own check
+    label, factory = variant("e4:half_lives=8/30/240/2000,half_life_s=240")  # a tuple field: values joined by /
+    pol = factory(lambda: 0.0)
+    assert pol.experts.half_lives == (8.0, 30.0, 240.0, 2000.0) and pol.half_life_s == 240.0
+    with pytest.raises(ValueError, match="needs numbers joined by"):
+        variant("x:half_lives=8/soon")
+    with pytest.raises(ValueError, match="needs a number or true/false"):
+        variant("x:gate=maybe")
     # Two cells: the variant is above the best baseline in one, below in the other; the oracle takes the better.
     lines = summary({("t", 1): {"lru": 0.5, "arc": 0.6, "a": 0.7, "b": 0.1},
                      ("t", 2): {"lru": 0.5, "arc": 0.4, "a": 0.3, "b": 0.55}})
@@ -65,3 +72,25 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
                  "--variant", "short:half_life_s=5,adapt=false", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "short" in out and "oracle" in out and "cells" in out
+
+
+def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
+    from eviction.replay import expand
+    from tools.bench.policy_sim import segments
+
+    reqs = load("gen:shift", 400)
+    hits: list[int] = []
+    res = simulate(reqs, "lru", 300, hits_out=hits)
+    lines = segments(reqs, {"lru": hits}, 4)
+    rows = [line.split() for line in lines[1:]]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    blocks = [int(r[1]) for r in rows]
+    assert sum(blocks) == sum(len(expand(r, 512)[0]) for r in reqs) == res["blocks"]
+    # the stretches' hits, weighted by their blocks, add up to the whole run's
+    assert sum(b * float(r[2]) for b, r in zip(blocks, rows)) == pytest.approx(res["hit_blocks"], abs=4 * 0.5e-4 * max(blocks))
+    assert len({r[2] for r in rows}) > 1  # the hot set's move shows: the stretches differ
+    assert main(["gen:shift", "--limit", "100", "--capacity-blocks", "50", "--policy", "lru", "--segments", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "in each 1/2 of the requests" in out and len([ln for ln in out.splitlines() if ln.split()[:1] == ["1"]]) == 1
+    with pytest.raises(SystemExit):
+        main(["gen:shift", "--limit", "10", "--policy", "lru", "--segments", "-1"])

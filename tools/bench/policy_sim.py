@@ -30,11 +30,15 @@ follow fails there.
         --variant h30:half_life_s=30 h240:half_life_s=240 --summary
 
 `--variant LABEL:FIELD=VALUE,...` is the attention policy with those
-`AttentionParams` fields changed. `--summary` ends with, per subject, the
+`AttentionParams` fields changed; a tuple field takes its values joined by
+`/` (`e4:half_lives=8/30/240/2000`). `--summary` ends with, per subject, the
 cells (trace x capacity) where it is at or above the best of the classical
 baselines that ran (LRU, LFU, ARC, S3-FIFO), its mean and worst difference to
 that best, and the same for `oracle`: the best subject per cell, i.e. what a
-perfect per-workload choice among the subjects would reach.
+perfect per-workload choice among the subjects would reach. `--segments N`
+adds, per trace and capacity, every subject's block hit ratio in each 1/N
+of the requests, to see *when* one policy gains or loses against another
+(a hot set that moves, a lead that switches late).
 """
 
 from __future__ import annotations
@@ -148,7 +152,15 @@ def variant(spec: str) -> tuple[str, PolicyFactory]:
         if not eq or name not in AttentionParams.__dataclass_fields__:
             raise ValueError(f"variant {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
                              f"{', '.join(AttentionParams.__dataclass_fields__)}")
-        kwargs[name] = value == "true" if value in ("true", "false") else float(value)
+        many = isinstance(AttentionParams.__dataclass_fields__[name].default, tuple)
+        try:
+            if many:
+                kwargs[name] = tuple(float(v) for v in value.split("/"))
+            else:
+                kwargs[name] = value == "true" if value in ("true", "false") else float(value)
+        except ValueError:
+            wanted = "numbers joined by '/'" if many else "a number or true/false"
+            raise ValueError(f"variant {spec!r}: {item!r} needs {wanted}") from None
     params = AttentionParams(**kwargs)  # type: ignore[arg-type]
     return label, lambda clock: AttentionPolicy(clock, params)
 
@@ -171,6 +183,19 @@ def summary(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
     return lines
 
 
+def segments(requests: Sequence[Request], hits: dict[str, list[int]], n: int,
+             block_tokens: int = TRACE_BLOCK_TOKENS) -> list[str]:
+    """Per 1/n of the requests (in order), each subject's block hit ratio there; `hits`: label -> hits per request."""
+    sizes = [len(expand(req, block_tokens)[0]) for req in requests]
+    lines = [f"{'segment':>8s} {'blocks':>8s} " + " ".join(f"{label[:10]:>10s}" for label in hits)]
+    for i in range(n):
+        a, b = i * len(requests) // n, (i + 1) * len(requests) // n
+        blocks = sum(sizes[a:b])
+        lines.append(f"{i:>8d} {blocks:>8d} " + " ".join(
+            f"{sum(h[a:b]) / blocks if blocks else 0.0:>10.4f}" for h in hits.values()))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="Mooncake JSONL trace files or gen:SHAPE[:SEED]")
@@ -182,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
     p.add_argument("--limit", type=int)
     p.add_argument("--json", action="store_true", help="one JSON object per run")
+    p.add_argument("--segments", type=int, default=0, metavar="N",
+                   help="also print each subject's hit ratio in each 1/N of the requests")
     args = p.parse_args(argv)
+    if args.segments < 0:
+        p.error("--segments must be a count of segments (0: none)")
     caps = [int(c) for c in args.capacity_blocks.split(",")]
     subjects: list[tuple[str, str | PolicyFactory]] = [(name, name) for name in args.policy]
     for spec in args.factory:
@@ -197,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], dict[str, float]] = {}
     for trace in args.traces:
         reqs = load(trace, args.limit)
+        per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
         for label, subject in subjects:
             row = []
             for cap in caps:
                 t0 = time.perf_counter()
-                res = simulate(reqs, subject, cap, args.block_tokens)
+                hits = per_request[cap][label] = [] if args.segments else None
+                res = simulate(reqs, subject, cap, args.block_tokens, hits_out=hits)
                 res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
                 if args.json:
                     print(json.dumps(res), flush=True)
@@ -209,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault((trace, cap), {})[label] = res["hit_ratio"]
             if not args.json:
                 print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
+        for cap in caps if args.segments and not args.json else ():
+            print(f"{trace} at {cap} blocks: block hit ratio in each 1/{args.segments} of the requests")
+            print("\n".join(segments(reqs, per_request[cap], args.segments, args.block_tokens)), flush=True)
     if args.summary:
         print("\n".join(summary(results)))
     return 0
