@@ -85,7 +85,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import FORGET_LOG2, HALF_LIVES_S, HalfLifeExperts
+from eviction.halflife import FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -117,6 +117,7 @@ class AttentionParams:
     adapt: bool = True  # False: a fixed half_life_s (the policy before eviction/halflife.py)
     half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt
     depth_off_above_s: float = DEPTH_OFF_ABOVE_S  # adapting: no depth term while a longer half-life leads
+    sample_bits: int = SAMPLE_BITS  # adapting: the experts follow 1 key in 2^sample_bits (0: every key)
 
     def __post_init__(self) -> None:
         if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
@@ -130,6 +131,8 @@ class AttentionParams:
             raise ValueError("credits must be positive and ghost_factor non-negative")
         if self.depth_weight < 0:
             raise ValueError("depth_weight must be non-negative")
+        if type(self.sample_bits) is not int or not 0 <= self.sample_bits <= 16:
+            raise ValueError("sample_bits must be an integer from 0 (every key) to 16")
 
 
 class AttentionGate:
@@ -183,7 +186,8 @@ class AttentionPolicy(EvictionPolicy):
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
-                                        ghost_factor=params.ghost_factor) if params.adapt else None)
+                                        ghost_factor=params.ghost_factor, sample_bits=params.sample_bits)
+                        if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
                          for h in halves]

@@ -62,6 +62,12 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
         variant("x:half_lives=8/soon")
     with pytest.raises(ValueError, match="needs a number or true/false"):
         variant("x:gate=maybe")
+    label, factory = variant("all:sample_bits=0")  # an integer field
+    assert factory(lambda: 0.0).experts.sample_bits == 0
+    with pytest.raises(ValueError, match="needs an integer"):
+        variant("x:sample_bits=1.5")
+    with pytest.raises(ValueError, match="sample_bits must be an integer"):
+        variant("x:sample_bits=17")
     # Two cells: the variant is above the best baseline in one, below in the other; the oracle takes the better.
     lines = summary({("t", 1): {"lru": 0.5, "arc": 0.6, "a": 0.7, "b": 0.1},
                      ("t", 2): {"lru": 0.5, "arc": 0.4, "a": 0.3, "b": 0.55}})

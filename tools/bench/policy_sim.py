@@ -152,14 +152,17 @@ def variant(spec: str) -> tuple[str, PolicyFactory]:
         if not eq or name not in AttentionParams.__dataclass_fields__:
             raise ValueError(f"variant {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
                              f"{', '.join(AttentionParams.__dataclass_fields__)}")
-        many = isinstance(AttentionParams.__dataclass_fields__[name].default, tuple)
+        default = AttentionParams.__dataclass_fields__[name].default
+        many = isinstance(default, tuple)
         try:
             if many:
                 kwargs[name] = tuple(float(v) for v in value.split("/"))
+            elif type(default) is int:
+                kwargs[name] = int(value)
             else:
                 kwargs[name] = value == "true" if value in ("true", "false") else float(value)
         except ValueError:
-            wanted = "numbers joined by '/'" if many else "a number or true/false"
+            wanted = "numbers joined by '/'" if many else "an integer" if type(default) is int else "a number or true/false"
             raise ValueError(f"variant {spec!r}: {item!r} needs {wanted}") from None
     params = AttentionParams(**kwargs)  # type: ignore[arg-type]
     return label, lambda clock: AttentionPolicy(clock, params)
