@@ -87,13 +87,15 @@ def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
     reqs = load("gen:shift", 400)
     hits: list[int] = []
     res = simulate(reqs, "lru", 300, hits_out=hits)
-    lines = segments(reqs, {"lru": hits}, 4)
+    sizes = [len(expand(r, 512)[0]) for r in reqs]
+    lines = segments(sizes, {"lru": hits}, 4)
     rows = [line.split() for line in lines[1:]]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     blocks = [int(r[1]) for r in rows]
-    assert sum(blocks) == sum(len(expand(r, 512)[0]) for r in reqs) == res["blocks"]
+    assert sum(blocks) == sum(sizes) == res["blocks"]
     # the stretches' hits, weighted by their blocks, add up to the whole run's
-    assert sum(b * float(r[2]) for b, r in zip(blocks, rows)) == pytest.approx(res["hit_blocks"], abs=4 * 0.5e-4 * max(blocks))
+    assert sum(b * float(r[2]) for b, r in zip(blocks, rows)) == pytest.approx(
+        res["hit_blocks"], abs=4 * 0.5e-4 * max(blocks))
     assert len({r[2] for r in rows}) > 1  # the hot set's move shows: the stretches differ
     assert main(["gen:shift", "--limit", "100", "--capacity-blocks", "50", "--policy", "lru", "--segments", "2"]) == 0
     out = capsys.readouterr().out

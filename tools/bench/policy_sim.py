@@ -153,16 +153,15 @@ def variant(spec: str) -> tuple[str, PolicyFactory]:
             raise ValueError(f"variant {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
                              f"{', '.join(AttentionParams.__dataclass_fields__)}")
         default = AttentionParams.__dataclass_fields__[name].default
-        many = isinstance(default, tuple)
+        if isinstance(default, tuple):
+            parse, wanted = (lambda v: tuple(float(x) for x in v.split("/"))), "numbers joined by '/'"
+        elif type(default) is int:
+            parse, wanted = int, "an integer"
+        else:
+            parse, wanted = (lambda v: v == "true" if v in ("true", "false") else float(v)), "a number or true/false"
         try:
-            if many:
-                kwargs[name] = tuple(float(v) for v in value.split("/"))
-            elif type(default) is int:
-                kwargs[name] = int(value)
-            else:
-                kwargs[name] = value == "true" if value in ("true", "false") else float(value)
+            kwargs[name] = parse(value)
         except ValueError:
-            wanted = "numbers joined by '/'" if many else "an integer" if type(default) is int else "a number or true/false"
             raise ValueError(f"variant {spec!r}: {item!r} needs {wanted}") from None
     params = AttentionParams(**kwargs)  # type: ignore[arg-type]
     return label, lambda clock: AttentionPolicy(clock, params)
@@ -186,13 +185,13 @@ def summary(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
     return lines
 
 
-def segments(requests: Sequence[Request], hits: dict[str, list[int]], n: int,
-             block_tokens: int = TRACE_BLOCK_TOKENS) -> list[str]:
-    """Per 1/n of the requests (in order), each subject's block hit ratio there; `hits`: label -> hits per request."""
-    sizes = [len(expand(req, block_tokens)[0]) for req in requests]
+def segments(sizes: Sequence[int], hits: dict[str, list[int]], n: int) -> list[str]:
+    """Per 1/n of the requests (in order), each subject's block hit ratio there.
+
+    `sizes`: blocks per request; `hits`: label -> hit blocks per request (`simulate`'s `hits_out`)."""
     lines = [f"{'segment':>8s} {'blocks':>8s} " + " ".join(f"{label[:10]:>10s}" for label in hits)]
     for i in range(n):
-        a, b = i * len(requests) // n, (i + 1) * len(requests) // n
+        a, b = i * len(sizes) // n, (i + 1) * len(sizes) // n
         blocks = sum(sizes[a:b])
         lines.append(f"{i:>8d} {blocks:>8d} " + " ".join(
             f"{sum(h[a:b]) / blocks if blocks else 0.0:>10.4f}" for h in hits.values()))
@@ -229,12 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], dict[str, float]] = {}
     for trace in args.traces:
         reqs = load(trace, args.limit)
+        show_segments = args.segments and not args.json
         per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
         for label, subject in subjects:
             row = []
             for cap in caps:
                 t0 = time.perf_counter()
-                hits = per_request[cap][label] = [] if args.segments else None
+                hits = per_request[cap][label] = [] if show_segments else None
                 res = simulate(reqs, subject, cap, args.block_tokens, hits_out=hits)
                 res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
                 if args.json:
@@ -243,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault((trace, cap), {})[label] = res["hit_ratio"]
             if not args.json:
                 print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
-        for cap in caps if args.segments and not args.json else ():
-            print(f"{trace} at {cap} blocks: block hit ratio in each 1/{args.segments} of the requests")
-            print("\n".join(segments(reqs, per_request[cap], args.segments, args.block_tokens)), flush=True)
+        if show_segments:
+            sizes = [len(expand(req, args.block_tokens)[0]) for req in reqs]  # once per trace, for every capacity
+            for cap in caps:
+                print(f"{trace} at {cap} blocks: block hit ratio in each 1/{args.segments} of the requests")
+                print("\n".join(segments(sizes, per_request[cap], args.segments)), flush=True)
     if args.summary:
         print("\n".join(summary(results)))
     return 0
