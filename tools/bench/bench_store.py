@@ -24,6 +24,7 @@ It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashin
 included, against a store that holds the whole prompt (p50/p90/p99).
 
     python tools/bench/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2] [--no-persistent-host]
+                                      [--policy lru]   # the daemon's eviction policy (default: the config's)
     python tools/bench/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
 """
 
@@ -218,6 +219,9 @@ def main() -> int:
     ap.add_argument("--copy-threads", type=int, default=2, help="the client's copy threads (KVClient copy_threads)")
     ap.add_argument("--no-persistent-host", action="store_true",
                     help="run the daemon without the host placement index (the arena is not kept at stop)")
+    ap.add_argument("--policy", default=None,
+                    help="the daemon's eviction policy (default: the config's, attention); e.g. lru, to see "
+                         "what the default policy's per-block work costs the data path")
     ap.add_argument("--copy-probe", action="store_true",
                     help="only compare memcpy with the store's copy loop against /dev/shm memory, and exit")
     args = ap.parse_args()
@@ -234,6 +238,8 @@ def main() -> int:
     total = args.total_mib * MiB
     with tempfile.TemporaryDirectory() as tmp:
         extra = ("--no-persistent-host",) if args.no_persistent_host else ()
+        if args.policy:
+            extra += ("--policy", args.policy)
         daemon = start_daemon(tmp, *extra, host_bytes=str(total + 640 * MiB), page_bytes="256KiB", admin=False)
         try:
             with KVClient(daemon.socket_path, name="bench", copy_threads=args.copy_threads) as client:
@@ -254,6 +260,7 @@ def main() -> int:
         "batch": args.batch,
         "copy_threads": args.copy_threads,
         "persistent_host": not args.no_persistent_host,
+        "policy": args.policy or "default",
     }
     if args.json:
         print(json.dumps(result))
