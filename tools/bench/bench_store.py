@@ -44,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from eviction.base import policy_names  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tiers.host import copy_bytes  # noqa: E402
@@ -219,7 +220,7 @@ def main() -> int:
     ap.add_argument("--copy-threads", type=int, default=2, help="the client's copy threads (KVClient copy_threads)")
     ap.add_argument("--no-persistent-host", action="store_true",
                     help="run the daemon without the host placement index (the arena is not kept at stop)")
-    ap.add_argument("--policy", default=None,
+    ap.add_argument("--policy", default=None, choices=policy_names(),
                     help="the daemon's eviction policy (default: the config's, attention); e.g. lru, to see "
                          "what the default policy's per-block work costs the data path")
     ap.add_argument("--copy-probe", action="store_true",
