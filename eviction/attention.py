@@ -10,7 +10,9 @@ Value of block b at time t (higher = keep):
   worth less than a hit); between events F decays as 2^(-dt / h).
 - h, the half-life, is chosen online (eviction/halflife.py): experts with
   h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) each replay 1 key in 8 in a
-  miniature cache, and the one that would have hit most leads. Agent loops
+  miniature cache, and the one that would have hit most leads (while the
+  tier has not evicted yet, miniatures of half the size decide: they see a
+  workload change before the tier fills). Agent loops
   end at 30 s (recency), documents queried at random at 2000 s (frequency),
   chat mostly at 240 s (the value the policy was tuned to on the conversation
   trace when h was fixed, `HALF_LIFE_S`). It starts at the longest. No
@@ -85,7 +87,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts
+from eviction.halflife import EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -118,6 +120,7 @@ class AttentionParams:
     half_lives: tuple[float, ...] = HALF_LIVES_S  # the experts, when adapt
     depth_off_above_s: float = DEPTH_OFF_ABOVE_S  # adapting: no depth term while a longer half-life leads
     sample_bits: int = SAMPLE_BITS  # adapting: the experts follow 1 key in 2^sample_bits (0: every key)
+    early_fraction: float = EARLY_FRACTION  # adapting: the early miniatures' size, a share of the tier's (0: none)
 
     def __post_init__(self) -> None:
         if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
@@ -133,6 +136,8 @@ class AttentionParams:
             raise ValueError("depth_weight must be non-negative")
         if type(self.sample_bits) is not int or not 0 <= self.sample_bits <= 16:
             raise ValueError("sample_bits must be an integer from 0 (every key) to 16")
+        if not 0 <= self.early_fraction < 1:
+            raise ValueError("early_fraction must be in [0, 1) (0: no early miniatures)")
 
 
 class AttentionGate:
@@ -186,7 +191,8 @@ class AttentionPolicy(EvictionPolicy):
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
-                                        ghost_factor=params.ghost_factor, sample_bits=params.sample_bits)
+                                        ghost_factor=params.ghost_factor, sample_bits=params.sample_bits,
+                                        early_fraction=params.early_fraction)
                         if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0

@@ -34,6 +34,19 @@ margin, choose the half-life whose values the policy evicts by.
   nearly as good as each other (121 switches on tenants at 1k blocks, where
   the miniatures hold 125 keys, and LFU stayed ahead); with it a clear change
   (the shift trace's new hot set) still moves the lead within a turnover or two.
+- Early evidence. While the tier holds every block it is sent, the
+  miniatures hold every sampled key, hit alike and carry no evidence; a hot
+  set that moves then is seen only once the tier evicts, and the lead followed
+  it 1.3-1.5 fiftieths of the trace late (shift at 16k blocks lost .003-.006
+  to LRU in five draws). So every expert also runs a second miniature of
+  `EARLY_FRACTION` = 0.5 of the size, over the same sampled references,
+  scored and tested the same way. It evicts before the tier does and shows
+  which memory wins at the nearest smaller size. Its test can move the lead
+  only while the full-size miniatures have fewer than `EARLY_EVIDENCE` = 4
+  (decayed, weighted) disagreements between the leader and any other expert:
+  before the tier's first evictions, or after a long spell without any. Where
+  the tier evicts from the start (scan), the full-size ones have that evidence
+  within a turnover and decide as before.
 - The policy keeps every block's value under every expert's half-life
   (eviction/attention.py) and orders its tier by the leader's: a switch
   re-keys the tier's leaves at once (O(resident blocks), a few times per
@@ -71,6 +84,19 @@ Constants, and why none needs re-tuning per workload:
   setting: its units are the experts' own disagreements, whatever the tier's
   size, the request rate or the sampling rate, and the window is counted in
   turnovers of the sampled cache, not in seconds.
+- `EARLY_FRACTION` = 0.5 and `EARLY_EVIDENCE` = 4 (session 13; 21 main cells /
+  30 held-out of seeds 7-8 / 30 of seeds 9-10, cells at or above the best
+  baseline and worst margin): without early miniatures 16, -.0031 / 20, -.0061
+  / 20, -.0060; with them 17, -.0009 / 20, -.0059 / 20, -.0030 (shift 16k in
+  the five draws: +.0004, -.0011, -.0011, -.0007, -.0006; synthetic 1k, lost
+  to ARC before, +.0013). A quarter of the size: 17, -.0044 / 19 (synthetic
+  1k falls); three quarters: 16, -.0034 / 20 (the move is seen too late:
+  shift 16k -.0012); heard up to 16 disagreements: 17, -.0017 / 20, -.0075
+  (they overrule a full-size order that has begun to show: scan 4k, agentic
+  1k); up to 1: 14, -.0034 / 20. Both are in the experts' own units: a share
+  of the tier's size and a count of their disagreements. The early
+  miniatures double the experts' work, on the sampled keys only
+  (docs/benchmarks.md, "Early evidence").
 """
 
 from __future__ import annotations
@@ -87,6 +113,8 @@ HALF_LIVES_S = (30.0, 240.0, 2000.0)
 SAMPLE_BITS = 3
 SCORE_HALF_TURNOVERS = 0.5
 SWITCH_SIGMAS = 2.0
+EARLY_FRACTION = 0.5
+EARLY_EVIDENCE = 4.0
 FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here and in attention.py)
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
@@ -163,14 +191,27 @@ class MiniCache:
             ghost.popitem(last=False)
 
 
+def _count_apart(apart: list[list[float]], hits: list[bool], weight: float) -> None:
+    """A disagreement (one expert hit, another missed): every pair that split counts weight^2."""
+    if any(hits) and not all(hits):
+        w2 = weight * weight
+        for i, hit in enumerate(hits):
+            for j in range(i + 1, len(hits)):
+                if hits[j] != hit:
+                    apart[i][j] += w2
+                    apart[j][i] += w2
+
+
 class HalfLifeExperts:
     """The miniature caches, the sampled keys the policy holds, and the choice of the leader."""
 
     def __init__(self, half_lives: Sequence[float] = HALF_LIVES_S, start: float | None = None, *,
                  insert_credit: float, hit_credit: float, ghost_credit: float, ghost_factor: float,
-                 sample_bits: int = SAMPLE_BITS) -> None:
+                 sample_bits: int = SAMPLE_BITS, early_fraction: float = EARLY_FRACTION) -> None:
         if not half_lives or min(half_lives) <= 0 or not all(math.isfinite(h) for h in half_lives):
             raise ValueError("half_lives must be positive and finite")
+        if not 0 <= early_fraction < 1:
+            raise ValueError("early_fraction must be in [0, 1) (0: no early miniatures)")
         self.half_lives = tuple(float(h) for h in half_lives)
         start = max(self.half_lives) if start is None else start
         if start not in self.half_lives:
@@ -179,6 +220,9 @@ class HalfLifeExperts:
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
         self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
+        # The same experts at early_fraction of the size: heard while the full-size ones have no evidence.
+        self.early_fraction = early_fraction
+        self.early = [MiniCache(h, credits, ghost_factor) for h in self.half_lives] if early_fraction else []
         self._t: float | None = None
         self._taus = [0.0] * len(self.half_lives)
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
@@ -188,7 +232,9 @@ class HalfLifeExperts:
         n = len(self.half_lives)
         # [i][j]: sum of w^2 over references where experts i and j disagreed (one hit, one missed)
         self._apart = [[0.0] * n for _ in range(n)]
+        self._apart_early = [[0.0] * n for _ in range(n)]  # the same, between the early miniatures
         self.switches = 0
+        self.early_switches = 0  # of the switches, those the early miniatures made
         self.led = [0] * len(self.half_lives)  # sampled references seen while each expert led
 
     @property
@@ -211,6 +257,8 @@ class HalfLifeExperts:
         if last is not None:
             dt = t - last
             for m in self.minis:
+                m.tau += dt / m.half_life_s
+            for m in self.early:
                 m.tau += dt / m.half_life_s
         self._t = t
         self._taus = [m.tau for m in self.minis]  # a new list per reading: callers may keep it
@@ -238,14 +286,10 @@ class HalfLifeExperts:
     def _reference(self, key: Key) -> None:
         capacity = len(self._held) or 1
         weight = self._weight
-        hits = [m.reference(key, capacity, weight) for m in self.minis]
-        if any(hits) and not all(hits):  # a disagreement: the pairs that split count it
-            w2, apart = weight * weight, self._apart
-            for i, hit in enumerate(hits):
-                for j in range(i + 1, len(hits)):
-                    if hits[j] != hit:
-                        apart[i][j] += w2
-                        apart[j][i] += w2
+        if self.early:
+            small = max(1, int(capacity * self.early_fraction))
+            _count_apart(self._apart_early, [m.reference(key, small, weight) for m in self.early], weight)
+        _count_apart(self._apart, [m.reference(key, capacity, weight) for m in self.minis], weight)
         if capacity != self._decay_for:  # scores halve per SCORE_HALF_TURNOVERS x capacity references
             self._decay_for, self._decay = capacity, 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
         self._weight = weight * self._decay
@@ -256,15 +300,28 @@ class HalfLifeExperts:
             self._decide()
 
     def _decide(self) -> None:
-        minis = self.minis
         if self._weight > 1e100:  # renormalise; only the scores' order and ratios matter
             w = self._weight
-            for m in minis:
+            for m in self.minis + self.early:
                 m.hits /= w
             self._apart = [[x / (w * w) for x in row] for row in self._apart]
+            self._apart_early = [[x / (w * w) for x in row] for row in self._apart_early]
             self._weight = 1.0
+        if self._switch(self.minis, self._apart):
+            return
+        lead = self.lead
+        evidence = max((x for j, x in enumerate(self._apart[lead]) if j != lead), default=0.0)
+        if self.early and evidence < EARLY_EVIDENCE * self._weight * self._weight:
+            if self._switch(self.early, self._apart_early):  # no evidence at full size (yet, or any more)
+                self.early_switches += 1
+
+    def _switch(self, minis: list[MiniCache], apart: list[list[float]]) -> bool:
+        """Give the lead to the expert scoring highest in `minis`, if it is ahead of the leader by
+        more than SWITCH_SIGMAS standard deviations of their difference; whether it did."""
         lead = self.lead
         best = max(range(len(minis)), key=lambda i: (minis[i].hits, i == lead))
-        if best != lead and minis[best].hits - minis[lead].hits > SWITCH_SIGMAS * self._apart[best][lead] ** 0.5:
+        if best != lead and minis[best].hits - minis[lead].hits > SWITCH_SIGMAS * apart[best][lead] ** 0.5:
             self.lead = best  # the policy re-keys its tier to this expert's values (attention.py)
             self.switches += 1
+            return True
+        return False

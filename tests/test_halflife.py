@@ -154,3 +154,45 @@ def test_a_miniature_scores_a_hit_only_for_a_key_it_still_holds():
     assert m.reference("b", 2, 1.0) is False and set(m.values) == {"a", "b"}  # back from the ghost; c (lowest) goes
     assert m.reference("c", 2, 1.0) is False and set(m.values) == {"b", "c"}  # b resumed 0.5/1024 + 1 > a's 1.5/1024
     assert m.hits == 1.0 and list(m.ghost) == ["a"]
+
+
+def test_the_early_miniatures_are_heard_only_while_the_full_size_ones_have_no_evidence():
+    """The same experts at half the tier's size evict before the tier does. A clear lead among them
+    (2.5 sd) moves the lead while the full-size miniatures have fewer than EARLY_EVIDENCE disagreements
+    with the leader; with more, only the full-size ones decide. early_fraction=0: no early miniatures."""
+    from eviction.halflife import EARLY_EVIDENCE
+
+    ex = HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
+    lead, other = ex.lead, HALF_LIVES_S.index(30.0)
+    assert len(ex.early) == len(ex.minis) and ex.early_fraction == 0.5
+    ex._apart_early[lead][other] = ex._apart_early[other][lead] = 100.0
+    ex.early[lead].hits, ex.early[other].hits = 100.0, 125.0
+    ex._apart[lead][other] = ex._apart[other][lead] = EARLY_EVIDENCE  # a tie at full size, with evidence
+    ex._decide()
+    assert ex.lead == lead and ex.switches == 0
+    ex._apart[lead][other] = ex._apart[other][lead] = EARLY_EVIDENCE - 1  # too little to go on
+    ex._decide()
+    assert ex.lead == other and ex.switches == ex.early_switches == 1
+    off = HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0, early_fraction=0)
+    assert off.early == []
+    with pytest.raises(ValueError, match="early_fraction"):
+        AttentionParams(early_fraction=1.0)
+
+
+def test_early_evidence_follows_a_hot_set_that_moves_and_keeps_a_scan_on_frequency():
+    """Shift at 16k blocks: the tier first evicts after the hot set moved; the early miniatures have
+    seen the move by then, so the lead leaves 2000 s sooner (negative control: early_fraction=0, the
+    session-9 policy, which lost this cell to LRU). Scan at 16k: they change nothing that costs."""
+    def run(shape, **kw):
+        made: list[AttentionPolicy] = []
+        res = simulate(load(shape), lambda clock: made.append(AttentionPolicy(clock, AttentionParams(**kw)))
+                       or made[-1], 16000)
+        return res["hit_ratio"], made[0].experts
+
+    early, ex = run("gen:shift")
+    late, _ = run("gen:shift", early_fraction=0.0)
+    lru = simulate(load("gen:shift"), "lru", 16000)["hit_ratio"]
+    assert ex.early_switches > 0 and early > late + 0.002 and early >= lru, (early, late, lru)
+    scan, _ = run("gen:scan")
+    scan_late, _ = run("gen:scan", early_fraction=0.0)
+    assert scan >= scan_late, (scan, scan_late)
