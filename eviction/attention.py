@@ -87,7 +87,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts
+from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
+                               check_early_fraction)
 from eviction.lfu import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -136,8 +137,7 @@ class AttentionParams:
             raise ValueError("depth_weight must be non-negative")
         if type(self.sample_bits) is not int or not 0 <= self.sample_bits <= 16:
             raise ValueError("sample_bits must be an integer from 0 (every key) to 16")
-        if not 0 <= self.early_fraction < 1:
-            raise ValueError("early_fraction must be in [0, 1) (0: no early miniatures)")
+        check_early_fraction(self.early_fraction)
 
 
 class AttentionGate:

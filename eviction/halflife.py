@@ -142,7 +142,7 @@ class MiniCache:
 
     def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float) -> None:
         self.half_life_s = half_life_s
-        self.tau = 0.0  # this expert's clock: seconds / half_life_s
+        self.tau = 0.0  # this expert's clock: seconds / half_life_s (an early one's: set before each reference)
         self.values: dict[Key, float] = {}  # held key -> time-free log2 F
         self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
         self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
@@ -191,6 +191,12 @@ class MiniCache:
             ghost.popitem(last=False)
 
 
+def check_early_fraction(early_fraction: float) -> None:
+    """ValueError unless `early_fraction` is in [0, 1) (AttentionParams checks it at construction too)."""
+    if not 0 <= early_fraction < 1:
+        raise ValueError("early_fraction must be in [0, 1) (0: no early miniatures)")
+
+
 def _count_apart(apart: list[list[float]], hits: list[bool], weight: float) -> None:
     """A disagreement (one expert hit, another missed): every pair that split counts weight^2."""
     if any(hits) and not all(hits):
@@ -210,8 +216,7 @@ class HalfLifeExperts:
                  sample_bits: int = SAMPLE_BITS, early_fraction: float = EARLY_FRACTION) -> None:
         if not half_lives or min(half_lives) <= 0 or not all(math.isfinite(h) for h in half_lives):
             raise ValueError("half_lives must be positive and finite")
-        if not 0 <= early_fraction < 1:
-            raise ValueError("early_fraction must be in [0, 1) (0: no early miniatures)")
+        check_early_fraction(early_fraction)
         self.half_lives = tuple(float(h) for h in half_lives)
         start = max(self.half_lives) if start is None else start
         if start not in self.half_lives:
@@ -258,8 +263,6 @@ class HalfLifeExperts:
             dt = t - last
             for m in self.minis:
                 m.tau += dt / m.half_life_s
-            for m in self.early:
-                m.tau += dt / m.half_life_s
         self._t = t
         self._taus = [m.tau for m in self.minis]  # a new list per reading: callers may keep it
         return self._taus
@@ -286,7 +289,9 @@ class HalfLifeExperts:
     def _reference(self, key: Key) -> None:
         capacity = len(self._held) or 1
         weight = self._weight
-        if self.early:
+        if self.early:  # same clocks as the full-size miniatures, set here: advance() runs on every event
+            for m, tau in zip(self.early, self._taus):
+                m.tau = tau
             small = max(1, int(capacity * self.early_fraction))
             _count_apart(self._apart_early, [m.reference(key, small, weight) for m in self.early], weight)
         _count_apart(self._apart, [m.reference(key, capacity, weight) for m in self.minis], weight)
@@ -307,12 +312,12 @@ class HalfLifeExperts:
             self._apart = [[x / (w * w) for x in row] for row in self._apart]
             self._apart_early = [[x / (w * w) for x in row] for row in self._apart_early]
             self._weight = 1.0
-        if self._switch(self.minis, self._apart):
+        if self._switch(self.minis, self._apart) or not self.early:
             return
         lead = self.lead
         evidence = max((x for j, x in enumerate(self._apart[lead]) if j != lead), default=0.0)
-        if self.early and evidence < EARLY_EVIDENCE * self._weight * self._weight:
-            if self._switch(self.early, self._apart_early):  # no evidence at full size (yet, or any more)
+        if evidence < EARLY_EVIDENCE * self._weight * self._weight:  # none at full size (yet, or any more)
+            if self._switch(self.early, self._apart_early):
                 self.early_switches += 1
 
     def _switch(self, minis: list[MiniCache], apart: list[list[float]]) -> bool:

@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if not subjects:
         p.error("give --policy, --factory and/or --variant")
     results: dict[tuple[str, int], dict[str, float]] = {}
+    show_segments = args.segments and not args.json
     for trace in args.traces:
         reqs = load(trace, args.limit)
-        show_segments = args.segments and not args.json
         per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
         for label, subject in subjects:
             row = []
