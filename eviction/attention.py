@@ -298,26 +298,34 @@ class AttentionPolicy(EvictionPolicy):
         self._val[key] = new
         lead = self._lead
         if new[lead] != cur[lead]:
-            self._leaves.update(key, "v", new[lead])
+            self._leaves.reprioritise(key, new[lead])
         return True
 
     # -- events -------------------------------------------------------------
     def on_insert(self, info: BlockInfo) -> None:
-        key = info.key
+        self._insert(info, self._taus())
+
+    def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
+        """Blocks committed together: one clock reading for all (the store's commit)."""
         taus = self._taus()
+        for info in infos:
+            self._insert(info, taus)
+
+    def _insert(self, info: BlockInfo, taus: list[float]) -> None:
+        key = info.key
         ghost = self._ghost.pop(key, None)
         if ghost is None:
-            freq = self._freq[key] = self._first_freq(taus)
+            freq = self._first_freq(taus)
         else:
             if type(ghost) is tuple:
                 ghost, old_a, waiting = ghost
                 if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                     self.gate.hit[old_a >= 0.5] += 1
-            freq = self._freq[key] = _credited(ghost, taus, self.params.ghost_credit)
-        if self.experts is not None:
-            self.experts.inserted(key)
+            freq = _credited(ghost, taus, self.params.ghost_credit)
+        self._freq[key] = freq
+        if self.experts is not None and self.experts.inserted(key):
             self._follow()
-        cost = self._cost[key] = self._block_cost(info)
+        cost = self._cost[key] = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
         if info.attention is not None:
             self._set_attention(key, info.attention)
             own = self._own(key, freq)
@@ -329,17 +337,19 @@ class AttentionPolicy(EvictionPolicy):
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
         taus = self._taus()
-        if self.experts is not None:
-            self.experts.accessed(keys)
+        if self.experts is not None and self.experts.accessed(keys):
             self._follow()
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
-        tracked = leaves.queue
+        tracked, reprioritise = leaves.queue, leaves.reprioritise
+        lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            freq = freqs[key] = _credited(freqs[key], taus, credit)
+            # _credited, inlined (the policy's hottest loop)
+            freq = freqs[key] = [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
+                                 for f, tau in zip(freqs[key], taus)]
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)
@@ -349,7 +359,7 @@ class AttentionPolicy(EvictionPolicy):
                 own = [f + c for f, c in zip(freq, costs[key])]
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
-            leaves.update(key, "v", top[lead])
+            reprioritise(key, top[lead])
         if top is not None:
             parent = leaves.parent.get(keys[0]) if keys[0] in tracked else None
             while parent is not None and parent in tracked and self._lift(parent, top):

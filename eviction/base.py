@@ -3,7 +3,8 @@
 One policy instance serves one tier. The store calls:
 
 - `on_insert(info)` when a committed block enters the tier (a put, a
-  demotion into it, or a promotion into it);
+  demotion into it, or a promotion into it); `on_insert_many(infos)` for the
+  blocks of one commit (by default, `on_insert` for each);
 - `on_access(keys)` when a chain of blocks is hit (acquired), keys root first;
 - `on_remove(key)` when a block leaves the tier (evicted, demoted, promoted, dropped);
 - `on_feedback(key, attention)` for an attention estimate that arrives after the block was
@@ -56,6 +57,12 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def on_insert(self, info: BlockInfo) -> None: ...
+
+    def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
+        """`on_insert` for blocks that entered the tier together (one commit), in order; a policy may
+        read its clock once for all of them."""
+        for info in infos:
+            self.on_insert(info)
 
     @abstractmethod
     def on_access(self, keys: Sequence[Key]) -> None: ...

@@ -120,6 +120,7 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
 _heappush = heapq.heappush
+_heappop = heapq.heappop
 
 
 def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
@@ -142,7 +143,7 @@ class MiniCache:
 
     def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float) -> None:
         self.half_life_s = half_life_s
-        self.tau = 0.0  # this expert's clock: seconds / half_life_s (an early one's: set before each reference)
+        self.tau = 0.0  # this expert's clock: seconds / half_life_s, set before each reference
         self.values: dict[Key, float] = {}  # held key -> time-free log2 F
         self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
         self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
@@ -160,9 +161,22 @@ class MiniCache:
             self.hits += weight
             credit, log_credit = self._credits[1]
         else:
-            old = self.ghost.pop(key, None)
+            ghost = self.ghost
+            old = ghost.pop(key, None)
             credit, log_credit = self._credits[0 if old is None else 2]
-            if len(values) >= capacity:
+            if len(values) == capacity:  # full: the lowest count goes (_trim's usual case, inlined)
+                heap = self._heap
+                while heap:
+                    f, _, k = _heappop(heap)
+                    if values.get(k) == f:
+                        del values[k]
+                        ghost[k] = f
+                        break
+                if len(ghost) > self._ghost_factor * capacity:
+                    ghost.popitem(last=False)
+                    while len(ghost) > self._ghost_factor * capacity:
+                        ghost.popitem(last=False)
+            elif len(values) > capacity:  # the tier shrank
                 self._trim(capacity - 1)
         if old is None or old - tau < FORGET_LOG2:
             new = log_credit + tau
@@ -199,7 +213,7 @@ def check_early_fraction(early_fraction: float) -> None:
 
 def _count_apart(apart: list[list[float]], hits: list[bool], weight: float) -> None:
     """A disagreement (one expert hit, another missed): every pair that split counts weight^2."""
-    if any(hits) and not all(hits):
+    if True in hits and False in hits:
         w2 = weight * weight
         for i, hit in enumerate(hits):
             for j in range(i + 1, len(hits)):
@@ -259,28 +273,31 @@ class HalfLifeExperts:
         last = self._t
         if last is not None and t <= last:
             return self._taus
-        if last is not None:
+        if last is not None:  # a new list per reading: callers may keep it
             dt = t - last
-            for m in self.minis:
-                m.tau += dt / m.half_life_s
+            self._taus = [tau + dt / h for tau, h in zip(self._taus, self.half_lives)]
         self._t = t
-        self._taus = [m.tau for m in self.minis]  # a new list per reading: callers may keep it
         return self._taus
 
     # -- events (the policy calls advance() first) ---------------------------------
-    def inserted(self, key: Key) -> None:
-        """`key` entered the tier: a reference the tier missed."""
+    def inserted(self, key: Key) -> bool:
+        """`key` entered the tier: a reference the tier missed. Whether the experts follow it (only
+        then can the lead change)."""
         if not sampled(key, self.sample_bits) or key in self._held:
-            return
+            return False
         self._held.add(key)
         self._reference(key)
+        return True
 
-    def accessed(self, keys: Sequence[Key]) -> None:
-        """A hit on the held `keys` (others are ignored: they reach `inserted` when committed)."""
-        held = self._held
+    def accessed(self, keys: Sequence[Key]) -> bool:
+        """A hit on the held `keys` (others are ignored: they reach `inserted` when committed).
+        Whether the experts followed any of them."""
+        held, seen = self._held, False
         for key in keys:
             if key in held:
                 self._reference(key)
+                seen = True
+        return seen
 
     def removed(self, key: Key) -> None:
         self._held.discard(key)
@@ -289,12 +306,19 @@ class HalfLifeExperts:
     def _reference(self, key: Key) -> None:
         capacity = len(self._held) or 1
         weight = self._weight
-        if self.early:  # same clocks as the full-size miniatures, set here: advance() runs on every event
-            for m, tau in zip(self.early, self._taus):
+        taus = self._taus  # every miniature's clock is set here, not on every event (advance())
+        for m, tau in zip(self.minis, taus):
+            m.tau = tau
+        if self.early:
+            for m, tau in zip(self.early, taus):
                 m.tau = tau
             small = max(1, int(capacity * self.early_fraction))
-            _count_apart(self._apart_early, [m.reference(key, small, weight) for m in self.early], weight)
-        _count_apart(self._apart, [m.reference(key, capacity, weight) for m in self.minis], weight)
+            hits = [m.reference(key, small, weight) for m in self.early]
+            if True in hits and False in hits:
+                _count_apart(self._apart_early, hits, weight)
+        hits = [m.reference(key, capacity, weight) for m in self.minis]
+        if True in hits and False in hits:
+            _count_apart(self._apart, hits, weight)
         if capacity != self._decay_for:  # scores halve per SCORE_HALF_TURNOVERS x capacity references
             self._decay_for, self._decay = capacity, 2.0 ** (1.0 / (SCORE_HALF_TURNOVERS * capacity))
         self._weight = weight * self._decay

@@ -77,11 +77,18 @@ class LeafQueues:
         self.queue[key], self.prio[key], self.nbytes[key], self.parent[key] = queue, prio, nbytes, parent
         self.count[queue] += 1
         self.bytes[queue] += nbytes
+        children = self.children
         if parent is not None:
-            self.children[parent] += 1
+            children[parent] += 1
             self._token.pop(parent, None)  # no longer a leaf
-        if not self.children.get(key):
-            self._push(key)
+        if key not in children:  # a leaf (the Counter holds no zero counts): _push, inlined
+            token = self._token[key] = next(self._tokens)
+            heap = self._heaps.get(queue)
+            if heap is None:
+                heap = self._heaps[queue] = []
+            heapq.heappush(heap, (prio, token, key))
+            if len(heap) > 2 * self.count[queue] + 1024:
+                self._rebuild(queue)
 
     def update(self, key: Key, queue: str, prio: object) -> None:
         old = self.queue[key]
@@ -93,8 +100,19 @@ class LeafQueues:
             self.bytes[queue] += nbytes
             self.queue[key] = queue
         self.prio[key] = prio
-        if not self.children.get(key):
+        if key not in self.children:
             self._push(key)
+
+    def reprioritise(self, key: Key, prio: object) -> None:
+        """`update` for a key that stays in its queue (the attention policy's hits)."""
+        self.prio[key] = prio
+        if key not in self.children:
+            token = self._token[key] = next(self._tokens)
+            queue = self.queue[key]
+            heap = self._heaps[queue]
+            heapq.heappush(heap, (prio, token, key))
+            if len(heap) > 2 * self.count[queue] + 1024:
+                self._rebuild(queue)
 
     def remove(self, key: Key) -> None:
         queue = self.queue.pop(key, None)
@@ -107,19 +125,21 @@ class LeafQueues:
         self._token.pop(key, None)
         parent = self.parent.pop(key)
         if parent is not None:
-            left = self.children[parent] - 1
+            children = self.children
+            left = children[parent] - 1
             if left > 0:
-                self.children[parent] = left
+                children[parent] = left
             else:
-                del self.children[parent]
+                children.pop(parent)  # (Counter's `del` is a Python-level method)
                 if parent in self.queue:
                     self._push(parent)  # it just became a leaf
 
     def _push(self, key: Key) -> None:
-        token = next(self._tokens)
-        self._token[key] = token
+        token = self._token[key] = next(self._tokens)
         queue = self.queue[key]
-        heap = self._heaps.setdefault(queue, [])
+        heap = self._heaps.get(queue)
+        if heap is None:
+            heap = self._heaps[queue] = []
         heapq.heappush(heap, (self.prio[key], token, key))
         if len(heap) > 2 * self.count[queue] + 1024:
             self._rebuild(queue)

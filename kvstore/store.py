@@ -382,25 +382,29 @@ class TieredStore(Removal, Placement):
                                f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
         now = self.clock()
         stamp = self.wall_clock()
-        for i, h in enumerate(hashes):
-            e = self.entries[(ns_id, h)]
-            e.committed = True
-            e.owner = None
-            e.last_access = now
-            self.reserved_by_owner[owner].discard(e.key)
-            self.waits.committed(e.key)
-            if attention is not None:
-                e.attention = float(attention[i])
-            if tokens is not None and self.events is not None:
-                e.tokens = tokens[i]
-            self.policies[e.tier].on_insert(
-                BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention)
-            )
-            if self.events is not None:
-                self.events.stored(e, e.tier)
-            tier = self.tiers[e.tier]
-            if tier.persistent:
-                tier.placed(e.location, self.block_meta(e, stamp))
+        inserted: dict[str, list[BlockInfo]] = {}  # per tier, for its policy: one call per commit
+        try:
+            for i, h in enumerate(hashes):
+                e = self.entries[(ns_id, h)]
+                e.committed = True
+                e.owner = None
+                e.last_access = now
+                self.reserved_by_owner[owner].discard(e.key)
+                self.waits.committed(e.key)
+                if attention is not None:
+                    e.attention = float(attention[i])
+                if tokens is not None and self.events is not None:
+                    e.tokens = tokens[i]
+                inserted.setdefault(e.tier, []).append(
+                    BlockInfo(e.key, e.parent, e.depth, e.nbytes, ns.block_tokens, e.attention))
+                if self.events is not None:
+                    self.events.stored(e, e.tier)
+                tier = self.tiers[e.tier]
+                if tier.persistent:
+                    tier.placed(e.location, self.block_meta(e, stamp))
+        finally:  # every block marked committed reaches its policy, even if a tier's record failed
+            for tier_name, infos in inserted.items():
+                self.policies[tier_name].on_insert_many(infos)
         self.counters["put_blocks"] += len(hashes)
         if self.sharing is not None:
             self.sharing.on_commit([(ns_id, h) for h in hashes])

@@ -460,3 +460,53 @@ def test_leaf_queues_rekey_reorders_every_leaf_at_once():
     q.rekey({"a": 9, "b": 8, "c": 2, "d": 1})
     assert q.pick("v", 300, lambda k: True) == ["d", "c", "b"]  # a is internal: never named
     assert q.prio["a"] == 9
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "arc", "s3fifo", "attention", "attention, every key sampled"])
+def test_insert_many_is_inserts_at_one_clock_reading(name):
+    """The store hands a policy the blocks of one commit in one call (`on_insert_many`); that must be
+    one `on_insert` each with the clock standing still, whatever the policy does with the clock."""
+    rng = random.Random(5)
+    clocks = (FakeClock(), FakeClock())
+    if name.startswith("attention"):  # every key followed by the experts: their lead moves, the tier is re-keyed
+        params = AttentionParams(sample_bits=0 if "every" in name else AttentionParams().sample_bits)
+        one, many = (AttentionPolicy(c, params) for c in clocks)
+    else:
+        one, many = (make_policy(name, clock=c) for c in clocks)
+    model, next_key, hot = Model(), 0, []
+    for step in range(700):
+        for c in clocks:
+            c.now = step * 3.0
+        if step == 350:
+            hot = []  # the hot set moves: a long memory stops paying
+        if rng.random() < 0.5 or not model.parent:
+            parent = rng.choice(model.leaves()) if model.parent and rng.random() < 0.5 else None
+            depth = len(model.chain(parent)) if parent is not None else 0
+            chain = []
+            for _ in range(rng.randint(1, 6)):
+                chain.append(info(next_key, parent, depth, nbytes=rng.choice([100, 200])))
+                model.parent[next_key] = parent
+                parent, depth, next_key = next_key, depth + 1, next_key + 1
+            for block in chain:
+                one.on_insert(block)
+            many.on_insert_many(chain)
+            if len(hot) < 8:
+                hot.append(parent)
+        else:
+            key = rng.choice(hot) if hot and rng.random() < 0.7 and hot[-1] in model.parent else None
+            key = key if key in model.parent else rng.choice(list(model.parent))
+            for p in (one, many):
+                p.on_access(model.chain(key))
+        while len(model.parent) > 60:
+            leaves = set(model.leaves())
+            got = one.victims(150, lambda k: k in leaves)
+            assert got and many.victims(150, lambda k: k in leaves) == got
+            for victim in got:
+                one.on_remove(victim)
+                many.on_remove(victim)
+                del model.parent[victim]
+                hot = [k for k in hot if k != victim]
+    keys = list(model.parent)
+    assert one.describe(keys) == many.describe(keys) and len(one) == len(many) == len(keys)
+    if name == "attention, every key sampled":
+        assert one.rekeys == many.rekeys > 0  # the batch path followed the same switches
