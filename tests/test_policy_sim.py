@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from eviction.base import policy_names
@@ -102,3 +104,19 @@ def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
     assert "in each 1/2 of the requests" in out and len([ln for ln in out.splitlines() if ln.split()[:1] == ["1"]]) == 1
     with pytest.raises(SystemExit):
         main(["gen:shift", "--limit", "10", "--policy", "lru", "--segments", "-1"])
+
+
+def test_policy_cost_drives_every_phase_and_refuses_unknown_policies(capsys):
+    from tools.bench import policy_cost
+
+    for spec in ("lru", "attention", "attention/1"):
+        times = policy_cost.run_rounds(spec, 1)  # raises if a removal left a block tracked
+        assert len(times) == 3 and all(len(t) == 1 and t[0] > 0 for t in times)
+    argv = sys.argv
+    try:
+        sys.argv = ["policy_cost.py", "--policy", "attention/2"]
+        with pytest.raises(SystemExit):
+            policy_cost.main()
+    finally:
+        sys.argv = argv
+    assert "unknown policy 'attention/2'" in capsys.readouterr().err
