@@ -44,9 +44,12 @@ margin, choose the half-life whose values the policy evicts by.
   which memory wins at the nearest smaller size. Its test can move the lead
   only while the full-size miniatures have fewer than `EARLY_EVIDENCE` = 4
   (decayed, weighted) disagreements between the leader and any other expert:
-  before the tier's first evictions, or after a long spell without any. Where
-  the tier evicts from the start (scan), the full-size ones have that evidence
-  within a turnover and decide as before.
+  before the tier's first evictions, in the stretch after them before the
+  full-size miniatures split (where the shift trace's move is made: a rule
+  on evictions instead loses it, session 14), or while the experts agree
+  (tenants at 1k blocks, where their moves cost .0008). Where the tier
+  evicts from the start and the experts differ (scan), the full-size ones
+  have that evidence within a turnover and decide as before.
 - The policy keeps every block's value under every expert's half-life
   (eviction/attention.py) and orders its tier by the leader's: a switch
   re-keys the tier's leaves at once (O(resident blocks), a few times per
