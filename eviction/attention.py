@@ -325,7 +325,7 @@ class AttentionPolicy(EvictionPolicy):
         self._freq[key] = freq
         if self.experts is not None and self.experts.inserted(key):
             self._follow()
-        cost = self._cost[key] = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+        cost = self._cost[key] = self._block_cost(info)
         if info.attention is not None:
             self._set_attention(key, info.attention)
             own = self._own(key, freq)
@@ -342,14 +342,11 @@ class AttentionPolicy(EvictionPolicy):
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
         tracked, reprioritise = leaves.queue, leaves.reprioritise
-        lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            # _credited, inlined (the policy's hottest loop)
-            freq = freqs[key] = [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
-                                 for f, tau in zip(freqs[key], taus)]
+            freq = freqs[key] = _credited(freqs[key], taus, credit)
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)

@@ -123,7 +123,6 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
 _heappush = heapq.heappush
-_heappop = heapq.heappop
 
 
 def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
@@ -164,22 +163,9 @@ class MiniCache:
             self.hits += weight
             credit, log_credit = self._credits[1]
         else:
-            ghost = self.ghost
-            old = ghost.pop(key, None)
+            old = self.ghost.pop(key, None)
             credit, log_credit = self._credits[0 if old is None else 2]
-            if len(values) == capacity:  # full: the lowest count goes (_trim's usual case, inlined)
-                heap = self._heap
-                while heap:
-                    f, _, k = _heappop(heap)
-                    if values.get(k) == f:
-                        del values[k]
-                        ghost[k] = f
-                        break
-                if len(ghost) > self._ghost_factor * capacity:
-                    ghost.popitem(last=False)
-                    while len(ghost) > self._ghost_factor * capacity:
-                        ghost.popitem(last=False)
-            elif len(values) > capacity:  # the tier shrank
+            if len(values) >= capacity:
                 self._trim(capacity - 1)
         if old is None or old - tau < FORGET_LOG2:
             new = log_credit + tau
@@ -215,14 +201,14 @@ def check_early_fraction(early_fraction: float) -> None:
 
 
 def _count_apart(apart: list[list[float]], hits: list[bool], weight: float) -> None:
-    """A disagreement (one expert hit, another missed): every pair that split counts weight^2."""
-    if True in hits and False in hits:
-        w2 = weight * weight
-        for i, hit in enumerate(hits):
-            for j in range(i + 1, len(hits)):
-                if hits[j] != hit:
-                    apart[i][j] += w2
-                    apart[j][i] += w2
+    """A disagreement (one expert hit, another missed; the caller checks that they split): every
+    pair that split counts weight^2."""
+    w2 = weight * weight
+    for i, hit in enumerate(hits):
+        for j in range(i + 1, len(hits)):
+            if hits[j] != hit:
+                apart[i][j] += w2
+                apart[j][i] += w2
 
 
 class HalfLifeExperts:

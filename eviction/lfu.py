@@ -81,14 +81,8 @@ class LeafQueues:
         if parent is not None:
             children[parent] += 1
             self._token.pop(parent, None)  # no longer a leaf
-        if key not in children:  # a leaf (the Counter holds no zero counts): _push, inlined
-            token = self._token[key] = next(self._tokens)
-            heap = self._heaps.get(queue)
-            if heap is None:
-                heap = self._heaps[queue] = []
-            heapq.heappush(heap, (prio, token, key))
-            if len(heap) > 2 * self.count[queue] + 1024:
-                self._rebuild(queue)
+        if key not in children:  # a leaf (the Counter holds no zero counts)
+            self._push(key, queue, prio)
 
     def update(self, key: Key, queue: str, prio: object) -> None:
         old = self.queue[key]
@@ -101,18 +95,13 @@ class LeafQueues:
             self.queue[key] = queue
         self.prio[key] = prio
         if key not in self.children:
-            self._push(key)
+            self._push(key, queue, prio)
 
     def reprioritise(self, key: Key, prio: object) -> None:
         """`update` for a key that stays in its queue (the attention policy's hits)."""
         self.prio[key] = prio
         if key not in self.children:
-            token = self._token[key] = next(self._tokens)
-            queue = self.queue[key]
-            heap = self._heaps[queue]
-            heapq.heappush(heap, (prio, token, key))
-            if len(heap) > 2 * self.count[queue] + 1024:
-                self._rebuild(queue)
+            self._push(key, self.queue[key], prio)
 
     def remove(self, key: Key) -> None:
         queue = self.queue.pop(key, None)
@@ -132,15 +121,15 @@ class LeafQueues:
             else:
                 children.pop(parent)  # (Counter's `del` is a Python-level method)
                 if parent in self.queue:
-                    self._push(parent)  # it just became a leaf
+                    self._push(parent, self.queue[parent], self.prio[parent])  # it just became a leaf
 
-    def _push(self, key: Key) -> None:
+    def _push(self, key: Key, queue: str, prio: object) -> None:
+        """A leaf's new heap entry (`queue`, `prio`: its current ones); older entries go stale."""
         token = self._token[key] = next(self._tokens)
-        queue = self.queue[key]
         heap = self._heaps.get(queue)
         if heap is None:
             heap = self._heaps[queue] = []
-        heapq.heappush(heap, (self.prio[key], token, key))
+        heapq.heappush(heap, (prio, token, key))
         if len(heap) > 2 * self.count[queue] + 1024:
             self._rebuild(queue)
 
