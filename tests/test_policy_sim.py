@@ -82,6 +82,29 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
     assert "short" in out and "oracle" in out and "cells" in out
 
 
+def test_draws_of_a_shape_are_summarised_per_shape_and_jobs_change_nothing(capsys):
+    from tools.bench.policy_sim import by_shape, shape_of
+
+    assert shape_of("gen:tenants:7") == "gen:tenants" == shape_of("gen:tenants")
+    assert shape_of("../traces/a.jsonl") == "../traces/a.jsonl"
+    # a subject above the best baseline in one draw of two, below it in the other; a shape drawn once is left out
+    lines = by_shape({("gen:s", 1): {"lru": 0.5, "arc": 0.6, "a": 0.7},
+                      ("gen:s:7", 1): {"lru": 0.5, "arc": 0.4, "a": 0.3},
+                      ("gen:t", 1): {"lru": 0.5, "a": 0.1}})
+    assert len(lines) == 1 and lines[0].split()[:2] == ["a", "gen:s"]
+    assert "1/2 draws, mean -0.0500, worst -0.2000" in lines[0]
+    argv = ["gen:agentic", "--limit", "120", "--capacity-blocks", "30,60", "--policy", "lru", "arc",
+            "--variant", "short:half_life_s=5,adapt=false", "--seeds", "7", "--summary"]
+    assert main(argv) == 0
+    serial = capsys.readouterr().out
+    assert "gen:agentic:7" in serial and "draws" in serial
+    assert main(argv + ["--jobs", "2"]) == 0
+    assert capsys.readouterr().out == serial  # the same rows, in the same order, and the same summary
+    for bad in (["--jobs", "0"], ["--jobs", "2", "--segments", "2"], ["--seeds", "7,x"]):
+        with pytest.raises(SystemExit):
+            main(argv + bad)
+
+
 def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
     from eviction.replay import expand
     from tools.bench.policy_sim import segments

@@ -39,6 +39,17 @@ perfect per-workload choice among the subjects would reach. `--segments N`
 adds, per trace and capacity, every subject's block hit ratio in each 1/N
 of the requests, to see *when* one policy gains or loses against another
 (a hot set that moves, a lead that switches late).
+
+Draws: `--seeds 7,8,9,10` adds `gen:SHAPE:SEED` for every `gen:SHAPE` given,
+other draws of the same generator. With several draws of a shape the summary
+also says, per shape and capacity, how many draws each subject is at or above
+the best baseline in and its mean difference: a cell lost in most draws is a
+systematic loss, one lost in a few by a few 1e-4 is the spread between draws.
+`--jobs N` runs the (trace, subject, capacity) cells in N processes (the
+printed rows and the summary are the same as with one).
+
+    python tools/bench/policy_sim.py gen:tenants gen:agentic gen:scan gen:shift gen:mixed --seeds 7,8,9,10 \
+        --policy lru lfu arc s3fifo attention --summary --jobs 2
 """
 
 from __future__ import annotations
@@ -46,8 +57,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import multiprocessing
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -185,6 +198,32 @@ def summary(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
     return lines
 
 
+def shape_of(trace: str) -> str:
+    """The generator a trace was drawn from: `gen:SHAPE` for `gen:SHAPE[:SEED]`, else the trace itself."""
+    parts = trace.split(":")
+    return ":".join(parts[:2]) if parts[0] == "gen" and len(parts) == 3 else trace
+
+
+def by_shape(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+    """Per subject, per shape drawn more than once and capacity: the draws where it is at or above
+    the best baseline, and its mean and worst difference to that best over the draws."""
+    draws: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for (trace, cap), row in sorted(results.items()):
+        if any(b in row for b in BASELINES):
+            draws.setdefault((shape_of(trace), cap), []).append(row)
+    draws = {cell: rows for cell, rows in draws.items() if len(rows) > 1}
+    subjects = sorted({label for rows in draws.values() for row in rows for label in row if label not in BASELINES})
+    lines = []
+    for label in subjects:
+        for (shape, cap), rows in draws.items():
+            diffs = [row[label] - max(row[b] for b in BASELINES if b in row) for row in rows if label in row]
+            if diffs:
+                lines.append(f"{label:20s} {shape:28s} {cap:>6d} blocks: at or above the best baseline in "
+                             f"{sum(d >= 0 for d in diffs)}/{len(diffs)} draws, mean {sum(diffs) / len(diffs):+.4f}, "
+                             f"worst {min(diffs):+.4f}")
+    return lines
+
+
 def segments(sizes: Sequence[int], hits: dict[str, list[int]], n: int) -> list[str]:
     """Per 1/n of the requests (in order), each subject's block hit ratio there.
 
@@ -196,6 +235,31 @@ def segments(sizes: Sequence[int], hits: dict[str, list[int]], n: int) -> list[s
         lines.append(f"{i:>8d} {blocks:>8d} " + " ".join(
             f"{sum(h[a:b]) / blocks if blocks else 0.0:>10.4f}" for h in hits.values()))
     return lines
+
+
+def make_subject(kind: str, spec: str) -> tuple[str, str | PolicyFactory]:
+    """(label, subject) from a command-line spec: `kind` is policy, factory or variant."""
+    if kind == "policy":
+        return spec, spec
+    if kind == "factory":
+        module, _, fn = spec.partition(":")
+        return spec, getattr(importlib.import_module(module), fn)
+    return variant(spec)
+
+
+@lru_cache(maxsize=2)
+def _cached(trace: str, limit: int | None) -> list[Request]:
+    return load(trace, limit)
+
+
+def _cell(job: tuple) -> dict:
+    """One (trace, subject, capacity) replay in a worker process (subjects travel as specs)."""
+    trace, kind, spec, cap, limit, block_tokens = job
+    label, subject = make_subject(kind, spec)
+    t0 = time.perf_counter()
+    res = simulate(_cached(trace, limit), subject, cap, block_tokens)
+    res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,45 +275,65 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.add_argument("--segments", type=int, default=0, metavar="N",
                    help="also print each subject's hit ratio in each 1/N of the requests")
+    p.add_argument("--seeds", default="", metavar="S,S,...",
+                   help="also replay gen:SHAPE:S for every gen:SHAPE given (other draws of the shape)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="replay the cells in N processes")
     args = p.parse_args(argv)
     if args.segments < 0:
         p.error("--segments must be a count of segments (0: none)")
-    caps = [int(c) for c in args.capacity_blocks.split(",")]
-    subjects: list[tuple[str, str | PolicyFactory]] = [(name, name) for name in args.policy]
-    for spec in args.factory:
-        module, _, fn = spec.partition(":")
-        subjects.append((spec, getattr(importlib.import_module(module), fn)))
+    if args.jobs < 1 or (args.jobs > 1 and args.segments):
+        p.error("--jobs must be at least 1, and 1 with --segments")
     try:
-        subjects += [variant(spec) for spec in args.variant]
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds takes integers joined by commas, got {args.seeds!r}")
+    traces = list(args.traces)
+    traces += [f"{t}:{seed}" for seed in seeds for t in args.traces if t.startswith("gen:") and t.count(":") == 1]
+    caps = [int(c) for c in args.capacity_blocks.split(",")]
+    specs = ([("policy", name) for name in args.policy] + [("factory", spec) for spec in args.factory]
+             + [("variant", spec) for spec in args.variant])
+    try:
+        subjects = [make_subject(kind, spec) for kind, spec in specs]
     except ValueError as exc:
         p.error(str(exc))
     if not subjects:
         p.error("give --policy, --factory and/or --variant")
     results: dict[tuple[str, int], dict[str, float]] = {}
     show_segments = args.segments and not args.json
-    for trace in args.traces:
-        reqs = load(trace, args.limit)
-        per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
-        for label, subject in subjects:
-            row = []
-            for cap in caps:
-                t0 = time.perf_counter()
-                hits = per_request[cap][label] = [] if show_segments else None
-                res = simulate(reqs, subject, cap, args.block_tokens, hits_out=hits)
-                res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
-                if args.json:
-                    print(json.dumps(res), flush=True)
-                row.append(res["hit_ratio"])
-                results.setdefault((trace, cap), {})[label] = res["hit_ratio"]
-            if not args.json:
-                print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
-        if show_segments:
-            sizes = [len(expand(req, args.block_tokens)[0]) for req in reqs]  # once per trace, for every capacity
-            for cap in caps:
-                print(f"{trace} at {cap} blocks: block hit ratio in each 1/{args.segments} of the requests")
-                print("\n".join(segments(sizes, per_request[cap], args.segments)), flush=True)
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    try:
+        if pool is not None:  # in order: the rows print as with one process
+            done = pool.imap(_cell, [(trace, kind, spec, cap, args.limit, args.block_tokens)
+                                     for trace in traces for kind, spec in specs for cap in caps])
+        for trace in traces:
+            reqs = load(trace, args.limit) if pool is None else []
+            per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
+            for label, subject in subjects:
+                row = []
+                for cap in caps:
+                    if pool is not None:
+                        res = next(done)
+                    else:
+                        t0 = time.perf_counter()
+                        hits = per_request[cap][label] = [] if show_segments else None
+                        res = simulate(reqs, subject, cap, args.block_tokens, hits_out=hits)
+                        res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
+                    if args.json:
+                        print(json.dumps(res), flush=True)
+                    row.append(res["hit_ratio"])
+                    results.setdefault((trace, cap), {})[label] = res["hit_ratio"]
+                if not args.json:
+                    print(f"{trace:40s} {label:20s} " + " ".join(f"{x:.4f}" for x in row), flush=True)
+            if show_segments:
+                sizes = [len(expand(req, args.block_tokens)[0]) for req in reqs]  # once per trace, every capacity
+                for cap in caps:
+                    print(f"{trace} at {cap} blocks: block hit ratio in each 1/{args.segments} of the requests")
+                    print("\n".join(segments(sizes, per_request[cap], args.segments)), flush=True)
+    finally:
+        if pool is not None:
+            pool.terminate()
     if args.summary:
-        print("\n".join(summary(results)))
+        print("\n".join(summary(results) + by_shape(results)))
     return 0
 
 
