@@ -188,14 +188,22 @@ def summary(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
     for label in [*subjects, "oracle"]:
         diffs = []
         for row in cells.values():
-            best = max(row[b] for b in BASELINES if b in row)
             mine = max(row[s] for s in subjects) if label == "oracle" else row.get(label)
             if mine is not None:
-                diffs.append(mine - best)
+                diffs.append(mine - _best_baseline(row))
         if diffs:
-            lines.append(f"{label:20s} at or above the best baseline in {sum(d >= 0 for d in diffs)}/{len(diffs)}"
-                         f" cells, mean {sum(diffs) / len(diffs):+.4f}, worst {min(diffs):+.4f}")
+            lines.append(f"{label:20s} {_tally(diffs, 'cells')}")
     return lines
+
+
+def _best_baseline(row: dict[str, float]) -> float:
+    return max(row[b] for b in BASELINES if b in row)
+
+
+def _tally(diffs: list[float], unit: str) -> str:
+    """How `diffs` (a subject minus the best baseline, per cell or draw) stand against 0."""
+    return (f"at or above the best baseline in {sum(d >= 0 for d in diffs)}/{len(diffs)} {unit}, "
+            f"mean {sum(diffs) / len(diffs):+.4f}, worst {min(diffs):+.4f}")
 
 
 def shape_of(trace: str) -> str:
@@ -216,11 +224,9 @@ def by_shape(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
     lines = []
     for label in subjects:
         for (shape, cap), rows in draws.items():
-            diffs = [row[label] - max(row[b] for b in BASELINES if b in row) for row in rows if label in row]
+            diffs = [row[label] - _best_baseline(row) for row in rows if label in row]
             if diffs:
-                lines.append(f"{label:20s} {shape:28s} {cap:>6d} blocks: at or above the best baseline in "
-                             f"{sum(d >= 0 for d in diffs)}/{len(diffs)} draws, mean {sum(diffs) / len(diffs):+.4f}, "
-                             f"worst {min(diffs):+.4f}")
+                lines.append(f"{label:20s} {shape:28s} {cap:>6d} blocks: {_tally(diffs, 'draws')}")
     return lines
 
 
@@ -252,14 +258,20 @@ def _cached(trace: str, limit: int | None) -> list[Request]:
     return load(trace, limit)
 
 
+def _timed(reqs: Sequence[Request], trace: str, label: str, subject: str | PolicyFactory, cap: int,
+           block_tokens: int, hits_out: list | None = None) -> dict:
+    """`simulate`'s result, labelled, with its wall time."""
+    t0 = time.perf_counter()
+    res = simulate(reqs, subject, cap, block_tokens, hits_out=hits_out)
+    res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
+    return res
+
+
 def _cell(job: tuple) -> dict:
     """One (trace, subject, capacity) replay in a worker process (subjects travel as specs)."""
     trace, kind, spec, cap, limit, block_tokens = job
     label, subject = make_subject(kind, spec)
-    t0 = time.perf_counter()
-    res = simulate(_cached(trace, limit), subject, cap, block_tokens)
-    res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
-    return res
+    return _timed(_cached(trace, limit), trace, label, subject, cap, block_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,10 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                     if pool is not None:
                         res = next(done)
                     else:
-                        t0 = time.perf_counter()
                         hits = per_request[cap][label] = [] if show_segments else None
-                        res = simulate(reqs, subject, cap, args.block_tokens, hits_out=hits)
-                        res.update(trace=trace, label=label, elapsed_s=round(time.perf_counter() - t0, 3))
+                        res = _timed(reqs, trace, label, subject, cap, args.block_tokens, hits)
                     if args.json:
                         print(json.dumps(res), flush=True)
                     row.append(res["hit_ratio"])
