@@ -10,6 +10,15 @@ tokens it actually holds. The block hash is 16 bytes, `<QQ` of (id, j): equal
 prefixes give equal hashes, and a sub-block's parent is the previous one in
 the request, so the tree of the trace is preserved.
 
+`full_blocks` cuts every request to its full blocks of `block_tokens`: what
+the store receives from an engine, whose block hashes cover full blocks only
+(kvstore/keys.py). In the traces a request's last 512-token block is nearly
+always partial and nearly never used again (its tokens change once the
+context grows: 0.7% of them come back on the conversation trace, none on the
+generated agentic, scan and shift shapes, against 26-96% of the other
+blocks), so replaying them as blocks tests how a policy sheds one-off tails,
+which the store never holds (docs/benchmarks.md, session 17).
+
 `Tally.compute_hit_ratio` weights each hit by the prefill FLOPs it saves,
 tokens * (1 + context / ATTN_CONTEXT_TOKENS) with context the tokens before
 the block's middle: deep hits save more than shallow ones.
@@ -53,6 +62,24 @@ def read_trace(path: str, limit: int | None = None) -> list[Request]:
             if not ids:
                 continue
             out.append(Request(float(rec.get("timestamp", 0)) / 1000.0, int(rec["input_length"]), ids))
+    return out
+
+
+def full_blocks(requests: Iterable[Request], block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Request]:
+    """The requests cut to their full blocks of `block_tokens` (a trailing partial block dropped);
+    a request with no full block is left out. At 512 tokens the last trace id goes when it is partial;
+    at fewer, `expand` then yields only the last trace block's full sub-blocks."""
+    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
+        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+    out = []
+    for req in requests:
+        whole = TRACE_BLOCK_TOKENS * (len(req.hash_ids) - 1)
+        last = req.input_length - whole
+        if not 0 < last <= TRACE_BLOCK_TOKENS:
+            last = TRACE_BLOCK_TOKENS  # a trace that breaks ceil(len/512): every block full, as in `expand`
+        length = (whole + last) // block_tokens * block_tokens
+        if length:
+            out.append(Request(req.timestamp_s, length, req.hash_ids[: -(-length // TRACE_BLOCK_TOKENS)]))
     return out
 
 

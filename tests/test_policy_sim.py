@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -32,6 +33,22 @@ def test_smaller_blocks_and_the_cli(capsys):
     assert via_sim == via_store
     assert main(["gen:tenants", "--policy", "lru", "--capacity-blocks", "50", "--limit", "50"]) == 0
     assert "gen:tenants" in capsys.readouterr().out
+
+
+def test_full_blocks_in_both_replays(capsys):
+    reqs = load("gen:scan", limit=300, full=512)
+    assert reqs and all(r.input_length % 512 == 0 for r in reqs)
+    assert sum(len(r.hash_ids) for r in reqs) < sum(len(r.hash_ids) for r in load("gen:scan", limit=300))
+    for policy in ("lru", "attention"):
+        via_store: list[int] = []
+        replay(reqs, policy, 90, hits_out=via_store)
+        via_sim: list[int] = []
+        simulate(reqs, policy, 90, hits_out=via_sim)
+        assert via_sim == via_store and sum(via_sim) > 0
+    assert main(["gen:scan", "--policy", "lru", "--capacity-blocks", "90", "--limit", "300", "--full-blocks",
+                 "--json"]) == 0
+    blocks = json.loads(capsys.readouterr().out)["blocks"]
+    assert blocks == sum(len(r.hash_ids) for r in reqs)
 
 
 def test_a_policy_naming_a_pinned_victim_is_an_error():

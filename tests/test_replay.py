@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from eviction.replay import expand, next_use_index, read_trace, Request
+from eviction.replay import expand, full_blocks, next_use_index, read_trace, Request
 from tools import cli
 from tools.replay import ALL_POLICIES
 
@@ -35,6 +35,21 @@ def test_expand_keeps_the_tree_and_the_partial_last_block():
     assert expand(req)[1] == [512, 40]
     with pytest.raises(ValueError):
         expand(req, 100)
+
+
+def test_full_blocks_drops_the_partial_tail_only():
+    reqs = [Request(0.0, 512 + 40, (7, 9)), Request(1.0, 1024, (7, 11)), Request(2.0, 300, (5,)),
+            Request(3.0, 4000, (7, 9))]  # the last breaks ceil(len/512): expand keeps its blocks, so do we
+    cut = full_blocks(reqs)
+    assert [(r.timestamp_s, r.input_length, r.hash_ids) for r in cut] == [
+        (0.0, 512, (7,)), (1.0, 1024, (7, 11)), (3.0, 1024, (7, 9))]  # 300 tokens: no full block, left out
+    assert [expand(r)[0] for r in cut] == [expand(r)[0][: len(expand(r)[0]) - (i == 0)]
+                                          for i, r in enumerate([reqs[0], reqs[1], reqs[3]])]
+    # at 16 tokens per block the partial trace block keeps its two full sub-blocks (40 -> 32 tokens)
+    hashes, tokens = expand(full_blocks(reqs[:1], 16)[0], 16)
+    assert hashes == expand(reqs[0], 16)[0][:34] and set(tokens) == {16}
+    with pytest.raises(ValueError, match="must divide"):
+        full_blocks(reqs, 100)
 
 
 def test_next_use_index_lists_positions_in_order():
@@ -107,6 +122,11 @@ def test_replay_tiny_trace_counts_hits(tmp_path, capsys):
         assert doc["hit_blocks"] == 5 and doc["blocks"] == 10, policy  # 2 + 3 hits, nothing evicted
         assert doc["hit_tokens"] == 2 * 512 + 1100 and doc["orphans"] == 0
     assert read_trace(str(trace), limit=2)[1].hash_ids == (1, 2, 4, 5)
+    # full blocks only: [1, 2] then [1, 2, 4] (3 and 5 are partial tails), then [1, 2]: 2 + 2 hits of 7
+    assert cli.main(["replay", str(trace), "--policy", "lru", "--capacity-blocks", "100", "--json",
+                     "--full-blocks"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["hit_blocks"], doc["blocks"], doc["requests"]) == (4, 7, 3)
 
 
 @needs_trace

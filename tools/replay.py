@@ -12,6 +12,9 @@ no attention data: the term is neutral), uniform noise, or an oracle that
 knows whether the trace uses the block again (evaluation only, like Belady).
 `--block-tokens T` replays at T tokens per block (each 512-token trace id
 becomes 512/T chained blocks), which multiplies the work by 512/T.
+`--full-blocks` cuts every request to its full blocks first, as an engine
+hands them to the store (the traces' last block is partial and almost never
+reused; `eviction.replay.full_blocks`).
 `--disk-blocks N` adds the real disk tier below the host tier (a
 [host, disk] TieredStore over a fresh data file with O_DIRECT and an LMDB index in a
 temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
@@ -46,7 +49,7 @@ from typing import Callable, Sequence
 
 from eviction.base import EvictionPolicy
 from eviction.belady import BeladyPolicy
-from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, next_use_index, read_trace
+from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
 from kvstore.keys import Namespace
 from tools.gen_trace import requests_for
 from kvstore.store import TIERS, TieredStore
@@ -224,6 +227,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention estimate sent with each commit: none (neutral), uniform noise, or an "
                         "oracle (1 if the trace uses the block again; evaluation only)")
     p.add_argument("--seed", type=int, default=0, help="seed of --attention random")
+    p.add_argument("--full-blocks", action="store_true",
+                   help="cut every request to its full blocks, as an engine hands them to the store "
+                        "(the traces' last block is partial and almost never reused)")
     p.add_argument("--block-bytes", type=int, default=4096, help="bytes per block (and per arena page)")
     p.add_argument("--check-every", type=int, default=0, help="run store.check() every N requests")
     p.add_argument("--json", action="store_true", help="print one JSON object (see the module docstring)")
@@ -250,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
             requests = requests_for(args.trace)[: args.limit]
         else:
             requests = read_trace(args.trace, args.limit)
+        if args.full_blocks:
+            requests = full_blocks(requests, args.block_tokens)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvstore replay: {exc}", file=sys.stderr)
         return 2

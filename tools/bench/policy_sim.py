@@ -45,7 +45,10 @@ other draws of the same generator. With several draws of a shape the summary
 also says, per shape and capacity, how many draws each subject is at or above
 the best baseline in and its mean difference: a cell lost in most draws is a
 systematic loss, one lost in a few by a few 1e-4 is the spread between draws.
-`--jobs N` runs the (trace, subject, capacity) cells in N processes (the
+`--full-blocks` replays every request cut to its full blocks (what an engine
+hands the store: its block hashes cover full blocks only), without the
+traces' one-off partial tails (`eviction.replay.full_blocks`; `kvstore
+replay` takes the same flag). `--jobs N` runs the (trace, subject, capacity) cells in N processes (the
 printed rows and the summary are the same as with one).
 
     python tools/bench/policy_sim.py gen:tenants gen:agentic gen:scan gen:shift gen:mixed --seeds 7,8,9,10 \
@@ -70,7 +73,7 @@ if str(REPO) not in sys.path:
 
 from eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
 from eviction.base import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
-from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, read_trace  # noqa: E402
+from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
 from tools.gen_trace import requests_for  # noqa: E402
 
 PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
@@ -151,9 +154,12 @@ def simulate(requests: Sequence[Request], policy: str | PolicyFactory, capacity_
             "hit_ratio": hit_blocks / blocks if blocks else 0.0}
 
 
-def load(spec: str, limit: int | None = None) -> list[Request]:
+def load(spec: str, limit: int | None = None, full: int | None = None) -> list[Request]:
+    """The first `limit` requests of a trace file or `gen:SHAPE[:SEED]`; with `full` (tokens per block),
+    cut to their full blocks (`eviction.replay.full_blocks`)."""
     reqs = requests_for(spec) if spec.startswith("gen:") else read_trace(spec)
-    return reqs[:limit] if limit is not None else reqs
+    reqs = reqs[:limit] if limit is not None else reqs
+    return full_blocks(reqs, full) if full else reqs
 
 
 def variant(spec: str) -> tuple[str, PolicyFactory]:
@@ -254,8 +260,8 @@ def make_subject(kind: str, spec: str) -> tuple[str, str | PolicyFactory]:
 
 
 @lru_cache(maxsize=2)
-def _cached(trace: str, limit: int | None) -> list[Request]:
-    return load(trace, limit)
+def _cached(trace: str, limit: int | None, full: int | None) -> list[Request]:
+    return load(trace, limit, full)
 
 
 def _timed(reqs: Sequence[Request], trace: str, label: str, subject: str | PolicyFactory, cap: int,
@@ -269,9 +275,9 @@ def _timed(reqs: Sequence[Request], trace: str, label: str, subject: str | Polic
 
 def _cell(job: tuple) -> dict:
     """One (trace, subject, capacity) replay in a worker process (subjects travel as specs)."""
-    trace, kind, spec, cap, limit, block_tokens = job
+    trace, kind, spec, cap, limit, block_tokens, full = job
     label, subject = make_subject(kind, spec)
-    return _timed(_cached(trace, limit), trace, label, subject, cap, block_tokens)
+    return _timed(_cached(trace, limit, full), trace, label, subject, cap, block_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-blocks", default="1000,4000,16000")
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
     p.add_argument("--limit", type=int)
+    p.add_argument("--full-blocks", action="store_true",
+                   help="cut every request to its full blocks, as an engine hands them to the store")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.add_argument("--segments", type=int, default=0, metavar="N",
                    help="also print each subject's hit ratio in each 1/N of the requests")
@@ -311,14 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     if not subjects:
         p.error("give --policy, --factory and/or --variant")
     results: dict[tuple[str, int], dict[str, float]] = {}
+    full = args.block_tokens if args.full_blocks else None
     show_segments = args.segments and not args.json
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
     try:
         if pool is not None:  # in order: the rows print as with one process
-            done = pool.imap(_cell, [(trace, kind, spec, cap, args.limit, args.block_tokens)
+            done = pool.imap(_cell, [(trace, kind, spec, cap, args.limit, args.block_tokens, full)
                                      for trace in traces for kind, spec in specs for cap in caps])
         for trace in traces:
-            reqs = load(trace, args.limit) if pool is None else []
+            reqs = load(trace, args.limit, full) if pool is None else []
             per_request: dict[int, dict[str, list[int]]] = {cap: {} for cap in caps}
             for label, subject in subjects:
                 row = []
