@@ -65,19 +65,25 @@ def read_trace(path: str, limit: int | None = None) -> list[Request]:
     return out
 
 
+def _check_block_tokens(block_tokens: int) -> None:
+    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
+        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+
+
+def _last_tokens(req: Request) -> int:
+    """Tokens in the request's last trace block (all 512 for a trace that breaks ceil(len/512): keep every block)."""
+    last = req.input_length - TRACE_BLOCK_TOKENS * (len(req.hash_ids) - 1)
+    return last if 0 < last <= TRACE_BLOCK_TOKENS else TRACE_BLOCK_TOKENS
+
+
 def full_blocks(requests: Iterable[Request], block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Request]:
     """The requests cut to their full blocks of `block_tokens` (a trailing partial block dropped);
     a request with no full block is left out. At 512 tokens the last trace id goes when it is partial;
     at fewer, `expand` then yields only the last trace block's full sub-blocks."""
-    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
-        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+    _check_block_tokens(block_tokens)
     out = []
     for req in requests:
-        whole = TRACE_BLOCK_TOKENS * (len(req.hash_ids) - 1)
-        last = req.input_length - whole
-        if not 0 < last <= TRACE_BLOCK_TOKENS:
-            last = TRACE_BLOCK_TOKENS  # a trace that breaks ceil(len/512): every block full, as in `expand`
-        length = (whole + last) // block_tokens * block_tokens
+        length = (TRACE_BLOCK_TOKENS * (len(req.hash_ids) - 1) + _last_tokens(req)) // block_tokens * block_tokens
         if length:
             out.append(Request(req.timestamp_s, length, req.hash_ids[: -(-length // TRACE_BLOCK_TOKENS)]))
     return out
@@ -85,13 +91,10 @@ def full_blocks(requests: Iterable[Request], block_tokens: int = TRACE_BLOCK_TOK
 
 def expand(req: Request, block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[list[bytes], list[int]]:
     """Block hashes and token counts of one request at `block_tokens` per block."""
-    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
-        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+    _check_block_tokens(block_tokens)
     per = TRACE_BLOCK_TOKENS // block_tokens
     n = len(req.hash_ids)
-    last_tokens = req.input_length - TRACE_BLOCK_TOKENS * (n - 1)
-    if not 0 < last_tokens <= TRACE_BLOCK_TOKENS:
-        last_tokens = TRACE_BLOCK_TOKENS  # a trace that breaks ceil(len/512); keep every block
+    last_tokens = _last_tokens(req)
     hashes: list[bytes] = []
     tokens: list[int] = []
     for i, hid in enumerate(req.hash_ids):

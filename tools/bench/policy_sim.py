@@ -48,8 +48,9 @@ systematic loss, one lost in a few by a few 1e-4 is the spread between draws.
 `--full-blocks` replays every request cut to its full blocks (what an engine
 hands the store: its block hashes cover full blocks only), without the
 traces' one-off partial tails (`eviction.replay.full_blocks`; `kvstore
-replay` takes the same flag). `--jobs N` runs the (trace, subject, capacity) cells in N processes (the
-printed rows and the summary are the same as with one).
+replay` takes the same flag). `--jobs N` runs the (trace, subject,
+capacity) cells in N processes (the printed rows and the summary are the
+same as with one).
 
     python tools/bench/policy_sim.py gen:tenants gen:agentic gen:scan gen:shift gen:mixed --seeds 7,8,9,10 \
         --policy lru lfu arc s3fifo attention --summary --jobs 2
