@@ -99,6 +99,13 @@ def test_variants_and_the_summary_against_the_best_baseline(capsys):
     assert "short" in out and "oracle" in out and "cells" in out
 
 
+def test_an_unknown_policy_is_refused_before_any_replay(capsys):
+    with pytest.raises(SystemExit):  # argparse's error exit, before the pool or a trace is loaded
+        main(["gen:agentic", "--policy", "lru", "belady", "--jobs", "2"])
+    err = capsys.readouterr().err
+    assert "unknown eviction policy 'belady'" in err and "kvstore replay" in err
+
+
 def test_draws_of_a_shape_are_summarised_per_shape_and_jobs_change_nothing(capsys):
     from tools.bench.policy_sim import by_shape, shape_of
 

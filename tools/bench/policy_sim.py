@@ -73,7 +73,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
-from eviction.base import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
+from eviction.base import BlockInfo, EvictionPolicy, make_policy, policy_names  # noqa: E402
 from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
 from tools.gen_trace import requests_for  # noqa: E402
 
@@ -253,6 +253,9 @@ def segments(sizes: Sequence[int], hits: dict[str, list[int]], n: int) -> list[s
 def make_subject(kind: str, spec: str) -> tuple[str, str | PolicyFactory]:
     """(label, subject) from a command-line spec: `kind` is policy, factory or variant."""
     if kind == "policy":
+        if spec not in policy_names():  # before any replay starts, not in a worker minutes later
+            raise ValueError(f"unknown eviction policy {spec!r}; known: {', '.join(policy_names())} "
+                             "(Belady needs the store's replay: kvstore replay --policy belady)")
         return spec, spec
     if kind == "factory":
         module, _, fn = spec.partition(":")
