@@ -99,7 +99,7 @@ Constants, and why none needs re-tuning per workload:
   1k); up to 1: 14, -.0034 / 20. Both are in the experts' own units: a share
   of the tier's size and a count of their disagreements. The early
   miniatures double the experts' work, on the sampled keys only
-  (docs/benchmarks.md, "Early evidence").
+  (docs/eviction_study.md, "Early evidence").
 """
 
 from __future__ import annotations
