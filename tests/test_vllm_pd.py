@@ -3,9 +3,9 @@
 
 One module-scoped world serves every check (engine startups dominate on this machine):
 * outputs through the proxy equal a baseline engine's (no connector) split at the same token: it
-  serves each prompt with max_tokens=1 first, so the real run is an in-engine prefix hit of
-  (n-1)//32 blocks, exactly what the consumer loads; the consumer computed < 32 prompt tokens per
-  request (its external-hit metric covers the rest);
+  serves each prompt alone (a batch's composition changes bf16 rounding), with max_tokens=1 first,
+  so the real run is an in-engine prefix hit of (n-1)//32 blocks, exactly what the consumer loads;
+  the consumer computed < 32 prompt tokens per request (its external-hit metric covers the rest);
 * both are sent at once (the proxy's parallel mode): the consumer waited for in-flight blocks
   (the daemon's inflight_waits counter) and still loaded them all; the negative control, the same
   start-at-once with waiting disabled for the request (kv_transfer_params kvstore_wait_s=0),
