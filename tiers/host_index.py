@@ -248,7 +248,7 @@ class HostIndex:
             self._pending[key] = item
             self._pending_ids.add(id(extents))
         self._to_index.append(item)
-        self._index_wake.set()
+        self._wake_index()
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
@@ -264,7 +264,14 @@ class HostIndex:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
             self._deletes.append(rkey)
-        self._index_wake.set()  # committed promptly: a removed block must not come back after a kill
+        self._wake_index()  # committed promptly: a removed block must not come back after a kill
+
+    def _wake_index(self) -> None:
+        """Wake the index thread for what the caller just queued. The thread clears the event before
+        it drains, so an event still set means a drain to come that sees it: setting it again (a
+        lock and a notify, per block on the loop) is skipped."""
+        if not self._index_wake.is_set():
+            self._index_wake.set()
 
     def busy(self) -> None:
         """Clients are reading: no checksums for QUIET_S (a plain store, no lock: a float is atomic)."""
