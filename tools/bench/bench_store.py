@@ -111,7 +111,18 @@ def threaded_copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: 
     list(pool.map(run, range(threads)))
 
 
-def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int) -> dict:
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far; 10 ms ticks on Linux."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int,
+               daemon_pid: int | None = None) -> dict:
+    """Bandwidths and ratios for one block size; with `daemon_pid`, also the CPU each side spent per
+    block during the timed puts and gets (daemon: every thread; client: this process), summed over
+    the rounds, which says which side bounds the transfer."""
     n = total_bytes // block_bytes
     ns = client.register(Namespace(f"bench-{block_bytes}", "bf16", 32, 8, 128, 16, block_bytes))
     src = prefaulted(n * block_bytes).reshape(n, block_bytes)
@@ -120,6 +131,8 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
     src4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
     dst4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
     memcpy, memcpy4k, memcpy_mt, loop, put, get = [], [], [], [], [], []
+    cpu = {"put": [0.0, 0.0], "get": [0.0, 0.0]}  # [daemon, client] CPU seconds in the timed calls
+    daemon_cpu = (lambda: cpu_s(daemon_pid)) if daemon_pid is not None else (lambda: 0.0)
     threads = client.copy_threads
     pool = ThreadPoolExecutor(threads)
     for r in range(rounds):
@@ -145,15 +158,19 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
             hs = hash_blocks(np.arange(min(chain, n - c) * 16) + (r * n + c) * 1000, 16)
             blocks += list(zip(hs, [None] + hs[:-1], src[c : c + len(hs)]))
         hashes = [b[0] for b in blocks]
-        t = time.perf_counter()
+        d0, c0, t = daemon_cpu(), time.process_time(), time.perf_counter()
         stored = client.put(ns, blocks, chunk=batch)
         put.append(time.perf_counter() - t)
+        cpu["put"][0] += daemon_cpu() - d0
+        cpu["put"][1] += time.process_time() - c0
         if stored != n:
             raise SystemExit(f"put stored {stored} of {n} blocks")
 
-        t = time.perf_counter()
+        d0, c0, t = daemon_cpu(), time.process_time(), time.perf_counter()
         found = client.get_into(ns, hashes, dst, chunk=batch)
         get.append(time.perf_counter() - t)
+        cpu["get"][0] += daemon_cpu() - d0
+        cpu["get"][1] += time.process_time() - c0
         if not all(found) or not np.array_equal(dst[n - 1], src[n - 1]):
             raise SystemExit("get missed blocks or returned different bytes")
         # Untimed: drop this round's chains, so every round writes into free pages and
@@ -161,7 +178,12 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         client.remove(ns, [h for h, parent, _ in blocks if parent is None])
     pool.shutdown()
     gbps = lambda secs: total_bytes / statistics.median(secs) / 1e9  # noqa: E731
+    per_block_us = lambda secs: round(secs / (rounds * n) * 1e6, 1)  # noqa: E731
+    cpu_fields = {} if daemon_pid is None else {
+        f"{side}_cpu_us_per_block_{op}": per_block_us(cpu[op][i])
+        for op in ("put", "get") for i, side in enumerate(("daemon", "client"))}
     return {
+        **cpu_fields,
         "block_bytes": block_bytes,
         "blocks": n,
         "memcpy_gbps": gbps(memcpy),
@@ -244,7 +266,8 @@ def main() -> int:
         daemon = start_daemon(tmp, *extra, host_bytes=str(total + 640 * MiB), page_bytes="256KiB", admin=False)
         try:
             with KVClient(daemon.socket_path, name="bench", copy_threads=args.copy_threads) as client:
-                sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain) for b in (2 * MiB, 256 * 1024)]
+                sizes = [bench_size(client, b, total, args.rounds, args.batch, args.chain, daemon.proc.pid)
+                         for b in (2 * MiB, 256 * 1024)]
                 lookup = bench_lookup(client, args.lookup_iters)
         finally:
             daemon.stop()
@@ -276,6 +299,10 @@ def main() -> int:
               f"put {s['put_vs_copy_loop']:.2f}x, get {s['get_vs_copy_loop']:.2f}x")
         print(f"{'':>24}memcpy on {s['copy_threads']} threads {s['memcpy_threads_gbps']:.2f} GB/s: "
               f"put {s['put_vs_memcpy_threads']:.2f}x, get {s['get_vs_memcpy_threads']:.2f}x")
+        print(f"{'':>24}CPU per block, daemon / client: put {s['daemon_cpu_us_per_block_put']} / "
+              f"{s['client_cpu_us_per_block_put']} us, get {s['daemon_cpu_us_per_block_get']} / "
+              f"{s['client_cpu_us_per_block_get']} us (wall per block: put "
+              f"{s['block_bytes'] / s['put_gbps'] / 1e3:.1f} us, get {s['block_bytes'] / s['get_gbps'] / 1e3:.1f} us)")
     print(f"lookup of a 32k-token prompt (2,048 blocks, hashing included): p50 {lookup['lookup_32k_p50_ms']:.2f} ms, "
           f"p90 {lookup['lookup_32k_p90_ms']:.2f} ms, p99 {lookup['lookup_32k_p99_ms']:.2f} ms "
           f"(hashing alone p50 {lookup['hash_32k_p50_ms']:.2f} ms)")

@@ -1,0 +1,28 @@
+"""tools/bench/bench_store.py drives the real data path (a daemon in its own process) and reads CPU time right."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvstore.client import KVClient
+from tools.bench.bench_store import bench_size, cpu_s
+
+
+def test_cpu_seconds_of_a_process_grow_with_its_work():
+    before = cpu_s(os.getpid())
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    assert 0.1 <= cpu_s(os.getpid()) - before <= 1.0  # user + system fields, in seconds (10 ms ticks)
+
+
+def test_a_small_run_moves_every_block_and_reports_both_sides_cpu(daemon_factory):
+    d = daemon_factory(host_bytes="64MiB", page_bytes="256KiB", admin=False)
+    with KVClient(d.socket_path, name="bench") as client:
+        # bench_size exits if a put stores fewer blocks or a get returns other bytes
+        r = bench_size(client, 256 * 1024, 8 << 20, rounds=2, batch=8, chain=16, daemon_pid=d.proc.pid)
+    assert r["blocks"] == 32 and r["put_gbps"] > 0 and r["get_gbps"] > 0
+    fields = [f"{side}_cpu_us_per_block_{op}" for op in ("put", "get") for side in ("daemon", "client")]
+    assert all(r[f] >= 0 for f in fields)
+    assert d.alive()
