@@ -27,22 +27,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tools.daemon_proc import start_daemon  # noqa: E402
+from tools.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+            name, cpu = proc_stat_cpu(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 

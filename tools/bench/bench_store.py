@@ -48,7 +48,7 @@ from eviction.base import policy_names  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tiers.host import copy_bytes  # noqa: E402
-from tools.daemon_proc import start_daemon  # noqa: E402
+from tools.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 
@@ -111,13 +111,6 @@ def threaded_copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: 
     list(pool.map(run, range(threads)))
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) a process has used so far; 10 ms ticks on Linux."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int,
                daemon_pid: int | None = None) -> dict:
     """Bandwidths and ratios for one block size; with `daemon_pid`, also the CPU each side spent per
@@ -132,7 +125,7 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
     dst4k = prefaulted(n * block_bytes, small_pages=True).reshape(n, block_bytes)
     memcpy, memcpy4k, memcpy_mt, loop, put, get = [], [], [], [], [], []
     cpu = {"put": [0.0, 0.0], "get": [0.0, 0.0]}  # [daemon, client] CPU seconds in the timed calls
-    daemon_cpu = (lambda: cpu_s(daemon_pid)) if daemon_pid is not None else (lambda: 0.0)
+    daemon_cpu = (lambda: proc_stat_cpu(f"/proc/{daemon_pid}/stat")[1]) if daemon_pid is not None else (lambda: 0.0)
     threads = client.copy_threads
     pool = ThreadPoolExecutor(threads)
     for r in range(rounds):
