@@ -326,3 +326,51 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         store.close()
     finally:
         remove_stale_arena(path)
+
+
+def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_turn():
+    """The daemon's case: a store used on a running asyncio loop writes the records of the blocks a
+    turn committed, and the deletions of the blocks it freed, in one transaction when the turn ends,
+    on the loop itself (the index thread is never woken for them: its wake-up is disabled here)."""
+    import asyncio
+
+    from kvstore.keys import hash_blocks
+    from kvstore.store import TieredStore
+    from tiers.host import HostArena, remove_stale_arena
+
+    path = f"/dev/shm/kvtest-{os.urandom(8).hex()}"
+    ns_small = type(NS)("turns", "bf16", 1, 1, 8, 16, 8192)
+
+    async def main() -> None:
+        store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
+        index = store.host.index
+        index._wake_index = lambda: None
+        ns = store.register_namespace(ns_small)
+        written = lambda: {msgpack.unpackb(k)[1] for k in index.records()}  # noqa: E731
+        hs = hash_blocks(np.arange(16 * 6), 16)
+        for e, h in zip(store.reserve(ns, list(zip(hs, [None] + hs[:-1])), owner=1), hs):
+            store.host.write(e.location, np.frombuffer(h * 512, np.uint8))
+        store.commit(ns, hs, owner=1)
+        assert index.num_pending == 6 and written() == set()  # nothing written inside the turn
+        await asyncio.sleep(0)
+        assert index.num_pending == 0 and written() == set(hs)
+        store.remove(ns, [hs[3]])  # the chain's tail from hs[3] on
+        assert written() == set(hs)
+        await asyncio.sleep(0)
+        assert written() == set(hs[:3])
+        # A turn that ends after the store closed writes nothing (close wrote what was pending).
+        for e, h in zip(store.reserve(ns, [(hs[3], hs[2])], owner=1), hs[3:]):
+            store.host.write(e.location, np.frombuffer(h * 512, np.uint8))
+        store.commit(ns, [hs[3]], owner=1)
+        store.close()
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.run(main())
+        store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
+        hs = hash_blocks(np.arange(16 * 6), 16)
+        assert store.lookup(store.register_namespace(ns_small), hs).hits == 4
+        assert store.check() == []
+        store.close()
+    finally:
+        remove_stale_arena(path)

@@ -17,9 +17,14 @@ Rules that make an adopted block safe to serve:
 - A record is written only after its block committed (the client copied the
   bytes in before it sent `commit`), so a reserved, never committed block (a
   put cut short by the kill: a torn block) has no record and its pages are
-  free at the next start. Records are written off the event loop by the
-  `kvstore-index` thread, one LMDB transaction per batch, within milliseconds
-  of the commit (`pending` until then: what a kill -9 loses).
+  free at the next start. Records are written at the end of the event loop's
+  turn that committed them, one LMDB transaction per turn (`pending` until
+  then: what a kill -9 loses). Packing a record and putting it costs the loop
+  ~2.6 us; handing it to a thread cost the process ~7 us of that thread plus
+  the loop's waits for the GIL it took, which bounded 256 KiB puts (session
+  19, docs/benchmarks.md). An owner with no running asyncio loop (tests, a
+  store used in process) has them written by the `kvstore-index` thread,
+  within milliseconds; that thread also writes the hasher's checksums.
 - A record is deleted before its pages are handed out again: `forget` queues
   the deletion, the index thread commits it soon after, and the arena's
   `allocate` commits what is still queued first (`settle`), so no record ever
@@ -35,13 +40,15 @@ Rules that make an adopted block safe to serve:
   before the store was quiet) is adopted on the two rules above, and checked
   in the background like a new one.
 
-Threads: `record`, `forget`, `settle` run on the owner's thread (the event
-loop). `_lock` orders every write transaction and the state below; the hasher
-never takes it (a preempted nice-19 thread holding it would stall the loop).
+Threads: `record`, `forget`, `settle` and the end-of-turn write run on the
+owner's thread (the event loop). `_lock` orders every write transaction and
+the state below; the hasher never takes it (a preempted nice-19 thread
+holding it would stall the loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -140,6 +147,7 @@ class HostIndex:
         # For the index thread: _Pending (a new record) | [(item, checksum)]; appended without a lock,
         # `_index_wake` set after (one wake-up per batch, not per block: the loop holds the GIL meanwhile).
         self._to_index: deque = deque()
+        self._turn: list[_Pending] | None = None  # new records to write at the end of the loop's turn (scheduled)
         self._index_wake = threading.Event()
         self._hash_wake = threading.Event()
         self._stopped = threading.Event()
@@ -247,8 +255,7 @@ class HostIndex:
             self._unchecked.pop(key, None)
             self._pending[key] = item
             self._pending_ids.add(id(extents))
-        self._to_index.append(item)
-        self._wake_index()
+        self._queue(item)
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
@@ -264,12 +271,37 @@ class HostIndex:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
             self._deletes.append(rkey)
-        self._wake_index()  # committed promptly: a removed block must not come back after a kill
+        self._queue(None)  # committed promptly: a removed block must not come back after a kill
+
+    def _queue(self, item: _Pending | None) -> None:
+        """Have a new record (`item`) or the queued deletions (None) written soon: at the end of the
+        running loop's turn, by the loop (one transaction for every block the turn committed or
+        freed), or by the index thread where the owner runs no loop."""
+        if self._turn is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                if item is not None:
+                    self._to_index.append(item)
+                self._wake_index()
+                return
+            self._turn = []
+            loop.call_soon(self._write_turn)
+        if item is not None:
+            self._turn.append(item)
+
+    def _write_turn(self) -> None:
+        """The end of a loop turn: write its new records and deletions, one transaction."""
+        items, self._turn = self._turn or [], None
+        new = [(m, record_key(m.key), _pack(m, None), False) for m in items]  # packed before the lock
+        with self._lock:
+            if not self._closing:  # else `close` writes what is pending (or, unlinking, drops it)
+                self._commit(new, [])
 
     def _wake_index(self) -> None:
         """Wake the index thread for what the caller just queued. The thread clears the event before
         it drains, so an event still set means a drain to come that sees it: setting it again (a
-        lock and a notify, per block on the loop) is skipped."""
+        lock and a notify, per block) is skipped."""
         if not self._index_wake.is_set():
             self._index_wake.set()
 
@@ -430,6 +462,7 @@ class HostIndex:
         if flush:
             self.flush()
         self.env.close()
+        self.arena = None  # no view of the arena outlives the close: its mapping can go
 
 
 def _name_native_thread(name: str) -> None:
