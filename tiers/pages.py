@@ -37,9 +37,11 @@ class PageAllocator:
         return -(-nbytes // self.page_bytes)
 
     def allocate(self, nbytes: int) -> list | None:
-        n = self.pages_for(nbytes)
+        n = -(-nbytes // self.page_bytes)
         if nbytes <= 0 or n > len(self._free):
             return None
+        if n == 1:  # a block of one page (e.g. 256 KiB blocks on 256 KiB pages): per block on the loop
+            return [[self._free.pop() * self.page_bytes, nbytes]]
         pages = sorted(self._free[-n:])
         del self._free[-n:]
         pb, extents, remaining = self.page_bytes, [], nbytes
@@ -62,6 +64,9 @@ class PageAllocator:
         return pages
 
     def free(self, extents: Sequence) -> None:
+        if len(extents) == 1 and extents[0][1] <= self.page_bytes:  # one page
+            self._free.append(extents[0][0] // self.page_bytes)
+            return
         self._free.extend(sorted(self.pages_of(extents), reverse=True))
 
     def check(self, allocations: Iterable[Sequence]) -> list[str]:
