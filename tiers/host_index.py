@@ -20,15 +20,14 @@ Rules that make an adopted block safe to serve:
   free at the next start. Records are written at the end of the event loop's
   turn that committed them, one LMDB transaction per turn (`pending` until
   then: what a kill -9 loses). Packing a record and putting it costs the loop
-  ~2.6 us; handing it to a thread cost the process ~7 us of that thread plus
-  the loop's waits for the GIL it took, which bounded 256 KiB puts (session
-  19, docs/benchmarks.md). An owner with no running asyncio loop (tests, a
+  ~2.6 us; handing it to a thread cost ~7 us of that thread's CPU plus the
+  loop's waits for the GIL it took (session 19, docs/benchmarks.md). An owner with no running asyncio loop (tests, a
   store used in process) has them written by the `kvstore-index` thread,
   within milliseconds; that thread also writes the hasher's checksums.
 - A record is deleted before its pages are handed out again: `forget` queues
-  the deletion, the index thread commits it soon after, and the arena's
-  `allocate` commits what is still queued first (`settle`), so no record ever
-  points at pages that hold another block.
+  the deletion, committed with the turn's records (or by the index thread
+  soon after), and the arena's `allocate` commits what is still queued first
+  (`settle`), so no record ever points at pages that hold another block.
 - The checksum is added to the record later, by the `kvstore-hash` thread
   (nice 19), once no block has been committed, freed or acquired for
   `QUIET_S` (or the oldest unchecked record is `CHECK_LAG_S` old): hashing
@@ -96,7 +95,7 @@ def checksum(arena: np.ndarray, extents: Iterable) -> int:
 class _Pending:
     """A block committed in the arena whose record is not written, or has no checksum yet."""
 
-    key: tuple  # (namespace id, hash): packed by the index thread, not on the loop
+    key: tuple  # (namespace id, hash): packed when the record is written, not at `record`
     extents: list
     nbytes: int
     meta: tuple  # (parent, depth, attention, stamp)
@@ -259,7 +258,7 @@ class HostIndex:
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
-        (committed by the index thread soon, and by `settle` before its pages are allocated again)."""
+        (committed at the end of the turn, and by `settle` before its pages are allocated again)."""
         with self._lock:
             self._active_at = time.monotonic()
             item = self._pending.pop(key, None)
