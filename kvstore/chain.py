@@ -54,32 +54,51 @@ def open_store(config: Config) -> TieredStore:
     except ArenaRefused as exc:
         raise OwnershipError(str(exc)) from None
     chain.append(host)
-    if gpu is not None and gpu.device.type == "cuda":
-        from tiers.gpu import pin_host
+    try:
+        if gpu is not None and gpu.device.type == "cuda":
+            from tiers.gpu import pin_host
 
-        pinned = pin_host(host.buf)  # gpu <-> host copies become asynchronous DMA; pageable if it fails
-        if not pinned.pinned:
-            log.warning("host arena not pinned for the gpu tier: %s", pinned.reason)
-    if config.disk.enabled:
-        from tiers.disk import DiskTier  # lmdb: only where the disk tier is used
+            pinned = pin_host(host.buf)  # gpu <-> host copies become asynchronous DMA; pageable if it fails
+            if not pinned.pinned:
+                log.warning("host arena not pinned for the gpu tier: %s", pinned.reason)
+        if config.disk.enabled:
+            from tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
-        chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
-    else:
-        absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
-    remote, why = remote_tier(config, host)
-    if remote is None:
-        absent["remote"] = why
-    else:
-        chain.append(remote)
-    for name, reason in absent.items():
-        log.info("%s tier not in the chain: %s", name, reason)
-    store = TieredStore(chain, policy=config.policy, absent=absent)
+            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
+        else:
+            absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
+        remote, why = remote_tier(config, host)
+        if remote is None:
+            absent["remote"] = why
+        else:
+            chain.append(remote)
+        for name, reason in absent.items():
+            log.info("%s tier not in the chain: %s", name, reason)
+        store = TieredStore(chain, policy=config.policy, absent=absent)
+    except BaseException:
+        _give_back(chain, host)
+        raise
     if remote is not None:
         from kvstore.sharing import RemoteSharing
 
         rc = config.remote
         store.sharing = RemoteSharing(store, remote, rc.publish, rc.timeout_s, rc.transfer_timeout_s)
     return store
+
+
+def _give_back(chain: list[Tier], host: HostArena) -> None:
+    """A start that failed after its tiers were opened (a required remote out of reach, a disk
+    refused): close them, and remove a host arena this start created. It never held a block, and
+    prefaulted it would keep its whole size of RAM in /dev/shm; an adopted one is kept for the next
+    start, as a stop would keep it."""
+    for tier in reversed(chain):
+        try:
+            if tier is host:
+                host.close(unlink=not host.adopted)
+            else:
+                tier.close()
+        except Exception:  # the start's own error is the one to report
+            log.exception("closing the %s tier after a failed start", tier.name)
 
 
 def remote_tier(config: Config, host: HostArena) -> tuple[Tier | None, str]:

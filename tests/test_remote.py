@@ -8,10 +8,12 @@ killed -9, values written wrong under a block's key, bad configuration.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,13 +241,34 @@ def test_a_killed_peer_is_a_clean_miss_on_the_other_host(tmp_path, two_hosts, st
 def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_path, mooncake):
     from tests.remote_env import free_port
 
+    from tiers.host import remove_stale_arena
+
     dead = f"mooncake://127.0.0.1:{free_port()}"
+    arena = Path(f"/dev/shm/kvstore-{os.getuid()}-badremote")
+    remove_stale_arena(str(arena))  # one left by an earlier version of this test would be adopted
     cmd = [sys.executable, "-m", "tools.cli", "serve", "--name", "badremote", "--socket", str(tmp_path / "s.sock"),
            "--host-bytes", "16MiB", "--page-bytes", "64KiB", "--no-disk", "--no-admin"]
     t0 = time.monotonic()
     r = subprocess.run(cmd + ["--remote", dead], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "cannot reach the Mooncake master at 127.0.0.1" in r.stderr
     assert time.monotonic() - t0 < 20  # not Mooncake's own 90 s of retries
+    assert not arena.exists()  # the arena this failed start created is gone and not Path(f"{arena}.index").exists()
+    # An arena a previous daemon kept is kept through a failed start, blocks and all.
+    kept = start_daemon(tmp_path, name="keptarena", host_bytes="16MiB", log_path=str(tmp_path / "k.log"))
+    hs, parents, payloads = chain(1, 2)
+    with kept.client() as c:
+        assert c.put(c.register(NS), list(zip(hs, parents, payloads))) == 2
+    assert kept.stop(keep_arena=True) == 0
+    r = subprocess.run([*cmd[:5], "keptarena", *cmd[6:], "--remote", dead], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and Path(f"/dev/shm/kvstore-{os.getuid()}-keptarena").exists()
+    kept = start_daemon(tmp_path, name="keptarena", host_bytes="16MiB", log_path=str(tmp_path / "k2.log"))
+    try:
+        with kept.client() as c:
+            got = c.get(c.register(NS), hs)
+        assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, payloads))
+    finally:
+        assert kept.stop() == 0
     r = subprocess.run(cmd + ["--remote", "http://example:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "mooncake://host:port" in r.stderr
     cfg = tmp_path / "optional.toml"

@@ -84,7 +84,8 @@ class HostArena(Tier):
         self.index: HostIndex | None = None
         self._recovered: tuple[list, list] | None = None
         self.adopted_blocks = 0
-        if not (persistent and self._adopt(prefault)):
+        self.adopted = persistent and self._adopt(prefault)  # else a new, empty arena of ours
+        if not self.adopted:
             self._create(prefault)
 
     def _create(self, prefault: bool) -> None:
