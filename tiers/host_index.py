@@ -21,9 +21,11 @@ Rules that make an adopted block safe to serve:
   turn that committed them, one LMDB transaction per turn (`pending` until
   then: what a kill -9 loses). Packing a record and putting it costs the loop
   ~2.6 us; handing it to a thread cost ~7 us of that thread's CPU plus the
-  loop's waits for the GIL it took (session 19, docs/benchmarks.md). An owner with no running asyncio loop (tests, a
-  store used in process) has them written by the `kvstore-index` thread,
-  within milliseconds; that thread also writes the hasher's checksums.
+  loop's waits for the GIL it took (session 19, docs/benchmarks.md). A
+  caller with no running asyncio loop in its thread (tests, a store used in
+  process, the daemon's close in an executor) has them written by the
+  `kvstore-index` thread, within milliseconds; that thread also writes the
+  hasher's checksums.
 - A record is deleted before its pages are handed out again: `forget` queues
   the deletion, committed with the turn's records (or by the index thread
   soon after), and the arena's `allocate` commits what is still queued first
@@ -276,14 +278,14 @@ class HostIndex:
         """Have a new record (`item`) or the queued deletions (None) written soon: at the end of the
         running loop's turn, by the loop (one transaction for every block the turn committed or
         freed), or by the index thread where the owner runs no loop."""
+        try:
+            loop = asyncio.get_running_loop()  # the calling thread's (a store closing in an executor has none)
+        except RuntimeError:
+            if item is not None:
+                self._to_index.append(item)
+            self._wake_index()
+            return
         if self._turn is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                if item is not None:
-                    self._to_index.append(item)
-                self._wake_index()
-                return
             self._turn = []
             loop.call_soon(self._write_turn)
         if item is not None:
