@@ -358,10 +358,29 @@ def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_tu
         assert written() == set(hs)
         await asyncio.sleep(0)
         assert written() == set(hs[:3])
-        # A turn that ends after the store closed writes nothing (close wrote what was pending).
-        for e, h in zip(store.reserve(ns, [(hs[3], hs[2])], owner=1), hs[3:]):
+        # From another thread while a turn is open (the daemon's close runs in an executor), records
+        # and deletions are the index thread's to write, now: the loop's list holds the loop's only.
+        del index._wake_index
+        for e, h in zip(store.reserve(ns, [(hs[3], hs[2]), (hs[4], hs[3])], owner=1), hs[3:]):
             store.host.write(e.location, np.frombuffer(h * 512, np.uint8))
         store.commit(ns, [hs[3]], owner=1)
+
+        def in_another_thread(fn, *args) -> None:  # the loop waits meanwhile: its turn stays open
+            worker = threading.Thread(target=fn, args=args)
+            worker.start()
+            worker.join()
+
+        in_another_thread(store.commit, ns, [hs[4]], 1)
+        assert [item.key for item in index._turn] == [(ns, hs[3])]
+        poll(lambda: written() == {*hs[:3], hs[4]}, 10, "the index thread's record")
+        in_another_thread(store.remove, ns, [hs[4]])
+        poll(lambda: written() == set(hs[:3]), 10, "the index thread's deletion")
+        await asyncio.sleep(0)
+        assert written() == set(hs[:4])
+        # A turn that ends after the store closed writes nothing (close wrote what was pending).
+        for e, h in zip(store.reserve(ns, [(hs[4], hs[3])], owner=1), hs[4:]):
+            store.host.write(e.location, np.frombuffer(h * 512, np.uint8))
+        store.commit(ns, [hs[4]], owner=1)
         store.close()
         await asyncio.sleep(0)
 
@@ -369,7 +388,7 @@ def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_tu
         asyncio.run(main())
         store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
         hs = hash_blocks(np.arange(16 * 6), 16)
-        assert store.lookup(store.register_namespace(ns_small), hs).hits == 4
+        assert store.lookup(store.register_namespace(ns_small), hs).hits == 5
         assert store.check() == []
         store.close()
     finally:

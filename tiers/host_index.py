@@ -149,6 +149,7 @@ class HostIndex:
         # `_index_wake` set after (one wake-up per batch, not per block: the loop holds the GIL meanwhile).
         self._to_index: deque = deque()
         self._turn: list[_Pending] | None = None  # new records to write at the end of the loop's turn (scheduled)
+        self._turn_thread = 0  # the loop's thread, which alone adds to `_turn`
         self._index_wake = threading.Event()
         self._hash_wake = threading.Event()
         self._stopped = threading.Event()
@@ -278,15 +279,17 @@ class HostIndex:
         """Have a new record (`item`) or the queued deletions (None) written soon: at the end of the
         running loop's turn, by the loop (one transaction for every block the turn committed or
         freed), or by the index thread where the owner runs no loop."""
-        try:
-            loop = asyncio.get_running_loop()  # the calling thread's (a store closing in an executor has none)
-        except RuntimeError:
-            if item is not None:
-                self._to_index.append(item)
-            self._wake_index()
-            return
-        if self._turn is None:
-            self._turn = []
+        if self._turn is None or threading.get_ident() != self._turn_thread:  # (get_running_loop: ~0.2 us)
+            try:
+                loop = asyncio.get_running_loop()  # the calling thread's (a store closing in an executor has none)
+            except RuntimeError:
+                loop = None
+            if loop is None or self._turn is not None:  # no loop here, or the turn open is another thread's
+                if item is not None:
+                    self._to_index.append(item)
+                self._wake_index()
+                return
+            self._turn, self._turn_thread = [], threading.get_ident()
             loop.call_soon(self._write_turn)
         if item is not None:
             self._turn.append(item)
