@@ -16,7 +16,10 @@ model: 32 layers x 8 KV heads x 128 head dim x 2 (K,V) x 2 B x 16 tokens; and
   pipelined the same way;
 
 and prints bandwidths and the ratios put/memcpy, get/memcpy (median of rounds).
-Each round's blocks are removed (untimed) before the next round.
+Each round's blocks are removed (untimed) before the next round, so those puts
+land in free pages; `--full-tier` also times puts into a tier that is already
+full (a second daemon holding half the bytes moved: every batch evicts first,
+the steady state of a serving store).
 A second baseline copies between buffers with 4 KiB pages: numpy's own buffers
 get transparent huge pages, the shared arena only where the kernel allows THP
 for shared memory (`shmem_enabled`), and page size alone is ~9% of memcpy speed.
@@ -24,6 +27,7 @@ It also times `lookup` of a 32k-token prompt (2,048 blocks of 16 tokens), hashin
 included, against a store that holds the whole prompt (p50/p90/p99).
 
     python tools/bench/bench_store.py [--json] [--rounds 5] [--total-mib 512] [--copy-threads 2] [--no-persistent-host]
+                                      [--full-tier]   # also puts into a full host tier (every batch evicts)
                                       [--policy lru]   # the daemon's eviction policy (default: the config's)
     python tools/bench/bench_store.py --copy-probe   # memcpy vs the store's copy loop on /dev/shm memory
 """
@@ -111,6 +115,49 @@ def threaded_copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: 
     list(pool.map(run, range(threads)))
 
 
+def chains(src: np.ndarray, chain: int, seed: int) -> list[tuple[bytes, bytes | None, np.ndarray]]:
+    """(hash, parent, payload) of every row of `src`, as requests of `chain` blocks each (e.g. 64 x 2 MiB
+    = a 1k-token prompt of Llama-8B); other hashes for each `seed`."""
+    n, blocks = len(src), []
+    for c in range(0, n, chain):
+        hs = hash_blocks(np.arange(min(chain, n - c) * 16) + (seed * n + c) * 1000, 16)
+        blocks += list(zip(hs, [None] + hs[:-1], src[c : c + len(hs)]))
+    return blocks
+
+
+def bench_full_tier(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int,
+                    daemon_pid: int) -> dict:
+    """Puts into a host tier already full (the daemon's holds less than `total_bytes`): every batch
+    evicts first, the steady state of a serving store. Nothing is removed between rounds; a first,
+    untimed round fills the tier. Median of the rounds against single-thread memcpy of the same blocks."""
+    n = total_bytes // block_bytes
+    ns = client.register(Namespace(f"bench-full-{block_bytes}", "bf16", 32, 8, 128, 16, block_bytes))
+    src = prefaulted(n * block_bytes).reshape(n, block_bytes)
+    dst = prefaulted(n * block_bytes).reshape(n, block_bytes)
+    client.put(ns, chains(src, chain, 0), chunk=batch)
+    memcpy, put, daemon_cpu = [], [], 0.0
+    for r in range(1, rounds + 1):
+        t = time.perf_counter()
+        for i in range(n):
+            np.copyto(dst[i], src[i])
+        memcpy.append(time.perf_counter() - t)
+        blocks = chains(src, chain, r)
+        d0, t = proc_stat_cpu(f"/proc/{daemon_pid}/stat")[1], time.perf_counter()
+        stored = client.put(ns, blocks, chunk=batch)
+        put.append(time.perf_counter() - t)
+        daemon_cpu += proc_stat_cpu(f"/proc/{daemon_pid}/stat")[1] - d0
+        if stored != n:
+            raise SystemExit(f"put into the full tier stored {stored} of {n} blocks")
+    return {
+        "block_bytes": block_bytes,
+        "blocks": n,
+        "memcpy_gbps": total_bytes / statistics.median(memcpy) / 1e9,
+        "put_gbps": total_bytes / statistics.median(put) / 1e9,
+        "put_vs_memcpy": statistics.median(memcpy) / statistics.median(put),
+        "daemon_cpu_us_per_block_put": round(daemon_cpu / (rounds * n) * 1e6, 1),
+    }
+
+
 def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int, batch: int, chain: int,
                daemon_pid: int | None = None) -> dict:
     """Bandwidths and ratios for one block size; with `daemon_pid`, also the CPU each side spent per
@@ -145,11 +192,7 @@ def bench_size(client: KVClient, block_bytes: int, total_bytes: int, rounds: int
         threaded_copy(pool, threads, dst, src)
         memcpy_mt.append(time.perf_counter() - t)
 
-        # Requests of `chain` blocks each (e.g. 64 x 2 MiB = a 1k-token prompt of Llama-8B).
-        blocks = []
-        for c in range(0, n, chain):
-            hs = hash_blocks(np.arange(min(chain, n - c) * 16) + (r * n + c) * 1000, 16)
-            blocks += list(zip(hs, [None] + hs[:-1], src[c : c + len(hs)]))
+        blocks = chains(src, chain, r)
         hashes = [b[0] for b in blocks]
         d0, c0, t = daemon_cpu(), time.process_time(), time.perf_counter()
         stored = client.put(ns, blocks, chunk=batch)
@@ -238,6 +281,9 @@ def main() -> int:
     ap.add_argument("--policy", default=None, choices=policy_names(),
                     help="the daemon's eviction policy (default: the config's, attention); e.g. lru, to see "
                          "what the default policy's per-block work costs the data path")
+    ap.add_argument("--full-tier", action="store_true",
+                    help="also time puts into a host tier that is already full (every batch evicts: a serving "
+                         "store's steady state), a second daemon holding half of --total-mib")
     ap.add_argument("--copy-probe", action="store_true",
                     help="only compare memcpy with the store's copy loop against /dev/shm memory, and exit")
     args = ap.parse_args()
@@ -264,6 +310,16 @@ def main() -> int:
                 lookup = bench_lookup(client, args.lookup_iters)
         finally:
             daemon.stop()
+    full = []
+    if args.full_tier:
+        with tempfile.TemporaryDirectory() as tmp:
+            daemon = start_daemon(tmp, *extra, host_bytes=str(total // 2), page_bytes="256KiB", admin=False)
+            try:
+                with KVClient(daemon.socket_path, name="bench-full", copy_threads=args.copy_threads) as client:
+                    full = [bench_full_tier(client, b, total, args.rounds, args.batch, args.chain, daemon.proc.pid)
+                            for b in (2 * MiB, 256 * 1024)]
+            finally:
+                daemon.stop()
     big, small = sizes
     result = {
         "get_vs_memcpy": big["get_vs_memcpy"],
@@ -272,6 +328,7 @@ def main() -> int:
         "put_vs_memcpy_256k": small["put_vs_memcpy"],
         **lookup,
         "sizes": sizes,
+        "full_tier": full,
         "shmem_thp": shm_thp(),
         "rounds": args.rounds,
         "batch": args.batch,
@@ -296,6 +353,11 @@ def main() -> int:
               f"{s['client_cpu_us_per_block_put']} us, get {s['daemon_cpu_us_per_block_get']} / "
               f"{s['client_cpu_us_per_block_get']} us (wall per block: put "
               f"{s['block_bytes'] / s['put_gbps'] / 1e3:.1f} us, get {s['block_bytes'] / s['get_gbps'] / 1e3:.1f} us)")
+    for f in full:
+        print(f"{f['block_bytes'] >> 10:>5} KiB blocks into a full tier (every batch evicts): memcpy "
+              f"{f['memcpy_gbps']:.2f} GB/s | put {f['put_gbps']:.2f} GB/s = {f['put_vs_memcpy']:.2f}x memcpy "
+              f"(daemon CPU per block {f['daemon_cpu_us_per_block_put']} us, wall "
+              f"{f['block_bytes'] / f['put_gbps'] / 1e3:.1f} us)")
     print(f"lookup of a 32k-token prompt (2,048 blocks, hashing included): p50 {lookup['lookup_32k_p50_ms']:.2f} ms, "
           f"p90 {lookup['lookup_32k_p90_ms']:.2f} ms, p99 {lookup['lookup_32k_p99_ms']:.2f} ms "
           f"(hashing alone p50 {lookup['hash_32k_p50_ms']:.2f} ms)")
