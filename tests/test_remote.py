@@ -252,7 +252,7 @@ def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_p
     r = subprocess.run(cmd + ["--remote", dead], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "cannot reach the Mooncake master at 127.0.0.1" in r.stderr
     assert time.monotonic() - t0 < 20  # not Mooncake's own 90 s of retries
-    assert not arena.exists()  # the arena this failed start created is gone and not Path(f"{arena}.index").exists()
+    assert not arena.exists() and not Path(f"{arena}.index").exists()  # the arena this failed start created is gone
     # An arena a previous daemon kept is kept through a failed start, blocks and all.
     kept = start_daemon(tmp_path, name="keptarena", host_bytes="16MiB", log_path=str(tmp_path / "k.log"))
     hs, parents, payloads = chain(1, 2)

@@ -37,7 +37,7 @@ class PageAllocator:
         return -(-nbytes // self.page_bytes)
 
     def allocate(self, nbytes: int) -> list | None:
-        n = -(-nbytes // self.page_bytes)
+        n = self.pages_for(nbytes)
         if nbytes <= 0 or n > len(self._free):
             return None
         if n == 1:  # a block of one page (e.g. 256 KiB blocks on 256 KiB pages): per block on the loop
