@@ -12,10 +12,10 @@ from tools.daemon_proc import proc_stat_cpu
 
 def test_cpu_seconds_of_a_process_grow_with_its_work():
     name, before = proc_stat_cpu(f"/proc/{os.getpid()}/stat")
-    end = time.perf_counter() + 0.2
-    while time.perf_counter() < end:
+    end = time.process_time() + 0.2  # CPU time, not wall time: a loaded machine may give this process little
+    while time.process_time() < end:
         pass
-    assert 0.1 <= proc_stat_cpu(f"/proc/{os.getpid()}/stat")[1] - before <= 1.0  # user + system, in seconds
+    assert 0.15 <= proc_stat_cpu(f"/proc/{os.getpid()}/stat")[1] - before <= 1.0  # user + system, in seconds
     assert name and "(" not in name and ")" not in name
 
 

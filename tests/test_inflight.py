@@ -42,6 +42,20 @@ class Waiter:
         return self.result
 
 
+def blocked_waits(daemon) -> int:
+    """How often the daemon's waits have blocked: it counts one before each block, never after."""
+    return daemon.stats()["counters"].get("inflight_waits", 0)
+
+
+def until_blocked(daemon, before: int, timeout_s: float = 10.0) -> None:
+    """Return once a wait has blocked in the daemon since `blocked_waits` was `before`, so that what the
+    test does next happens during the wait (a fixed sleep is too short on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while blocked_waits(daemon) <= before:
+        assert time.monotonic() < deadline, f"no wait blocked in the daemon within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def fill(client: KVClient, ns: str, hashes, value: int) -> None:
     exts = client.reserve(ns, [(h, p) for h, p in zip(hashes, [None] + list(hashes[:-1]))])
     arena = client.arena
@@ -56,8 +70,9 @@ def test_a_wait_ends_at_commit_and_the_bytes_are_the_committed_ones(daemon):
         ns = producer.register(NS)
         fill(producer, ns, hs, 7)
         assert producer.acquire_inflight(ns, hs)[2] == 4  # all four are in flight
+        n = blocked_waits(daemon)
         waiter = Waiter(daemon.socket_path, hs, timeout_s=10)
-        time.sleep(0.2)
+        until_blocked(daemon, n)
         assert waiter.result is None, "answered before commit"
         with KVClient(daemon.socket_path) as other:  # the daemon serves others meanwhile
             other.register(NS)
@@ -79,16 +94,18 @@ def test_a_wait_ends_early_at_abort_and_at_the_producers_lease(daemon):
     ns = producer.register(NS)
     fill(producer, ns, hs, 1)
     producer.commit(ns, hs[:1])
+    n = blocked_waits(daemon)
     waiter = Waiter(daemon.socket_path, hs, timeout_s=30)
-    time.sleep(0.1)
+    until_blocked(daemon, n)
     producer.abort(ns, hs[1:])
     res = waiter.join()
     assert (res.ready, res.reason) == (1, "aborted") and waiter.elapsed_s < 5
 
     hs2, _ = chain(3, 3)
     fill(producer, ns, hs2, 2)
+    n = blocked_waits(daemon)
     waiter = Waiter(daemon.socket_path, hs2, timeout_s=30)
-    time.sleep(0.1)
+    until_blocked(daemon, n)
     producer.close()  # the lease: its reservations go with the connection
     res = waiter.join()
     assert (res.ready, res.reason) == (0, "aborted") and waiter.elapsed_s < 5
@@ -104,11 +121,13 @@ def test_announced_blocks_are_waited_for_and_the_wait_ends_when_the_announcer_go
         c.register(NS)
         ext, _, inflight = c.acquire_inflight(ns, hs)
         assert ext == [None] * 4 and inflight == 4
+    n = blocked_waits(daemon)
     waiter = Waiter(daemon.socket_path, hs, timeout_s=30)
-    time.sleep(0.1)
+    until_blocked(daemon, n)
     fill(producer, ns, hs[:2], 3)
+    n = blocked_waits(daemon)
     producer.commit(ns, hs[:2])
-    time.sleep(0.1)
+    until_blocked(daemon, n)  # the wait moved on to the third block: its end is then "aborted", not "absent"
     producer.close()  # killed mid-prefill: the rest never comes
     res = waiter.join()
     assert (res.ready, res.reason) == (2, "aborted") and res.waited == (0, 1) and waiter.elapsed_s < 5
@@ -117,8 +136,9 @@ def test_announced_blocks_are_waited_for_and_the_wait_ends_when_the_announcer_go
         p2.register(NS)
         hs3, _ = chain(5, 2)
         p2.expect(ns, hs3)
+        n = blocked_waits(daemon)
         waiter = Waiter(daemon.socket_path, hs3, timeout_s=30)
-        time.sleep(0.1)
+        until_blocked(daemon, n)
         p2.withdraw(ns, hs3)
         res = waiter.join()
         assert (res.ready, res.reason) == (0, "aborted")
@@ -136,8 +156,9 @@ def test_absent_blocks_end_a_wait_at_once_unless_asked_to_appear(daemon):
     res = waiter.join()
     assert (res.ready, res.reason) == (0, "timeout") and 0.25 < waiter.elapsed_s < 3
 
+    n = blocked_waits(daemon)
     waiter = Waiter(daemon.socket_path, hs, timeout_s=30, appear=True)
-    time.sleep(0.2)
+    until_blocked(daemon, n)
     with KVClient(daemon.socket_path) as producer:
         ns = producer.register(NS)
         fill(producer, ns, hs, 9)
@@ -165,8 +186,9 @@ def test_a_pending_wait_does_not_hold_up_the_drain(daemon):
     producer = KVClient(daemon.socket_path)
     ns = producer.register(NS)
     producer.expect(ns, hs)
+    n = blocked_waits(daemon)
     waiter = Waiter(daemon.socket_path, hs, timeout_s=60)
-    time.sleep(0.2)
+    until_blocked(daemon, n)
     t0 = time.monotonic()
     assert daemon.stop() == 0
     assert time.monotonic() - t0 < 8  # the drain allows 10 s for requests in progress: the wait answered first

@@ -7,16 +7,20 @@ import asyncio
 import json
 import socket
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from tools.pd_proxy import AFFINITY_HEADER, PREFILL_ERROR_HEADER, POOLS, ProxyConfig, check_engines, make_app
 
 
-def free_port() -> int:
+@pytest.fixture
+def dead_url():
+    """An engine URL that refuses connections: its port stays bound, not listening, for the whole test, so no
+    server the test starts can be given it (a released free port could be, once in a few thousand runs)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 class FakeEngine:
@@ -58,8 +62,10 @@ def run(coro):
 
 
 async def proxy_for(prefill: list[str], decode: list[str], **kw) -> TestClient:
+    # dead ports refuse at once: a short connect timeout would only mark a healthy engine down when the loop
+    # stalls on a loaded machine
     cfg = ProxyConfig(tuple(prefill), tuple(decode), health_interval_s=kw.pop("health_interval_s", 60),
-                      connect_timeout_s=1.0, request_timeout_s=10.0, **kw)
+                      connect_timeout_s=10.0, request_timeout_s=10.0, **kw)
     client = TestClient(TestServer(make_app(cfg), host="127.0.0.1"))
     await client.start_server()
     return client
@@ -101,12 +107,12 @@ def test_requests_go_to_a_prefill_engine_with_max_tokens_1_and_to_a_decode_engin
     run(scenario())
 
 
-def test_a_dead_or_unhealthy_engine_is_skipped():
+def test_a_dead_or_unhealthy_engine_is_skipped(dead_url):
     async def scenario():
         p, d_ok, d_sick = FakeEngine("p"), FakeEngine("ok"), FakeEngine("sick", healthy=False)
         for e in (p, d_ok, d_sick):
             await e.server.start_server()
-        dead = f"http://127.0.0.1:{free_port()}"
+        dead = dead_url
         client = await proxy_for([dead, p.url], [d_sick.url, dead, d_ok.url])
         try:
             await check_engines(client.server.app)
@@ -126,13 +132,13 @@ def test_a_dead_or_unhealthy_engine_is_skipped():
     run(scenario())
 
 
-def test_bad_input_gets_clear_errors_and_never_hangs():
+def test_bad_input_gets_clear_errors_and_never_hangs(dead_url):
     async def scenario():
         p, d500, d400 = FakeEngine("p"), FakeEngine("d500", status=500), FakeEngine("d400", status=400)
         p_down = FakeEngine("p500", status=500)
         for e in (p, d500, d400, p_down):
             await e.server.start_server()
-        nobody = [f"http://127.0.0.1:{free_port()}"]
+        nobody = [dead_url]
         client = await proxy_for(nobody, nobody)
         try:
             # nothing up: found by connecting (502), or already by the first health check (503)
@@ -199,14 +205,14 @@ def test_bad_proxy_config_is_refused():
         ProxyConfig(("http://a",), ("http://b",), mode="sideways")
 
 
-def test_router_mode_forwards_unchanged_to_one_pool_with_affinity_and_skips_a_dead_engine():
+def test_router_mode_forwards_unchanged_to_one_pool_with_affinity_and_skips_a_dead_engine(dead_url):
     async def scenario():
         e1, e2 = FakeEngine("e1"), FakeEngine("e2")
         for e in (e1, e2):
             await e.server.start_server()
-        dead = f"http://127.0.0.1:{free_port()}"
-        cfg = ProxyConfig((), (), engines=(e1.url, e2.url, dead), health_interval_s=60, connect_timeout_s=1.0,
-                          request_timeout_s=10.0)
+        dead = dead_url
+        cfg = ProxyConfig((), (), engines=(e1.url, e2.url, dead), health_interval_s=60, connect_timeout_s=10.0,
+                          request_timeout_s=10.0)  # 10 s: a healthy engine must not be marked down by a stall
         assert cfg.mode == "router"
         client = TestClient(TestServer(make_app(cfg), host="127.0.0.1"))
         await client.start_server()
