@@ -73,8 +73,10 @@ class PagedKV:
         self.num_blocks = num_blocks
         self.layer_block_bytes = [v[0].numel() * v.element_size() for v in self.views]
         self.block_bytes = sum(self.layer_block_bytes)
+        self.layer_offsets = [sum(self.layer_block_bytes[:i]) for i in range(len(self.views))]
         self.device = self.views[0].device
         self._stacked = _stack_uniform(self.views)
+        self._rows: list[np.ndarray] | None | bool = None  # layer_rows(), once (False: not this layout)
 
     # -- one block <-> a flat uint8 buffer of block_bytes --------------------------
     def _layer_slices(self, flat: torch.Tensor):
@@ -120,6 +122,39 @@ class PagedKV:
             self.load_block(block_id, arena[offset : offset + self.block_bytes])
             return
         self.load_block(block_id, _gather(arena, extents, self.block_bytes))
+
+    # -- one layer of a block (layer-wise loads) ----------------------------------------
+    def layer_rows(self) -> list[np.ndarray] | None:
+        """Per layer, `[num_blocks, layer bytes]` uint8 numpy rows over its KV tensor, or None when a
+        block's slice of a layer is not contiguous (vLLM's CPU layout is) or the tensors are off the CPU."""
+        if self._rows is None:
+            rows = []
+            for v in self.views:
+                if v.device.type != "cpu" or not v[0].is_contiguous():
+                    self._rows = False
+                    return None
+                rows.append(_as_bytes(torch.as_strided(v, (v.shape[0], v[0].numel()), (v.stride(0), 1))))
+            self._rows = rows
+        return self._rows or None
+
+    def load_layer_from_arena(self, arena: np.ndarray, layer: int, block_id: int,
+                              extents: Sequence[Sequence[int]]) -> None:
+        """Overwrite layer `layer` of block `block_id` with that layer's bytes of the block held at
+        `extents` of `arena` (a uint8 numpy array). Needs `layer_rows()`."""
+        rows = self.layer_rows()
+        assert rows is not None, "layer copies need the CPU layout (layer_rows)"
+        dst = rows[layer][block_id]
+        lo, n = self.layer_offsets[layer], self.layer_block_bytes[layer]
+        if len(extents) == 1:
+            start = extents[0][0] + lo
+            copy_bytes(dst, arena[start : start + n])
+            return
+        pos = 0  # the payload's bytes [lo, lo + n) over the extents
+        for offset, length in extents:
+            a, b = max(lo, pos), min(lo + n, pos + length)
+            if a < b:
+                copy_bytes(dst[a - lo : b - lo], arena[offset + a - pos : offset + b - pos])
+            pos += length
 
     # -- key sampling for the attention estimate --------------------------------------
     def block_keys(self, layer: int, block_ids: Sequence[int], block_tokens: int) -> torch.Tensor | None:

@@ -107,7 +107,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)  # layer-wise loads (connectors/vllm_worker.py)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         return  # saves happen once per step in wait_for_save, after the draft model too

@@ -42,6 +42,7 @@ class ConnectorConfig:
     load: bool = True  # look up and load hits
     model_id: str = ""  # namespace model name; default: the engine's model path/name
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
+    layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (CPU layouts)
     # prefill/decode disaggregation (connectors/vllm_scheduler.py):
     wait_s: float = 10.0  # a loader waits this long for blocks in flight (reserved/announced); 0 = never wait
     announce: bool | None = None  # announce prompt blocks before computing them; None = only as kv_producer

@@ -7,6 +7,17 @@
   that is away, or a copy that fails marks that block and the rest of its job
   as load errors (`get_block_ids_with_load_errors`): vLLM recomputes them
   (kv_load_failure_policy="recompute").
+* Layer by layer (`layer_loads`, on by default, CPU layouts): a step's loads that
+  feed its forward are copied by a helper thread one layer at a time, in the
+  order the forward reaches the layers, while the forward runs; vLLM calls
+  `wait_for_layer_load` before each attention layer, which waits for that layer
+  only, so the copy hides behind the compute of the earlier layers (the whole
+  copy before the forward was ~3 % of an 8k-token hit's TTFT). The step's end
+  (`wait_for_save`, `get_finished`) waits for the rest, reports failed blocks
+  and releases the pins. A forward that did not wait (no layer awaited, or
+  fewer than in earlier steps) may have read blocks not yet copied: that step's
+  loads are reported as errors (vLLM recomputes them) and later steps copy
+  whole blocks before the forward.
 * Saves (`wait_for_save`, after the target and draft forwards): one `reserve`
   RPC for the step's SaveBatch, copies paged KV -> arena, one `commit` RPC
   (with a key-norm attention estimate per block when available, and the
@@ -73,6 +84,61 @@ class _WaitedCopy:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class _LayerLoads:
+    """One step's sync loads, copied one layer at a time on a helper thread while the forward runs.
+
+    `work`: (job index, position in the job, block id, extents) for every block to copy; `order`:
+    the layers in the order they are copied (the forward's). `wait(layer)` returns once that layer
+    of every block is in place. A block whose copy fails stops its job there (later layers skip it
+    and the blocks after it); the error is in `failed`.
+    """
+
+    def __init__(self, kv: PagedKV, arena, work: list, order: list[int], jobs: list[LoadJob], held: list[bytes],
+                 generation: int) -> None:
+        self.kv, self.arena, self.work, self.order = kv, arena, work, order
+        self.jobs, self.held, self.generation = jobs, held, generation  # what the step's end reports and unpins
+        self.started = time.monotonic()
+        self.position = {layer: k for k, layer in enumerate(order)}
+        self.copied = 0  # leading layers of `order` done (read without the lock: one int)
+        self.cond = threading.Condition()
+        self.failed: dict[int, tuple[int, Exception]] = {}  # job index -> (first failed position, why)
+        self.awaited: list[int] = []  # layers the forward waited for, in its order
+        self.future = None
+
+    def run(self) -> None:
+        kv, arena, work, failed = self.kv, self.arena, self.work, self.failed
+        try:
+            for k, layer in enumerate(self.order):
+                for job, pos, block_id, extents in work:
+                    stop = failed.get(job)
+                    if stop is not None and stop[0] <= pos:
+                        continue
+                    try:
+                        kv.load_layer_from_arena(arena, layer, block_id, extents)
+                    except Exception as exc:
+                        failed[job] = (pos, exc)
+                with self.cond:
+                    self.copied = k + 1
+                    self.cond.notify_all()
+        except BaseException as exc:  # never leave the forward waiting: everything counts as failed
+            for job, pos, _, _ in work:
+                if pos == 0:
+                    failed[job] = (0, exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            raise
+        finally:
+            with self.cond:
+                self.copied = len(self.order)
+                self.cond.notify_all()
+
+    def wait(self, layer: int) -> None:
+        self.awaited.append(layer)
+        k = self.position[layer]
+        if self.copied > k:
+            return
+        with self.cond:
+            self.cond.wait_for(lambda: self.copied > k)
+
+
 def _default_scorer() -> Callable | None:
     try:
         from eviction.attention import block_key_norm_score
@@ -103,6 +169,12 @@ class WorkerSide:
         self._wait_links: list[StoreLink] = []
         self._to_copy: list[_WaitedCopy] = []  # waited loads whose blocks committed: copied by the engine thread
         self._copy_pool: ThreadPoolExecutor | None = None  # helpers of the engine thread's copies (_split_copy)
+        self._layer_of = {name: i for i, name in enumerate(layer_names)}
+        self._layer_order = list(range(len(layer_names)))  # the forward's order once a step has shown it
+        self._layer_wise = config.layer_loads  # off after a forward that did not wait for its layers
+        self._hooked: set[int] = set()  # layers the forward waited for in earlier layer-wise steps
+        self._layer_loads: _LayerLoads | None = None  # this step's, until the step's end
+        self._layer_pool: ThreadPoolExecutor | None = None
         self._closing = False
         self.wait_stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0}
 
@@ -132,6 +204,7 @@ class WorkerSide:
 
     # -- loads --------------------------------------------------------------------
     def start_load_kv(self, meta: StepMeta) -> None:
+        self._finish_layer_loads()  # a step whose end this worker did not see (never expected)
         if not meta.loads:
             return
         self._failed_reqs = (meta.step, set())
@@ -140,7 +213,13 @@ class WorkerSide:
         if now and self.kv is None:
             self._fail_all(now)
         elif now:
-            self._load(now)
+            rest = now
+            sync = [job for job in now if not job.is_async]  # they feed this step's forward
+            if sync and self._layer_wise and self.kv.layer_rows() is not None:
+                self._start_layer_loads(sync)
+                rest = [job for job in now if job.is_async]
+            if rest:
+                self._load(rest)
         for job in now:
             if job.is_async:
                 self._finished_recving.add(job.req_id)
@@ -243,6 +322,77 @@ class WorkerSide:
                 self._report_waited(item.job.req_id, set(item.job.block_ids[loaded:]))
             item.done.set()
 
+    # -- layer-wise loads ----------------------------------------------------------------------
+    def _start_layer_loads(self, jobs: list[LoadJob]) -> None:
+        """Pin the jobs' blocks and start copying them layer by layer (`_LayerLoads`); the forward's
+        `wait_for_layer_load` waits per layer, the step's end in `_finish_layer_loads`."""
+        assert self.kv is not None
+        hashes = [h for job in jobs for h in job.hashes]
+        extents = self.link.run("acquire", lambda c: c.acquire(self.link.ns_ids[0], hashes, prefix=False))
+        arena = self.link.arena
+        if extents is None or arena is None:
+            self._fail_all(jobs)
+            return
+        work, pos = [], 0
+        for index, job in enumerate(jobs):
+            mine = extents[pos : pos + len(job.hashes)]
+            pos += len(job.hashes)
+            present = next((i for i, ext in enumerate(mine) if ext is None), len(mine))
+            for i in range(present):
+                if sum(length for _, length in mine[i]) != self.kv.block_bytes:
+                    self._fail(job, i, f"extents of {sum(n for _, n in mine[i])} B for a {self.kv.block_bytes} B block")
+                    break
+                work.append((index, i, job.block_ids[i], mine[i]))
+            else:
+                if present < len(mine):
+                    self._fail(job, present, "block no longer stored")
+        held = [h for h, e in zip(hashes, extents) if e is not None]
+        loads = _LayerLoads(self.kv, arena, work, self._layer_order, jobs, held, self.link.generation)
+        if self._layer_pool is None:
+            self._layer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layer-load")
+        loads.future = self._layer_pool.submit(loads.run)
+        self._layer_loads = loads
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        loads = self._layer_loads
+        layer = self._layer_of.get(layer_name)
+        if loads is not None and layer is not None:
+            loads.wait(layer)
+
+    def _finish_layer_loads(self) -> None:
+        """The step's end: wait for the rest of its layer-wise copies, report what failed, unpin."""
+        loads, self._layer_loads = self._layer_loads, None
+        if loads is None:
+            return
+        copy_start = time.monotonic()
+        try:
+            loads.future.result()
+        except Exception as exc:  # run() already marked every job failed
+            log.warning("kvstore: layer-wise load failed (%r)", exc)
+        ended = time.monotonic()
+        awaited = set(loads.awaited)
+        if loads.work and (not awaited or not self._hooked <= awaited):
+            # the forward may have attended to blocks before they were copied: recompute them
+            log.warning("kvstore: the forward waited for %d of %d layers of a layer-wise load; its blocks are "
+                        "reported as load errors and later loads are copied before the forward",
+                        len(awaited), len(self.layer_names))
+            self._layer_wise = False
+            for job in loads.jobs:
+                self._fail(job, 0, "the forward did not wait for its layers")
+        else:
+            for index, (first, exc) in loads.failed.items():
+                self._fail(loads.jobs[index], first, f"copy failed: {exc!r}")
+            self._hooked |= awaited
+            seen = list(dict.fromkeys(loads.awaited))
+            if seen and seen != self._layer_order[: len(seen)]:  # copy in the forward's order from now on
+                self._layer_order = seen + [i for i in self._layer_order if i not in awaited]
+        if loads.held and self.link.generation == loads.generation:
+            self.link.run("release", lambda c: c.release(self.link.ns_ids[0], loads.held))
+        if log.isEnabledFor(logging.DEBUG):
+            trace = {"loaded": len(loads.held), "layers": len(loads.order), "awaited": len(awaited),
+                     "since_start": copy_start - loads.started, "end_wait": ended - copy_start}
+            log.debug("kvstore: layer-wise load %s", trace, extra={"kvstore_trace": trace})
+
     def _load(self, jobs: list[LoadJob]) -> None:
         hashes = [h for job in jobs for h in job.hashes]
         t0 = time.monotonic()
@@ -321,6 +471,7 @@ class WorkerSide:
 
     # -- saves ------------------------------------------------------------------------
     def wait_for_save(self, meta: StepMeta) -> None:
+        self._finish_layer_loads()  # before the filter below: a failed layer copy is a failed load
         saves = meta.saves
         if not len(saves) or self.kv is None:
             return
@@ -374,6 +525,7 @@ class WorkerSide:
 
     # -- per-step reports ---------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_layer_loads()
         if self._to_copy:
             self._copy_waited()
         done, self._finished_recving = self._finished_recving, set()
@@ -385,6 +537,7 @@ class WorkerSide:
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -396,6 +549,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._closing = True
+        self._finish_layer_loads()
+        if self._layer_pool is not None:
+            self._layer_pool.shutdown(wait=False)
         if self._wait_pool is not None:
             self._wait_pool.shutdown(wait=False, cancel_futures=True)
         if self._copy_pool is not None:

@@ -63,7 +63,8 @@ def _inject_load_failure() -> None:
     def failing_load(self, *args, **kwargs):
         raise RuntimeError("injected load failure (test)")
 
-    PagedKV.load_from_arena = failing_load
+    PagedKV.load_from_arena = failing_load  # whole-block copies (layer_loads off, waited loads)
+    PagedKV.load_layer_from_arena = failing_load  # layer-wise copies (the default)
 
 
 def _llm_kwargs(spec: dict) -> dict:

@@ -58,7 +58,17 @@ def kv_tensors(seed: int) -> dict:
 
 @pytest.fixture
 def sides(daemon):
-    cfg = ConnectorConfig(socket=daemon.socket_path, retry_s=0.0, attention_scores=True)
+    return make_sides(daemon)
+
+
+@pytest.fixture
+def whole_step_sides(daemon):
+    """Loads copied whole before the forward (layer_loads off)."""
+    return make_sides(daemon, layer_loads=False)
+
+
+def make_sides(daemon, **config):
+    cfg = ConnectorConfig(socket=daemon.socket_path, retry_s=0.0, attention_scores=True, **config)
     ns = namespace()
 
     def make_worker(seed: int) -> tuple[WorkerSide, dict]:
@@ -71,9 +81,13 @@ def sides(daemon):
     return SchedulerSide(cfg, [ns], BT), make_worker
 
 
-def run_step(sched: SchedulerSide, worker: WorkerSide, so) -> StepMeta:
+def run_step(sched: SchedulerSide, worker: WorkerSide, so, forward=LAYERS) -> StepMeta:
+    """One engine step as vLLM runs it: loads started, the forward (which waits for each layer
+    before its attention: `forward`, the layers in its order), saves, reports."""
     meta = sched.build_connector_meta(so)
     worker.start_load_kv(meta)
+    for name in forward:
+        worker.wait_for_layer_load(name)
     worker.wait_for_save(meta)
     invalid = worker.get_block_ids_with_load_errors()
     report = worker.build_worker_meta()
@@ -202,8 +216,9 @@ def test_block_size_mismatch_disables_the_worker(daemon, caplog):
     assert any("disabled" in r.getMessage() for r in caplog.records)
 
 
-def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(sides, monkeypatch):
-    sched_a, make_worker = sides
+@pytest.mark.parametrize("layer_loads", [True, False], ids=["layer-wise", "whole-step"])
+def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(daemon, monkeypatch, layer_loads):
+    sched_a, make_worker = make_sides(daemon, layer_loads=layer_loads)
     worker_a, _ = make_worker(9)
     tokens = list(range(500, 500 + 4 * BT + 3))
     req = request("a", tokens)
@@ -220,16 +235,26 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(s
     assert num == 4 * BT
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     sched_b.update_state_after_alloc(req_b, blocks(ids), num)
-    real = worker_b.kv.load_from_arena
-    calls = []
+    if layer_loads:  # the second block fails in the second layer
+        real = worker_b.kv.load_layer_from_arena
 
-    def flaky(arena, block_id, extents):
-        calls.append(block_id)
-        if len(calls) == 2:
-            raise RuntimeError("injected copy failure")
-        real(arena, block_id, extents)
+        def flaky(arena, layer, block_id, extents):
+            if (layer, block_id) == (1, 6):
+                raise RuntimeError("injected copy failure")
+            real(arena, layer, block_id, extents)
 
-    monkeypatch.setattr(worker_b.kv, "load_from_arena", flaky)
+        monkeypatch.setattr(worker_b.kv, "load_layer_from_arena", flaky)
+    else:  # the second block fails
+        real = worker_b.kv.load_from_arena
+        calls = []
+
+        def flaky(arena, block_id, extents):
+            calls.append(block_id)
+            if len(calls) == 2:
+                raise RuntimeError("injected copy failure")
+            real(arena, block_id, extents)
+
+        monkeypatch.setattr(worker_b.kv, "load_from_arena", flaky)
     meta = run_step(sched_b, worker_b, sched_output(new=[("b", ids, num)], scheduled={"b": len(longer) - num}))
     assert meta.invalid == {6, 7, 8}  # the failed block and the rest of the load
     assert len(meta.saves) == 7  # the step offered the new blocks ...
@@ -237,12 +262,12 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(s
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
 
-def test_split_copies_move_every_block_and_stop_at_the_first_failure(sides, monkeypatch):
+def test_split_copies_move_every_block_and_stop_at_the_first_failure(whole_step_sides, monkeypatch):
     """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact,
     and a failed block fails itself and every later block of the load, wherever the runs were cut."""
     monkeypatch.setattr(vllm_worker, "SPLIT_BYTES", 0)
     monkeypatch.setattr(vllm_worker, "COPY_THREADS", 3)
-    sched_a, make_worker = sides
+    sched_a, make_worker = whole_step_sides
     worker_a, kv_a = make_worker(21)
     tokens = list(range(7000, 7000 + 5 * BT + 3))
     req = request("a", tokens)
@@ -336,3 +361,96 @@ def test_hits_are_reported_by_the_tier_that_held_them(daemon_factory, tmp_path):
 
     assert hit_sources("b") == {CacheHitSource.DISK: 4 * BT}
     assert hit_sources("c") == {CacheHitSource.HOST: 4 * BT}  # promoted by b's acquire
+
+
+def stored_prompt(sched, make_worker, seed: int, n_blocks: int, base: int) -> tuple[list[int], dict]:
+    """Engine A computes and stores a prompt of `n_blocks` full blocks (+3 tokens): (tokens, A's KV)."""
+    worker, kv = make_worker(seed)
+    tokens = list(range(base, base + n_blocks * BT + 3))
+    req = request(f"src{seed}", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    ids = list(range(n_blocks + 1))
+    sched.update_state_after_alloc(req, blocks(ids), 0)
+    run_step(sched, worker, sched_output(new=[(req.request_id, ids, 0)], scheduled={req.request_id: len(tokens)}))
+    return tokens, kv
+
+
+def hit_step(sched_a, worker, tokens, req_id: str, ids: list[int]):
+    """Engine B's scheduler finds the stored prefix of `tokens` and plans its load into `ids`: (its scheduler,
+    worker, the step's scheduler output)."""
+    sched = SchedulerSide(sched_a.config, [namespace()], BT)
+    req = request(req_id, tokens[: (len(ids) - 1) * BT] + [5] * 9)
+    num, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert num == (len(ids) - 1) * BT
+    sched.update_state_after_alloc(req, blocks(ids), num)
+    return sched, worker, sched_output(new=[(req_id, ids, num)], scheduled={req_id: 9})
+
+
+def test_layer_wise_load_has_each_layer_in_place_when_the_forward_waits_for_it(sides, monkeypatch):
+    """The copy runs on a helper thread one layer at a time; wait_for_layer_load(layer) returns once that
+    layer of every block is copied (checked before the later layers are let through), in the forward's order."""
+    sched_a, make_worker = sides
+    tokens, kv_a = stored_prompt(sched_a, make_worker, 31, 4, 11000)
+    worker, kv_b = make_worker(32)
+    real, gate, copied = worker.kv.load_layer_from_arena, threading.Event(), []
+
+    def held_after_first_layer(arena, layer, block_id, extents):  # layer 0 flows; the rest wait for the gate
+        if layer != worker._layer_order[0]:
+            assert gate.wait(10)
+        assert threading.current_thread() is not threading.main_thread()
+        copied.append(layer)
+        real(arena, layer, block_id, extents)
+
+    monkeypatch.setattr(worker.kv, "load_layer_from_arena", held_after_first_layer)
+    sched, _, so = hit_step(sched_a, worker, tokens, "b", [9, 10, 11, 12, 13])
+    meta = sched.build_connector_meta(so)
+    worker.start_load_kv(meta)
+    worker.wait_for_layer_load(LAYERS[0])  # returns with layer 0 done although the others are held
+    assert torch.equal(kv_b[LAYERS[0]][9:13], kv_a[LAYERS[0]][0:4])
+    assert set(copied) == {0} and not torch.equal(kv_b[LAYERS[1]][9:13], kv_a[LAYERS[1]][0:4])
+    returned = threading.Event()
+    waiting = threading.Thread(target=lambda: (worker.wait_for_layer_load(LAYERS[1]), returned.set()))
+    waiting.start()
+    assert not returned.wait(0.3)  # layer 1 is held back: its wait waits
+    gate.set()
+    assert returned.wait(10)
+    waiting.join()
+    for name in LAYERS[1:]:
+        worker.wait_for_layer_load(name)
+        assert torch.equal(kv_b[name][9:13], kv_a[name][0:4])
+    worker.wait_for_save(meta)
+    invalid = worker.get_block_ids_with_load_errors()
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(),
+                                                  invalid_block_ids=invalid))
+    assert invalid == set()
+    assert sched_a.link.client().stats()["pinned_blocks"] == 0  # the step's end released the worker's pins
+    # a forward that reaches the layers in another order: the next loads copy in that order
+    backwards = LAYERS[::-1]
+    worker.wait_for_layer_load(LAYERS[0])  # outside a step: nothing to wait for
+    run_step(*hit_step(sched_a, worker, tokens, "c", [1, 2, 3, 4, 5]), forward=backwards)
+    assert worker._layer_order == [LAYERS.index(n) for n in backwards]
+    copied.clear()
+    meta = run_step(*hit_step(sched_a, worker, tokens, "d", [6, 7, 8, 14, 15]), forward=backwards)
+    assert copied[:4] == [L - 1] * 4 and meta.invalid == set()
+    for name in LAYERS:
+        assert torch.equal(kv_b[name][[6, 7, 8, 14]], kv_a[name][0:4])
+
+
+def test_a_forward_that_does_not_wait_gets_load_errors_and_whole_step_copies_after(sides, caplog):
+    """Without wait_for_layer_load calls the forward may have read blocks not yet copied: the step's loaded
+    blocks are reported as load errors (vLLM recomputes them), and later steps copy before the forward."""
+    sched_a, make_worker = sides
+    tokens, kv_a = stored_prompt(sched_a, make_worker, 41, 3, 12000)
+    worker, kv_b = make_worker(42)
+    with caplog.at_level(logging.WARNING):
+        meta = run_step(*hit_step(sched_a, worker, tokens, "b", [4, 5, 6, 7]), forward=())
+    assert meta.invalid == {4, 5, 6}
+    assert any("did not wait" in r.getMessage() for r in caplog.records)
+    assert sched_a.link.client().stats()["pinned_blocks"] == 0
+    sched, _, so = hit_step(sched_a, worker, tokens, "c", [8, 9, 10, 11])
+    meta = sched.build_connector_meta(so)
+    worker.start_load_kv(meta)  # copied here, before any forward
+    for name in LAYERS:
+        assert torch.equal(kv_b[name][8:11], kv_a[name][0:3])
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == set()

@@ -123,6 +123,7 @@ def test_second_engine_reuses_the_prefix_and_matches_the_baseline(world, engine_
     assert engine_b.cached(0) == EXPECTED_HIT
     assert engine_b.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT
     assert engine_b.tokens(0) == baseline.tokens(1)
+    assert "did not wait" not in engine_b.log  # the forward waited for each layer's copy
 
 
 def test_cache_salt_isolates_tenants(world, engine_b, baseline):
@@ -174,6 +175,7 @@ def test_draft_model_speculative_decoding(world):
     assert base.cached(1) == expected
     assert b_run.cached(0) == expected
     assert b_run.tokens(0) == base.tokens(1)
+    assert "did not wait" not in b_run.log  # target and draft layers: copied before they attend
     accepted = b_run.counter(0, "vllm:spec_decode_num_accepted_tokens")
     drafted = b_run.counter(0, "vllm:spec_decode_num_draft_tokens")
     assert drafted > 0 and accepted / drafted > 0.5  # self-draft: restored draft KV keeps acceptance high

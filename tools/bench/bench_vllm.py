@@ -11,6 +11,10 @@ VLLM_CPU_NUM_OF_RESERVED_CPU):
 * in-engine hit: the same engine then serves P' (vLLM's own prefix cache);
 * kvstore: engine 1 with KVStoreConnector serves P (stores it; also timed:
   "cold_with_store"), then a fresh engine 2 serves P' (loads from the daemon);
+* kvstore, whole-step copies (`--no-whole-step-arm` skips it): engine 2 again,
+  with `layer_loads` off, so the load is copied whole before the forward instead
+  of layer by layer beside it (connectors/vllm_worker.py); its paired ratio
+  against its own in-engine hits shows what the layer-wise copy hides;
 * example: the same with vLLM's ExampleConnector (safetensors files on disk).
 * kvstore from disk (longest length only; `--no-disk-arm` skips it): a daemon
   whose host tier holds one prompt's blocks (`--disk-host-bytes`) over a disk
@@ -124,6 +128,9 @@ def run_arms(model: str, workdir: str, runs: dict, args) -> dict:
         kvt = connector_config(daemon.socket_path)
         out["kv_save"] = measure(model, workdir, runs["save"], args, kvt)
         out["kv_load"] = measure(model, workdir, runs["load"], args, kvt)
+        if args.whole_step_arm:
+            out["kv_load_whole"] = measure(model, workdir, runs["load"], args,
+                                           connector_config(daemon.socket_path, layer_loads=False))
     finally:
         daemon.stop()
     if args.disk_arm:
@@ -205,6 +212,13 @@ def summarize_length(n: int, res: dict, runs: dict) -> dict:
         "all_kvstore_hit_s": walls("kv_load", "load", f"hit{n}"),
         "all_example_hit_s": walls("ex_load", "load", f"hit{n}"),
     }
+    if "kv_load_whole" in res:
+        e["ttft_kvstore_whole_step_hit_s"] = med("kv_load_whole", "load", f"hit{n}")
+        e["kvstore_whole_step_engine_inengine_hit_s"] = med("kv_load_whole", "load", f"local{n}")
+        e["kvstore_whole_step_cached_tokens"] = cached("kv_load_whole", "load", f"hit{n}")
+        e["all_kvstore_whole_step_hit_s"] = walls("kv_load_whole", "load", f"hit{n}")
+        e["whole_step_hit_vs_inengine_paired"] = (e["ttft_kvstore_whole_step_hit_s"]
+                                                  / e["kvstore_whole_step_engine_inengine_hit_s"])
     e["hit_vs_cold"] = e["ttft_kvstore_hit_s"] / e["ttft_cold_s"]
     e["hit_vs_example"] = e["ttft_kvstore_hit_s"] / e["ttft_example_hit_s"]
     e["hit_vs_inengine"] = e["ttft_kvstore_hit_s"] / e["ttft_inengine_hit_s"]
@@ -230,6 +244,8 @@ def bench(args) -> dict:
     results["ttft_vs_inengine_hit_8k"] = top["hit_vs_inengine"]
     results["ttft_vs_inengine_hit_paired_8k"] = top["hit_vs_inengine_paired"]
     results["example_vs_inengine_hit_paired_8k"] = top["example_vs_inengine_paired"]
+    if "whole_step_hit_vs_inengine_paired" in top:
+        results["whole_step_vs_inengine_hit_paired_8k"] = top["whole_step_hit_vs_inengine_paired"]
     if args.disk_arm:
         results["disk"] = summarize_disk(res, runs, top, max(args.lengths))
         results["ttft_disk_hit_vs_cold_8k"] = results["disk"]["disk_hit_vs_cold"]
@@ -262,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for every engine")
     p.add_argument("--host-bytes", default="2GiB", help="daemon host tier")
     p.add_argument("--no-disk-arm", dest="disk_arm", action="store_false", help="skip the disk-tier hit arm")
+    p.add_argument("--no-whole-step-arm", dest="whole_step_arm", action="store_false",
+                   help="skip the arm that loads with layer_loads off (copied whole before the forward)")
     p.add_argument("--disk-host-bytes", default="200MiB",
                    help="host tier of the disk arm: room for one prompt's blocks, not two (8k: 62 x 2.95 MB)")
     p.add_argument("--disk-bytes", default="2GiB", help="disk tier of the disk arm")
@@ -273,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
     print(json.dumps(results, indent=2) if args.json else table(results))
+    for n, e in results["lengths"].items():
+        if "whole_step_hit_vs_inengine_paired" in e and not args.json:
+            print(f"\n{n} tokens, loads copied whole before the forward (layer_loads off): hit "
+                  f"{e['ttft_kvstore_whole_step_hit_s'] * 1000:.0f} ms, paired vs in-engine "
+                  f"{e['whole_step_hit_vs_inengine_paired']:.3f} (layer by layer: {e['hit_vs_inengine_paired']:.3f})")
     if "disk" in results and not args.json:
         d = results["disk"]
         print(f"\n{d['prompt_tokens']} tokens, hit from the disk tier: {d['ttft_disk_hit_s'] * 1000:.0f} ms "
