@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +19,7 @@ from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors import vllm_worker  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import ExtraKeys, Namespace, hash_blocks  # noqa: E402
+from tests.connector_standins import blocks, report_step, request, sched_output  # noqa: E402,F401
 
 BT, NB, H, D, L = 32, 16, 2, 8, 3  # block tokens, blocks, kv heads, head size, layers
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -28,27 +28,6 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 def namespace() -> Namespace:
     return Namespace(model="unit", dtype="float32", num_layers=L, num_kv_heads=H, head_size=D,
                      block_tokens=BT, block_bytes=L * H * BT * 2 * D * 4)
-
-
-def request(req_id: str, tokens: list[int], salt: str | None = None):
-    return SimpleNamespace(request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens),
-                           prompt_embeds=None, lora_request=None, cache_salt=salt, mm_features=[])
-
-
-def blocks(ids: list[int]):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
-
-
-def sched_output(new=(), cached=(), scheduled=None, resumed=()):
-    """new: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids, num_computed)]."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
-            new_block_ids=[(b,) if b else None for _, b, _ in cached],
-            num_computed_tokens=[n for _, _, n in cached]),
-        num_scheduled_tokens=scheduled or {},
-    )
 
 
 def kv_tensors(seed: int) -> dict:
@@ -88,11 +67,7 @@ def run_step(sched: SchedulerSide, worker: WorkerSide, so, forward=LAYERS) -> St
     worker.start_load_kv(meta)
     for name in forward:
         worker.wait_for_layer_load(name)
-    worker.wait_for_save(meta)
-    invalid = worker.get_block_ids_with_load_errors()
-    report = worker.build_worker_meta()
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=invalid))
-    meta.invalid = invalid
+    meta.invalid = report_step(sched, worker, meta)
     return meta
 
 
@@ -418,11 +393,7 @@ def test_layer_wise_load_has_each_layer_in_place_when_the_forward_waits_for_it(s
     for name in LAYERS[1:]:
         worker.wait_for_layer_load(name)
         assert torch.equal(kv_b[name][9:13], kv_a[name][0:4])
-    worker.wait_for_save(meta)
-    invalid = worker.get_block_ids_with_load_errors()
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(),
-                                                  invalid_block_ids=invalid))
-    assert invalid == set()
+    assert report_step(sched, worker, meta) == set()
     assert sched_a.link.client().stats()["pinned_blocks"] == 0  # the step's end released the worker's pins
     # a forward that reaches the layers in another order: the next loads copy in that order
     backwards = LAYERS[::-1]

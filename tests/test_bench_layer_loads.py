@@ -1,0 +1,35 @@
+"""tools/bench/bench_layer_loads.py drives the connector's worker side against a real daemon and checks
+what it loaded (it exits when a block fails or holds other bytes than engine A stored)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+pytest.importorskip("torch")
+
+from tools.bench import bench_layer_loads  # noqa: E402
+
+
+def test_a_small_run_loads_every_block_in_both_arms(daemon_factory):
+    d = daemon_factory(host_bytes="64MiB", page_bytes="256KiB", admin=False)
+    r = bench_layer_loads.bench(d.socket_path, 3 * 128 + 5, [0.2], repeats=2)
+    assert r["blocks"] == 3 and r["block_bytes"] == 30 * 3 * 128 * 2 * 64 * 2
+    (row,) = r["runs"]
+    for arm in ("whole_step", "layer_wise"):
+        assert len(row[f"all_{arm}_step_ms"]) == 2 and row[f"{arm}_step_ms"] > 0
+    assert row["forward_alone_ms"] >= 30 * 0.2  # 30 layers of 0.2 ms
+    assert d.alive()
+
+
+def test_a_block_that_fails_to_load_stops_the_run(daemon_factory, monkeypatch):
+    from connectors.kv_copy import PagedKV
+
+    def broken(self, arena, layer, block_id, extents):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(PagedKV, "load_layer_from_arena", broken)
+    d = daemon_factory(host_bytes="64MiB", page_bytes="256KiB", admin=False)
+    with pytest.raises(SystemExit, match="failed to load"):
+        bench_layer_loads.bench(d.socket_path, 2 * 128 + 5, [0.1], repeats=1)
