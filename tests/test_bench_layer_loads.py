@@ -33,3 +33,10 @@ def test_a_block_that_fails_to_load_stops_the_run(daemon_factory, monkeypatch):
     d = daemon_factory(host_bytes="64MiB", page_bytes="256KiB", admin=False)
     with pytest.raises(SystemExit, match="failed to load"):
         bench_layer_loads.bench(d.socket_path, 2 * 128 + 5, [0.1], repeats=1)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "1,-2", ","])
+def test_bad_per_layer_times_are_refused_before_a_daemon_starts(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_layer_loads.main(["--per-layer-ms", bad])
+    assert exit_.value.code == 2 and "--per-layer-ms" in capsys.readouterr().err

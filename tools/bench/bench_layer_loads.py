@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -169,26 +170,37 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def per_layer_times(text: str) -> list[float]:
+    """`--per-layer-ms`: comma-separated milliseconds, each >= 0."""
+    try:
+        times = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {text!r}") from None
+    if not times or any(t < 0 for t in times):
+        raise argparse.ArgumentTypeError(f"one or more times >= 0 ms, comma-separated: {text!r}")
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8000, help="prompt length; floor((tokens-1)/128) blocks load")
-    p.add_argument("--per-layer-ms", default="0.5,2,8", help="the stand-in forward's time per layer, comma-separated")
+    p.add_argument("--per-layer-ms", type=per_layer_times, default="0.5,2,8", help="the stand-in forward's time per layer, comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="steps per arm and per-layer time (medians reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process (the engine's OMP threads)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.tokens <= BLOCK_TOKENS or args.repeats < 1:
         p.error("--tokens must exceed one block (128) and --repeats be at least 1")
-    per_layer_ms = [float(x) for x in args.per_layer_ms.split(",") if x]
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench-layer-loads-")
     host_bytes = f"{(args.tokens // BLOCK_TOKENS + 8) * 3 + 64}MiB"  # the prompt's blocks with room to spare
     daemon = start_daemon(workdir, host_bytes=host_bytes)
     try:
-        results = bench(daemon.socket_path, args.tokens, per_layer_ms, args.repeats)
+        results = bench(daemon.socket_path, args.tokens, args.per_layer_ms, args.repeats)
     finally:
         daemon.stop()
         daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
 
