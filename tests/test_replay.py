@@ -1,8 +1,7 @@
 """`kvstore replay` end to end on an excerpt of the Mooncake conversation trace.
 
-The excerpt (the first 300 requests) is read from shared/traces at test time,
-never copied into the repository; the test skips, saying why, when the trace
-is absent.
+The excerpt (the first 300 requests) is read from tools/bench/traces at test
+time; the test skips, saying why, when the trace is absent.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ from tools import cli
 from tools.replay import ALL_POLICIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(os.path.dirname(ROOT), "shared", "traces", "mooncake_conversation_trace.jsonl")
-if not os.path.exists(TRACE):
-    TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+TRACE = os.path.join(ROOT, "tools", "bench", "traces", "mooncake_conversation_trace.jsonl")
 needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
 
 

@@ -23,7 +23,7 @@ same hit count per request here as through `tools/replay.py` on generated
 traces, so a change to the store's eviction rules that this file does not
 follow fails there.
 
-    python tools/bench/policy_sim.py gen:agentic ../shared/traces/mooncake_synthetic_trace.jsonl \
+    python tools/bench/policy_sim.py gen:agentic tools/bench/traces/mooncake_synthetic_trace.jsonl \
         --policy lru arc attention --capacity-blocks 1000,4000,16000
     python tools/bench/policy_sim.py TRACE --factory mymodule:make   # make(clock) -> EvictionPolicy
     python tools/bench/policy_sim.py TRACE --policy lru lfu arc s3fifo \

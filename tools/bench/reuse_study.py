@@ -20,7 +20,7 @@ The evidence behind the eviction goal's 4k-block gap (docs/benchmarks.md,
    continuation, depth, request size, last block of the request) predicts
    that the block is used again within `--horizon` seconds.
 
-    PYTHONPATH=. .venv/bin/python -m tools.bench.reuse_study ../shared/traces/mooncake_conversation_trace.jsonl
+    PYTHONPATH=. .venv/bin/python -m tools.bench.reuse_study tools/bench/traces/mooncake_conversation_trace.jsonl
 """
 
 from __future__ import annotations
