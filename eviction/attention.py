@@ -10,25 +10,17 @@ Value of block b at time t (higher = keep):
   worth less than a hit); between events F decays as 2^(-dt / h).
 - h, the half-life, is chosen online (eviction/halflife.py): experts with
   h = 30 s, 240 s and 2000 s (`HALF_LIVES_S`) each replay 1 key in 8 in a
-  miniature cache, and the one that would have hit most leads (while the
-  tier has not evicted yet, miniatures of half the size decide: they see a
-  workload change before the tier fills). Agent loops
-  end at 30 s (recency), documents queried at random at 2000 s (frequency),
-  chat mostly at 240 s (the value the policy was tuned to on the conversation
-  trace when h was fixed, `HALF_LIFE_S`). It starts at the longest. No
-  half-life fits every workload: each fixed one lost to a textbook policy
-  somewhere (docs/benchmarks.md, "Every trace"). Every block keeps its F,
-  C and V under *every* expert's h (a short list per block), and the tier is
-  ordered by the leader's: a new leader re-keys the tier's leaves at once
+  miniature cache, and the one that would have hit most, by a significant
+  margin, leads (while the full-size miniatures have no evidence, miniatures
+  of half the size decide). It starts at the longest. Every block keeps its
+  F, C and V under *every* expert's h (a short list per block), and the tier
+  is ordered by the leader's: a new leader re-keys the tier's leaves at once
   (`LeafQueues.rekey`), so a switch is exact and a switch back restores the
-  order the tier would have had (with one F per block, a spell under 30 s
-  erased the counts a 2000 s workload needed, and a 2000 s warm-up outlived a
-  hot set that moved: held-out shift 16k lost .02 to LRU that way).
-  `AttentionParams(adapt=False)` is the fixed-h policy (for experiments).
+  order the tier would have had. `AttentionParams(adapt=False)` is a fixed-h
+  policy (`HALF_LIFE_S` = 240 s unless given), for experiments.
 - History: a block dropped from the tier leaves its F in a ghost table of at
-  most `GHOST_FACTOR` = 16 x (resident blocks) entries, oldest dropped first
-  (about 250 bytes each in CPython, ~4 KB per resident block). A
-  block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
+  most `GHOST_FACTOR` = 16 x (resident blocks) entries, oldest dropped first.
+  A block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
   (coming back after eviction is a hit the cache missed: ARC/LRFU history).
 - C_b, the recompute cost the block saves, tokens * (1 + depth_tokens /
   ATTN_CONTEXT_TOKENS)^DEPTH_WEIGHT. tokens*(1 + depth/L) is
@@ -36,14 +28,11 @@ Value of block b at time t (higher = keep):
   L = ATTN_CONTEXT_TOKENS = 32768 is the context at which a token's attention
   FLOPs (~4*layers*d_model per context token) equal its linear FLOPs
   (~2*params): ~30k for a Llama-8B shape. DEPTH_WEIGHT = 0.25 damps the depth
-  factor: at full weight it lost hit ratio *and* compute saved on the Mooncake
-  conversation trace, where long chains are reused less often (see
-  docs/benchmarks.md, "Eviction replay"). While a half-life above
-  `DEPTH_OFF_ABOVE_S` = 1000 s leads (the 2000 s expert), the depth term is
-  off (weight 0): in the log domain a depth factor d is worth d x h seconds of
-  recency, 8x more at 2000 s than at 240 s where the weight was tuned, and
-  there it cost hit ratio (scan 16k: -.0093 with it vs +.0000 without, against
-  LFU). Each expert's C uses its own weight, so a switch changes it exactly.
+  factor. While a half-life above `DEPTH_OFF_ABOVE_S` = 1000 s leads (the
+  2000 s expert), the depth term is off (weight 0): in the log domain a depth
+  factor d is worth d x h seconds of recency, 8x more at 2000 s than at 240 s
+  where the weight was set. Each expert's C uses its own weight, so a switch
+  changes it exactly.
 - S_b, its size in bytes.
 - W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
   clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
@@ -56,8 +45,7 @@ Value of block b at time t (higher = keep):
   blocks (counts are halved every GATE_HALVING = 65536 estimates). A signal
   that does not predict reuse (noise) keeps g near 0, so the policy is its
   no-attention self; a predictive one opens the gate. W_b stays within
-  [0.5, 1.5]. (With the gate, 0.5 kept noise neutral in replay while letting a
-  perfect reuse oracle gain more than 0.2 did; see docs/benchmarks.md.)
+  [0.5, 1.5].
 
 Tree rule: V_b = max(U_b, V_c for every child c the policy has seen), kept
 when children leave, so a prefix is worth at least its best continuation.
@@ -65,10 +53,10 @@ Only leaves are victims (the store enforces it; the candidate heap holds
 leaves only), so an internal block's V matters only once it becomes a leaf:
 a hit carries the max up the matched chain, and a removed child hands its V
 to its parent before the parent becomes a leaf. That is O(1) per insert and
-removal (raising all ancestors on every insert was O(depth^2) per chain, far
-too slow at 16-token blocks); `value()` returns the full max for inspection.
-Among leaves the lowest V goes, and an answer stops after a victim that
-exposes its parent as a new leaf (`LeafQueues.pick`).
+removal (raising all ancestors on every insert would be O(depth^2) per
+chain); `value()` returns the full max for inspection. Among leaves the
+lowest V goes, and an answer stops after a victim that exposes its parent as
+a new leaf (`LeafQueues.pick`).
 
 All blocks decay at the same rate, so the order of two blocks changes only
 when one of them is touched: values are time-free log keys, log2 V + tau_i,
@@ -76,6 +64,9 @@ tau_i = the time in half-lives of expert i, and the heap never needs
 re-sorting except when the leader changes. Events are O(log n) plus the
 length of the chain they touch, times the number of experts (3) for the
 arithmetic; a switch is O(resident blocks).
+
+Why each constant has its value, and what the policy was measured against:
+docs/eviction.md.
 """
 
 from __future__ import annotations

@@ -1,105 +1,63 @@
-"""The attention policy's half-life, chosen online among experts by miniature simulations.
+"""The attention policy's half-life, chosen online among experts.
 
-No single half-life fits every workload (docs/benchmarks.md, "Every trace"):
-agent loops want reuse forgotten within ~30 s (LRU-like), documents queried
-at random want it kept for tens of minutes (LFU-like), chat sits in between.
-`HalfLifeExperts` runs one *expert* per half-life in `HALF_LIVES_S` beside
-the policy and lets the expert that would have hit most often, by a clear
-margin, choose the half-life whose values the policy evicts by.
+The default policy (eviction/attention.py) decays every block's reuse count
+with a half-life h, and no single h fits every workload. `HalfLifeExperts`
+runs one *expert* per half-life in `HALF_LIVES_S` beside the policy and names
+the leader; the policy orders its tier by the leader's values. Why each piece
+is there, and what it was measured against: docs/eviction.md.
 
-- Experts see a sample of the keys: a key is sampled iff a fixed hash of it
-  falls in 1 / 2^`SAMPLE_BITS` (the same in every process, no PYTHONHASHSEED).
-  Keys sampled by hash keep their reuse pattern, so the sampled references are
-  a small copy of the workload (SHARDS, Waldspurger et al., FAST'15).
-- Each expert is a miniature cache (`MiniCache`) replaying the sampled
-  references: the policy's reuse count F (credited exactly as the policy
-  credits it: insert, hit, return from its own ghost table) decayed with the
-  expert's half-life, the lowest F evicted, as many blocks held as the policy
-  holds sampled blocks now (so it follows the tier's size), and a ghost table
-  of `ghost_factor` x that many evicted keys. A reference is a hit in the
-  miniature or not; that is the expert's score. Unlike a threshold on the
-  expert's counts (what this module did first), a miniature pays for keeping
-  stale blocks, so a long memory is judged fairly (it lost conversation 16k by
-  .013 as a threshold expert; docs).
-- Decision: every max(16, C / 8) sampled references (C = sampled blocks held)
-  the expert with the highest score takes the lead if it is ahead of the
-  leader by more than `SWITCH_SIGMAS` = 2 standard deviations of their
-  difference. Scores decay by half per C / 2 sampled references (half a
-  turnover of the sampled cache), so a workload that changes is followed
-  within a few turnovers. Two experts score differently only on references
-  where one hits and the other misses; if they were equally good each such reference would
-  be +w or -w at random, so the difference of their scores has a standard
-  deviation of sqrt(sum of w^2 over their disagreements), which is kept per
-  pair. Without the test the lead followed noise wherever the experts are
-  nearly as good as each other (121 switches on tenants at 1k blocks, where
-  the miniatures hold 125 keys, and LFU stayed ahead); with it a clear change
-  (the shift trace's new hot set) still moves the lead within a turnover or two.
-- Early evidence. While the tier holds every block it is sent, the
-  miniatures hold every sampled key, hit alike and carry no evidence; a hot
-  set that moves then is seen only once the tier evicts, and the lead followed
-  it 1.3-1.5 fiftieths of the trace late (shift at 16k blocks lost .003-.006
-  to LRU in five draws). So every expert also runs a second miniature of
-  `EARLY_FRACTION` = 0.5 of the size, over the same sampled references,
-  scored and tested the same way. It evicts before the tier does and shows
-  which memory wins at the nearest smaller size. Its test can move the lead
-  only while the full-size miniatures have fewer than `EARLY_EVIDENCE` = 4
-  (decayed, weighted) disagreements between the leader and any other expert:
-  before the tier's first evictions, in the stretch after them before the
-  full-size miniatures split (where the shift trace's move is made: a rule
-  on evictions instead loses it, session 14), or while the experts agree
-  (tenants at 1k blocks, where their moves cost .0008). Where the tier
-  evicts from the start and the experts differ (scan), the full-size ones
-  have that evidence within a turnover and decide as before.
-- The policy keeps every block's value under every expert's half-life
-  (eviction/attention.py) and orders its tier by the leader's: a switch
-  re-keys the tier's leaves at once (O(resident blocks), a few times per
-  thousand references at most), so it is exact and reversible. A stretch
-  under the wrong expert costs only the evictions made in it, never the
-  counts: with one value per block, switching changed only the decay rate
-  from then on, so counts decayed at 30 s were lost for good and a 2000 s
-  warm-up outlived a hot set that moved (held-out shift draws at 16k: -.02
-  against LRU before, -.002 to -.003 with the re-key; docs, "Every trace").
-- The policy starts with the longest half-life. While the tier still holds
-  everything, the miniatures tie and the start keeps leading.
+What it computes:
 
-Constants, and why none needs re-tuning per workload:
+- Sampling: the experts follow a key iff `sampled(key)`, i.e. a fixed 64-bit
+  mix of it (of the block hash, for the store's `(namespace, hash)` keys) falls
+  in 1 / 2^`SAMPLE_BITS`. The same keys in every process (no PYTHONHASHSEED),
+  and a sample by key keeps the workload's reuse pattern (SHARDS, FAST'15).
+- Each expert is a `MiniCache`: an LRFU cache with its own half-life over the
+  sampled references, credited exactly as the policy credits a block (insert,
+  hit, return from its own ghost table), holding as many keys as the policy
+  holds sampled blocks now, evicting the lowest decayed count into a ghost
+  table of `ghost_factor` x that many keys. A reference is a hit in it or not;
+  its score is its decayed hits, halving every `SCORE_HALF_TURNOVERS` x C
+  sampled references (C = sampled blocks held).
+- Decision, every max(16, C / 8) sampled references: the best-scoring expert
+  takes the lead if it is ahead of the leader by more than `SWITCH_SIGMAS`
+  standard deviations of their difference, sqrt(sum of w^2 over the
+  references where one of the two hit and the other missed), kept per pair.
+- Early miniatures: with `early_fraction` > 0 every expert also runs a
+  miniature of `early_fraction` x C over the same references, scored and
+  tested the same way. Their test may move the lead only while the full-size
+  miniatures have less than `EARLY_EVIDENCE` (decayed, weighted
+  disagreements) between the leader and every other expert: before the tier
+  evicts, the full-size miniatures hold every sampled key and carry no
+  evidence.
+- The lead starts at `start` (default: the longest half-life).
 
-- `HALF_LIVES_S` = 30 s, 240 s, 2000 s: one short, the value the policy was
-  tuned to on the conversation trace with a fixed half-life, one long, 8x
-  apart. Every fixed half-life lost to a textbook policy somewhere; a finer
-  grid (8 s or 15 ... 4000 s) or an infinite one gave fewer cells at or above
-  the best baseline (docs). A workload whose reuse lives outside 30-2000 s
-  gets the nearest expert, which is what a fixed policy gave it at best.
-- `SAMPLE_BITS` = 3 (1 key in 8): cost against noise. Simulating every key
-  gave the same cells at twice the cost; 1 in 4 was no better.
-- Ghost tables of 16 x (blocks held), in the miniatures and in the policy
-  (`GHOST_FACTOR` in attention.py): a block that returns after 4 turnovers of
-  a small cache is still recognised; with 4x the choice at 1k blocks was
-  worse (synthetic 1k against ARC: -.0120 with 4x, -.0009 with 16x).
-- `SCORE_HALF_TURNOVERS` = 0.5 and `SWITCH_SIGMAS` = 2, chosen together (all
-  with the re-key, 21 cells / held-out seeds 7 and 8, cells at or above the
-  best baseline): no test, halving per turnover: 13 / 14 of 30; a window of
-  at least 512 or 2048 references instead of a test: 13 / 15 and 13 / 19,
-  but synthetic 1k fell to -.0108 (that short trace wants a quick choice);
-  1, 1.5, 2 sigmas per turnover: 14 / 15, 14 / 18, 16 / 19; 2 sigmas per half
-  turnover: 16 / 20 (kept); per quarter: 16 / 17; 3 sigmas per half: 15 / 20
-  (docs, "Every trace"). The test is a significance level, not a workload
-  setting: its units are the experts' own disagreements, whatever the tier's
-  size, the request rate or the sampling rate, and the window is counted in
-  turnovers of the sampled cache, not in seconds.
-- `EARLY_FRACTION` = 0.5 and `EARLY_EVIDENCE` = 4 (session 13; 21 main cells /
-  30 held-out of seeds 7-8 / 30 of seeds 9-10, cells at or above the best
-  baseline and worst margin): without early miniatures 16, -.0031 / 20, -.0061
-  / 20, -.0060; with them 17, -.0009 / 20, -.0059 / 20, -.0030 (shift 16k in
-  the five draws: +.0004, -.0011, -.0011, -.0007, -.0006; synthetic 1k, lost
-  to ARC before, +.0013). A quarter of the size: 17, -.0044 / 19 (synthetic
-  1k falls); three quarters: 16, -.0034 / 20 (the move is seen too late:
-  shift 16k -.0012); heard up to 16 disagreements: 17, -.0017 / 20, -.0075
-  (they overrule a full-size order that has begun to show: scan 4k, agentic
-  1k); up to 1: 14, -.0034 / 20. Both are in the experts' own units: a share
-  of the tier's size and a count of their disagreements. The early
-  miniatures double the experts' work, on the sampled keys only
-  (docs/eviction_study.md, "Early evidence").
+Inputs: the policy calls `advance(t)` (seconds) before each event, then
+`inserted(key)` when a key enters the tier (a miss), `accessed(keys)` on a hit
+of held keys, `removed(key)` when it leaves. `inserted` and `accessed` return
+whether the experts followed a key; only then can `lead` have changed, and the
+policy re-keys its tier to the new leader's values.
+
+Invariants:
+
+- `advance` returns one clock per expert, time in that expert's half-lives
+  since the first call; clocks never step back. The policy keeps each block's
+  value under expert i against clock i.
+- Only sampled keys cost expert state; the miniatures' capacity is the number
+  of sampled keys the policy holds now, and after every reference a miniature
+  holds at most its capacity.
+- The miniatures and the policy credit identically: a count decayed below
+  2^`FORGET_LOG2` of a credit starts over, here and in attention.py.
+- The lead changes only past the significance test; `switches`,
+  `early_switches` and `led` count what happened, for inspection.
+
+Constants: `HALF_LIVES_S` = 30 s, 240 s, 2000 s (one short, the value a
+fixed policy was tuned to, one long); `SAMPLE_BITS` = 3 (1 key in 8);
+`SCORE_HALF_TURNOVERS` = 0.5; `SWITCH_SIGMAS` = 2; `EARLY_FRACTION` = 0.5;
+`EARLY_EVIDENCE` = 4. All but the half-lives are in the experts' own units (a
+share of the tier, turnovers of the sampled cache, their disagreements), not
+in seconds or requests, so they need no tuning per workload or tier size.
+Their measurements: docs/eviction.md, "Why it is built this way".
 """
 
 from __future__ import annotations
