@@ -1,261 +1,297 @@
-"""Batched gather/scatter between vLLM's paged KV cache and flat block payloads.
+"""Running copy plans on a CUDA device: the copy engines, one Triton kernel, and the ordering rules.
 
-Device-agnostic torch: the same code runs on CPU (tests, CPU engines) and on
-CUDA. A step moves all its blocks with one `index_select` / `index_copy_` per
-layer (or one for all layers, see "fused" below) plus one copy per run of
-adjacent bytes between the staging buffer and the arena or GPU pool; never one
-copy per block. `kv_copy` (the CPU connector's block-at-a-time path) defines
-the same payload; this module is its batched, streamed counterpart.
+The connector's only CUDA module (with tiers/gpu.py on the daemon's side);
+everything CUDA is imported lazily, so a CPU engine never imports torch.cuda,
+cuda.bindings or triton through it.
 
-Per-layer KV layouts tested (the tensors vLLM passes to `register_kv_caches`)
-----------------------------------------------------------------------------
-- `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, K and V concatenated
-  in the last dim: vLLM >= 0.32 (RFC #42082) for every backend. The CPU backend
-  uses physical LBHNC (contiguous); flash-attn on CUDA reads it as
-  `kv.transpose(1, 2).split(head_size, -1)` and is usually physical LBNHC, so
-  the view is strided. All layers are views into one allocation.
-- `[2, num_blocks, block_size, num_kv_heads, head_size]`: the older flash-attn
-  "NHD" layout (a K plane and a V plane per layer).
-- `[num_blocks, 2, block_size, num_kv_heads, head_size]`: the older FlashInfer NHD layout.
-Any stride order works as long as the innermost dim is dense.
+Executors (each runs a whole plan on a given stream, asynchronously):
+- `DmaExecutor`: one `cuMemcpyBatchAsync` per plan on the copy engines, leaving
+  the SMs to the forward (CUDA >= 12.8 drivers; resolved with
+  `cuGetProcAddress(..., 12080)` through cuda.bindings and called through
+  ctypes on the plan's NumPy arrays, so the Python cost does not grow with the
+  number of pieces). `srcAccessOrder=ANY` only where the source is stable for the
+  transfer (a load: pinned blocks of the arena or the pool). Where the driver
+  lacks the call, one `cuMemcpyAsync` per piece, with a log line saying so.
+- `KernelExecutor`: one launch of `triton_copy.copy_pieces_kernel` for the whole
+  plan, reading or writing the registered arena through unified addressing.
+  For plans of many small pieces, where per-piece DMA setup dominates.
+- `choose(plan)`: the executor for a plan under the configured choice ("auto":
+  the kernel when the mean piece is under `kernel_piece_bytes`, else DMA;
+  "dma"; "kernel"), see docs/vllm_connector.md.
 
-Block payload (shared with kv_copy)
------------------------------------
-The block dim is the first dim of size `num_blocks` (`kv_copy.block_major`).
-Block b's payload is, for each layer in registration order, the layer's block
-slice in *logical* row-major order (new layout: H, N, 2D; old flash-attn: the K
-block then the V block). For physically contiguous layouts that is a plain byte
-copy; for strided ones (LBNHC) the gather kernel does the permutation. When a
-manager block is split into k kernel blocks the tensor has k * num_blocks
-blocks and a payload layer holds the k kernel blocks in order. Layers that
-alias one tensor (vLLM cross-layer KV sharing) are passed once (`unique_layers`).
-
-Fused path: when all layers are views into one allocation at a constant layer
-stride with dense blocks (vLLM >= 0.32 with LBHNC or BLHNC), `PagedKV.fused` is
-a `[num_blocks, L, layer_bytes]` byte view and a step's gather or scatter is a
-single kernel.
-
-`StreamedCopier` runs a save or load on a side CUDA stream (tiers.gpu owns the
-stream and events) and returns a `Ticket`; on CPU it runs synchronously and
-the ticket is done at once. Nothing here synchronizes the device.
+Ordering (`CudaTransfers`), the rules that vLLM's own offloading learned the
+hard way: every side-stream copy first waits on an event recorded on the
+forward's stream — captured on the engine thread, whose current stream is the
+forward's (a helper thread's is the default stream) — so a save reads the KV
+the forward wrote, and a load does not overwrite blocks an earlier forward
+still reads. A whole-step load makes the forward wait for it; a layer-wise
+load records one event per layer and `wait_layer` makes the forward wait for
+that layer only; a save makes later forward work wait for it, so a block that
+vLLM frees and reuses is not overwritten before it was read. Nothing here
+synchronizes the device; `finish` blocks the host and is only called off the
+forward path (releasing pins, committing, shutdown).
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Sequence
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-import torch
+import numpy as np
 
-from connectors.kv_copy import block_major
-from tiers import gpu
+from connectors.copy_plan import CopyPlan
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class PagedKV:
-    """Byte views of one worker's KV layers, in payload order."""
-
-    layers: tuple  # per layer: uint8 view [num_blocks, ...], dim 0 = block
-    num_blocks: int
-    layer_bytes: int
-    fused: torch.Tensor | None  # uint8 [num_blocks, L, layer_bytes], or None
-
-    @property
-    def block_bytes(self) -> int:
-        return self.layer_bytes * len(self.layers)
-
-    @property
-    def device(self) -> torch.device:
-        return self.layers[0].device
+EXECUTOR_CHOICES = ("auto", "dma", "kernel")
+_STREAM_ORDER, _ANY_ORDER = 1, 3  # CUmemcpySrcAccessOrder
 
 
-def unique_layers(kv_caches: dict) -> list:
-    """The KV tensors of `register_kv_caches`, minus layers that alias an earlier one."""
-    seen: set = set()
-    out = []
-    for name, t in kv_caches.items():
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
+# -- the copy engines ---------------------------------------------------------------------------
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
 
 
-def paged_kv(layers: Sequence[torch.Tensor], num_blocks: int) -> PagedKV:
-    """Byte views of a worker's KV tensors (same shape, dtype, device), block dim first.
-
-    The block dim is found as `kv_copy.block_major` finds it, so a payload is
-    byte-identical to the CPU connector's. Kernel blocks that split a manager
-    block stay together: ids are always manager block ids.
-    """
-    if not layers:
-        raise ValueError("no KV layers")
-    views = []
-    for kv in layers:
-        v = block_major(kv, num_blocks)
-        if v.stride(-1) != 1:
-            raise ValueError(f"the innermost dim of KV tensor {tuple(kv.shape)} must be dense (stride 1)")
-        views.append(v.view(torch.uint8))
-    first = views[0]
-    if any(v.shape != first.shape or v.device != first.device for v in views):
-        raise ValueError("all KV layers must have one shape, dtype and device")
-    layer_bytes = first[0].numel()
-    return PagedKV(tuple(views), num_blocks, layer_bytes, _fused_view(tuple(views), layer_bytes))
+class _Attrs(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _Loc), ("dstLocHint", _Loc), ("flags", ctypes.c_uint)]
 
 
-def _fused_view(views: tuple, layer_bytes: int) -> torch.Tensor | None:
-    first = views[0]
-    if any(not v[0].is_contiguous() or v.stride(0) != first.stride(0) for v in views):
-        return None
-    if len({v.untyped_storage().data_ptr() for v in views}) != 1:
-        return None
-    offsets = [v.storage_offset() for v in views]
-    layer_stride = offsets[1] - offsets[0] if len(views) > 1 else layer_bytes
-    if layer_stride < layer_bytes or any(o != offsets[0] + i * layer_stride for i, o in enumerate(offsets)):
-        return None  # overlapping or irregular layers: go layer by layer
-    size = (first.shape[0], len(views), layer_bytes)
-    return torch.as_strided(first, size, (first.stride(0), layer_stride, 1), offsets[0])
+def resolve_batch_memcpy() -> tuple[Callable | None, str]:
+    """(cuMemcpyBatchAsync as a ctypes function, '') or (None, why it is unavailable)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        return None, f"cuda.bindings is not installed ({exc})"
+    try:
+        err, ptr, _status = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
+    except Exception as exc:  # an older cuda.bindings without this signature
+        return None, f"cuGetProcAddress failed: {exc!r}"
+    if err != driver.CUresult.CUDA_SUCCESS or not ptr:
+        return None, f"the driver has no cuMemcpyBatchAsync (CUDA >= 12.8): {err}"
+    proto = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+    return proto(int(ptr)), ""
 
 
-def _check_ids(block_ids: Sequence[int], num_blocks: int, unique: bool) -> list[int]:
-    ids = [int(b) for b in block_ids]
-    if not ids:
-        raise ValueError("no block ids")
-    if min(ids) < 0 or max(ids) >= num_blocks:
-        raise IndexError(f"block ids must be in [0, {num_blocks}), got {min(ids)}..{max(ids)}")
-    if unique and len(set(ids)) != len(ids):
-        raise ValueError("a block id appears twice in one scatter")
-    return ids
+class DmaExecutor:
+    """One cuMemcpyBatchAsync per plan, or one cuMemcpyAsync per piece where the driver lacks it."""
 
+    name = "dma"
 
-# -- the kernels: ids is an int64 tensor on kv's device, checked by the caller --
-def gather(kv: PagedKV, ids: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = payload of block ids[i]; out is contiguous uint8 [n, block_bytes]."""
-    n, num_layers = ids.numel(), len(kv.layers)
-    out3 = out.view(n, num_layers, kv.layer_bytes)
-    if kv.fused is not None:
-        torch.index_select(kv.fused, 0, ids, out=out3)
-        return
-    for i, v in enumerate(kv.layers):
-        out3[:, i].copy_(v.index_select(0, ids).view(n, kv.layer_bytes))
+    def __init__(self, batch: Callable | None = None, reason: str = "") -> None:
+        if batch is None and not reason:
+            batch, reason = resolve_batch_memcpy()
+        self._batch = batch
+        self.fallback_reason = reason
+        if batch is None:
+            log.warning("kvstore: %s; each piece of a copy plan is one cuMemcpyAsync instead", reason)
 
-
-def scatter_layer(kv: PagedKV, layer: int, ids: torch.Tensor, src: torch.Tensor) -> None:
-    """Write layer `layer` of payloads src[i] into block ids[i]; ids must be unique."""
-    v = kv.layers[layer]
-    rows = src.view(ids.numel(), len(kv.layers), kv.layer_bytes)[:, layer]
-    v.index_copy_(0, ids, rows.view(ids.numel(), *v.shape[1:]))
-
-
-def scatter(kv: PagedKV, ids: torch.Tensor, src: torch.Tensor) -> None:
-    """Write payloads src[i] (uint8 [n, block_bytes]) into block ids[i], all layers."""
-    if kv.fused is not None:
-        kv.fused.index_copy_(0, ids, src.view(ids.numel(), len(kv.layers), kv.layer_bytes))
-        return
-    for layer in range(len(kv.layers)):
-        scatter_layer(kv, layer, ids, src)
-
-
-# -- staged transfers with events ---------------------------------------------
-@dataclass
-class Ticket:
-    """One submitted save or load. Events are None on CPU, where all is done at once."""
-
-    stream: object  # gpu.TransferStream, or None on CPU
-    done_event: object = None
-    layer_events: list = field(default_factory=list)  # loads: one per layer, in order
-    gathered_event: object = None  # saves: the KV blocks have been read into staging
-    keep: tuple = ()  # buffers the copies still use
-
-    def ready(self) -> bool:
-        """Polls without blocking (for get_finished / commit / release)."""
-        return self.done_event is None or self.stream.is_done(self.done_event)
-
-    def wait_layer(self, layer: int) -> None:
-        """Compute waits (on the GPU) until this layer's blocks are in place: wait_for_layer_load."""
-        self._current_waits(self.layer_events[layer] if self.layer_events else self.done_event)
-
-    def wait_all(self) -> None:
-        """Compute waits (on the GPU) for the whole transfer: a non-layerwise load."""
-        self._current_waits(self.done_event)
-
-    def fence_source(self) -> None:
-        """Compute waits (on the GPU) until a save has read its KV blocks: call before a
-        step whose forward may overwrite them (vLLM can free and reuse a saved block)."""
-        self._current_waits(self.gathered_event)
-
-    def synchronize(self) -> None:
-        """The host blocks until done; never on the forward path."""
-        if self.done_event is not None:
-            self.stream.synchronize(self.done_event)
-
-    def _current_waits(self, event) -> None:
-        if event is not None:
-            self.stream.make_current_wait(event)
-
-
-class StreamedCopier:
-    """Saves and loads of whole steps: paged KV <-> staging <-> extents of a flat byte tensor.
-
-    `flat` is the arena (a `pin_host` tensor) or a GPU pool opened by IPC;
-    `extents[i]` are block i's extents in it. On CUDA everything runs on a side
-    stream that first waits for the current stream; on CPU it runs inline.
-    """
-
-    def __init__(self, device) -> None:
-        self.device = torch.device(device)
-        self.stream = gpu.TransferStream(self.device) if self.device.type == "cuda" else None
-
-    def save(self, kv: PagedKV, block_ids: Sequence[int], flat: torch.Tensor, extents: Sequence) -> Ticket:
-        ids = _check_ids(block_ids, kv.num_blocks, unique=False)
-        runs = self._runs(kv, extents, len(ids), to_staging=False)
-        with self._submit():
-            staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            gather(kv, self._index(ids), staging)
-            gathered = self._record()
-            gpu.copy_runs(flat, staging.view(-1), runs)
-            return Ticket(self.stream, self._record(), gathered_event=gathered, keep=(staging,))
-
-    def load(self, kv: PagedKV, block_ids: Sequence[int], flat: torch.Tensor, extents: Sequence,
-             layerwise: bool = True) -> Ticket:  # fmt: skip
-        """Copy blocks in; with `layerwise`, one event per layer for wait_for_layer_load."""
-        ids = _check_ids(block_ids, kv.num_blocks, unique=True)
-        runs = self._runs(kv, extents, len(ids), to_staging=True)
-        with self._submit():
-            staging = torch.empty(len(ids), kv.block_bytes, dtype=torch.uint8, device=self.device)
-            ids_t = self._index(ids)
-            gpu.copy_runs(staging.view(-1), flat, runs)
-            events = []
-            if layerwise:
-                for layer in range(len(kv.layers)):
-                    scatter_layer(kv, layer, ids_t, staging)
-                    events.append(self._record())
-            else:
-                scatter(kv, ids_t, staging)
-            done = events[-1] if events else self._record()
-            return Ticket(self.stream, done, events if self.stream else [], keep=(staging,))
-
-    def _submit(self):
-        return self.stream.submit() if self.stream is not None else contextlib.nullcontext()
-
-    def _record(self):
-        return self.stream.record() if self.stream is not None else None
-
-    def _index(self, ids: list[int]) -> torch.Tensor:
-        if self.stream is not None:
-            return self.stream.to_device(ids)
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+    def run(self, plan: CopyPlan, stream_handle: int, stable_source: bool) -> None:
+        if not len(plan):
+            return
+        if self._batch is None:
+            self._per_piece(plan, stream_handle)
+            return
+        dst, src, size = (np.ascontiguousarray(a, dtype=np.uint64) for a in (plan.dst, plan.src, plan.size))
+        attrs = _Attrs(srcAccessOrder=_ANY_ORDER if stable_source else _STREAM_ORDER)
+        attr_index, fail_index = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        rc = self._batch(dst.ctypes.data, src.ctypes.data, size.ctypes.data, size.size, ctypes.byref(attrs),
+                         ctypes.byref(attr_index), 1, ctypes.byref(fail_index), ctypes.c_void_p(stream_handle))
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync returned CUDA error {rc} at piece {fail_index.value}")
 
     @staticmethod
-    def _runs(kv: PagedKV, extents: Sequence, n: int, to_staging: bool) -> list:
-        if len(extents) != n:
-            raise ValueError(f"{n} blocks but {len(extents)} extent lists")
-        for block in extents:
-            if sum(length for _, length in block) != kv.block_bytes:
-                raise ValueError(f"a block's extents hold {sum(n for _, n in block)} B, not {kv.block_bytes} B")
-        flat_ext = [list(e) for block in extents for e in block]
-        staging_ext = [[0, n * kv.block_bytes]]
-        if to_staging:
-            return gpu.plan_runs(staging_ext, flat_ext)
-        return gpu.plan_runs(flat_ext, staging_ext)
+    def _per_piece(plan: CopyPlan, stream_handle: int) -> None:
+        from cuda.bindings import driver
+
+        stream = driver.CUstream(stream_handle)
+        for d, s, n in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist()):
+            (err,) = driver.cuMemcpyAsync(d, s, n, stream)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyAsync failed: {err}")
+
+
+class KernelExecutor:
+    """One Triton launch per plan (triton_copy.py); every piece 16-byte aligned."""
+
+    name = "kernel"
+
+    def __init__(self, device) -> None:
+        import torch
+
+        from connectors import triton_copy
+
+        self._torch, self._tc, self.device = torch, triton_copy, torch.device(device)
+
+    def run(self, plan: CopyPlan, stream) -> None:
+        if not len(plan):
+            return
+        why = self._tc.check_alignment(plan)
+        if why:
+            raise ValueError(f"the copy kernel needs 16-byte aligned pieces: {why}")
+        torch = self._torch
+        src, dst, words = self._tc.chunked(plan)
+        host = torch.from_numpy(np.stack([src, dst, words])).pin_memory()
+        with torch.cuda.stream(stream):
+            tables = host.to(self.device, non_blocking=True)  # the pinned buffer lives until the copy ran
+            self._tc.launch(tables[0], tables[1], tables[2], src.size)
+
+
+@dataclass
+class Chooser:
+    """Which executor runs a plan: the configured choice, "auto" by the mean piece size."""
+
+    dma: DmaExecutor | None
+    kernel: KernelExecutor | None
+    choice: str = "auto"
+    kernel_piece_bytes: int = 16 << 10
+
+    def __post_init__(self) -> None:
+        if self.choice not in EXECUTOR_CHOICES:
+            raise ValueError(f"copy executor must be one of {EXECUTOR_CHOICES}, got {self.choice!r}")
+
+    def pick(self, plan: CopyPlan):
+        small = len(plan) and plan.nbytes / len(plan) < self.kernel_piece_bytes
+        want_kernel = self.choice == "kernel" or (self.choice == "auto" and small)
+        if want_kernel and self.kernel is not None and not _misaligned(plan):
+            return self.kernel
+        return self.dma if self.dma is not None else self.kernel
+
+
+def _misaligned(plan: CopyPlan) -> bool:
+    return bool(len(plan)) and bool(((plan.src | plan.dst | plan.size) % np.uint64(16)).any())
+
+
+def make_transfers(device, choice: str = "auto", kernel_piece_bytes: int = 16 << 10) -> "CudaTransfers":
+    """The transfers for KV on a CUDA device, with the executors the choice needs."""
+    if choice not in EXECUTOR_CHOICES:
+        raise ValueError(f"copy executor must be one of {EXECUTOR_CHOICES}, got {choice!r}")
+    dma = DmaExecutor() if choice in ("auto", "dma") else None
+    kernel = None
+    if choice in ("auto", "kernel"):
+        try:
+            kernel = KernelExecutor(device)
+        except ImportError as exc:
+            if choice == "kernel":
+                raise
+            log.info("kvstore: no Triton (%s): every copy plan goes to the copy engines", exc)
+    return CudaTransfers(device, Chooser(dma, kernel, choice, kernel_piece_bytes))
+
+
+# -- streams and events ---------------------------------------------------------------------
+class TorchStreams:
+    """The stream operations CudaTransfers needs, on torch.cuda (tests substitute a recording stand-in)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+
+    def current(self):
+        return self.torch.cuda.current_stream(self.device)
+
+    def new_stream(self):
+        return self.torch.cuda.Stream(device=self.device)
+
+    def record(self, stream):
+        event = self.torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream, event) -> None:
+        stream.wait_event(event)
+
+    @staticmethod
+    def query(event) -> bool:
+        return bool(event.query())
+
+    @staticmethod
+    def synchronize(event) -> None:
+        event.synchronize()
+
+    @staticmethod
+    def handle(stream) -> int:
+        return int(stream.cuda_stream)
+
+
+class CudaTicket:
+    def __init__(self, streams, forward, done, layer_events: dict | None = None) -> None:
+        self._streams, self._forward, self._done = streams, forward, done
+        self._layers = layer_events or {}
+        self.error: BaseException | None = None
+
+    def wait_layer(self, layer: int) -> None:
+        event = self._layers.get(layer)
+        if event is not None:
+            self._streams.wait(self._forward, event)  # the GPU waits; the host goes on
+
+    def done(self) -> bool:
+        return self._done is None or self._streams.query(self._done)
+
+    def outcome(self) -> BaseException | None:
+        """A submission's failure (errors on the device are not attributed to a transfer)."""
+        return self.error
+
+    def finish(self) -> BaseException | None:
+        if self._done is not None:
+            self._streams.synchronize(self._done)
+        return self.error
+
+
+class CudaTransfers:
+    """Loads and saves on a side stream, ordered against the forward's stream by events."""
+
+    def __init__(self, device, chooser: Chooser, streams=None) -> None:
+        self.device = str(device)
+        self.chooser = chooser
+        self.streams = streams if streams is not None else TorchStreams(device)
+        self.side = self.streams.new_stream()
+
+    def _submit(self, plans: Sequence[CopyPlan], keys: Sequence, load: bool, forward_waits: bool) -> CudaTicket:
+        """Run `plans` in order on the side stream after the forward's work so far; an event after each."""
+        streams = self.streams
+        forward = streams.current()  # the engine thread's: the forward's stream
+        streams.wait(self.side, streams.record(forward))
+        events = {}
+        for key, plan in zip(keys, plans):
+            self._run(plan, load)
+            events[key] = streams.record(self.side)
+        done = events[keys[-1]] if events else streams.record(self.side)
+        if forward_waits:
+            streams.wait(forward, done)
+        return CudaTicket(streams, forward, done, events if not forward_waits else None)
+
+    def _run(self, plan: CopyPlan, load: bool) -> None:
+        executor = self.chooser.pick(plan)
+        if executor is None or not len(plan):
+            return
+        if executor.name == "kernel":
+            executor.run(plan, self.side)
+        else:
+            executor.run(plan, self.streams.handle(self.side), stable_source=load)
+
+    def load(self, plan: CopyPlan) -> CudaTicket:
+        """A whole-step load: the forward waits for all of it."""
+        return self._guarded(lambda: self._submit([plan], [None], load=True, forward_waits=True))
+
+    def load_layers(self, plans: list[CopyPlan], order: Sequence[int]) -> CudaTicket:
+        """plans[k] is layer order[k]'s part; the forward waits per layer (`wait_layer`)."""
+        return self._guarded(lambda: self._submit(plans, list(order), load=True, forward_waits=False))
+
+    def save(self, plan: CopyPlan) -> CudaTicket:
+        """Copy KV out once the forward wrote it; later forward work waits until it was read."""
+        return self._guarded(lambda: self._submit([plan], [None], load=False, forward_waits=True))
+
+    def _guarded(self, submit: Callable[[], CudaTicket]) -> CudaTicket:
+        try:
+            return submit()
+        except Exception as exc:  # a failed submission: the step's blocks count as failed, the engine goes on
+            ticket = CudaTicket(self.streams, None, None)
+            ticket.error = exc
+            return ticket
+
+    def close(self) -> None:
+        pass

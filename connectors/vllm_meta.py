@@ -42,7 +42,13 @@ class ConnectorConfig:
     load: bool = True  # look up and load hits
     model_id: str = ""  # namespace model name; default: the engine's model path/name
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
-    layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (CPU layouts)
+    layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
+    copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
+    kernel_piece_bytes: int = 16 << 10  # "auto" runs a plan whose mean piece is smaller with the kernel
+    # fault injection for tests and the chaos run, off by default: this fraction of load jobs fails at a
+    # random block (seeded), as if its copy had failed; vLLM recomputes from there
+    fail_loads: float = 0.0
+    fault_seed: int = 0
     # prefill/decode disaggregation (connectors/vllm_scheduler.py):
     wait_s: float = 10.0  # a loader waits this long for blocks in flight (reserved/announced); 0 = never wait
     announce: bool | None = None  # announce prompt blocks before computing them; None = only as kv_producer
@@ -59,6 +65,12 @@ class ConnectorConfig:
             raise ValueError("timeout_s must be > 0 and retry_s >= 0")
         if not 0 <= cfg.wait_s <= 600:
             raise ValueError("wait_s must be in 0..600 seconds")
+        if cfg.copy_executor not in ("auto", "dma", "kernel"):
+            raise ValueError(f"copy_executor must be auto, dma or kernel, got {cfg.copy_executor!r}")
+        if cfg.kernel_piece_bytes < 0:
+            raise ValueError("kernel_piece_bytes must be >= 0")
+        if not 0 <= cfg.fail_loads <= 1:
+            raise ValueError("fail_loads must be a fraction in 0..1")
         return cfg
 
     def for_role(self, kv_role: str | None) -> "ConnectorConfig":

@@ -35,7 +35,8 @@ Value of block b at time t (higher = keep):
   changes it exactly.
 - S_b, its size in bytes.
 - W_b, the attention term: 1 + w_eff * (2*A_b - 1), A_b the engine's estimate
-  clamped to [0, 1] (`block_key_norm_score` makes one from keys); no estimate
+  clamped to [0, 1] (the vLLM connector sends a key-norm estimate:
+  connectors/attention_score.py); no estimate
   means W_b = 1. w_eff = ATTENTION_WEIGHT * g with ATTENTION_WEIGHT = 0.5 and
   g in [0, 1] a gate learned online: among blocks that came with an estimate,
   the share referenced again (hit while resident, or re-admitted from the
@@ -75,7 +76,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
@@ -407,44 +407,6 @@ class AttentionPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._leaves)
-
-
-def block_key_norm_score(keys, block_tokens: int) -> np.ndarray:
-    """Per-block attention estimate from post-RoPE keys (KnormPress: low key norm, more attention).
-
-    `keys`: array-like `[num_tokens, num_kv_heads, head_dim]` (numpy or torch,
-    any float dtype) for one or more layers stacked on axis 0 of a 4-D input
-    `[num_layers, num_tokens, heads, head_dim]`. Per (layer, head), token key
-    norms are rank-normalised to [0, 1] (so scales of different heads do not
-    mix), negated (low norm = high score), averaged over layers and heads, and
-    averaged over each block's tokens. A trailing partial block is scored on
-    its tokens. Returns float64 `[num_blocks]` in [0, 1], ranked within the
-    call, ready for `commit(attention=...)`.
-    """
-    if hasattr(keys, "detach"):
-        keys = keys.detach().float().cpu().numpy()
-    k = np.asarray(keys, dtype=np.float32)
-    if k.ndim == 3:
-        k = k[None]
-    if k.ndim != 4:
-        raise ValueError("keys must be [tokens, heads, head_dim] or [layers, tokens, heads, head_dim]")
-    if block_tokens <= 0:
-        raise ValueError("block_tokens must be positive")
-    num_tokens = k.shape[1]
-    if num_tokens == 0:
-        return np.zeros(0)
-    norms = np.linalg.norm(k, axis=-1)  # [layers, tokens, heads]
-    ranks = norms.argsort(axis=1).argsort(axis=1).astype(np.float64)
-    token_score = 1.0 - ranks / max(num_tokens - 1, 1)  # low norm -> near 1
-    per_token = token_score.mean(axis=(0, 2))
-    num_blocks = -(-num_tokens // block_tokens)
-    padded = np.full(num_blocks * block_tokens, np.nan)
-    padded[:num_tokens] = per_token
-    block = np.nanmean(padded.reshape(num_blocks, block_tokens), axis=1)
-    if num_blocks == 1:
-        return np.array([0.5])
-    order = block.argsort().argsort().astype(np.float64)
-    return order / (num_blocks - 1)
 
 
 register_policy("attention", AttentionPolicy)

@@ -57,14 +57,15 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
 
 
 def _inject_load_failure() -> None:
-    """In-process engines only: every block copy into the paged KV fails."""
-    from connectors.kv_copy import PagedKV
+    """In-process engines only: every load's copy into the paged KV fails (whole-step, layer-wise and
+    waited loads alike); saves are untouched."""
+    from connectors.cpu_copy import CpuTransfers, Ticket
 
     def failing_load(self, *args, **kwargs):
-        raise RuntimeError("injected load failure (test)")
+        return Ticket(RuntimeError("injected load failure (test)"))
 
-    PagedKV.load_from_arena = failing_load  # whole-block copies (layer_loads off, waited loads)
-    PagedKV.load_layer_from_arena = failing_load  # layer-wise copies (the default)
+    CpuTransfers.load = failing_load
+    CpuTransfers.load_layers = failing_load
 
 
 def _llm_kwargs(spec: dict) -> dict:

@@ -24,12 +24,16 @@ def test_a_small_run_loads_every_block_in_both_arms(daemon_factory):
 
 
 def test_a_block_that_fails_to_load_stops_the_run(daemon_factory, monkeypatch):
-    from connectors.kv_copy import PagedKV
+    from connectors.cpu_copy import CpuExecutor
 
-    def broken(self, arena, layer, block_id, extents):
-        raise RuntimeError("injected")
+    real = CpuExecutor.run
 
-    monkeypatch.setattr(PagedKV, "load_layer_from_arena", broken)
+    def broken(self, plan):
+        if len(set(plan.layer.tolist())) == 1 and len(plan):  # a layer-wise load's plan (saves span layers)
+            raise RuntimeError("injected")
+        real(self, plan)
+
+    monkeypatch.setattr(CpuExecutor, "run", broken)
     d = daemon_factory(host_bytes="64MiB", page_bytes="256KiB", admin=False)
     with pytest.raises(SystemExit, match="failed to load"):
         bench_layer_loads.bench(d.socket_path, 2 * 128 + 5, [0.1], repeats=1)

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from eviction.attention import AttentionParams, AttentionPolicy, block_key_norm_score
+from eviction.attention import AttentionParams, AttentionPolicy
 from eviction.base import BlockInfo, make_policy, policy_names
 from eviction.belady import BeladyPolicy
 from kvstore.keys import Namespace
@@ -255,18 +255,6 @@ def test_attention_gate_counts_reuse_after_eviction():
             p.on_insert(BlockInfo(i, None, 0, 100, 16))
             p.on_remove(i)
     assert p.gate.value() > 0.9
-
-
-def test_key_norm_score_prefers_low_norm_blocks():
-    import numpy as np
-
-    keys = np.ones((64, 2, 8), dtype=np.float32)
-    keys[:16] *= 0.1  # block 0: low key norm -> most attention expected
-    keys[48:] *= 10.0  # block 3: high norm -> least
-    score = block_key_norm_score(keys, 16)
-    assert score.shape == (4,) and score.min() >= 0 and score.max() <= 1
-    assert score[0] == 1.0 and score[3] == 0.0
-    assert block_key_norm_score(keys[:20], 16).shape == (2,)
 
 
 # -- store-level scenarios -------------------------------------------------------------------

@@ -54,7 +54,7 @@ def make_sides(daemon, **config):
         w = WorkerSide(cfg, ns, LAYERS, NB)
         kv = kv_tensors(seed)
         w.register_kv_caches(kv)
-        assert w.kv is not None
+        assert w.engine is not None
         return w, kv
 
     return SchedulerSide(cfg, [ns], BT), make_worker
@@ -187,7 +187,7 @@ def test_block_size_mismatch_disables_the_worker(daemon, caplog):
     w = WorkerSide(cfg, bad, LAYERS, NB)
     with caplog.at_level(logging.WARNING):
         w.register_kv_caches(kv_tensors(8))
-    assert w.kv is None
+    assert w.engine is None
     assert any("disabled" in r.getMessage() for r in caplog.records)
 
 
@@ -210,26 +210,8 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     assert num == 4 * BT
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     sched_b.update_state_after_alloc(req_b, blocks(ids), num)
-    if layer_loads:  # the second block fails in the second layer
-        real = worker_b.kv.load_layer_from_arena
-
-        def flaky(arena, layer, block_id, extents):
-            if (layer, block_id) == (1, 6):
-                raise RuntimeError("injected copy failure")
-            real(arena, layer, block_id, extents)
-
-        monkeypatch.setattr(worker_b.kv, "load_layer_from_arena", flaky)
-    else:  # the second block fails
-        real = worker_b.kv.load_from_arena
-        calls = []
-
-        def flaky(arena, block_id, extents):
-            calls.append(block_id)
-            if len(calls) == 2:
-                raise RuntimeError("injected copy failure")
-            real(arena, block_id, extents)
-
-        monkeypatch.setattr(worker_b.kv, "load_from_arena", flaky)
+    # the second block fails (the connector's fault injection, its position fixed here)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 1)
     meta = run_step(sched_b, worker_b, sched_output(new=[("b", ids, num)], scheduled={"b": len(longer) - num}))
     assert meta.invalid == {6, 7, 8}  # the failed block and the rest of the load
     assert len(meta.saves) == 7  # the step offered the new blocks ...
@@ -237,11 +219,12 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
 
-def test_split_copies_move_every_block_and_stop_at_the_first_failure(whole_step_sides, monkeypatch):
-    """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact,
-    and a failed block fails itself and every later block of the load, wherever the runs were cut."""
-    monkeypatch.setattr(vllm_worker, "SPLIT_BYTES", 0)
-    monkeypatch.setattr(vllm_worker, "COPY_THREADS", 3)
+def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(whole_step_sides, monkeypatch):
+    """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact;
+    a copy that fails fails every block of the step's load (vLLM recomputes them all)."""
+    from connectors import cpu_copy
+
+    monkeypatch.setattr(cpu_copy, "SPLIT_BYTES", 0)
     sched_a, make_worker = whole_step_sides
     worker_a, kv_a = make_worker(21)
     tokens = list(range(7000, 7000 + 5 * BT + 3))
@@ -250,33 +233,33 @@ def test_split_copies_move_every_block_and_stop_at_the_first_failure(whole_step_
     sched_a.update_state_after_alloc(req, blocks([3, 4, 5, 6, 7, 8]), 0)
     run_step(sched_a, worker_a, sched_output(new=[("a", [3, 4, 5, 6, 7, 8], 0)], scheduled={"a": len(tokens)}))
 
-    def load_into(seed: int, req_id: str, fail_block: int | None):
+    def load_into(seed: int, req_id: str, fail: bool):
         sched = SchedulerSide(sched_a.config, [namespace()], BT)
         worker, kv = make_worker(seed)
+        executor = worker.engine.transfers.executor
+        executor.threads = 3
         req = request(req_id, tokens[: 4 * BT] + [5] * 9)
         num, _ = sched.get_num_new_matched_tokens(req, 0)
         assert num == 4 * BT
         sched.update_state_after_alloc(req, blocks([9, 10, 11, 12, 13]), num)
-        real, threads = worker.kv.load_from_arena, set()
+        real, threads = executor._copy, set()
 
-        def load(arena, block_id, extents):
+        def copy(pieces):
             threads.add(threading.current_thread().name.split("_")[0])
-            if block_id == fail_block:
+            if fail and threading.current_thread() is not threading.main_thread():
                 raise RuntimeError("injected copy failure")
-            real(arena, block_id, extents)
+            real(pieces)
 
-        monkeypatch.setattr(worker.kv, "load_from_arena", load)
+        monkeypatch.setattr(executor, "_copy", copy)
         meta = run_step(sched, worker, sched_output(new=[(req_id, [9, 10, 11, 12, 13], num)], scheduled={req_id: 9}))
         return meta, kv, threads
 
-    meta, kv_b, threads = load_into(22, "b", None)
+    meta, kv_b, threads = load_into(22, "b", False)
     assert meta.invalid == set() and "kvstore-copy" in threads and len(threads) == 2
     for name in LAYERS:
         assert torch.equal(kv_b[name][9:13], kv_a[name][3:7])
-    meta, kv_c, _ = load_into(23, "c", 11)  # the third of four blocks: a run that is not the first
-    assert meta.invalid == {11, 12}
-    for name in LAYERS:
-        assert torch.equal(kv_c[name][9:11], kv_a[name][3:5])
+    meta, _, _ = load_into(23, "c", True)  # a helper thread's part fails
+    assert meta.invalid == {9, 10, 11, 12}
 
 
 def test_preempted_request_resumes_with_new_blocks(sides):
@@ -367,16 +350,20 @@ def test_layer_wise_load_has_each_layer_in_place_when_the_forward_waits_for_it(s
     sched_a, make_worker = sides
     tokens, kv_a = stored_prompt(sched_a, make_worker, 31, 4, 11000)
     worker, kv_b = make_worker(32)
-    real, gate, copied = worker.kv.load_layer_from_arena, threading.Event(), []
+    executor = worker.engine.transfers.executor
+    real, gate, copied = executor.run, threading.Event(), []
 
-    def held_after_first_layer(arena, layer, block_id, extents):  # layer 0 flows; the rest wait for the gate
-        if layer != worker._layer_order[0]:
+    def held_after_first_layer(plan):  # layer 0 flows; the rest wait for the gate
+        layers = set(plan.layer.tolist())
+        assert len(layers) == 1, "one layer per plan in a layer-wise load"
+        layer = layers.pop()
+        if layer != worker.loads.layer_order[0]:
             assert gate.wait(10)
         assert threading.current_thread() is not threading.main_thread()
         copied.append(layer)
-        real(arena, layer, block_id, extents)
+        real(plan)
 
-    monkeypatch.setattr(worker.kv, "load_layer_from_arena", held_after_first_layer)
+    monkeypatch.setattr(executor, "run", held_after_first_layer)
     sched, _, so = hit_step(sched_a, worker, tokens, "b", [9, 10, 11, 12, 13])
     meta = sched.build_connector_meta(so)
     worker.start_load_kv(meta)
@@ -399,10 +386,10 @@ def test_layer_wise_load_has_each_layer_in_place_when_the_forward_waits_for_it(s
     backwards = LAYERS[::-1]
     worker.wait_for_layer_load(LAYERS[0])  # outside a step: nothing to wait for
     run_step(*hit_step(sched_a, worker, tokens, "c", [1, 2, 3, 4, 5]), forward=backwards)
-    assert worker._layer_order == [LAYERS.index(n) for n in backwards]
+    assert worker.loads.layer_order == [LAYERS.index(n) for n in backwards]
     copied.clear()
     meta = run_step(*hit_step(sched_a, worker, tokens, "d", [6, 7, 8, 14, 15]), forward=backwards)
-    assert copied[:4] == [L - 1] * 4 and meta.invalid == set()
+    assert copied == list(range(L))[::-1] and meta.invalid == set()  # one plan per layer, the forward's order
     for name in LAYERS:
         assert torch.equal(kv_b[name][[6, 7, 8, 14]], kv_a[name][0:4])
 

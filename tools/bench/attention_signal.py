@@ -6,7 +6,7 @@ in /usr/share/common-licenses) the model prefills the document once, as an
 engine would before saving its KV. From that save-time state we compute the
 candidate per-block signals:
 
-- `keynorm`: `eviction.attention.block_key_norm_score` over all layers'
+- `keynorm`: `connectors.attention_score.block_key_norm_score` over all layers'
   post-RoPE keys (what the connector can compute in `save_kv_layer`);
   `keynorm_late` the same over the second half of the layers only;
   `keynorm_2layers` over layers L/2 and L-1, what connectors/vllm_worker.py samples;
@@ -40,7 +40,7 @@ import sys
 
 import numpy as np
 
-from eviction.attention import block_key_norm_score
+from connectors.attention_score import block_key_norm_score
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "models",
                              "smollm2-135m")

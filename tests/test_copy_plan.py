@@ -1,0 +1,298 @@
+"""Copy plans (connectors/copy_plan.py) against a torch reference, run by the host executor and by the
+Triton kernel in its interpreter, plus the kernel's PTX for sm_90.
+
+The reference payload of a block (tests/kv_layouts.py) is built with plain torch
+indexing, independently of the plan builder; every layout vLLM hands a connector
+is covered, with random, out-of-order, partial block sets and blocks scattered
+over store pages in both directions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="KV tensors are torch tensors")
+
+from connectors import copy_plan as cp  # noqa: E402
+from connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
+from tests.kv_layouts import BLOCK_OUTERMOST, KINDS, NB, L, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
+
+STORE_BYTES = 1 << 20
+
+
+def scattered_extents(n: int, block_bytes: int, page: int, seed: int) -> list:
+    """n blocks over random, distinct store pages (as the arena's page allocator hands them out):
+    a block's extents are its runs of adjacent pages, its last page partly used."""
+    rng = random.Random(seed)
+    per_block = -(-block_bytes // page)
+    pages = rng.sample(range(STORE_BYTES // page), n * per_block)
+    out = []
+    for i in range(n):
+        mine, left, runs = pages[i * per_block : (i + 1) * per_block], block_bytes, []
+        for p in mine:
+            length = min(page, left)
+            left -= length
+            if runs and runs[-1][0] + runs[-1][1] == p * page and runs[-1][1] % page == 0:
+                runs[-1][1] += length
+            else:
+                runs.append([p * page, length])
+        out.append(runs)
+    return out
+
+
+def write_payloads(store: torch.Tensor, extents: list, payloads: list) -> None:
+    for runs, payload in zip(extents, payloads):
+        pos = 0
+        for offset, length in runs:
+            store[offset : offset + length] = payload[pos : pos + length]
+            pos += length
+
+
+def read_payload(store: torch.Tensor, runs: list) -> torch.Tensor:
+    return torch.cat([store[o : o + n] for o, n in runs])
+
+
+def executor_for(store: torch.Tensor, *layer_sets) -> CpuExecutor:
+    ex = CpuExecutor(threads=1)
+    ex.set_regions("store", [store.numpy()])
+    ex.set_regions("kv", [storage_bytes(t) for layers in layer_sets for t in layers])
+    return ex
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_geometry_cuts_each_layout_into_its_pieces(kind):
+    layers = make_layers(kind)
+    geom = cp.kv_geometry(layers, NB)
+    assert geom.block_bytes == ref_payload(kind, layers, 0).numel()
+    expected = 1 if kind in BLOCK_OUTERMOST else 2 * L if kind == "cuda_legacy_nhd" else L
+    assert geom.size.size == expected
+    assert geom.block_outermost == (kind in BLOCK_OUTERMOST)
+    assert geom.layer_wise == (kind not in BLOCK_OUTERMOST)
+
+
+@pytest.mark.parametrize("page", [256, 40])
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_plan_writes_the_reference_payload_into_exactly_the_named_blocks(kind, page):
+    src_layers = make_layers(kind, seed=3)
+    dst_layers = blank_like(kind)
+    geom = cp.kv_geometry(dst_layers, NB)
+    src_ids, dst_ids = random_ids(5, seed=1), random_ids(5, seed=2)
+    payloads = [ref_payload(kind, src_layers, b) for b in src_ids]
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(5, geom.block_bytes, page, seed=page)
+    write_payloads(store, extents, payloads)
+    plan = cp.build_plan(geom, dst_ids, extents, store.data_ptr(), to_kv=True)
+    assert plan.nbytes == 5 * geom.block_bytes
+    executor_for(store, dst_layers).run(plan)
+    for b in range(NB):
+        got = ref_payload(kind, dst_layers, b)
+        if b in dst_ids:
+            assert torch.equal(got, payloads[dst_ids.index(b)]), f"block {b}"
+        else:
+            assert not got.any(), f"block {b} was not named but changed"
+
+
+@pytest.mark.parametrize("page", [256, 40])
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_plan_writes_the_reference_payload_into_the_extents(kind, page):
+    layers = make_layers(kind, seed=5)
+    geom = cp.kv_geometry(layers, NB)
+    ids = random_ids(7, seed=4)
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(7, geom.block_bytes, page, seed=page + 1)
+    plan = cp.build_plan(geom, ids, extents, store.data_ptr(), to_kv=False)
+    executor_for(store, layers).run(plan)
+    for b, runs in zip(ids, extents):
+        assert torch.equal(read_payload(store, runs), ref_payload(kind, layers, b)), f"block {b}"
+    used = sum(n for runs in extents for _, n in runs)
+    assert int(store.count_nonzero()) <= used  # nothing outside the extents was written
+
+
+def test_ids_off_by_one_are_caught():
+    """Negative control: a plan for the wrong blocks fails the same comparison."""
+    kind = "shared_LBHNC"
+    src_layers, dst_layers = make_layers(kind, seed=7), blank_like(kind)
+    geom = cp.kv_geometry(dst_layers, NB)
+    ids = [1, 4, 6]
+    payloads = [ref_payload(kind, src_layers, b) for b in ids]
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(3, geom.block_bytes, 256, seed=9)
+    write_payloads(store, extents, payloads)
+    executor_for(store, dst_layers).run(cp.build_plan(geom, [b + 1 for b in ids], extents, store.data_ptr(), True))
+    assert not any(torch.equal(ref_payload(kind, dst_layers, b), p) for b, p in zip(ids, payloads))
+
+
+@pytest.mark.parametrize("kind", ["shared_LBHNC", "cuda_legacy_nhd", "kernel_split_LBHNC"])
+def test_layer_plans_split_the_whole_plan_by_layer(kind):
+    layers = make_layers(kind, seed=11)
+    geom = cp.kv_geometry(layers, NB)
+    ids = random_ids(6, seed=12)
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(6, geom.block_bytes, 256, seed=13)
+    whole = cp.build_plan(geom, ids, extents, store.data_ptr(), to_kv=True, merge_layers=False)
+    order = [2, 0, 1]
+    parts = whole.by_layer(order)
+    assert sum(len(p) for p in parts) == len(whole) and sum(p.nbytes for p in parts) == whole.nbytes
+    for layer, part in zip(order, parts):
+        lo, hi = _layer_span(layers[layer])
+        assert ((part.dst >= lo) & (part.dst + part.size <= hi)).all(), f"layer {layer}'s plan leaves its tensor"
+
+
+def _layer_span(t: torch.Tensor) -> tuple[int, int]:
+    base, elt = t.data_ptr(), t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return base, base + (last + 1) * elt
+
+
+def test_block_outermost_loads_are_one_copy_per_block_and_merge_adjacent_blocks():
+    layers = make_layers("shared_BLHNC")
+    geom = cp.kv_geometry(layers, NB)
+    bb = geom.block_bytes
+    plan = cp.build_plan(geom, [5, 2, 9], [[[0, bb]], [[4 * bb, bb]], [[2 * bb, bb]]], 0, to_kv=True)
+    assert len(plan) == 3 and (plan.size == bb).all() and (plan.layer == cp.LAYERS_MERGED).all()
+    adjacent = cp.build_plan(geom, [3, 4, 5], [[[0, bb]], [[bb, bb]], [[2 * bb, bb]]], 0, to_kv=True)
+    assert len(adjacent) == 1 and int(adjacent.size[0]) == 3 * bb
+    with pytest.raises(ValueError, match="span layers"):
+        plan.by_layer(range(L))
+
+
+def test_bad_plans_are_refused_before_any_copy():
+    layers = make_layers("shared_LBHNC")
+    geom = cp.kv_geometry(layers, NB)
+    bb = geom.block_bytes
+    one = [[0, bb]]
+    with pytest.raises(IndexError):
+        cp.build_plan(geom, [NB], [one], 0, True)
+    with pytest.raises(IndexError):
+        cp.build_plan(geom, [-1], [one], 0, True)
+    with pytest.raises(ValueError, match="twice"):
+        cp.build_plan(geom, [1, 1], [one, [[bb, bb]]], 0, True)
+    with pytest.raises(ValueError, match="extent lists"):
+        cp.build_plan(geom, [1, 2], [one], 0, True)
+    with pytest.raises(ValueError, match="hold"):
+        cp.build_plan(geom, [1], [[[0, bb - 1]]], 0, True)
+    with pytest.raises(ValueError, match="no extents"):
+        cp.build_plan(geom, [1], [[]], 0, True)
+    with pytest.raises(ValueError, match="no dimension"):
+        cp.kv_geometry(layers, NB + 1)
+    with pytest.raises(ValueError, match="dense"):
+        cp.kv_geometry([t[..., ::2] for t in layers], NB)
+    store = torch.zeros(4 * bb, dtype=torch.uint8)
+    outside = cp.build_plan(geom, [1], [[[0, bb]]], store.data_ptr() + 8 * bb, to_kv=True)  # past the store
+    before = [t.clone() for t in layers]
+    with pytest.raises(ValueError, match="outside the registered memory"):
+        executor_for(store, layers).run(outside)
+    assert all(torch.equal(a, b) for a, b in zip(before, layers))
+
+
+def test_a_large_plan_split_over_threads_copies_every_piece():
+    kind = "cpu_separate"
+    src, dst = make_layers(kind, seed=21), blank_like(kind)
+    geom = cp.kv_geometry(dst, NB)
+    ids = random_ids(NB, seed=22)
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(NB, geom.block_bytes, 256, seed=23)
+    write_payloads(store, extents, [ref_payload(kind, src, b) for b in range(NB)])
+    ex = executor_for(store, dst)
+    ex.threads = 3
+    import connectors.cpu_copy as cpu_copy
+
+    old, cpu_copy.SPLIT_BYTES = cpu_copy.SPLIT_BYTES, 0
+    try:
+        ex.run(cp.build_plan(geom, ids, extents, store.data_ptr(), to_kv=True))
+    finally:
+        cpu_copy.SPLIT_BYTES = old
+        ex.close()
+    for i, b in enumerate(ids):
+        assert torch.equal(ref_payload(kind, dst, b), ref_payload(kind, src, i))
+
+
+# -- the Triton kernel ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted():
+    """connectors.triton_copy with its kernel in Triton's interpreter (CPU tensors, NumPy)."""
+    pytest.importorskip("triton", reason="the copy kernel is Triton (the test extra installs it)")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import connectors.triton_copy as tc
+
+    tc = importlib.reload(tc)
+    yield tc
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    importlib.reload(tc)
+
+
+def run_kernel(tc, plan: cp.CopyPlan) -> None:
+    assert tc.check_alignment(plan) == ""
+    src, dst, words = tc.chunked(plan, chunk_bytes=4096)
+    tc.launch(torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(words), src.size)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_loads_and_saves_byte_exact(interpreted, kind):
+    src_layers, dst_layers = make_layers(kind, seed=31), blank_like(kind)
+    geom = cp.kv_geometry(dst_layers, NB)
+    src_ids, dst_ids = random_ids(4, seed=32), random_ids(4, seed=33)
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    extents = scattered_extents(4, geom.block_bytes, 256, seed=34)
+    save = cp.build_plan(cp.kv_geometry(src_layers, NB), src_ids, extents, store.data_ptr(), to_kv=False)
+    run_kernel(interpreted, save)
+    for b, runs in zip(src_ids, extents):
+        assert torch.equal(read_payload(store, runs), ref_payload(kind, src_layers, b))
+    run_kernel(interpreted, cp.build_plan(geom, dst_ids, extents, store.data_ptr(), to_kv=True))
+    for b in range(NB):
+        got = ref_payload(kind, dst_layers, b)
+        if b in dst_ids:
+            assert torch.equal(got, ref_payload(kind, src_layers, src_ids[dst_ids.index(b)])), f"block {b}"
+        else:
+            assert not got.any(), f"block {b} was not named but changed"
+
+
+def test_kernel_refuses_misaligned_plans(interpreted):
+    plan = cp.CopyPlan(np.array([16, 32], np.uint64), np.array([64, 8], np.uint64), np.array([16, 16], np.uint64),
+                       np.zeros(2, np.int32))
+    assert "destination address 8" in interpreted.check_alignment(plan)
+    odd = cp.CopyPlan(plan.src, np.array([64, 96], np.uint64), np.array([16, 20], np.uint64), plan.layer)
+    assert "size 20" in interpreted.check_alignment(odd)
+
+
+def test_kernel_chunks_cover_every_byte_once(interpreted):
+    plan = cp.CopyPlan(np.array([0, 1 << 20], np.uint64), np.array([1 << 30, 2 << 30], np.uint64),
+                       np.array([10000 * 16, 48], np.uint64), np.zeros(2, np.int32))
+    src, dst, words = interpreted.chunked(plan, chunk_bytes=4096)
+    assert int(words.sum()) * 4 == plan.nbytes and (words * 4 <= 4096).all()
+    assert src[0] == 0 and src[1] == 4096 and dst[-1] == 2 << 30 and words[-1] == 12
+
+
+def test_kernel_ptx_for_sm90_moves_16_byte_words(monkeypatch):
+    """Compiled for an H100 without a GPU (ptxas ships with Triton): the data moves in v4.b32 vectors."""
+    pytest.importorskip("triton", reason="the copy kernel is Triton (the test extra installs it)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import connectors.triton_copy as tc
+
+    sig = {"src_table": "*i64", "dst_table": "*i64", "words_table": "*i64", "WORDS_PER_STEP": "constexpr"}
+    with monkeypatch.context() as m:  # a compiled kernel, whatever the interpreter tests set
+        m.delenv("TRITON_INTERPRET", raising=False)
+        importlib.reload(tc)
+        try:
+            source = ASTSource(fn=tc.copy_pieces_kernel, signature=sig, constexprs={"WORDS_PER_STEP": tc.WORDS})
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        finally:
+            m.undo()
+            importlib.reload(tc)
+    ptx = kernel.asm["ptx"]
+    accesses = set(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))
+    assert "ld.global.v4.b32" in accesses and "st.global.v4.b32" in accesses, accesses
+    assert not {a for a in accesses if a.endswith(".b32") and ".v" not in a}, f"scalar 32-bit accesses: {accesses}"
