@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.vllm_meta import ConnectorConfig, StepMeta, engine_namespaces, layer_order
+from connectors.vllm_meta import ConnectorConfig, StepMeta, engine_namespaces, layer_order, required_layout
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -91,6 +91,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("kvstore connector: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
             except Exception:  # a frozen config: say what to set
                 log.warning('kvstore connector: set "kv_load_failure_policy": "recompute" so failed loads are recomputed')
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """Block-outermost (BLHNC) on GPU backends, nothing on CPU (vllm_meta.required_layout)."""
+        from vllm.platforms import current_platform
+
+        return required_layout(current_platform.device_type)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -149,6 +149,17 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     ]
 
 
+# On GPU backends the connector asks vLLM for a block-outermost KV layout: one engine block then holds all
+# layers contiguously, exactly a stored block's payload, so a load or save is one copy per block. CPU_ATTN
+# accepts only LBHNC: there the connector asks for nothing. vLLM may still choose another layout (it logs a
+# warning); the worker sees what it got from the tensors' strides (copy_plan.kv_geometry).
+BLOCK_OUTERMOST_LAYOUT = "BLHNC"
+
+
+def required_layout(device_type: str) -> str | None:
+    return None if device_type == "cpu" else BLOCK_OUTERMOST_LAYOUT
+
+
 def layer_order(kv_cache_config: "KVCacheConfig") -> list[str]:
     """Layer names in payload order (the group's order: the same in every engine of a namespace)."""
     return list(kv_cache_config.kv_cache_groups[0].layer_names)

@@ -80,6 +80,13 @@ class WorkerSide:
             engine.close()
             return
         self.engine = engine
+        geom = engine.geometry
+        shape = ("block-outermost: one copy per block" if geom.block_outermost
+                 else f"{geom.size.size} pieces per block (layer-outer)")
+        log.info("kvstore connector: KV on %s, %s, %d B per block", engine.device, shape, engine.block_bytes)
+        if engine.device != "cpu" and not geom.block_outermost:
+            log.warning("kvstore connector: vLLM kept a layer-outer KV layout (the attention backend refused %s?): "
+                        "a load copies %d pieces per block", "BLHNC", geom.size.size)
         if self.config.attention_scores:
             self.saves.scorer = KeyNormScorer(tensors, self.namespace.block_tokens)
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
