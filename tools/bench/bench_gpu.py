@@ -1,23 +1,36 @@
-"""Benchmark the GPU path against plain torch copies of the same bytes, in one run.
+"""Benchmark the connector's GPU copy path against the plain copy of the same bytes, in one run.
 
-- h2d: shared-memory arena (pinned with cudaHostRegister) -> paged GPU KV cache
-  through `StreamedCopier.load` (coalesced H2D runs into a staging buffer, then
-  one scatter per layer), vs a plain `copy_` of a pinned torch tensor holding
-  the same bytes into a GPU tensor. Ratio: h2d_vs_pinned_copy (goal >= 0.8).
-- ipc: a GPU-tier pool owned by another process (the daemon's role), opened here
-  by CUDA IPC, -> this process's buffer with `copy_runs` over the blocks'
-  extents, vs a plain device-to-device `copy_` of the same bytes between two
-  tensors of this process. Ratio: ipc_vs_d2d (goal >= 0.8).
-- ipc_to_paged (for information): pool -> paged KV through the copier. That is
-  two passes over the bytes (runs into staging, then scatter), so expect about
-  half of d2d until a fused gather-scatter kernel exists.
+What is timed is what the vLLM worker runs: a copy plan (connectors/copy_plan.py)
+built from the engine's KV geometry and the store's extents, submitted with
+`CudaTransfers` (connectors/cuda_copy.py) on a side stream after the forward's
+stream, until its done event completes (wall clock around submit + finish: the
+submission's Python cost counts). The limits are plain `copy_` calls of the same
+number of bytes, contiguous, in the same run: device to device for the GPU pool,
+pinned host to device (and back) for the arena.
 
-Blocks are shaped like Llama-3-8B (32 layers x 8 KV heads x 128 x bf16 x 16
-tokens = 2 MiB) and go to random, non-contiguous block ids. Times are wall
-clock around synchronized runs, median of --iters. Without CUDA it prints why
-(`{"skipped": reason}` with --json) and exits 2.
+Shapes: Llama-3-8B blocks (32 layers, 8 KV heads, head size 128, bf16):
+16-token blocks (2 MiB) and 128-token blocks (16 MiB), each in a block-outermost
+layout (BLHNC, what the connector asks vLLM for: one piece per block) and a
+layer-outer one (LBHNC: one piece per block and layer). Blocks go to random,
+non-contiguous engine block ids, from and to random, non-contiguous pages of a
+GPU pool owned by another process (opened by CUDA IPC, as an engine opens the
+daemon's) and of a shared-memory arena registered with cudaHostRegister.
 
-    python tools/bench/bench_gpu.py [--json] [--blocks 256] [--layout LBNHC] [--fragment]
+Results (`--json` prints one object):
+- `cases`: per (block tokens, layout, direction, store tier, executor): GB/s, the
+  limit's GB/s, and `vs_limit` (goal >= 0.9 for the default executor);
+- `step_load`: an 8k-token prompt's load (512 or 64 blocks) from each tier with the
+  default executor: ms and `x_plain_copy` (goal <= 1.1);
+- `interference`: a bf16 8192^3 GEMM loop's slowdown on the forward stream while
+  ~10 GB of loads from the arena run beside it, per executor (goal <= 5% for the
+  default executor, "dma");
+- every transfer's bytes are checked against the source after its timed runs.
+
+`--device cpu` runs the same code with the host executor and no IPC (a smoke test
+of this script on machines without CUDA); without CUDA and without it, the script
+prints why and exits 2.
+
+    python tools/bench/bench_gpu.py [--json] [--quick] [--device cuda:0]
 """
 
 from __future__ import annotations
@@ -26,184 +39,325 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 from tiers import gpu  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
+PROMPT_TOKENS = 8192
+GOALS = {"vs_limit": 0.9, "step_load_x_plain_copy": 1.1, "interference_slowdown": 0.05}
 
 OWNER = r"""
 import json, sys
 import msgpack, torch
 from tiers import gpu
-capacity, page, block_bytes, n, fragment = (int(x) for x in sys.argv[1:6])
-pool = gpu.GpuPool("cuda:0", capacity, page)
-spacers = [pool.allocate(block_bytes // 2) for _ in range(n)] if fragment else []
-for s in spacers[::2]:
-    pool.free(s)
-extents = [pool.allocate(block_bytes) for _ in range(n)]
+pool = gpu.GpuPool(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 pool.buf.random_(0, 256)
 torch.cuda.synchronize()
-print(json.dumps({"handle": msgpack.packb(pool.export_ipc().to_wire()).hex(), "extents": extents}), flush=True)
-sys.stdin.readline()  # the pool lives until the engine side is done
+print(json.dumps({"handle": msgpack.packb(pool.export_ipc().to_wire()).hex()}), flush=True)
+sys.stdin.readline()  # the pool lives until the benchmark is done with it
 """
 
 
-def timed(fn, iters: int) -> float:
+def block_bytes(block_tokens: int) -> int:
+    return LAYERS * KV_HEADS * block_tokens * 2 * HEAD_SIZE * 2
+
+
+def make_kv(layout: str, num_blocks: int, block_tokens: int, device: str) -> list:
+    """Per-layer [blocks, heads, tokens, 2 * head] bf16 views over one allocation, as vLLM builds them."""
     import torch
 
+    shape = (KV_HEADS, block_tokens, 2 * HEAD_SIZE)
+    if layout == "BLHNC":
+        raw = torch.empty(num_blocks, LAYERS, *shape, dtype=torch.bfloat16, device=device)
+        views = [raw[:, i] for i in range(LAYERS)]
+    elif layout == "LBHNC":
+        raw = torch.empty(LAYERS, num_blocks, *shape, dtype=torch.bfloat16, device=device)
+        views = [raw[i] for i in range(LAYERS)]
+    else:
+        raise ValueError(layout)
+    raw.view(torch.uint8).random_(0, 256)
+    return views
+
+
+def scattered_pages(num_pages_total: int, page: int, n: int, bb: int, rng: random.Random) -> list:
+    """n blocks over random, distinct pages: each block's extents are its runs of adjacent pages."""
+    per_block = -(-bb // page)
+    pages = rng.sample(range(num_pages_total), n * per_block)
+    out = []
+    for i in range(n):
+        runs, left = [], bb
+        for p in pages[i * per_block:(i + 1) * per_block]:
+            length = min(page, left)
+            left -= length
+            if runs and runs[-1][0] + runs[-1][1] == p * page and runs[-1][1] % page == 0:
+                runs[-1][1] += length
+            else:
+                runs.append([p * page, length])
+        out.append(runs)
+    return out
+
+
+class Stores:
+    """The two store tiers an engine copies from and to: a GPU pool (another process's, by IPC) and
+    the pinned arena; on `--device cpu` both are host buffers."""
+
+    def __init__(self, device: str, nbytes: int) -> None:
+        import torch
+
+        from tiers.host import HostArena
+
+        self.device, self.owner = device, None
+        self.page = 256 << 10
+        self.nbytes = nbytes
+        self.arena = HostArena(f"/dev/shm/kvstore-bench-gpu-{os.getpid()}", nbytes, self.page, prefault=True)
+        self.arena.buf[:] = 0
+        self.pinned = gpu.pin_host(self.arena.buf) if device != "cpu" else None
+        if device == "cpu":
+            self.pool = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
+            return
+        env = {**os.environ, "PYTHONPATH": REPO}
+        self.owner = subprocess.Popen([sys.executable, "-c", OWNER, device, str(nbytes), str(self.page)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        import msgpack
+
+        hello = json.loads(self.owner.stdout.readline())
+        self.pool = gpu.open_pool(gpu.IpcHandle.from_wire(msgpack.unpackb(bytes.fromhex(hello["handle"]))))
+
+    def base(self, tier: str) -> int:
+        return self.pool.data_ptr() if tier == "pool" else int(self.arena.buf.ctypes.data)
+
+    def host_tensor(self):
+        import torch
+
+        return torch.from_numpy(self.arena.buf)
+
+    def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.unpin()
+        self.pool = None
+        if self.owner is not None:
+            self.owner.stdin.write("done\n")
+            self.owner.stdin.flush()
+            self.owner.wait(timeout=120)
+        self.arena.close()
+
+
+def transfers_for(device: str, executor: str, regions: list):
+    """CudaTransfers with one executor forced, or on CPU the host transfers over `regions`."""
+    if device == "cpu":
+        from connectors.cpu_copy import CpuExecutor, CpuTransfers
+
+        cpu = CpuExecutor(threads=1)
+        cpu.set_regions("all", regions)
+        return CpuTransfers(cpu)
+    from connectors.cuda_copy import make_transfers
+
+    return make_transfers(device, executor)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def timed(device: str, fn, iters: int) -> float:
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def make_kv(layout: str, num_blocks: int, args) -> list:
-    """Per-layer KV tensors as vLLM builds them (one allocation for LBHNC/LBNHC)."""
+def verify(kv, geom, stores, tier: str, ids: list, extents: list, to_kv: bool) -> None:
+    """Every engine block holds exactly the bytes of its extents."""
     import torch
 
-    L, H, N, D = args.layers, args.kv_heads, args.block_tokens, args.head_size
-    if layout == "LBHNC":
-        raw = torch.zeros(L, num_blocks, H, N, 2 * D, dtype=torch.bfloat16, device="cuda:0")
-        return [raw[i] for i in range(L)]
-    if layout == "LBNHC":  # flash-attn's physical order, seen through the logical [B, H, N, 2D] view
-        raw = torch.zeros(L, num_blocks, N, H, 2 * D, dtype=torch.bfloat16, device="cuda:0")
-        return [raw[i].permute(0, 2, 1, 3) for i in range(L)]
-    return [torch.zeros(2, num_blocks, N, H, D, dtype=torch.bfloat16, device="cuda:0") for _ in range(L)]
+    from connectors.copy_plan import build_plan
+
+    flat = stores.pool if tier == "pool" else stores.host_tensor()
+    for i in range(len(ids)):
+        one = build_plan(geom, [ids[i]], [extents[i]], 0, to_kv=True)
+        store_bytes = torch.cat([flat[o:o + n].cpu() for o, n in extents[i]])
+        kv_bytes = torch.cat([_read_kv(kv, int(a), int(n)) for a, n in zip(one.dst, one.size)])
+        if not torch.equal(store_bytes, kv_bytes):
+            raise SystemExit(f"bench_gpu: block {ids[i]} differs from its {tier} extents after a "
+                             f"{'load' if to_kv else 'save'}")
 
 
-def bench_h2d(args, kv, ids) -> dict:
+def _read_kv(kv, addr: int, n: int):
+    """n bytes of KV memory at `addr` (inside one of the views' allocation)."""
     import torch
 
-    from tiers.host import HostArena, map_arena
-
-    n, bb, page = len(ids), kv.block_bytes, args.page_kib * 1024
-    capacity = 2 * n * -(-bb // page) * page  # room for the blocks and the spacers between them
-    if shutil.disk_usage("/dev/shm").free < capacity:
-        raise SystemExit(f"bench_gpu: /dev/shm has less than the {capacity >> 20} MiB the arena needs; lower --blocks")
-    arena = HostArena(f"/dev/shm/kvstore-bench-gpu-{os.getpid()}", capacity, page)
-    try:
-        spacers = [arena.allocate(bb // 2) for _ in range(n)] if args.fragment else []
-        for s in spacers[::2]:
-            arena.free(s)
-        extents = [arena.allocate(bb) for _ in range(n)]
-        pinned = gpu.pin_host(map_arena(arena.path, arena.capacity_bytes))
-        copier = _copier()
-        ours = timed(lambda: copier.load(kv, ids, pinned.tensor, extents).synchronize(), args.iters)
-        host = torch.empty(n * bb, dtype=torch.uint8).pin_memory()
-        dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda:0")
-        plain = timed(lambda: dev.copy_(host, non_blocking=True), args.iters)
-        runs = len(gpu.plan_runs([[0, n * bb]], [x for e in extents for x in e]))
-        was_pinned, why_not = pinned.pinned, pinned.reason
-        pinned.unpin()
-    finally:
-        arena.close()
-    return {
-        "arena_pinned": was_pinned,
-        "arena_pin_reason": why_not,
-        "h2d_runs": runs,
-        "h2d_gbps": n * bb / ours / 1e9,
-        "pinned_copy_gbps": n * bb / plain / 1e9,
-        "h2d_vs_pinned_copy": plain / ours,
-    }
+    base = kv[0].untyped_storage().data_ptr()
+    storage = torch.empty(0, dtype=torch.uint8, device=kv[0].device).set_(kv[0].untyped_storage())
+    return storage[addr - base: addr - base + n].cpu()
 
 
-def bench_ipc(args, kv, ids) -> dict:
-    import msgpack
+def bench_case(args, stores, block_tokens: int, layout: str, executors: list[str]) -> tuple[list, dict]:
     import torch
 
-    n, bb, page = len(ids), kv.block_bytes, args.page_kib * 1024
-    capacity = 2 * n * -(-bb // page) * page
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
-    owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(capacity), str(page), str(bb), str(n), str(int(args.fragment))],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        hello = json.loads(owner.stdout.readline())
-        pool = gpu.open_pool(gpu.IpcHandle.from_wire(msgpack.unpackb(bytes.fromhex(hello["handle"]))))
-        extents = hello["extents"]
-        runs = gpu.plan_runs([[0, n * bb]], [x for e in extents for x in e])
-        dst = torch.empty(n * bb, dtype=torch.uint8, device="cuda:0")
-        ours = timed(lambda: gpu.copy_runs(dst, pool, runs), args.iters)
-        src = torch.empty_like(dst).random_(0, 256)
-        plain = timed(lambda: dst.copy_(src), args.iters)
-        copier = _copier()
-        paged = timed(lambda: copier.load(kv, ids, pool, extents).synchronize(), args.iters)
-        del pool
-        torch.cuda.synchronize()
-    finally:
-        owner.stdin.write("done\n")
-        owner.stdin.flush()
-        owner.wait(timeout=120)
-    return {
-        "ipc_runs": len(runs),
-        "ipc_gbps": n * bb / ours / 1e9,
-        "d2d_gbps": n * bb / plain / 1e9,
-        "ipc_vs_d2d": plain / ours,
-        "ipc_to_paged_gbps": n * bb / paged / 1e9,
-        "ipc_to_paged_vs_d2d": plain / paged,
-    }
+    from connectors.copy_plan import build_plan, kv_geometry
+
+    device, bb = args.device, block_bytes(block_tokens)
+    n = max(2, min(args.blocks_bytes // bb, PROMPT_TOKENS // block_tokens))
+    num_blocks = 2 * n
+    kv = make_kv(layout, num_blocks, block_tokens, device)
+    geom = kv_geometry(kv, num_blocks)
+    rng = random.Random(block_tokens)
+    ids = rng.sample(range(num_blocks), n)
+    out, step = [], {}
+    limits = _limits(device, stores, n * bb, args.iters)
+    for tier in ("pool", "arena"):
+        extents = scattered_pages(stores.nbytes // stores.page, stores.page, n, bb, rng)
+        base = stores.base(tier)
+        regions = [stores.arena.buf, stores.pool.numpy(), _storage_array(kv)] if device == "cpu" else []
+        for executor in executors:
+            transfers = transfers_for(device, executor, regions)
+            for to_kv in (True, False):
+                plan = build_plan(geom, ids, extents, base, to_kv=to_kv)
+                run = (lambda p=plan: transfers.load(p).finish()) if to_kv else (lambda p=plan: transfers.save(p).finish())
+                seconds = timed(device, run, args.iters)
+                verify(kv, geom, stores, tier, ids, extents, to_kv)
+                limit = limits[(tier, "load" if to_kv else "save")]
+                row = {"block_tokens": block_tokens, "layout": layout, "direction": "load" if to_kv else "save",
+                       "tier": tier, "executor": executor, "blocks": n, "pieces": len(plan),
+                       "gbps": n * bb / seconds / 1e9, "limit_gbps": n * bb / limit / 1e9, "vs_limit": limit / seconds}
+                out.append(row)
+                if to_kv and executor == executors[0]:
+                    step[f"{tier}_{block_tokens}tok_{layout}"] = {"ms": seconds * 1e3, "x_plain_copy": seconds / limit}
+            transfers.close()
+    del kv
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return out, step
 
 
-def _copier():
-    from connectors.cuda_copy import StreamedCopier
+def _storage_array(kv):
+    """The host executor's view of the KV allocation (`--device cpu`)."""
+    from connectors.cpu_copy import storage_bytes
 
-    return StreamedCopier("cuda:0")
+    return storage_bytes(kv[0])
+
+
+def _limits(device: str, stores, nbytes: int, iters: int) -> dict:
+    """Seconds of the plain copies of `nbytes`: d2d (pool), pinned H2D (arena load) and D2H (arena save)."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    other = torch.empty_like(dev)
+    host = stores.host_tensor()[:nbytes]
+    d2d = timed(device, lambda: other.copy_(dev, non_blocking=True), iters)
+    h2d = timed(device, lambda: dev.copy_(host, non_blocking=True), iters)
+    d2h = timed(device, lambda: host.copy_(dev, non_blocking=True), iters)
+    return {("pool", "load"): d2d, ("pool", "save"): d2d, ("arena", "load"): h2d, ("arena", "save"): d2h}
+
+
+def interference(args, stores, executors: list[str]) -> dict:
+    """A bf16 GEMM loop on the forward stream, alone and with ~10 GB of arena loads on the side stream."""
+    import torch
+
+    from connectors.copy_plan import build_plan, kv_geometry
+
+    device = args.device
+    size = 8192 if not args.quick else 2048
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    bb = block_bytes(16)
+    n = max(2, min(args.blocks_bytes // bb, 512))
+    kv = make_kv("BLHNC", 2 * n, 16, device)
+    geom = kv_geometry(kv, 2 * n)
+    extents = scattered_pages(stores.nbytes // stores.page, stores.page, n, bb, random.Random(9))
+    plan = build_plan(geom, random.Random(10).sample(range(2 * n), n), extents, stores.base("arena"), to_kv=True)
+    loads = max(1, int(args.stream_gb * 1e9 // (n * bb)))
+
+    def gemms(reps: int = 40) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for _ in range(3):
+        gemms()
+    alone = statistics.median(gemms() for _ in range(5))
+    out = {"gemm_alone_ms": alone, "loads_gb": loads * n * bb / 1e9}
+    for executor in executors:
+        transfers = transfers_for(device, executor, [])
+        beside = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            tickets = [transfers.load_layers([plan], [0]) for _ in range(loads)]  # the forward does not wait
+            beside.append(gemms())
+            for t in tickets:
+                t.finish()
+        out[f"{executor}_slowdown"] = statistics.median(beside) / alone - 1
+        transfers.close()
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--blocks", type=int, default=256, help="blocks per transfer (2 MiB each by default)")
-    p.add_argument("--layout", choices=["LBHNC", "LBNHC", "2BNHD"], default="LBNHC")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--page-kib", type=int, default=256)
-    p.add_argument("--fragment", action="store_true", help="interleave holes so blocks are not adjacent")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--stream-gb", type=float, default=10.0, help="loads beside the GEMM loop")
     args = p.parse_args(argv)
-
-    ok, reason = gpu.cuda_available()
-    if not ok:
-        print(json.dumps({"skipped": reason}) if args.json else f"bench_gpu: skipped, no CUDA: {reason}")
-        return 2
-
+    if args.device != "cpu":
+        ok, reason = gpu.cuda_available()
+        if not ok:
+            print(json.dumps({"skipped": reason}) if args.json else f"bench_gpu: skipped, no CUDA: {reason}")
+            return 2
+    args.blocks_bytes = (64 << 20) if args.quick else (1 << 30)
+    if args.quick:
+        args.iters = min(args.iters, 3)
     import torch
 
-    from connectors.cuda_copy import paged_kv
-
-    kv = paged_kv(make_kv(args.layout, 2 * args.blocks, args), 2 * args.blocks)
-    ids = random.Random(0).sample(range(2 * args.blocks), args.blocks)
-    result = {
-        "device": torch.cuda.get_device_name(0),
-        "layout": args.layout,
-        "fused": kv.fused is not None,
-        "blocks": args.blocks,
-        "block_bytes": kv.block_bytes,
-        "fragment": args.fragment,
-        **bench_h2d(args, kv, ids),
-        **bench_ipc(args, kv, ids),
-        "goals": {"h2d_vs_pinned_copy": 0.8, "ipc_vs_d2d": 0.8},
-    }
+    executors = ["dma", "kernel"] if args.device != "cpu" else ["cpu"]
+    stores = Stores(args.device, 3 * args.blocks_bytes)
+    result = {"device": torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu",
+              "goals": GOALS, "cases": [], "step_load": {}}
+    try:
+        for block_tokens in (16, 128):
+            for layout in ("BLHNC", "LBHNC"):
+                rows, step = bench_case(args, stores, block_tokens, layout, executors)
+                result["cases"] += rows
+                result["step_load"].update(step)
+        if args.device != "cpu":
+            result["interference"] = interference(args, stores, executors)
+    finally:
+        stores.close()
+    default = [r for r in result["cases"] if r["executor"] == executors[0]]
+    result["worst_default_vs_limit"] = min(r["vs_limit"] for r in default)
     if args.json:
         print(json.dumps(result))
     else:
-        for key, value in result.items():
-            print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+        print(f"device: {result['device']}")
+        for r in result["cases"]:
+            print(f"{r['block_tokens']:>4} tok {r['layout']} {r['direction']:<4} {r['tier']:<5} {r['executor']:<6} "
+                  f"{r['pieces']:>6} pieces {r['gbps']:8.2f} GB/s  limit {r['limit_gbps']:8.2f}  x{r['vs_limit']:.3f}")
+        for k, v in result["step_load"].items():
+            print(f"step load {k}: {v['ms']:.2f} ms, {v['x_plain_copy']:.3f}x the plain copy")
+        for k, v in result.get("interference", {}).items():
+            print(f"interference {k}: {v:.3f}")
     return 0
 
 

@@ -1,0 +1,47 @@
+"""tools/bench/bench_gpu.py on the CPU (`--device cpu`): every case runs through the same plan code with
+the host executor and is checked byte for byte; a copy that drops a piece stops the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tools.bench import bench_gpu  # noqa: E402
+
+
+def test_a_cpu_run_covers_every_case_and_checks_the_bytes(capsys):
+    assert bench_gpu.main(["--device", "cpu", "--quick", "--json", "--iters", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    cases = {(c["block_tokens"], c["layout"], c["direction"], c["tier"]) for c in r["cases"]}
+    assert cases == {(t, lay, d, tier) for t in (16, 128) for lay in ("BLHNC", "LBHNC")
+                     for d in ("load", "save") for tier in ("pool", "arena")}
+    by = {(c["block_tokens"], c["layout"]): c["pieces"] for c in r["cases"] if c["tier"] == "arena"}
+    assert by[(16, "LBHNC")] > by[(16, "BLHNC")]  # layer-outer: a piece per block and layer
+    assert set(r["step_load"]) == {f"{tier}_{t}tok_{lay}" for tier in ("pool", "arena") for t in (16, 128)
+                                   for lay in ("BLHNC", "LBHNC")}
+    assert all(c["gbps"] > 0 and c["vs_limit"] > 0 for c in r["cases"])
+
+
+def test_a_copy_that_drops_a_piece_stops_the_run(monkeypatch):
+    from connectors.cpu_copy import CpuExecutor
+
+    real = CpuExecutor.run
+
+    def lossy(self, plan):
+        real(self, plan.take(plan.size.astype(bool) & (plan.src != plan.src[0])))  # the first piece is lost
+
+    monkeypatch.setattr(CpuExecutor, "run", lossy)
+    with pytest.raises(SystemExit, match="differs"):
+        bench_gpu.main(["--device", "cpu", "--quick", "--iters", "1"])
+
+
+def test_without_cuda_it_says_why_and_exits_2(capsys):
+    from tiers import gpu
+
+    if gpu.cuda_available()[0]:
+        pytest.skip("this machine has CUDA")
+    assert bench_gpu.main(["--json"]) == 2
+    assert "skipped" in json.loads(capsys.readouterr().out)
