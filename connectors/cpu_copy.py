@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from connectors.copy_plan import CopyPlan
 from kvstore.client import copy_bytes
@@ -71,31 +72,66 @@ class CpuExecutor:
                              f"registered memory")
         return index, addr - self._bases[index]
 
+    def prepare(self, plan: CopyPlan) -> list[tuple]:
+        """The plan as copy operations: each a run of equal pieces at constant strides on both sides
+        (one strided NumPy call; a layer's pieces of consecutive blocks form one), or a single piece.
+        Every address is checked against the registered regions first."""
+        if not len(plan):
+            return []
+        n = plan.size.astype(np.int64)
+        si, so = self._resolve(plan.src, n, "source")
+        di, do = self._resolve(plan.dst, n, "destination")
+        # piece k continues piece k-1's run when both sit in the same regions, have the same size, and
+        # follow at the same (positive, non-overlapping) strides as k-1 followed k-2
+        step_s, step_d = np.diff(so), np.diff(do)
+        same = (si[1:] == si[:-1]) & (di[1:] == di[:-1]) & (n[1:] == n[:-1]) & (step_s >= n[1:]) & (step_d >= n[1:])
+        cont = same.copy()
+        cont[1:] &= (step_s[1:] == step_s[:-1]) & (step_d[1:] == step_d[:-1])
+        heads = np.flatnonzero(np.concatenate(([True], ~cont)))
+        counts = np.diff(np.append(heads, n.size))
+        follow = np.minimum(heads, n.size - 2)  # the step of a run of one piece is never used
+        steps_s = np.where(counts > 1, step_s[follow] if n.size > 1 else 0, 0)
+        steps_d = np.where(counts > 1, step_d[follow] if n.size > 1 else 0, 0)
+        return list(zip(si[heads].tolist(), so[heads].tolist(), steps_s.tolist(), di[heads].tolist(),
+                        do[heads].tolist(), steps_d.tolist(), n[heads].tolist(), counts.tolist()))
+
     def run(self, plan: CopyPlan) -> None:
         """Copy every piece of the plan; returns when all bytes are in place."""
-        if not len(plan):
+        ops = self.prepare(plan)
+        if not ops:
             return
-        size = plan.size.astype(np.int64)
-        si, so = self._resolve(plan.src, size, "source")
-        di, do = self._resolve(plan.dst, size, "destination")
-        pieces = list(zip(si.tolist(), so.tolist(), di.tolist(), do.tolist(), size.tolist()))
-        parts = min(self.threads, len(pieces)) if int(size.sum()) >= SPLIT_BYTES else 1
+        nbytes = [op[6] * op[7] for op in ops]
+        parts = min(self.threads, len(ops)) if sum(nbytes) >= SPLIT_BYTES else 1
         if parts < 2:
-            self._copy(pieces)
+            self.execute(ops)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy")
-        ends = np.searchsorted(np.cumsum(size), np.arange(1, parts) * (size.sum() / parts)).tolist()
-        bounds = [0, *ends, len(pieces)]
-        futures = [self._pool.submit(self._copy, pieces[bounds[k]:bounds[k + 1]]) for k in range(1, parts)]
-        self._copy(pieces[bounds[0]:bounds[1]])
+        ends = np.searchsorted(np.cumsum(nbytes), np.arange(1, parts) * (sum(nbytes) / parts)).tolist()
+        bounds = [0, *ends, len(ops)]
+        futures = [self._pool.submit(self.execute, ops[bounds[k]:bounds[k + 1]]) for k in range(1, parts)]
+        self.execute(ops[bounds[0]:bounds[1]])
         for f in futures:
             f.result()
 
-    def _copy(self, pieces: list) -> None:
+    def execute(self, ops: list[tuple]) -> None:
+        """Run prepared operations. One NumPy call per operation: a thread copying beside a Python-heavy
+        forward takes the GIL once per call, so fewer calls cost the forward less (each hand-over of the
+        GIL stalls it)."""
         arrays = self._arrays
-        for si, so, di, do, n in pieces:
-            copy_bytes(arrays[di][do : do + n], arrays[si][so : so + n])
+        for si, so, ss, di, do, sd, n, count in ops:
+            src, dst = arrays[si], arrays[di]
+            if count == 1:
+                copy_bytes(dst[do : do + n], src[so : so + n])
+                continue
+            word = 8 if (so | ss | do | sd | n) % 8 == 0 else 1
+            dtype = np.uint64 if word == 8 else np.uint8
+            s2 = as_strided(src[so:].view(dtype), (count, n // word), (ss, word), writeable=False)
+            d2 = as_strided(dst[do:].view(dtype), (count, n // word), (sd, word))
+            if word == 8:
+                np.bitwise_or(s2, 0, out=d2)  # the arena's copy loop (no rep movsb), as copy_bytes
+            else:
+                np.copyto(d2, s2)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -127,14 +163,14 @@ class Ticket:
 class LayerTicket(Ticket):
     """Layer-wise load on a helper thread: `plans[k]` is layer `order[k]`'s part."""
 
-    def __init__(self, executor: CpuExecutor, plans: list[CopyPlan], order: Sequence[int]) -> None:
+    def __init__(self, executor: CpuExecutor, plans: list[CopyPlan], order: Sequence[int],
+                 thread: ThreadPoolExecutor) -> None:
         super().__init__()
         self.position = {layer: k for k, layer in enumerate(order)}
         self.copied = 0  # leading layers of `order` in place (read without the lock: one int)
         self.cond = threading.Condition()
         self._executor, self._plans = executor, plans
-        self._thread = threading.Thread(target=self._run, name="kvstore-layer-load", daemon=True)
-        self._thread.start()
+        self._future = thread.submit(self._run)
 
     def _run(self) -> None:
         try:
@@ -158,10 +194,10 @@ class LayerTicket(Ticket):
             self.cond.wait_for(lambda: self.copied > k)
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._future.done()
 
     def finish(self) -> BaseException | None:
-        self._thread.join()
+        self._future.result()
         return self.error
 
 
@@ -172,12 +208,15 @@ class CpuTransfers:
 
     def __init__(self, executor: CpuExecutor) -> None:
         self.executor = executor
+        self._layer_thread: ThreadPoolExecutor | None = None  # one, kept: a thread start costs the forward
 
     def load(self, plan: CopyPlan) -> Ticket:
         return self._now(plan)
 
     def load_layers(self, plans: list[CopyPlan], order: Sequence[int]) -> Ticket:
-        return LayerTicket(self.executor, plans, order)
+        if self._layer_thread is None:
+            self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layer-load")
+        return LayerTicket(self.executor, plans, order, self._layer_thread)
 
     def save(self, plan: CopyPlan) -> Ticket:
         return self._now(plan)
@@ -190,4 +229,6 @@ class CpuTransfers:
         return Ticket()
 
     def close(self) -> None:
+        if self._layer_thread is not None:
+            self._layer_thread.shutdown(wait=True)
         self.executor.close()

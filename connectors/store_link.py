@@ -51,6 +51,7 @@ class StoreLink:
         self._down = False  # an outage was reported and not yet recovered
         self.generation = 0  # bumped per new connection: pins belong to one generation
         self.num_failures = 0
+        self._posted: list[tuple[int, str, KVClient]] = []  # requests sent whose replies are read later
 
     # -- connection -----------------------------------------------------------------
     def client(self) -> KVClient | None:
@@ -87,6 +88,7 @@ class StoreLink:
         if client is None:
             return None
         try:
+            self._drain(client)
             return fn(client)
         except KVStoreError as exc:
             if client.connected and not isinstance(exc, DaemonUnavailable):
@@ -95,6 +97,30 @@ class StoreLink:
             else:
                 self._failed(exc, what)
             return None
+
+    def post(self, what: str, op: str, **args) -> None:
+        """Send a request whose reply nobody waits for now (a release at a step's end): the reply is read,
+        and an error logged, before the next call on this connection. Nothing is sent while the daemon is away."""
+        client = self.client()
+        if client is None:
+            return
+        try:
+            self._posted.append((client.send(op, **args), what, client))
+        except KVStoreError as exc:
+            self._failed(exc, what)
+
+    def _drain(self, client: KVClient) -> None:
+        posted, self._posted = self._posted, []
+        for msgid, what, sent_on in posted:
+            if sent_on is not client:
+                continue  # that connection is gone, and its reply with it
+            try:
+                client.wait(msgid)
+            except KVStoreError as exc:
+                if not client.connected or isinstance(exc, DaemonUnavailable):
+                    raise
+                self.num_failures += 1
+                log.warning("kvstore: %s failed (%s: %s)", what, type(exc).__name__, exc)
 
     def _failed(self, exc: KVStoreError, what: str = "connect") -> None:
         self.num_failures += 1
@@ -121,5 +147,9 @@ class StoreLink:
 
     def close(self) -> None:
         if self._client is not None:
+            try:
+                self._drain(self._client)
+            except KVStoreError:
+                pass  # closing anyway
             self._client.close()
         self._client = None

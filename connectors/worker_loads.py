@@ -97,9 +97,9 @@ class _Pinned:
     work: list  # (job index, blocks present and valid) per job
 
     def release(self) -> None:
+        """Unpin (the reply is read at the next call on the connection: nothing waits for it now)."""
         if self.held and self.link.generation == self.generation:
-            ns = self.link.ns_ids[0]
-            self.link.run("release", lambda c: c.release(ns, self.held))
+            self.link.post("release", "release", ns=self.link.ns_ids[0], hashes=list(self.held))
 
 
 def pin_jobs(link: StoreLink, engine: EngineKV, jobs: Sequence[LoadJob], report: LoadReport,

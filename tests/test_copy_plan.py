@@ -296,3 +296,26 @@ def test_kernel_ptx_for_sm90_moves_16_byte_words(monkeypatch):
     accesses = set(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))
     assert "ld.global.v4.b32" in accesses and "st.global.v4.b32" in accesses, accesses
     assert not {a for a in accesses if a.endswith(".b32") and ".v" not in a}, f"scalar 32-bit accesses: {accesses}"
+
+
+def test_a_layers_pieces_of_consecutive_blocks_are_one_strided_copy():
+    """The host executor turns a run of equal pieces at constant strides into one NumPy call (a copy
+    thread then takes the GIL once per layer, not once per block); scattered blocks stay pieces."""
+    kind = "shared_LBHNC"
+    src, dst = make_layers(kind, seed=61), blank_like(kind)
+    geom = cp.kv_geometry(dst, NB)
+    bb = geom.block_bytes
+    store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
+    write_payloads(store, [[[i * bb, bb]] for i in range(8)], [ref_payload(kind, src, b) for b in range(8)])
+    ex = executor_for(store, dst)
+    regular = cp.build_plan(geom, list(range(2, 10)), [[[i * bb, bb]] for i in range(8)], store.data_ptr(),
+                            to_kv=True, merge_layers=False)
+    layers = regular.by_layer(range(L))
+    assert [len(ex.prepare(p)) for p in layers] == [1] * L  # 8 pieces each, one operation
+    for p in layers:
+        ex.run(p)
+    for b in range(8):
+        assert torch.equal(ref_payload(kind, dst, b + 2), ref_payload(kind, src, b))
+    scattered = cp.build_plan(geom, [5, 1, 9, 3], [[[i * bb, bb]] for i in (3, 0, 7, 1)], store.data_ptr(),
+                              to_kv=True, merge_layers=False)
+    assert len(ex.prepare(scattered.by_layer([0])[0])) == 4

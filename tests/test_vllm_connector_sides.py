@@ -242,7 +242,7 @@ def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(wh
         num, _ = sched.get_num_new_matched_tokens(req, 0)
         assert num == 4 * BT
         sched.update_state_after_alloc(req, blocks([9, 10, 11, 12, 13]), num)
-        real, threads = executor._copy, set()
+        real, threads = executor.execute, set()
 
         def copy(pieces):
             threads.add(threading.current_thread().name.split("_")[0])
@@ -250,7 +250,7 @@ def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(wh
                 raise RuntimeError("injected copy failure")
             real(pieces)
 
-        monkeypatch.setattr(executor, "_copy", copy)
+        monkeypatch.setattr(executor, "execute", copy)
         meta = run_step(sched, worker, sched_output(new=[(req_id, [9, 10, 11, 12, 13], num)], scheduled={req_id: 9}))
         return meta, kv, threads
 
