@@ -92,7 +92,7 @@ class Harness:
     def get(self, hashes, owner="r") -> list[bytes | None]:
         """Acquire (promoting), copy out, release: what a client would see."""
         store = self.store
-        entries = store.acquire(NS.id, hashes, owner)
+        entries = store.pin(NS.id, hashes, owner)
         entries = asyncio.run(store.prepare_read(entries, owner))
         out = [store.host.read(e.location) if e is not None else None for e in entries]
         store.release(NS.id, [e.key[1] for e in entries if e is not None], owner)
@@ -245,7 +245,7 @@ def test_restart_serves_every_disk_block_one_at_a_time(harness):
     # One block at a time keeps the host tier (4 blocks) from being the limit.
     for h in on_disk:
         assert store.lookup(NS.id, [h]).hits == 1
-        e = store.acquire(NS.id, [h], "r", prefix=False)
+        e = store.pin(NS.id, [h], "r", prefix=False)
         e = asyncio.run(store.prepare_read(e, "r"))
         if e[0] is None:  # its parent is on disk: promotion keeps the tree rule
             store.release(NS.id, [], "r")
@@ -294,9 +294,9 @@ def test_corruption_while_running_with_other_pins(harness):
         f.write(b"garbage!")
         f.flush()
         os.fsync(f.fileno())
-    other = store.acquire(NS.id, hashes, "other")
+    other = store.pin(NS.id, hashes, "other")
     assert all(x is not None for x in other)
-    entries = store.acquire(NS.id, hashes, "r")
+    entries = store.pin(NS.id, hashes, "r")
     got = asyncio.run(store.prepare_read(entries, "r"))
     assert [x is not None for x in got] == [True, True, False, False, False, False, False, False]
     store.release(NS.id, hashes[:2], "r")
@@ -487,7 +487,7 @@ def test_unaligned_block_size_round_trips_through_the_bounce_buffer(tmp_path):
             store.commit(ns_id, [h], "w")
         assert store.lookup(ns_id, hashes[:1]).tiers == ("disk",)
         store.flush()
-        entries = store.acquire(ns_id, hashes[:4], "r", prefix=False)
+        entries = store.pin(ns_id, hashes[:4], "r", prefix=False)
         got = asyncio.run(store.prepare_read(entries, "r"))
         assert [store.host.read(e.location) for e in got] == [payload_for(h, ns.block_bytes) for h in hashes[:4]]
         store.release(ns_id, hashes[:4], "r")
