@@ -249,7 +249,7 @@ def test_large_batches_copy_on_threads_byte_exact(daemon, copy_threads):
         outs = [np.zeros(big.block_bytes, np.uint8) for _ in hs]
         assert c.get_into(ns, hs, outs, chunk=8) == [True] * len(hs)
         assert all(np.array_equal(a, b) for a, b in zip(outs, payloads))
-        assert (c._pool is not None) == (copy_threads > 1), "the threaded path ran (or not) as configured"
+        assert (c.transport.pool is not None) == (copy_threads > 1), "the threaded path ran (or not) as configured"
         # A short destination in the first chunk: ValueError, and no pin stays behind, also
         # none of the second chunk, whose acquire was in flight during the failed copy.
         short = [np.zeros(big.block_bytes, np.uint8) for _ in hs]

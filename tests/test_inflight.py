@@ -1,4 +1,4 @@
-"""Waiting for in-flight blocks (kvstore/inflight.py) through a real daemon: a consumer's wait ends at
+"""Waiting for in-flight blocks (kvstore/waits.py) through a real daemon: a consumer's wait ends at
 commit, abort, the producer's lease, a withdrawn announcement, or the timeout; never on uncommitted bytes."""
 
 import threading
