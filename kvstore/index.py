@@ -186,6 +186,12 @@ class BlockIndex:
             e.pins += 1
             pins[e.key] += 1
 
+    def touch(self, entries: Sequence[Entry], now: float) -> None:
+        """An acquire hit these blocks (what inspection shows: hits, idle time)."""
+        for e in entries:
+            e.hits += 1
+            e.last_access = now
+
     def pinned_by(self, owner: Owner, key: Key) -> bool:
         pins = self.pins_by_owner.get(owner)
         return bool(pins and pins.get(key))

@@ -88,12 +88,9 @@ class Placement:
         self.policies[e.tier].on_insert(self.info(e))
 
     def accessed(self, entries: Sequence[Entry]) -> None:
-        """Acquire hit these blocks: hit counts and each tier's policy, one call per tier."""
+        """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
         by_tier: dict[str, list[Key]] = {}
-        now = self.shared.clock()
         for e in entries:
-            e.hits += 1
-            e.last_access = now
             by_tier.setdefault(e.tier, []).append(e.key)
         for tier, keys in by_tier.items():
             self.tier_stats[tier].hits += len(keys)
@@ -110,14 +107,16 @@ class Placement:
             assert alloc is not None
         return alloc
 
-    def room_for_batch(self, ns: Namespace, blocks: Sequence[tuple[bytes, bytes | None]], t: Tier) -> None:
+    def room_for_batch(self, ns_id: str, block_bytes: int, blocks: Sequence[tuple[bytes, bytes | None]],
+                       t: Tier) -> None:
         """Make room in `t` for the (hash, parent) blocks of a reserve (or one block, where a tier lies
         below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one."""
-        new = [(h, p) for h, p in blocks if (ns.id, h) not in self.index.entries]
-        need = len(new) * t.pages_for(ns.block_bytes) * t.page_bytes
+        entries = self.index.entries
+        new = [(h, p) for h, p in blocks if (ns_id, h) not in entries]
+        need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
             return
-        protect = {(ns.id, p) for _, p in new if p is not None and (ns.id, p) in self.index.entries}
+        protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in entries}
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:

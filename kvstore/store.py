@@ -201,6 +201,7 @@ class TieredStore:
         self.index.pin(hits, owner)
         if hits:
             self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
+            self.index.touch(hits, self.shared.clock())
             self.placement.accessed(hits)
             self.listeners.hit(hits)
         for counts in (self.counters, self.ns_counters[ns_id]):
@@ -248,7 +249,7 @@ class TieredStore:
         # so each parent's tier is looked at just before its child's room is made.
         per_block = placement.next_tier(tier) is not None
         if not per_block:
-            placement.room_for_batch(ns, blocks, target)
+            placement.room_for_batch(ns_id, ns.block_bytes, blocks, target)
         out: list[Entry | None] = []
         for h, parent_hash in blocks:
             key = (ns_id, h)
@@ -257,7 +258,7 @@ class TieredStore:
                 if key not in entries and self._parent_too_slow(entries.get(parent), tier):
                     out.append(None)
                     continue
-                placement.room_for_batch(ns, [(h, parent_hash)], target)
+                placement.room_for_batch(ns_id, ns.block_bytes, [(h, parent_hash)], target)
             if key in entries and entries[key].tier == "remote":  # written here now; the cluster keeps its copy
                 placement.drop_subtree(entries[key], also=lambda e: e.tier == "remote"
                                        and not self.promoter.promoting(e.key))
