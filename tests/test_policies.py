@@ -451,7 +451,7 @@ def test_victims_the_store_did_not_take_are_named_again(name):
 
 
 def test_leaf_queues_rekey_reorders_every_leaf_at_once():
-    from eviction.lfu import LeafQueues
+    from eviction.leaves import LeafQueues
 
     q = LeafQueues()
     for i, (key, parent) in enumerate([("a", None), ("b", "a"), ("c", None), ("d", None)]):
