@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation with real engines: a kv_producer OpenAI server and a kv_consumer one
-(separate processes, one daemon) behind tools/pd_proxy.py, SmolLM2 bf16, block size 32.
+(separate processes, one daemon) behind server/pd_proxy.py, SmolLM2 bf16, block size 32.
 
 One module-scoped world serves every check (engine startups dominate on this machine):
 * outputs through the proxy equal a baseline engine's (no connector) split at the same token: it
@@ -129,7 +129,7 @@ class World:
         self.producer.wait_http(self.p_url + "/v1/models")
         self.consumer.wait_http(self.c_url + "/v1/models")
         port = free_port()
-        self.proxy = Proc([sys.executable, "-m", "tools.pd_proxy", "--prefill", self.p_url, "--decode", self.c_url,
+        self.proxy = Proc([sys.executable, "-m", "tools.cli", "proxy", "--prefill", self.p_url, "--decode", self.c_url,
                            "--port", str(port), "--health-interval-s", "0.5"], workdir, "proxy")
         self.x_url = f"http://127.0.0.1:{port}"
         self.proxy.wait_http(self.x_url + "/health", timeout_s=60)

@@ -4,7 +4,7 @@ multi-tenant workload derived from the Mooncake conversation trace (issue 15).
 Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, eager
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
 daemon for the kvstore arms (every engine's connector on it, kv_both), and
-`kvstore proxy --engine ...` (tools/pd_proxy.py, router mode) in front. Arms:
+`kvstore proxy --engine ...` (server/pd_proxy.py, router mode) in front. Arms:
 
 * a: round-robin, vLLM prefix caching only
 * b: session affinity (x-session-affinity = the session id), prefix caching only
@@ -181,7 +181,7 @@ class Router:
         from tests.vllm_helpers import base_env
 
         self.port = free_port()
-        cmd = [sys.executable, "-m", "tools.pd_proxy", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tools.cli", "proxy", "--port", str(self.port),
                "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s),
                "--load-bound", str(load_bound)]
         for u in urls:
