@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from tools.daemon_proc import ROOT
+from tools.harness.daemon_proc import ROOT
 
 DAEMON_ONLY = ("kvstore.store", "kvstore.index", "kvstore.placement", "kvstore.promotion", "kvstore.recovery",
                "kvstore.sharing", "kvstore.waits", "kvstore.chain", "eviction", "tiers.base", "tiers.host",

@@ -29,7 +29,7 @@ import pytest
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
-from tools.daemon_proc import start_daemon
+from tools.harness.daemon_proc import start_daemon
 
 BLOCK = 64 * 1024
 NS = Namespace("crash-model", "bf16", 2, 2, 64, 16, BLOCK)

@@ -35,7 +35,7 @@ from kvstore.client import KVClient
 from tests.test_disk_crash import NS, Storm, acknowledged, chain_hashes, payload_for, poll
 from tiers.host import copy_in
 from tiers.host_index import index_path
-from tools.daemon_proc import DaemonProc, start_daemon
+from tools.harness.daemon_proc import DaemonProc, start_daemon
 
 BLOCK = NS.block_bytes  # 64 KiB
 

@@ -2,7 +2,7 @@
 
 The daemon runs as root here; the other user is `nobody` (uid 65534), reached through
 `setpriv`. Those tests skip, saying why, when not run as root. Each finding is checked
-with real daemons (tools/daemon_proc.py) and real processes of the other user:
+with real daemons (tools/harness/daemon_proc.py) and real processes of the other user:
 
 1. the admin HTTP plane: counters stay open on loopback, everything else needs the
    owner's token; foreign Host headers (DNS rebinding) and non-JSON POSTs are refused;

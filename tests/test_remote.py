@@ -2,7 +2,7 @@
 
 Real parts only: the wheel's `mooncake_master`, each daemon a Mooncake client
 contributing its own segment, TCP between network namespaces made by the test
-(tests/remote_env.py). Faults: the master killed and restarted, a peer daemon
+(tools/harness/remote_env.py). Faults: the master killed and restarted, a peer daemon
 killed -9, values written wrong under a block's key, bad configuration.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from kvstore.keys import Namespace, hash_blocks
-from tests.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
-from tools.daemon_proc import ROOT, start_daemon
+from tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from tools.harness.daemon_proc import ROOT, start_daemon
 
 NS = Namespace("remote-test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
 
@@ -239,7 +239,7 @@ def test_a_killed_peer_is_a_clean_miss_on_the_other_host(tmp_path, two_hosts, st
 
 
 def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_path, mooncake):
-    from tests.remote_env import free_port
+    from tools.harness.remote_env import free_port
 
     from tiers.host import remove_stale_arena
 

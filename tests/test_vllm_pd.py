@@ -31,7 +31,7 @@ import urllib.request
 import pytest
 
 from kvstore.client import KVClient
-from tests.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
+from tools.harness.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
                                 run_engine, start_daemon, tokenize, vllm_available)
 
 ok, why = vllm_available()
