@@ -17,7 +17,7 @@ always partial and nearly never used again (its tokens change once the
 context grows: 0.7% of them come back on the conversation trace, none on the
 generated agentic, scan and shift shapes, against 26-96% of the other
 blocks), so replaying them as blocks tests how a policy sheds one-off tails,
-which the store never holds (docs/eviction_study.md, session 17).
+which the store never holds (docs/eviction_study.md).
 
 `Tally.compute_hit_ratio` weights each hit by the prefill FLOPs it saves,
 tokens * (1 + context / ATTN_CONTEXT_TOKENS) with context the tokens before

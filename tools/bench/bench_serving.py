@@ -1,5 +1,5 @@
 """Benchmark: a fleet of vLLM OpenAI servers behind a router, with and without kvstore, on a multi-turn,
-multi-tenant workload derived from the Mooncake conversation trace (issue 15).
+multi-tenant workload derived from the Mooncake conversation trace.
 
 Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, eager
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
