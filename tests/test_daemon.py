@@ -12,17 +12,13 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import AuthError, DaemonUnavailable, NamespaceError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import Namespace
 
 from tests.conftest import ROOT
 from tiers.gpu import cuda_available
+from tests.helpers import chain, namespace
 
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
-
-
-def chain(seed: int, n: int):
-    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
-    return hs, [None] + hs[:-1]
+NS = namespace(block_bytes=256 * 1024)
 
 
 def run_client(code: str, sock: str) -> subprocess.CompletedProcess:

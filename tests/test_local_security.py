@@ -31,11 +31,12 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import hash_blocks
+from tests.helpers import namespace
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+NS = namespace()
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv: the test acts as a second local user (uid 65534)",

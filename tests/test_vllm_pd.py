@@ -31,6 +31,7 @@ import urllib.request
 import pytest
 
 from kvstore.client import KVClient
+from tests.helpers import free_port
 from tools.harness.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
                                 run_engine, start_daemon, tokenize, vllm_available)
 
@@ -42,14 +43,6 @@ MAX_TOKENS = 12
 COMMON = dict(dtype="bfloat16", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
               max_num_batched_tokens=2048)
 CONSUMER_WAIT_S = 60.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict, dict]:
