@@ -6,7 +6,7 @@ In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
   - dd read:   dd if=DIR/dd.bin of=/dev/null bs=BLOCK iflag=direct
   - demotion:  a [host, disk] TieredStore whose host arena holds N blocks (N roots), all evicted to disk
-               (`_make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
+               (`Placement.make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
                LMDB commits), timed until `flush()` returns, i.e. until every block is durable
   - promotion: acquire + `await prepare_read` of all N blocks in batches of 32 (allocate host
                pages, O_DIRECT read, xxh3 verify), then release
