@@ -97,12 +97,12 @@ class Promoter:
             raise KVStoreError(f"cannot read from the {tier!r} tier")
         self.placement.reap()
         out = list(entries)
-        batches: dict[str, list[Entry]] = {}
+        batches: dict[str, dict[Key, Entry]] = {}  # per source tier, each block once
         for e in entries:
             if e is not None and RANK[e.tier] > RANK["host"] and e.key not in self._tasks:
-                batches.setdefault(e.tier, []).append(e)
+                batches.setdefault(e.tier, {})[e.key] = e
         for source in self.placement.chain:  # faster sources first: a remote block's parent may come from disk
-            batch = batches.get(source.name)
+            batch = list(batches.get(source.name, {}).values())
             if batch:
                 task = asyncio.ensure_future(self._promote(source, batch))
                 for e in batch:
