@@ -23,7 +23,7 @@ from typing import Callable, Hashable
 
 from kvstore.block_events import Listeners
 from kvstore.keys import Namespace
-from kvstore.wire import RANK, TIERS, LookupResult  # noqa: F401  (LookupResult: a name of this module before kvstore.wire)
+from kvstore.wire import RANK, TIERS
 
 Owner = Hashable
 Key = tuple  # (namespace id, block hash)
