@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.lfu import LeafQueues
+from eviction.leaves import LeafQueues
 
 
 class ARCPolicy(EvictionPolicy):

@@ -80,7 +80,7 @@ from typing import Callable, Sequence
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
                                check_early_fraction)
-from eviction.lfu import GhostTable, LeafQueues
+from eviction.leaves import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5

@@ -21,7 +21,7 @@ import math
 from typing import Callable, Mapping, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key
-from eviction.lfu import LeafQueues
+from eviction.leaves import LeafQueues
 
 
 class BeladyPolicy(EvictionPolicy):

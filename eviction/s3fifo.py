@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Callable, Sequence
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.lfu import LeafQueues
+from eviction.leaves import LeafQueues
 
 SMALL_FRACTION = 0.10
 MAX_FREQ = 3

@@ -1,40 +1,106 @@
-"""What the store tells an observer about blocks entering and leaving tiers (the source of KV events).
+"""What the store's parts tell observers about blocks: the store's listeners.
 
-`TieredStore.events` is None (nothing is reported, nothing costs) or an object
-with these methods, which the store calls on its own thread, inside its
-operations, so they must be quick (append to a list; server/events.py does the
-rest on another thread):
+A listener is any object with some of the methods below; `Listeners.add`
+subscribes each one it has (the KV-event publisher, server/events.py, has the
+first three; the waits, kvstore/waits.py, follow reservations; remote
+publishing, kvstore/sharing.py, follows commits, hits and evictions). They are
+called on the store's thread, inside its operations, so they must be quick
+(append to a list, set a future) and must not call back into the store.
 
 - `stored(entry, tier)`: a committed block is now held in `tier`: a commit,
-  a demotion or promotion into it (unless the block kept a copy there, which
-  was reported already);
+  an adoption (restart recovery, a remote lookup), a demotion or promotion
+  into it (unless the block kept a copy there, which was reported already);
 - `removed(entry, tier)`: it no longer is: evicted from the last tier,
   demoted or promoted out of it (unless it keeps a copy there), dropped, or
   its copy there dropped;
 - `cleared(ns_ids)`: every block of these namespaces is gone (admin clear);
-  the store then reports `stored` for each block that survived (pinned ones).
+  the store then reports `stored` for each block that survived (pinned ones);
+- `reserved(entry)`: a block was reserved (it is in flight until committed or dropped);
+- `committed(entries)`: these blocks became readable (one call per commit);
+- `dropped(entry)`: an entry left the index (aborted, evicted from the last
+  tier, removed, lost);
+- `hit(entries)`: an acquire pinned these committed blocks;
+- `evicting(entry)`: a victim is about to leave the host arena (its bytes are
+  still there during the call).
 
 "Held in a tier" counts the tier a block sits in and the persistent tiers it
-kept a copy in (kvstore/store.py, "Inclusive"). Invariant, which the tests
-check against the store after every step: per (block, tier) the calls
-alternate stored, removed, stored, ..., starting with stored, and the pairs
-reported stored and not removed are exactly what the store holds. Blocks that
-were never committed (reserved, then aborted) are never reported.
+kept a copy in (kvstore/placement.py, copies). Invariant, which the tests
+check against the store after every step: per (block, tier) `stored` and
+`removed` alternate, starting with `stored`, and the pairs reported stored and
+not removed are exactly what the store holds. Blocks that were never
+committed (reserved, then aborted) are never reported stored or removed.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
-from kvstore.entry import Entry
+if TYPE_CHECKING:
+    from kvstore.entry import Entry
+
+KINDS = ("stored", "removed", "cleared", "reserved", "committed", "dropped", "hit", "evicting")
 
 
-class BlockEvents(Protocol):
-    def stored(self, entry: Entry, tier: str) -> None: ...
+class Listeners:
+    """The store's listeners, per kind; the parts call the method of the kind they report."""
 
-    def removed(self, entry: Entry, tier: str) -> None: ...
+    def __init__(self) -> None:
+        self._subs: dict[str, list[Callable]] = {kind: [] for kind in KINDS}
 
-    def cleared(self, ns_ids: Iterable[str]) -> None: ...
+    def add(self, listener: object) -> None:
+        """Subscribe each of `listener`'s methods named like a kind."""
+        for kind in KINDS:
+            fn = getattr(listener, kind, None)
+            if callable(fn):
+                self._subs[kind].append(fn)
+
+    @property
+    def follows_tiers(self) -> bool:
+        """Someone follows which tiers hold which blocks (KV events): report_all and tokens are worth it."""
+        return bool(self._subs["stored"])
+
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """No `stored`/`removed` inside (an admin clear: one `cleared` says it all)."""
+        saved = self._subs["stored"], self._subs["removed"]
+        self._subs["stored"], self._subs["removed"] = [], []
+        try:
+            yield
+        finally:
+            self._subs["stored"], self._subs["removed"] = saved
+
+    def stored(self, entry: Entry, tier: str) -> None:
+        for fn in self._subs["stored"]:
+            fn(entry, tier)
+
+    def removed(self, entry: Entry, tier: str) -> None:
+        for fn in self._subs["removed"]:
+            fn(entry, tier)
+
+    def cleared(self, ns_ids: Iterable[str]) -> None:
+        for fn in self._subs["cleared"]:
+            fn(ns_ids)
+
+    def reserved(self, entry: Entry) -> None:
+        for fn in self._subs["reserved"]:
+            fn(entry)
+
+    def committed(self, entries: Sequence[Entry]) -> None:
+        for fn in self._subs["committed"]:
+            fn(entries)
+
+    def dropped(self, entry: Entry) -> None:
+        for fn in self._subs["dropped"]:
+            fn(entry)
+
+    def hit(self, entries: Sequence[Entry]) -> None:
+        for fn in self._subs["hit"]:
+            fn(entries)
+
+    def evicting(self, entry: Entry) -> None:
+        for fn in self._subs["evicting"]:
+            fn(entry)
 
 
 def held_tiers(entry: Entry) -> list[str]:

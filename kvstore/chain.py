@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 
 from kvstore.config import Config
+from kvstore.errors import ConfigError, OwnershipError
+from kvstore.sharing import SharingOptions
 from kvstore.store import TieredStore
 from tiers.base import Tier
-from kvstore.errors import ConfigError, OwnershipError
 from tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
@@ -74,16 +75,12 @@ def open_store(config: Config) -> TieredStore:
             chain.append(remote)
         for name, reason in absent.items():
             log.info("%s tier not in the chain: %s", name, reason)
-        store = TieredStore(chain, policy=config.policy, absent=absent)
+        rc = config.remote
+        sharing = SharingOptions(rc.publish, rc.timeout_s, rc.transfer_timeout_s)
+        return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing)
     except BaseException:
         _give_back(chain, host)
         raise
-    if remote is not None:
-        from kvstore.sharing import RemoteSharing
-
-        rc = config.remote
-        store.sharing = RemoteSharing(store, remote, rc.publish, rc.timeout_s, rc.transfer_timeout_s)
-    return store
 
 
 def _give_back(chain: list[Tier], host: HostArena) -> None:

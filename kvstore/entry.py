@@ -1,25 +1,30 @@
-"""The store's index entries and the prefix tree's bookkeeping on them.
+"""The types every part of the store core shares: index entries, the prefix tree's helpers, and
+`Shared` (clocks, namespaces, counters and listeners, handed to each part at construction).
 
 An `Entry` is one block: where it sits (`tier`, `location`), its place in the
 prefix tree (`parent`, `depth`, `kids`), how many of its children sit in each
-tier (`children`, indexed by `RANK`), its pins and its write state, and the
-copies it left in slower persistent tiers when it was promoted out of them
-(`copies`; see kvstore/store.py, "Inclusive"), and what inspection tools and
-KV events show of it (`hits`, `last_access`, `tokens`). The tree rule concerns
-where a block sits, not its copies. The tree rule "a child never sits in a
-faster tier than its parent" is kept with the per-tier child counts: a block
-is a leaf *of tier t* when no child lives in t or a faster tier.
+tier (`children`, indexed by `RANK`), its pins and its write state, the copies
+it left in slower persistent tiers when it was promoted out of them (`copies`),
+and what inspection tools and KV events show of it (`hits`, `last_access`,
+`tokens`). Only the block index (kvstore/index.py) creates, re-tiers or
+removes entries; the other parts read them.
+
+The tree rule "a child never sits in a faster tier than its parent" is kept
+with the per-tier child counts: a block is a leaf *of tier t* when no child
+lives in t or a faster tier. It concerns where a block sits, not its copies.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
-from tiers.base import TIER_ORDER
+from kvstore.block_events import Listeners
+from kvstore.keys import Namespace
+from kvstore.wire import RANK, TIERS
 
-TIERS = TIER_ORDER  # fastest first
-RANK = {name: i for i, name in enumerate(TIERS)}
 Owner = Hashable
 Key = tuple  # (namespace id, block hash)
 
@@ -31,7 +36,7 @@ class Entry:
     depth: int
     nbytes: int
     tier: str
-    location: object  # the tier's own handle: extents (host, gpu), a DiskSlot (disk)
+    location: object  # the tier's own handle: extents (host, gpu), a DiskSlot (disk), a RemoteRef (remote)
     owner: Owner | None  # reserving owner while uncommitted
     committed: bool = False
     pins: int = 0
@@ -76,14 +81,6 @@ def is_leaf_in(entry: Entry, tier: str) -> bool:
     return not any(entry.children[: RANK[tier] + 1])
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """`hits` leading blocks are present; `tiers` names the tier of each."""
-
-    hits: int
-    tiers: tuple[str, ...]
-
-
 @dataclass(slots=True)
 class TierStats:
     hits: int = 0
@@ -92,3 +89,17 @@ class TierStats:
     promotions_in: int = 0
     promotions_out: int = 0
     checksum_failures: int = 0
+
+
+@dataclass
+class Shared:
+    """What the store's parts share, made once by the store: they read the clocks and namespaces,
+    add to the counters and report to the listeners; none of them owns these."""
+
+    clock: Callable[[], float] = time.monotonic  # policies' and hits' time
+    wall_clock: Callable[[], float] = time.time  # stamps persistent tiers record
+    namespaces: dict[str, Namespace] = field(default_factory=dict)  # registered by the store only
+    counters: Counter = field(default_factory=Counter)  # store-wide event counts (stats()["counters"])
+    ns_counters: defaultdict = field(default_factory=lambda: defaultdict(Counter))  # per namespace
+    tier_stats: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
+    listeners: Listeners = field(default_factory=Listeners)

@@ -1,68 +1,142 @@
-"""Where blocks sit: room in a tier, demotion, moves between tiers, copies (a part of TieredStore).
+"""Placement: which tier holds each block's bytes, and every move between tiers.
 
-`Placement` holds the methods of `kvstore.store.TieredStore` that move blocks
-between the tiers of its chain; the state they use (`chain`, `tiers`,
-`entries`, `policies`, `copies`, counters) is the store's. The rules they keep
-are listed in kvstore/store.py's docstring: victims are leaves of their tier,
-a victim goes one tier down (or is dropped with its subtree below), a copy in
-a persistent tier is dropped before any block is evicted from it, and a
-block that kept a copy goes back to it without a write. Every change of the
-tiers holding a committed block is reported to `events` (kvstore/block_events.py).
+Placement owns the chain of tiers (fastest first) and one eviction policy per
+tier. It allocates pages (making room), evicts and demotes, moves blocks
+between tiers (copying their bytes), keeps and drops copies, and drops blocks
+(giving their pages back); the block index (kvstore/index.py) records each
+result. The rules it keeps, for every pair of tiers:
+
+- A victim of tier i is a committed, unpinned *leaf of tier i* (no child in
+  tier i or a faster one) that the tier's policy names; it is demoted to tier
+  i+1, or dropped from the last tier (and from a tier whose next one takes no
+  demotions: the remote tier). A victim that cannot move down (the next tier
+  full of pinned blocks) is dropped with its subtree in the slower tiers,
+  unless something in it is pinned or being written.
+- A child never sits in a faster tier than its parent: only leaves go down,
+  and callers move a block up only once its parent sits in the target tier
+  or a faster one.
+- Inclusive where it is cheap: a block promoted out of a persistent tier
+  keeps its bytes and record there as a *copy*, so a read never makes a block
+  less durable, and demoting it again is free (no write; counted as
+  `<tier>_writes_saved`). Copies are in no policy: a tier that needs room
+  drops its copies first, oldest first, before it evicts a block, so the
+  blocks a tier holds, and every policy decision, are those of exclusive
+  tiers.
+- A block whose bytes a tier lost (a write that failed after the tier took
+  them) or that fails to verify is *discarded* with its subtree whatever its
+  pins; the pins become ghost pins.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
-from kvstore.entry import RANK, Entry, Key, is_leaf_in, unlink_child
+from eviction.base import BlockInfo, EvictionPolicy
+from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
+from kvstore.index import BlockIndex
 from kvstore.keys import Namespace
-from tiers.base import Tier
+from tiers.base import BlockMeta, Tier
+
+log = logging.getLogger(__name__)
 
 
 class Placement:
-    """Mixed into TieredStore; not used alone."""
+    def __init__(self, chain: Sequence[Tier], index: BlockIndex, policies: dict[str, EvictionPolicy],
+                 shared: Shared) -> None:
+        self.chain = list(chain)
+        self.tiers: dict[str, Tier] = {t.name: t for t in self.chain}
+        self.index = index
+        self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
+        self.shared = shared
+        self.counters, self.tier_stats = shared.counters, shared.tier_stats
 
+    def info(self, e: Entry) -> BlockInfo:
+        return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[e.key[0]].block_tokens,
+                         e.attention)
+
+    def block_meta(self, e: Entry, stamp: float | None = None) -> BlockMeta:
+        """What a persistent tier records with the block."""
+        return BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention,
+                         self.shared.wall_clock() if stamp is None else stamp)
+
+    def prepare_namespace(self, ns: Namespace) -> None:
+        """A namespace was registered: persistent tiers record it, every tier prepares for its blocks."""
+        for tier in self.chain:
+            if tier.persistent:
+                tier.persist_namespace(ns.id, ns.to_dict())
+            tier.prewarm(ns.block_bytes)
+
+    # -- blocks entering and being read -------------------------------------------------
+    def placed(self, e: Entry, stamp: float) -> None:
+        """`e` committed where it sits: a persistent tier records it (the host arena's index)."""
+        tier = self.tiers[e.tier]
+        if tier.persistent:
+            tier.placed(e.location, self.block_meta(e, stamp))
+
+    def admit(self, entries: Sequence[Entry]) -> None:
+        """Committed or adopted blocks enter their tier's policy, in order (one call per tier)."""
+        by_tier: dict[str, list[BlockInfo]] = {}
+        for e in entries:
+            by_tier.setdefault(e.tier, []).append(self.info(e))
+        for tier, infos in by_tier.items():
+            self.policies[tier].on_insert_many(infos)
+
+    def adopted(self, e: Entry) -> None:
+        """A block adopted where it sits (restart recovery, a remote lookup) enters its tier's policy."""
+        self.policies[e.tier].on_insert(self.info(e))
+
+    def accessed(self, entries: Sequence[Entry]) -> None:
+        """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
+        by_tier: dict[str, list[Key]] = {}
+        for e in entries:
+            by_tier.setdefault(e.tier, []).append(e.key)
+        for tier, keys in by_tier.items():
+            self.tier_stats[tier].hits += len(keys)
+            self.policies[tier].on_access(keys)
+
+    # -- room -----------------------------------------------------------------------------
     def allocate(self, tier: str, nbytes: int, protect: Key | set | None = None) -> object:
         """Pages in `tier`, evicting (demoting) its leaves for room; CapacityError when none can be made."""
         t = self.tiers[tier]
         alloc = t.allocate(nbytes)
         if alloc is None:
-            self._make_room(tier, lambda: t.shortfall(nbytes), protect)
+            self.make_room(tier, lambda: t.shortfall(nbytes), protect)
             alloc = t.allocate(nbytes)
             assert alloc is not None
         return alloc
 
-    def _room_for_batch(self, ns: Namespace, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], t: Tier) -> None:
-        """Make room for `blocks` (a reserve batch, or one block where a tier lies below) in one eviction pass.
-
-        Best effort: blocks that still find no room are skipped by `reserve` one by one.
-        """
-        new = [(h, p) for h, p in blocks if (ns_id, h) not in self.entries]
-        need = len(new) * t.pages_for(ns.block_bytes) * t.page_bytes
+    def room_for_batch(self, ns_id: str, block_bytes: int, blocks: Sequence[tuple[bytes, bytes | None]],
+                       t: Tier) -> None:
+        """Make room in `t` for the (hash, parent) blocks of a reserve (or one block, where a tier lies
+        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one."""
+        entries = self.index.entries
+        new = [(h, p) for h, p in blocks if (ns_id, h) not in entries]
+        need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
             return
-        protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in self.entries}
+        protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in entries}
         try:
-            self._make_room(t.name, lambda: need - t.free_bytes, protect)
+            self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
             pass
 
-    def _make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
+    def make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
         """Evict leaves of `tier` until `shortfall()` (bytes still missing) is <= 0.
 
         `protect` (a key or a set of keys) is never evicted: the parents of blocks
         being inserted. Raises CapacityError, having evicted what it could, when
         nothing more is evictable.
         """
-        copies = self.copies.get(tier)
-        while copies and shortfall() > 0:  # a copy is redundant (its block sits in a faster tier)
-            self.drop_copy(self.entries[next(iter(copies))], tier)
+        while shortfall() > 0 and (copy := self.index.oldest_copy(tier)) is not None:
+            self.drop_copy(copy, tier)  # a copy is redundant: its block sits in a faster tier
         policy = self.policies[tier]
         protected = protect if isinstance(protect, (set, frozenset)) else {protect}
+        entries = self.index.entries
 
         def evictable(key: Key) -> bool:
-            e = self.entries.get(key)
+            e = entries.get(key)
             return (
                 e is not None
                 and e.tier == tier
@@ -80,11 +154,12 @@ class Placement:
                 if not evictable(key):
                     raise KVStoreError(f"policy {policy.name} named a victim that is not evictable")
                 self.tier_stats[tier].evictions += 1
-                self.ns_counters[key[0]]["evictions"] += 1
-                self.demote(self.entries[key])
+                self.shared.ns_counters[key[0]]["evictions"] += 1
+                self.demote(entries[key])
                 if shortfall() <= 0:
                     break
 
+    # -- moving down ----------------------------------------------------------------------
     def next_tier(self, tier: str) -> Tier | None:
         """Where victims of `tier` go: the next tier that takes demotions (None: they are dropped)."""
         i = self.chain.index(self.tiers[tier]) + 1
@@ -93,31 +168,27 @@ class Placement:
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
         one has no room, drop it, and with it its subtree in the slower tiers."""
-        if self.sharing is not None and entry.tier == "host":
-            self.sharing.on_evict(entry)  # publish = "evicted": its bytes leave the arena now
+        if entry.tier == "host":
+            self.shared.listeners.evicting(entry)  # its bytes leave the arena now
         below = self.next_tier(entry.tier)
         if below is not None and self.move_down(entry, below):
             return
-        if any(entry.children):
-            subtree = self.subtree(entry.key)  # its children sit in slower tiers and go with it
-            if any(self.entries[k].pins or not self.entries[k].committed for k in subtree):
-                raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
-            for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
-                self._drop(self.entries[key])
-            return
-        self._drop(entry)
+        if not any(entry.children):
+            self.drop(entry)
+        elif self.drop_subtree(entry) is None:  # its children sit in slower tiers and go with it
+            raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
 
     def move_down(self, e: Entry, below: Tier) -> bool:
         """Demote `e` into `below`, making room there first; False (nothing changed) when it cannot.
         A block that kept a copy in `below` goes back to it without a write."""
         if e.copies and below.name in e.copies:
-            self.move(e, below.name, self._take_copy(e, below.name), from_copy=True)
+            self.move(e, below.name, self.index.take_copy(e, below.name), from_copy=True)
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
         if not below.fits(e.nbytes):
             return False
         try:
-            self._make_room(below.name, lambda: below.shortfall(e.nbytes))
+            self.make_room(below.name, lambda: below.shortfall(e.nbytes))
         except CapacityError:
             self.counters[f"demotions_dropped_{below.name}_full"] += 1
             return False
@@ -128,16 +199,6 @@ class Placement:
             below.free(alloc)
             return False
         self.move(e, below.name, location)
-        return True
-
-    def forget_remote(self, entry: Entry) -> bool:
-        """Drop a remote entry and the remote entries under it from the index (the cluster keeps the
-        bytes): a local write of the same block replaces it. False when one is pinned or being promoted."""
-        subtree = self.subtree(entry.key)
-        if any(self.entries[k].pins or k in self._promoting or self.entries[k].tier != "remote" for k in subtree):
-            return False
-        for key in sorted(subtree, key=lambda k: -self.entries[k].depth):
-            self._drop(self.entries[key])
         return True
 
     def copy_block(self, e: Entry, dst: Tier, alloc: object) -> tuple[object, bool]:
@@ -151,62 +212,81 @@ class Placement:
         return dst.write_from(alloc, src.segments(e.location), self.block_meta(e)), True
 
     def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
-        """Re-tier an entry: free its old location (or keep it as a copy), update policies, parent's
-        child counts and stats. `from_copy`: `location` is the copy the block kept in `tier`."""
+        """Re-tier a committed block whose bytes are at `location` in `tier` now: give its old pages
+        back (or keep them as a copy), move it between the policies, record it. `from_copy`:
+        `location` is the copy the block kept in `tier`."""
         old = e.tier
-        if keep_copy:
-            e.copies = {**(e.copies or {}), old: e.location}
-            self.copies[old][e.key] = None
-        else:
-            self._free_location(e)
-            if self.events is not None:
-                self.events.removed(e, old)
+        if not keep_copy:
+            self.tiers[old].free(e.location, e.key)
         self.policies[old].on_remove(e.key)
-        e.tier, e.location = tier, location
+        self.index.retier(e, tier, location, keep_copy=keep_copy, from_copy=from_copy)
         if self.tiers[tier].persistent:
             self.tiers[tier].placed(location, self.block_meta(e))  # the host index records it (disk: at write_from)
-        if e.parent is not None:
-            parent = self.entries[e.parent]
-            parent.children[RANK[old]] -= 1
-            parent.children[RANK[tier]] += 1
         self.policies[tier].on_insert(self.info(e))
-        if self.events is not None and not from_copy:
-            self.events.stored(e, tier)
         if RANK[tier] > RANK[old]:
             self.tier_stats[tier].demotions_in += 1
         else:
             self.tier_stats[tier].promotions_in += 1
             self.tier_stats[old].promotions_out += 1
 
-    def _drop(self, entry: Entry) -> None:
-        """Remove an entry that has no resident children from its tier and the index, copies included."""
-        if any(entry.children):
+    # -- dropping --------------------------------------------------------------------------
+    def drop(self, e: Entry) -> None:
+        """Give back the pages of a block without children (its copies' too) and remove it."""
+        if any(e.children):
             raise KVStoreError("internal: dropping a block that still has children")
-        for tier in list(entry.copies or ()):
-            self.drop_copy(entry, tier)
-        self._free_location(entry)
-        if self.events is not None and entry.committed:
-            self.events.removed(entry, entry.tier)
-        self.policies[entry.tier].on_remove(entry.key)
-        del self.entries[entry.key]
-        if entry.parent is not None:
-            parent = self.entries.get(entry.parent)
-            if parent is not None:
-                parent.children[RANK[entry.tier]] -= 1
-                unlink_child(parent, entry.key)
+        for tier in list(e.copies or ()):
+            self.drop_copy(e, tier)
+        self.tiers[e.tier].free(e.location, e.key)
+        self.policies[e.tier].on_remove(e.key)  # (a reservation is in no policy: a no-op)
+        self.index.remove(e)
 
-    def _free_location(self, entry: Entry) -> None:
-        self.tiers[entry.tier].free(entry.location, entry.key)
-
-    def _take_copy(self, entry: Entry, tier: str) -> object:
-        location = entry.copies.pop(tier)  # type: ignore[union-attr]
-        if not entry.copies:
-            entry.copies = None
-        del self.copies[tier][entry.key]
-        return location
-
-    def drop_copy(self, entry: Entry, tier: str) -> None:
-        self.tiers[tier].free(self._take_copy(entry, tier), entry.key)
+    def drop_copy(self, e: Entry, tier: str) -> None:
+        self.tiers[tier].free(self.index.drop_copy(e, tier), e.key)
         self.counters[f"{tier}_copies_dropped"] += 1
-        if self.events is not None:
-            self.events.removed(entry, tier)
+
+    def drop_subtree(self, e: Entry, also: Callable[[Entry], bool] | None = None) -> int | None:
+        """Drop `e` and everything under it, children first, unless one of them is pinned, being
+        written, or fails `also`: then nothing changes and None is returned. Returns how many went."""
+        subtree = self.index.subtree(e.key)
+        entries = self.index.entries
+        if any(entries[k].pins or not entries[k].committed or (also is not None and not also(entries[k]))
+               for k in subtree):
+            return None
+        for x in self.index.deepest_first(subtree):
+            self.drop(x)
+        return len(subtree)
+
+    def discard(self, e: Entry) -> None:
+        """Remove a block and its subtree whatever their pins (lost or corrupt bytes)."""
+        for x in self.index.deepest_first(self.index.subtree(e.key)):
+            self.index.ghost(x)
+            self.drop(x)
+            self.counters[f"{e.tier}_blocks_discarded"] += 1
+
+    def reap(self) -> None:
+        """Discard the blocks whose write to a tier failed after it took their bytes."""
+        for tier in self.chain:
+            for key in tier.failed_writes():
+                e = self.index.get(key)
+                if e is not None and e.tier == tier.name and tier.lost(e.location):
+                    self.counters[f"{tier.name}_write_failures"] += 1
+                    self.discard(e)
+                elif e is not None and e.copies and tier.name in e.copies and tier.lost(e.copies[tier.name]):
+                    self.counters[f"{tier.name}_write_failures"] += 1
+                    self.drop_copy(e, tier.name)  # the block itself is safe in a faster tier
+
+    # -- closing ---------------------------------------------------------------------------
+    def persist_down(self) -> None:
+        """Move the blocks of the tiers above the first persistent one down into it, deepest first
+        (so a block leaves only after its children), as far as its policy makes room."""
+        durable = next((i for i, t in enumerate(self.chain) if t.persistent), None)
+        if durable is None:
+            return
+        entries = self.index.entries
+        for i, tier in enumerate(self.chain[:durable]):
+            below = self.chain[i + 1]
+            for e in sorted((e for e in entries.values() if e.tier == tier.name), key=lambda e: -e.depth):
+                if not e.committed or e.pins or not is_leaf_in(e, tier.name) or entries.get(e.key) is not e:
+                    continue
+                if self.move_down(e, below) and below.persistent:
+                    self.counters["blocks_persisted_at_close"] += 1

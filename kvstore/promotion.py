@@ -1,23 +1,26 @@
-"""Promotion on read: bring acquired blocks to the tier their reader reads (TieredStore.prepare_read).
+"""Promotion on read: bring acquired blocks up to the tier their reader reads (`TieredStore.prepare_read`).
 
-Two steps, each root first so a child never gets ahead of its parent:
+The promoter owns the promotions in flight and the host pages they hold until
+their blocks move in. Two steps, each root first so a child never gets ahead
+of its parent:
 
-1. Into the host arena from any slower tier, one task per block, concurrently:
-   host pages are allocated (making room, the parent protected), the block is
-   read into them (in a reader thread where the tier's read waits on I/O, on
-   the loop where it does not, e.g. a disk block still in its staging buffer),
-   its checksum verified, and the entry re-tiered only once its parent task
-   finished and the parent sits in host or faster. Out of a persistent tier
-   the block keeps its bytes there as a copy (inclusive tiers, kvstore/store.py). A second reader of the same
-   block awaits the same task. A block that does not verify is discarded with
-   its subtree (other owners' pins on them become ghost pins).
+1. Into the host arena from any slower tier, one batch per source tier, one
+   routine for all of them: host pages are allocated root first (making room,
+   the parent protected), the batch's bytes are fetched into them, and each
+   block, root first, is re-tiered once any promotion of its parent finished
+   and the parent sits in host or faster. The fetch is the only part that
+   differs: a local tier's blocks are read one by one, in the reader threads
+   where the read waits on I/O (on the loop where it does not: a disk block
+   still in its staging buffer), checksum verified; the remote tier's are one
+   batched cluster call (kvstore/sharing.py). Out of a persistent tier the
+   block keeps its bytes there as a copy (kvstore/placement.py). A second
+   reader of the same block awaits the same promotion. A block that does not
+   verify, whose read fails or whose bytes the tier lost is discarded with its
+   subtree (other owners' pins on them become ghost pins).
 2. Up to the reader's tier when it is faster than host (the GPU pool for a GPU
    reader): a synchronous copy while that tier has room and the parent is
    already there. Without room the block stays in host, which a GPU reader
    also reads.
-
-Remote entries (kvstore/sharing.py) take step 1 together: one batched fetch
-from the cluster into host pages, verified and re-tiered root first.
 
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
@@ -27,140 +30,218 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore.entry import RANK, Entry, Owner
+from kvstore.entry import RANK, Entry, Key, Owner, Shared
 from kvstore.errors import CapacityError, KVStoreError
+from kvstore.index import BlockIndex
+from kvstore.placement import Placement
+from tiers.base import Tier
 
 if TYPE_CHECKING:
-    from kvstore.store import TieredStore
+    from kvstore.sharing import RemoteSharing
 
 log = logging.getLogger(__name__)
 
+Fetched = list  # per (entry, host pages) item: True (in place, verified), False (did not verify), None (read failed)
 
-async def promote_for_read(
-    store: "TieredStore", entries: Sequence[Entry | None], owner: Owner | None, tier: str
-) -> list[Entry | None]:
-    target = store.tiers.get(tier)
-    if target is None or not target.client_readable:
-        raise KVStoreError(f"cannot read from the {tier!r} tier")
-    store._reap()
-    out = list(entries)
-    tasks: dict[int, asyncio.Task] = {}
-    remote: list[Entry] = []
-    for i, e in enumerate(entries):
-        if e is not None and RANK[e.tier] > RANK["host"]:
-            task = store._promoting.get(e.key)
-            if task is None and e.tier == "remote":
-                remote.append(e)
-                continue
-            if task is None:
-                task = asyncio.ensure_future(_promote(store, e))
-                store._promoting[e.key] = task
-            tasks[i] = task
-    if remote:  # one cluster call for all of them (kvstore/sharing.py)
-        batch = asyncio.ensure_future(store.sharing.promote(remote))
-        for e in remote:
-            store._promoting[e.key] = batch
-        for i, e in enumerate(entries):
-            if e is not None and i not in tasks and store._promoting.get(e.key) is batch:
-                tasks[i] = batch
-    if tasks:
-        results = await asyncio.gather(*(asyncio.shield(t) for t in tasks.values()), return_exceptions=True)
-        for i, ok in zip(tasks, results):
-            if isinstance(ok, dict):  # a batch's answer: key -> served
-                ok = ok.get(out[i].key, False)  # type: ignore[union-attr]
-            if isinstance(ok, BaseException):
-                log.error("promotion into host failed", exc_info=ok)
-                store.counters["promotions_failed_error"] += 1
-            if ok is not True:
-                store.unpin_failed(out[i], owner)  # type: ignore[arg-type]
+
+class Promoter:
+    def __init__(self, placement: Placement, index: BlockIndex, shared: Shared, read_threads: int = 4,
+                 remote: RemoteSharing | None = None) -> None:
+        self.placement, self.index, self.remote = placement, index, remote
+        self.host = placement.tiers["host"]
+        self.counters = shared.counters
+        self._tasks: dict[Key, asyncio.Task] = {}  # the promotion in flight of each block
+        self._held_pages: dict[Key, object] = {}  # host pages held by promotions in flight, per block
+        self._read_threads = read_threads
+        self._reader: ThreadPoolExecutor | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks)
+
+    def promoting(self, key: Key) -> bool:
+        return key in self._tasks
+
+    def held_pages(self) -> list[tuple[str, object]]:
+        """(tier, allocation) of the pages promotions in flight hold (for `check`)."""
+        return [("host", alloc) for alloc in self._held_pages.values()]
+
+    def reader(self) -> ThreadPoolExecutor:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(self._read_threads, thread_name_prefix="kvstore-tier-read")
+        return self._reader
+
+    def wait_idle(self, wait_s: float = 10.0) -> None:
+        """Let promotions in flight finish (bounded): they complete on the loop thread, which is free
+        while a closing caller waits in an executor thread."""
+        deadline = time.monotonic() + wait_s
+        while self._tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def shutdown(self) -> None:
+        """Stop the reader threads."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+    # -- the read -------------------------------------------------------------------------
+    async def prepare_read(self, entries: Sequence[Entry | None], owner: Owner | None, tier: str) -> list[Entry | None]:
+        """`entries` (pinned, root first) brought to where a reader of `tier` reads them; None where one
+        could not be, and `owner`'s pin on it dropped."""
+        target = self.placement.tiers.get(tier)
+        if target is None or not target.client_readable:
+            raise KVStoreError(f"cannot read from the {tier!r} tier")
+        self.placement.reap()
+        out = list(entries)
+        batches: dict[str, dict[Key, Entry]] = {}  # per source tier, each block once
+        for e in entries:
+            if e is not None and RANK[e.tier] > RANK["host"] and e.key not in self._tasks:
+                batches.setdefault(e.tier, {})[e.key] = e
+        for source in self.placement.chain:  # faster sources first: a remote block's parent may come from disk
+            batch = list(batches.get(source.name, {}).values())
+            if batch:
+                task = asyncio.ensure_future(self._promote(source, batch))
+                for e in batch:
+                    self._tasks[e.key] = task
+        waits = {i: self._tasks[e.key] for i, e in enumerate(entries)
+                 if e is not None and RANK[e.tier] > RANK["host"] and e.key in self._tasks}
+        if waits:
+            results = await asyncio.gather(*(asyncio.shield(t) for t in waits.values()), return_exceptions=True)
+            for i, served in zip(waits, results):
+                if isinstance(served, BaseException):
+                    log.error("promotion into host failed", exc_info=served)
+                    self.counters["promotions_failed_error"] += 1
+                if not (isinstance(served, dict) and served.get(out[i].key) is True):  # type: ignore[union-attr]
+                    self.index.unpin_failed(out[i], owner)  # type: ignore[arg-type]
+                    out[i] = None
+        if RANK[tier] < RANK["host"]:
+            for e in out:
+                if e is not None and e.tier == "host":
+                    self._lift(e, tier)
+        for i, e in enumerate(out):
+            if e is not None and not (RANK[tier] <= RANK[e.tier] <= RANK["host"]):
+                self.counters[f"reads_unreadable_{e.tier}"] += 1
+                self.index.unpin_failed(e, owner)
                 out[i] = None
-    if RANK[tier] < RANK["host"]:
-        for e in out:
-            if e is not None and e.tier == "host":
-                _lift(store, e, tier)
-    for i, e in enumerate(out):
-        if e is not None and not (RANK[tier] <= RANK[e.tier] <= RANK["host"]):
-            store.counters[f"reads_unreadable_{e.tier}"] += 1
-            store.unpin_failed(e, owner)
-            out[i] = None
-    return out
+        return out
 
-
-async def _promote(store: "TieredStore", e: Entry) -> bool:
-    try:
-        return await _promote_to_host(store, e)
-    finally:
-        store._promoting.pop(e.key, None)
-        held = store._inflight.pop(e.key, None)
-        if held is not None:
-            store.tiers[held[0]].free(held[1])
-
-
-async def _promote_to_host(store: "TieredStore", e: Entry) -> bool:
-    src, host, slot = store.tiers[e.tier], store.host, e.location
-    try:
-        alloc = store.allocate("host", e.nbytes, protect=e.parent)
-    except CapacityError:
-        store.counters["promotions_failed_host_full"] += 1
-        return False
-    if store.entries.get(e.key) is not e or e.location is not slot:  # made room by evicting it
-        host.free(alloc)
-        return False
-    store._inflight[e.key] = ("host", alloc)
-    if src.lost(slot):  # its write failed: the bytes are gone
-        store.discard(e)
-        return False
-    dst = host.segments(alloc)
-    try:
-        if src.read_blocks(slot):
-            ok = await asyncio.get_running_loop().run_in_executor(store.reader(), src.read_into, slot, dst)
-        else:
-            ok = src.read_into(slot, dst)
-            store.counters["promotions_from_staging"] += 1
-    except OSError as exc:
-        log.error("%s tier: read of %s failed: %s", src.name, e.key[1].hex()[:16], exc)
-        store.counters[f"{src.name}_read_errors"] += 1
-        ok = False
-    parent_task = store._promoting.get(e.parent) if e.parent is not None else None
-    if parent_task is not None:
-        await asyncio.shield(parent_task)
-    if store.entries.get(e.key) is not e or e.location is not slot:
-        return False  # discarded with a corrupt ancestor meanwhile
-    if not ok:
-        store.counters[f"{src.name}_checksum_failures"] += 1
-        log.warning("%s tier: checksum mismatch on block %s; removed", src.name, e.key[1].hex()[:16])
-        store.discard(e)
-        return False
-    parent = store.entries.get(e.parent) if e.parent is not None else None
-    if parent is not None and RANK[parent.tier] > RANK["host"]:
-        store.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
-        return False
-    del store._inflight[e.key]
-    store.move(e, "host", alloc, keep_copy=src.persistent)
-    store.counters["promotions"] += 1
-    return True
-
-
-def _lift(store: "TieredStore", e: Entry, tier: str) -> None:
-    """Copy a host block up through the faster tiers to `tier` while each has room (synchronous)."""
-    for t in reversed([t for t in store.chain if RANK[tier] <= RANK[t.name] < RANK["host"]]):
-        parent = store.entries.get(e.parent) if e.parent is not None else None
-        if parent is not None and RANK[parent.tier] > RANK[t.name]:
-            store.counters[f"lifts_skipped_parent_on_{parent.tier}"] += 1
-            return
-        if not t.fits(e.nbytes) or (store.sharing is not None and store.sharing.publishing(e.key)):
-            return  # (a publish is reading its host pages)
-        here = e.location
+    # -- into the host arena ---------------------------------------------------------------
+    async def _promote(self, src: Tier, batch: list[Entry]) -> dict[Key, bool]:
         try:
-            alloc = store.allocate(t.name, e.nbytes, protect=e.parent)
-        except CapacityError:
-            store.counters[f"lifts_failed_{t.name}_full"] += 1
-            return
-        if store.entries.get(e.key) is not e or e.location is not here:  # demoted while making room
-            t.free(alloc)
-            return
-        location, _ = store.copy_block(e, t, alloc)
-        store.move(e, t.name, location)
-        store.counters["lifts"] += 1
+            return await self._promote_batch(src, batch)
+        finally:
+            for e in batch:
+                self._tasks.pop(e.key, None)
+                held = self._held_pages.pop(e.key, None)
+                if held is not None:
+                    self.host.free(held)
+
+    async def _promote_batch(self, src: Tier, batch: list[Entry]) -> dict[Key, bool]:
+        """The one promotion routine: host pages root first, one fetch, then root first re-tiering.
+        Returns key -> whether the block now sits in host."""
+        served = {e.key: False for e in batch}
+        todo: list[tuple[Entry, object]] = []
+        for e in sorted(batch, key=lambda e: e.depth):
+            slot = e.location
+            if self.index.get(e.key) is not e:
+                continue  # discarded with an ancestor meanwhile
+            try:
+                alloc = self.placement.allocate("host", e.nbytes, protect=e.parent)
+            except CapacityError:
+                self.counters["promotions_failed_host_full"] += 1
+                continue
+            if self.index.get(e.key) is not e or e.location is not slot:  # made room by evicting it
+                self.host.free(alloc)
+                continue
+            self._held_pages[e.key] = alloc
+            if src.lost(slot):  # its write failed: the bytes are gone
+                self.placement.discard(e)
+                continue
+            todo.append((e, alloc))
+        if not todo:
+            return served
+        slots = [e.location for e, _ in todo]
+        codes = await self._fetch(src, todo)
+        this = asyncio.current_task()
+        for (e, alloc), slot, code in zip(todo, slots, codes):
+            parent_task = self._tasks.get(e.parent) if e.parent is not None else None
+            if parent_task is not None and parent_task is not this:
+                await asyncio.shield(parent_task)  # its parent comes up from another tier
+            if self.index.get(e.key) is not e or e.location is not slot:
+                continue  # discarded with a corrupt ancestor meanwhile
+            if code is not True:
+                self._failed(src, e, code)
+                continue
+            parent = self.index.parent_of(e)
+            if parent is not None and RANK[parent.tier] > RANK["host"]:
+                self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
+                continue
+            del self._held_pages[e.key]
+            self.placement.move(e, "host", alloc, keep_copy=src.persistent)
+            self.counters["promotions"] += 1
+            if src.name == "remote":
+                self.counters["remote_promotions"] += 1  # the remote tier's own count (a metric)
+            served[e.key] = True
+        return served
+
+    def _failed(self, src: Tier, e: Entry, code: bool | None) -> None:
+        if code is None:
+            self.counters[f"{src.name}_read_errors"] += 1
+        else:
+            self.counters[f"{src.name}_checksum_failures"] += 1
+            log.warning("%s tier: block %s did not verify; removed", src.name, e.key[1].hex()[:16])
+        self.placement.discard(e)
+
+    async def _fetch(self, src: Tier, items: list[tuple[Entry, object]]) -> Fetched:
+        """The blocks' bytes into their host pages: the remote tier's in one cluster call, a local
+        tier's one by one."""
+        if src.name == "remote":
+            assert self.remote is not None  # remote entries exist only through it
+            return await self.remote.fetch(items)
+        return await self._read(src, items)
+
+    async def _read(self, src: Tier, items: list[tuple[Entry, object]]) -> Fetched:
+        """A local tier's fetch: each block read into its host pages and verified."""
+        loop = asyncio.get_running_loop()
+
+        async def one(e: Entry, alloc: object) -> bool | None:
+            dst = self.host.segments(alloc)
+            try:
+                if src.read_blocks(e.location):
+                    return await loop.run_in_executor(self.reader(), src.read_into, e.location, dst)
+                ok = src.read_into(e.location, dst)
+                self.counters["promotions_from_staging"] += 1
+                return ok
+            except OSError as exc:
+                log.error("%s tier: read of %s failed: %s", src.name, e.key[1].hex()[:16], exc)
+                return None
+
+        return list(await asyncio.gather(*(one(e, alloc) for e, alloc in items)))
+
+    # -- above the host arena ----------------------------------------------------------------
+    def _lift(self, e: Entry, tier: str) -> None:
+        """Copy a host block up through the faster tiers to `tier` while each has room (synchronous)."""
+        placement = self.placement
+        for t in reversed([t for t in placement.chain if RANK[tier] <= RANK[t.name] < RANK["host"]]):
+            parent = self.index.parent_of(e)
+            if parent is not None and RANK[parent.tier] > RANK[t.name]:
+                self.counters[f"lifts_skipped_parent_on_{parent.tier}"] += 1
+                return
+            if not t.fits(e.nbytes) or (self.remote is not None and self.remote.publishing(e.key)):
+                return  # (a publish is reading its host pages)
+            here = e.location
+            try:
+                alloc = placement.allocate(t.name, e.nbytes, protect=e.parent)
+            except CapacityError:
+                self.counters[f"lifts_failed_{t.name}_full"] += 1
+                return
+            if self.index.get(e.key) is not e or e.location is not here:  # demoted while making room
+                t.free(alloc)
+                return
+            location, _ = placement.copy_block(e, t, alloc)
+            placement.move(e, t.name, location)
+            self.counters["lifts"] += 1

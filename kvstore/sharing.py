@@ -1,19 +1,19 @@
 """Sharing through the remote tier: what the store asks the cluster, what it publishes, and how
-remote blocks reach the arena. The asynchronous half of tiers/remote.py (a part of TieredStore,
-`store.sharing`; None without a remote tier).
+remote blocks' bytes are fetched. The asynchronous half of tiers/remote.py; the store has one
+(`store.sharing`) where its chain ends in a remote tier, and subscribes it to its listeners.
 
-Lookups. Before the daemon answers a `lookup` or an `acquire`, `extend` asks
+Lookups. Before the store answers a `find` or an `acquire`, `extend` asks
 the cluster about the blocks that follow the local prefix hit, in one batched
 existence query, and indexes the leading ones found as *remote entries*
 (tier "remote": committed, no local bytes, their location a `RemoteRef`). The
-store then counts them as hits in tier "remote", and `prepare_read` promotes
-them like disk blocks: `promote` allocates host pages root first, fetches the
-whole batch in one call straight into them, verifies each block (header names
-this namespace, hash, parent and length; xxh3 of the payload) and re-tiers it
-once its parent sits in host or faster. A block that does not verify, or that
-the cluster evicted since the query, is a miss: it is discarded with its
-subtree (other readers' pins become ghost pins), never served, and for
-BAD_VALUE_TTL_S lookups stop before it instead of fetching it again.
+store then counts them as hits in tier "remote", and the promoter
+(kvstore/promotion.py) brings them into the arena with the routine it uses
+for disk blocks; `fetch` is the part that differs: the whole batch in one
+call straight into the host pages the promoter allocated, each block verified
+(header names this namespace, hash, parent and length; xxh3 of the payload).
+A block that does not verify, or that the cluster evicted since the query, is
+a miss: the promoter discards it with its subtree, and for BAD_VALUE_TTL_S
+lookups stop before it instead of fetching it again.
 
 Publishing (write-behind; a client's commit never waits on the network). The
 config's `publish` policy picks what is sent:
@@ -47,16 +47,18 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from kvstore.entry import RANK, Entry, Key, link_child
+from kvstore.entry import Entry, Key, Shared
 from kvstore.errors import CapacityError
+from kvstore.index import BlockIndex
+from kvstore.placement import Placement
 from tiers.host import copy_segments
 from tiers.pages import PageAllocator
 from tiers.remote import ALREADY_EXISTS, RemoteRef, RemoteUnavailable, object_key
 
 if TYPE_CHECKING:
-    from kvstore.store import TieredStore
     from tiers.remote import MooncakeTier
 
 log = logging.getLogger(__name__)
@@ -98,15 +100,33 @@ class _Worker:
         self._q.put(None)
 
 
+@dataclass(frozen=True)
+class SharingOptions:
+    """How a daemon shares through the remote tier (the config's [remote] section)."""
+
+    publish: str = "committed"  # one of PUBLISH_POLICIES
+    timeout_s: float = 2.0  # a query's bound
+    transfer_timeout_s: float = 30.0  # a get's or put's bound
+    queue_blocks: int = 4096  # blocks waiting to be published, at most
+    batch_blocks: int = 64  # blocks per put
+    staging_bytes: int = 64 << 20  # where "evicted" blocks wait for their put
+
+    def __post_init__(self) -> None:
+        if self.publish not in PUBLISH_POLICIES:
+            raise ValueError(f"publish must be one of {PUBLISH_POLICIES}, got {self.publish!r}")
+
+
 class RemoteSharing:
-    def __init__(self, store: "TieredStore", tier: "MooncakeTier", publish: str = "committed",
-                 timeout_s: float = 2.0, transfer_timeout_s: float = 30.0, queue_blocks: int = 4096,
-                 batch_blocks: int = 64, staging_bytes: int = 64 << 20) -> None:
-        if publish not in PUBLISH_POLICIES:
-            raise ValueError(f"publish must be one of {PUBLISH_POLICIES}, got {publish!r}")
-        self.store, self.tier, self.publish = store, tier, publish
-        self.timeout_s, self.transfer_timeout_s = timeout_s, transfer_timeout_s
-        self.queue_blocks, self.batch_blocks = queue_blocks, batch_blocks
+    """The store's part that talks to the cluster; a listener of the store (commits, hits, evictions)."""
+
+    def __init__(self, tier: "MooncakeTier", index: BlockIndex, placement: Placement, shared: Shared,
+                 options: SharingOptions = SharingOptions()) -> None:
+        self.tier, self.index, self.placement = tier, index, placement
+        self.host = placement.tiers["host"]
+        self.namespaces, self.counters = shared.namespaces, shared.counters
+        self.publish = options.publish
+        self.timeout_s, self.transfer_timeout_s = options.timeout_s, options.transfer_timeout_s
+        self.queue_blocks, self.batch_blocks = options.queue_blocks, options.batch_blocks
         self.errors: Counter = Counter()
         self.last_error = ""
         self._workers = {op: _Worker(f"kvstore-remote-{op}") for op in OPS}
@@ -117,7 +137,7 @@ class RemoteSharing:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._staging: PageAllocator | None = None
-        self._staging_bytes = staging_bytes
+        self._staging_bytes = options.staging_bytes
         self._idle: asyncio.Event | None = None
 
     # -- lifecycle ------------------------------------------------------------------
@@ -183,8 +203,7 @@ class RemoteSharing:
     async def extend(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Index the blocks that follow the local prefix of `hashes` and that the cluster holds.
         Returns how many remote entries were added."""
-        store = self.store
-        entries = store.entries
+        entries = self.index.entries
         k = 0
         while k < len(hashes) and (e := entries.get((ns_id, hashes[k]))) is not None and e.committed:
             k += 1
@@ -199,8 +218,8 @@ class RemoteSharing:
         n = 0
         while n < len(found) and found[n] == 1 and not self._known_bad(ns_id, want[n]):
             n += 1
-        store.counters["remote_lookup_blocks"] += len(want)
-        store.counters["remote_lookup_hit_blocks"] += n
+        self.counters["remote_lookup_blocks"] += len(want)
+        self.counters["remote_lookup_hit_blocks"] += n
         return self._index(ns_id, hashes, k, n)
 
     def _known_bad(self, ns_id: str, h: bytes) -> bool:
@@ -215,8 +234,8 @@ class RemoteSharing:
 
     def _index(self, ns_id: str, hashes: Sequence[bytes], k: int, n: int) -> int:
         """Add remote entries for hashes[k:k+n] under the (re-checked) local prefix."""
-        store, entries = self.store, self.store.entries
-        ns = store.namespace(ns_id)
+        entries = self.index.entries
+        ns = self.namespaces[ns_id]
         parent: Key | None = (ns_id, hashes[k - 1]) if k else None
         if parent is not None and (parent not in entries or not entries[parent].committed):
             return 0  # the prefix changed while the cluster answered
@@ -230,7 +249,7 @@ class RemoteSharing:
                 parent = key
                 continue
             try:
-                store.allocate("remote", ns.block_bytes, protect=parent)
+                self.placement.allocate("remote", ns.block_bytes, protect=parent)
             except CapacityError:
                 break
             pe = entries.get(parent) if parent is not None else None
@@ -238,114 +257,56 @@ class RemoteSharing:
                 self.tier.free(None)
                 break
             ref = RemoteRef(object_key(ns_id, h), ns_id, h, parent[1] if parent is not None else None)
-            entry = Entry(key, parent, pe.depth + 1 if pe is not None else 0, ns.block_bytes, "remote", ref, None,
-                          committed=True)
-            entries[key] = entry
-            if pe is not None:
-                pe.children[RANK["remote"]] += 1
-                link_child(pe, key)
-            store.policies["remote"].on_insert(store.info(entry))
-            if store.events is not None:
-                store.events.stored(entry, "remote")  # known to be in the cluster (kvstore/block_events.py)
+            self.placement.adopted(self.index.adopt(key, pe, ns.block_bytes, "remote", ref))
             parent = key
             added += 1
         return added
 
-    # -- promotion into the arena -----------------------------------------------------
-    async def promote(self, batch: list[Entry]) -> dict[Key, bool]:
-        """Bring remote entries into host pages in one cluster call (root first); key -> served."""
-        store = self.store
+    # -- promotion into the arena: the fetch ----------------------------------------------
+    async def fetch(self, items: list[tuple[Entry, object]]) -> list[bool | None]:
+        """Remote entries' values into their host pages (kvstore/promotion.py allocated them), one
+        cluster call: per block True (verified), False (absent, torn or foreign), None (the call failed)."""
+        calls = [(e.location, self.host.segments(alloc)) for e, alloc in items]
         try:
-            return await self._promote(batch)
-        finally:
-            for e in batch:
-                store._promoting.pop(e.key, None)
-                held = store._inflight.pop(e.key, None)
-                if held is not None:
-                    store.tiers[held[0]].free(held[1])
-
-    async def _promote(self, batch: list[Entry]) -> dict[Key, bool]:
-        store, host = self.store, self.store.host
-        result: dict[Key, bool] = {e.key: False for e in batch}
-        todo: list[tuple[Entry, object]] = []
-        for e in sorted(batch, key=lambda e: e.depth):
-            try:
-                alloc = store.allocate("host", e.nbytes, protect=e.parent)
-            except CapacityError:
-                store.counters["promotions_failed_host_full"] += 1
-                continue
-            if store.entries.get(e.key) is not e or e.tier != "remote":
-                host.free(alloc)
-                continue
-            store._inflight[e.key] = ("host", alloc)
-            todo.append((e, alloc))
-        if not todo:
-            return result
-        items = [(e.location, host.segments(alloc)) for e, alloc in todo]
-        try:
-            codes = await self.call("get", self.tier.get_into, items)
+            codes = await self.call("get", self.tier.get_into, calls)
         except RemoteUnavailable:
-            codes = [None] * len(todo)
-        this = asyncio.current_task()
-        for (e, alloc), code in zip(todo, codes):
-            parent_task = store._promoting.get(e.parent) if e.parent is not None else None
-            if parent_task is not None and parent_task is not this:
-                await asyncio.shield(parent_task)  # a parent coming up from disk
-            if store.entries.get(e.key) is not e or e.tier != "remote":
-                continue  # discarded with an ancestor meanwhile
-            if code is not True:
-                why = "remote_read_errors" if code is None else "remote_checksum_failures"
-                store.counters[why] += 1
-                if code is False:
-                    self._bad[e.key] = time.monotonic() + BAD_VALUE_TTL_S
-                    while len(self._bad) > 65536:
-                        self._bad.popitem(last=False)
-                    log.warning("remote tier: block %s did not verify (absent, torn or foreign); a miss",
-                                e.key[1].hex()[:16])
-                store.discard(e)
-                continue
-            parent = store.entries.get(e.parent) if e.parent is not None else None
-            if parent is not None and RANK[parent.tier] > RANK["host"]:
-                store.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
-                continue
-            del store._inflight[e.key]
-            store.move(e, "host", alloc)
-            store.counters["promotions"] += 1
-            store.counters["remote_promotions"] += 1
-            result[e.key] = True
-        return result
+            return [None] * len(items)
+        for (e, _), code in zip(items, codes):
+            if code is False:  # not fetched again for a while: it may be re-published
+                self._bad[e.key] = time.monotonic() + BAD_VALUE_TTL_S
+                while len(self._bad) > 65536:
+                    self._bad.popitem(last=False)
+        return list(codes)
 
     # -- publishing ------------------------------------------------------------------------
     def publishing(self, key: Key) -> bool:
         """A publish is reading this block's host pages now."""
-        pins = self.store.pins_by_owner.get(PUBLISHER)
-        return bool(pins and pins.get(key))
+        return self.index.pinned_by(PUBLISHER, key)
 
-    def on_commit(self, keys: Sequence[Key]) -> None:
+    def committed(self, entries: Sequence[Entry]) -> None:
         if self.publish == "committed":
-            self._enqueue(keys)
+            self._enqueue([e.key for e in entries])
 
-    def on_hit(self, keys: Sequence[Key]) -> None:
+    def hit(self, entries: Sequence[Entry]) -> None:
         if self.publish == "hit":
-            entries = self.store.entries
-            self._enqueue([k for k in keys if k not in self._published and entries[k].tier != "remote"])
+            self._enqueue([e.key for e in entries if e.key not in self._published and e.tier != "remote"])
 
-    def on_evict(self, e: Entry) -> None:
+    def evicting(self, e: Entry) -> None:
         """`e` is leaving the host arena: copy it out now if the policy publishes evicted blocks."""
         if self.publish != "evicted" or e.tier != "host" or self._task is None or e.key in self._pending:
             return
         if len(self._pending) >= self.queue_blocks:
-            self.store.counters["remote_publish_dropped_backlog"] += 1
+            self.counters["remote_publish_dropped_backlog"] += 1
             return
         if self._staging is None:
-            page = self.store.host.page_bytes
+            page = self.host.page_bytes
             self._staging = PageAllocator(max(1, self._staging_bytes // page), page, label="staging")
             self._staging_buf = self.tier.staging(self._staging.num_pages * page)
         extents = self._staging.allocate(e.nbytes)
         if extents is None:
-            self.store.counters["remote_publish_dropped_staging_full"] += 1
+            self.counters["remote_publish_dropped_staging_full"] += 1
             return
-        copy_segments([self._staging_buf[o : o + n] for o, n in extents], self.store.host.segments(e.location))
+        copy_segments([self._staging_buf[o : o + n] for o, n in extents], self.host.segments(e.location))
         self._pending[e.key] = (extents, e.parent[1] if e.parent is not None else None)
         self._wake.set()  # type: ignore[union-attr]
 
@@ -354,7 +315,7 @@ class RemoteSharing:
             return
         for key in keys:
             if len(self._pending) >= self.queue_blocks:
-                self.store.counters["remote_publish_dropped_backlog"] += 1
+                self.counters["remote_publish_dropped_backlog"] += 1
                 continue
             self._pending[key] = None
         if self._pending:
@@ -375,7 +336,6 @@ class RemoteSharing:
                     self._idle.set()
 
     async def _publish_batch(self) -> None:
-        store = self.store
         batch = [self._pending.popitem(last=False) for _ in range(min(self.batch_blocks, len(self._pending)))]
         items, pinned, staged = [], [], []
         for key, staged_at in batch:
@@ -385,15 +345,14 @@ class RemoteSharing:
                 items.append((RemoteRef(object_key(*key), key[0], key[1], parent),
                               [self._staging_buf[o : o + n] for o, n in extents]))
                 continue
-            e = store.entries.get(key)
+            e = self.index.get(key)
             if e is None or not e.committed or e.tier != "host":
-                store.counters["remote_publish_skipped_moved"] += 1
+                self.counters["remote_publish_skipped_moved"] += 1
                 continue
-            e.pins += 1
-            store.pins_by_owner[PUBLISHER][key] += 1
+            self.index.pin([e], PUBLISHER)
             pinned.append(e)
             items.append((RemoteRef(object_key(*key), key[0], key[1], e.parent[1] if e.parent is not None else None),
-                          store.host.segments(e.location)))
+                          self.host.segments(e.location)))
         if not items:
             return
         try:
@@ -402,16 +361,16 @@ class RemoteSharing:
             codes = None
         finally:
             for e in pinned:
-                store.unpin_failed(e, PUBLISHER)
+                self.index.unpin_failed(e, PUBLISHER)
             for extents in staged:
                 self._staging.free(extents)  # type: ignore[union-attr]
         if codes is None:
-            store.counters["remote_publish_failed_blocks"] += len(items)
+            self.counters["remote_publish_failed_blocks"] += len(items)
             return
         self._count_codes("put", codes)
         ok = sum(1 for c in codes if c == 0 or c == ALREADY_EXISTS)
-        store.counters["remote_published_blocks"] += ok
-        store.counters["remote_publish_failed_blocks"] += len(codes) - ok
+        self.counters["remote_published_blocks"] += ok
+        self.counters["remote_publish_failed_blocks"] += len(codes) - ok
         if self.publish == "hit":
             for (ref, _), c in zip(items, codes):
                 if c == 0 or c == ALREADY_EXISTS:

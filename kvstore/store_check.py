@@ -1,10 +1,10 @@
-"""The store's stats, block descriptions and consistency check (`TieredStore.stats`, `.describe`, `.check`).
+"""The store's consistency check, and what stats and inspection show of its parts.
 
 `check` verifies, for every tier of the chain and every pair of tiers: the
 index against itself (keys, depths, parents present), the tree rule (no child
 in a faster tier than its parent), the per-tier child counts and the children
 index, each policy against the committed blocks of its tier, refcounts against
-the owners' pins, every tier's pages against the locations the store holds
+the owners' pins, every tier's pages against the locations the index holds
 (plus the pages promotions in flight hold), and each persistent tier's index
 against its blocks. It is for tests and post-mortems: it walks everything.
 """
@@ -12,21 +12,21 @@ against its blocks. It is for tests and post-mortems: it walks everything.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from kvstore.entry import RANK, TIERS, Key, children_of
+from kvstore.entry import RANK, TIERS, Entry, Key, children_of
+from kvstore.index import BlockIndex
+from kvstore.placement import Placement
+from kvstore.promotion import Promoter
 
-if TYPE_CHECKING:
-    from kvstore.store import TieredStore
 
-
-def store_stats(store: "TieredStore") -> dict:
-    store._reap()
+def tier_rows(placement: Placement, committed: list[Entry], absent: dict[str, str]) -> dict[str, dict]:
+    """Per tier (absent ones too): its blocks, bytes, hits, moves, and the tier's own stats."""
     per_tier: dict[str, dict] = {}
-    committed = [e for e in store.entries.values() if e.committed]
+    counters, copies = placement.counters, placement.index.copies
     for name in TIERS:
         blocks = [e for e in committed if e.tier == name]
-        st = store.tier_stats[name]
+        st = placement.tier_stats[name]
         row = {
             "blocks": len(blocks),
             "bytes": sum(e.nbytes for e in blocks),
@@ -35,41 +35,31 @@ def store_stats(store: "TieredStore") -> dict:
             "demotions_in": st.demotions_in,
             "promotions_in": st.promotions_in,
         }
-        tier = store.tiers.get(name)
+        tier = placement.tiers.get(name)
         if tier is None:
-            row["absent"] = store.absent.get(name, "not configured")
+            row["absent"] = absent.get(name, "not configured")
         else:
             row.update(tier.stats())
             row["promotions_out"] = st.promotions_out
-            half_life = getattr(store.policies.get(name), "half_life_s", None)
+            half_life = getattr(placement.policies.get(name), "half_life_s", None)
             if half_life is not None:  # the attention policy's current choice (eviction/halflife.py)
                 row["policy_half_life_s"] = half_life
-            row["checksum_failures"] = store.counters.get(f"{name}_checksum_failures", 0)
+            row["checksum_failures"] = counters.get(f"{name}_checksum_failures", 0)
             if tier.persistent:
                 row["durable_blocks"] = sum(1 for e in blocks if tier.durable(e.location))
-                row["copies"] = len(store.copies[name])
+                row["copies"] = len(copies[name])
         per_tier[name] = row
-    return {
-        "policy": store.policy_name,
-        "chain": [t.name for t in store.chain],
-        "namespaces": len(store.namespaces),
-        "blocks": len(committed),
-        "reserved_blocks": len(store.entries) - len(committed),
-        "pinned_blocks": sum(1 for e in store.entries.values() if e.pins),
-        "tiers": per_tier,
-        "counters": dict(store.counters),
-        **({"remote": store.sharing.stats()} if store.sharing is not None else {}),
-        "by_namespace": _by_namespace(store, committed),
-    }
+    return per_tier
 
 
-def _by_namespace(store: "TieredStore", committed: list) -> dict[str, dict]:
+def namespace_rows(placement: Placement, committed: list[Entry]) -> dict[str, dict]:
     """Per namespace, in registration order: what identifies it, its blocks and bytes per tier, its counters."""
     out: dict[str, dict] = {}
-    for ns_id, ns in store.namespaces.items():
+    shared = placement.shared
+    for ns_id, ns in shared.namespaces.items():
         out[ns_id] = {"model": ns.model, "tenant": ns.tenant, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
                       "dtype": ns.dtype, "block_tokens": ns.block_tokens, "block_bytes": ns.block_bytes,
-                      "blocks": {}, "bytes": {}, "counters": dict(store.ns_counters.get(ns_id, {}))}
+                      "blocks": {}, "bytes": {}, "counters": dict(shared.ns_counters.get(ns_id, {}))}
     for e in committed:
         row = out.get(e.key[0])
         if row is not None:
@@ -78,17 +68,16 @@ def _by_namespace(store: "TieredStore", committed: list) -> dict[str, dict]:
     return out
 
 
-def describe_blocks(store: "TieredStore", ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
-    store._reap()
-    found = [store.entries.get((ns_id, h)) for h in hashes]
+def describe_blocks(placement: Placement, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
+    found = [placement.index.get((ns_id, h)) for h in hashes]
     by_tier: dict[str, list[Key]] = defaultdict(list)
     for e in found:
         if e is not None:
             by_tier[e.tier].append(e.key)
     values: dict[Key, str | None] = {}
     for tier, keys in by_tier.items():
-        values.update(zip(keys, store.policies[tier].describe(keys)))
-    now = store.clock()
+        values.update(zip(keys, placement.policies[tier].describe(keys)))
+    now = placement.shared.clock()
     return [None if e is None else {
         "tier": e.tier, "committed": e.committed, "pins": e.pins, "hits": e.hits, "depth": e.depth,
         "idle_s": now - e.last_access if e.last_access else None, "policy_value": values.get(e.key),
@@ -96,15 +85,16 @@ def describe_blocks(store: "TieredStore", ns_id: str, hashes: Sequence[bytes]) -
     } for e in found]
 
 
-def check_store(store: "TieredStore") -> list[str]:
-    store.flush()
-    entries = store.entries
+def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[str]:
+    """Every inconsistency between index, tiers, policies, refcounts and prefix tree (empty = clean).
+    The caller flushes the tiers first, so that persistent tiers' indexes compare exactly."""
+    entries, tiers, policies = index.entries, placement.tiers, placement.policies
     problems: list[str] = []
     children: dict[Key, list[int]] = defaultdict(lambda: [0] * len(TIERS))
     for key, e in entries.items():
         if e.key != key:
             problems.append(f"entry filed under the wrong key {key}")
-        if e.tier not in store.tiers:
+        if e.tier not in tiers:
             problems.append(f"{key} sits in {e.tier}, which is not in the chain")
             continue
         if e.pins < 0:
@@ -118,9 +108,9 @@ def check_store(store: "TieredStore") -> list[str]:
             elif parent.depth + 1 != e.depth:
                 problems.append(f"depth of {key} does not follow its parent")
             children[e.parent][RANK[e.tier]] += 1
-        if (key in store.policies[e.tier]) != e.committed:
+        if (key in policies[e.tier]) != e.committed:
             problems.append(f"policy of {e.tier} disagrees with commit state of {key}")
-        if not e.committed and (key not in store.reserved_by_owner.get(e.owner, ()) or not store.tiers[e.tier].client_readable):
+        if not e.committed and (key not in index.reserved_by_owner.get(e.owner, ()) or not tiers[e.tier].client_readable):
             problems.append(f"uncommitted {key} belongs to no live reservation in a client-readable tier")
     for key, e in entries.items():
         if e.children != children.get(key, [0] * len(TIERS)):
@@ -128,17 +118,18 @@ def check_store(store: "TieredStore") -> list[str]:
         kids = children_of(e)
         if sum(e.children) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
             problems.append(f"children index of {key} does not match its children's parent links")
-    problems += _check_pins(store)
-    problems += _check_copies(store)
-    for tier in store.chain:
+    problems += _check_pins(index)
+    problems += _check_copies(index)
+    held = promoter.held_pages()
+    for tier in placement.chain:
         in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
-        copies = {k: entries[k].copies[tier.name] for k in store.copies.get(tier.name, ()) if k in entries}
+        copies = {k: entries[k].copies[tier.name] for k in index.copies.get(tier.name, ()) if k in entries}
         num_committed = sum(1 for e in in_tier.values() if e.committed)
-        if len(store.policies[tier.name]) != num_committed:
-            problems.append(f"policy of {tier.name} tracks {len(store.policies[tier.name])} blocks, "
+        if len(policies[tier.name]) != num_committed:
+            problems.append(f"policy of {tier.name} tracks {len(policies[tier.name])} blocks, "
                             f"the tier holds {num_committed}")
-        held = [alloc for name, alloc in store._inflight.values() if name == tier.name]
-        problems += tier.check([e.location for e in in_tier.values()] + list(copies.values()) + held)
+        in_flight = [alloc for name, alloc in held if name == tier.name]
+        problems += tier.check([e.location for e in in_tier.values()] + list(copies.values()) + in_flight)
         if tier.persistent:
             if not tier.client_readable:  # blocks arrive there committed (the host arena has reservations)
                 problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
@@ -146,37 +137,37 @@ def check_store(store: "TieredStore") -> list[str]:
     return problems
 
 
-def _check_copies(store: "TieredStore") -> list[str]:
+def _check_copies(index: BlockIndex) -> list[str]:
     """Copies sit in persistent tiers slower than their block, and the per-tier index lists exactly them."""
     problems = []
-    listed = {(tier, key) for tier, keys in store.copies.items() for key in keys}
-    for key, e in store.entries.items():
+    listed = {(tier, key) for tier, keys in index.copies.items() for key in keys}
+    for key, e in index.entries.items():
         for tier in e.copies or ():
             if (tier, key) not in listed:
                 problems.append(f"copy of {key} in {tier} is not in the copies index")
-            if tier not in store.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
+            if tier not in index.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
                 problems.append(f"copy of {key} in {tier} is not in a slower persistent tier")
         if e.copies == {}:
             problems.append(f"{key} has an empty copies map")
     for tier, key in listed:
-        e = store.entries.get(key)
+        e = index.entries.get(key)
         if e is None or tier not in (e.copies or ()):
             problems.append(f"the copies index of {tier} lists {key}, which has no copy there")
     return problems
 
 
-def _check_pins(store: "TieredStore") -> list[str]:
+def _check_pins(index: BlockIndex) -> list[str]:
     problems = []
     pin_sum: Counter = Counter()
-    for pins in store.pins_by_owner.values():
+    for pins in index.pins_by_owner.values():
         pin_sum.update(pins)
-    for key, e in store.entries.items():
+    for key, e in index.entries.items():
         if pin_sum.get(key, 0) != e.pins:
             problems.append(f"refcount of {key} is {e.pins}, owners hold {pin_sum.get(key, 0)}")
     for key in pin_sum:
-        if key not in store.entries:
+        if key not in index.entries:
             problems.append(f"an owner pins {key}, which is not in the index")
-    for owner, ghosts in store.ghost_pins.items():
+    for owner, ghosts in index.ghost_pins.items():
         if any(n < 0 for n in ghosts.values()):
             problems.append(f"negative ghost pin of owner {owner}")
     return problems

@@ -154,8 +154,7 @@ class Daemon:
             resync = (lambda: events.resync(self.store)) if events is not None else None
             view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path), resync)
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
-        if self.store.sharing is not None:
-            self.store.sharing.start()
+        self.store.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
@@ -170,7 +169,7 @@ class Daemon:
         BlockStored for every block it recovered (replayable for routers that connect later)."""
         assert self.events is not None
         self.handlers.info["events"] = self.events.start()
-        self.store.events = self.events
+        self.store.add_listener(self.events)
         self.events.cleared(list(self.store.namespaces))
         self.store.report_all()
         self.events.flush(force=True)
@@ -219,8 +218,7 @@ class Daemon:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             unlink_quietly(self.config.admin_token_path)
-        if self.store.sharing is not None:
-            await self.store.sharing.stop()  # what is queued is published (bounded), then its threads end
+        await self.store.stop()  # what is queued for the remote tier is published (bounded)
         if self._flusher is not None:
             self._flusher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)

@@ -2,7 +2,7 @@
 
 Two halves, so publishing never blocks the store:
 
-- On the event loop, `EventPublisher` is the store's `events` sink
+- On the event loop, `EventPublisher` is one of the store's listeners
   (kvstore/block_events.py): each call appends one small `RawEvent` to a
   list. `flush()` (the daemon calls it after every request and every
   FLUSH_S) hands that list, as one batch, to a bounded queue. When the queue

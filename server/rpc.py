@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
-from kvstore.inflight import MAX_WAIT_S, count_in_flight, wait_committed
+from kvstore.waits import MAX_WAIT_S
 from kvstore.keys import Namespace
 from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
                               want_hashes, want_token_blocks)
@@ -162,8 +162,7 @@ class Handlers:
     async def lookup(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
-        await self.store.extend_from_remote(ns, hashes)
-        res = self.store.lookup(ns, hashes)
+        res = await self.store.find(ns, hashes)
         return {"hits": res.hits, "tiers": list(res.tiers)}
 
     async def acquire(self, s: Session, args: dict) -> dict:
@@ -172,24 +171,15 @@ class Handlers:
         hashes = want_hashes(args, self.max_batch)
         prefix = want(args, "prefix", bool, optional=True)
         inflight = want(args, "inflight", bool, optional=True)
-        entries, tiers = await self._acquire(s, ns, hashes, prefix is not False)
+        entries, tiers = await self.store.acquire(ns, hashes, s.owner, prefix=prefix is not False)
         reply = {"extents": [e.location if e is not None else None for e in entries],
                  "tiers": [t if e is not None else None for e, t in zip(entries, tiers)]}
         if inflight:  # how many leading blocks are committed or in flight (a consumer may wait for them)
-            reply["inflight"] = count_in_flight(self.store, ns, hashes)
+            reply["inflight"] = self.store.count_in_flight(ns, hashes)
         return reply
 
-    async def _acquire(self, s: Session, ns: str, hashes: list[bytes], prefix: bool) -> tuple[list, list]:
-        """Pinned entries, promoted into the arena, and the tier each one was found in."""
-        await self.store.extend_from_remote(ns, hashes)
-        entries = self.store.acquire(ns, hashes, s.owner, prefix=prefix)
-        tiers = [e.tier if e is not None else None for e in entries]
-        if any(t not in (None, "host") for t in tiers):
-            entries = await self.store.prepare_read(entries, s.owner)  # into the arena, where this client reads
-        return entries, tiers
-
     async def wait(self, s: Session, args: dict) -> dict:
-        """Wait for reserved or announced blocks to commit (kvstore/inflight.py). Pins nothing:
+        """Wait for reserved or announced blocks to commit (kvstore/waits.py). Pins nothing:
         the caller acquires the `ready` blocks afterwards. Occupies this connection while it waits."""
         ns = want(args, "ns", str)
         hashes = want_hashes(args, self.max_batch)
@@ -197,7 +187,7 @@ class Handlers:
         if not 0 <= timeout_s <= MAX_WAIT_S:
             raise ProtocolError(f"timeout_s must be in 0..{MAX_WAIT_S:g}")
         appear = want(args, "appear", bool, optional=True) or False
-        res = await wait_committed(self.store, ns, hashes, float(timeout_s), appear)
+        res = await self.store.wait_committed(ns, hashes, float(timeout_s), appear)
         return {"ready": res.ready, "waited": list(res.waited), "reason": res.reason}
 
     def expect(self, s: Session, args: dict) -> dict:
@@ -220,7 +210,7 @@ class Handlers:
         if len(hashes) > fit:  # the reply would be a frame over the limit, or a huge allocation
             raise ProtocolError(f"a get of {len(hashes)} blocks of {block_bytes} B would not fit in the frame limit "
                                 f"of {self.max_frame} B; ask for at most {fit} blocks per get")
-        entries, _ = await self._acquire(s, ns, hashes, prefix=False)
+        entries, _ = await self.store.acquire(ns, hashes, s.owner, prefix=False)
         held = [e.key[1] for e in entries if e is not None]
         try:
             payloads = [self.store.host.read(e.location) if e is not None else None for e in entries]

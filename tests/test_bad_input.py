@@ -14,14 +14,10 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError, NamespaceError, ProtocolError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import hash_blocks
+from tests.helpers import frame, namespace
 
-NS = Namespace("bad-input-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
-
-
-def frame(obj) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
+NS = namespace("bad-input-model")
 
 
 class Raw:

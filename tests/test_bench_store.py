@@ -7,7 +7,7 @@ import time
 
 from kvstore.client import KVClient
 from tools.bench.bench_store import bench_size
-from tools.daemon_proc import proc_stat_cpu
+from tools.harness.daemon_proc import proc_stat_cpu
 
 
 def test_cpu_seconds_of_a_process_grow_with_its_work():

@@ -12,17 +12,13 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import AuthError, DaemonUnavailable, NamespaceError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import Namespace
 
 from tests.conftest import ROOT
 from tiers.gpu import cuda_available
+from tests.helpers import chain, namespace
 
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
-
-
-def chain(seed: int, n: int):
-    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
-    return hs, [None] + hs[:-1]
+NS = namespace(block_bytes=256 * 1024)
 
 
 def run_client(code: str, sock: str) -> subprocess.CompletedProcess:
@@ -249,7 +245,7 @@ def test_large_batches_copy_on_threads_byte_exact(daemon, copy_threads):
         outs = [np.zeros(big.block_bytes, np.uint8) for _ in hs]
         assert c.get_into(ns, hs, outs, chunk=8) == [True] * len(hs)
         assert all(np.array_equal(a, b) for a, b in zip(outs, payloads))
-        assert (c._pool is not None) == (copy_threads > 1), "the threaded path ran (or not) as configured"
+        assert (c.transport.pool is not None) == (copy_threads > 1), "the threaded path ran (or not) as configured"
         # A short destination in the first chunk: ValueError, and no pin stays behind, also
         # none of the second chunk, whose acquire was in flight during the failed copy.
         short = [np.zeros(big.block_bytes, np.uint8) for _ in hs]

@@ -20,23 +20,15 @@ import pytest
 
 from kvstore.store import TieredStore
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import Namespace
+from tests.helpers import chain_hashes, namespace, payload_bytes
 from tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
 from tiers.disk_alloc import PageAllocator
 from tiers.host import HostArena
 
 BLOCK = 64 * 1024
 PAGE = 64 * 1024
-NS = Namespace("m", "bf16", 2, 2, 64, 16, BLOCK)
-
-
-def payload_for(h: bytes, nbytes: int = BLOCK) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-    return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-
-
-def chain(n: int, salt: int = 0) -> list[bytes]:
-    return hash_blocks(np.arange(salt * 100_000, salt * 100_000 + 16 * n), 16)
+NS = namespace("m", BLOCK, dtype="bf16")
 
 
 class Harness:
@@ -74,7 +66,7 @@ class Harness:
             (e,) = store.reserve(ns_id, [(h, prev)], owner)
             prev = h
             if e is not None:
-                store.host.write(e.location, payload_for(h))
+                store.host.write(e.location, payload_bytes(h, BLOCK))
                 store.commit(ns_id, [h], owner)
                 stored += 1
         return stored
@@ -86,13 +78,13 @@ class Harness:
         for salt in range(1000, 1100):
             if all(t == "disk" for c in chains for t in self.store.lookup(NS.id, c).tiers):
                 return
-            self.put(chain(2, salt=salt))
+            self.put(chain_hashes(salt, 2))
         raise AssertionError("the chains never reached the disk")
 
     def get(self, hashes, owner="r") -> list[bytes | None]:
         """Acquire (promoting), copy out, release: what a client would see."""
         store = self.store
-        entries = store.acquire(NS.id, hashes, owner)
+        entries = store.pin(NS.id, hashes, owner)
         entries = asyncio.run(store.prepare_read(entries, owner))
         out = [store.host.read(e.location) if e is not None else None for e in entries]
         store.release(NS.id, [e.key[1] for e in entries if e is not None], owner)
@@ -140,12 +132,12 @@ def test_buffered_fallback_logs_its_reason(tmp_path, monkeypatch, caplog):
         assert not h.store.disk.direct
         assert "refuses O_DIRECT" in h.store.disk.direct_reason
         assert "refuses O_DIRECT" in caplog.text
-        chains = [chain(2, salt=s) for s in range(5)]
+        chains = [chain_hashes(s, 2) for s in range(5)]
         for c in chains:
             assert h.put(c) == 2
         assert h.store.lookup(NS.id, chains[0]).tiers == ("disk", "disk")
         h.store.flush()
-        assert h.get(chains[0]) == [payload_for(x) for x in chains[0]]
+        assert h.get(chains[0]) == [payload_bytes(x, BLOCK) for x in chains[0]]
         assert h.store.check() == []
     finally:
         h.close()
@@ -153,7 +145,7 @@ def test_buffered_fallback_logs_its_reason(tmp_path, monkeypatch, caplog):
 
 def test_demotion_instead_of_drop_and_promotion_identical_bytes(harness):
     store = harness.store
-    chains = [chain(4, salt=s) for s in range(5)]
+    chains = [chain_hashes(s, 4) for s in range(5)]
     for c in chains:
         assert harness.put(c) == 4
     tiers = [t for c in chains for t in store.lookup(NS.id, c).tiers]
@@ -167,7 +159,7 @@ def test_demotion_instead_of_drop_and_promotion_identical_bytes(harness):
     assert st["disk"]["durable_blocks"] == 12 and st["disk"]["pending_writes"] == 0
     assert st["host"]["evictions"] == 12 and st["disk"]["evictions"] == 0
     assert store.lookup(NS.id, chains[0]).tiers == ("disk",) * 4
-    assert harness.get(chains[0]) == [payload_for(x) for x in chains[0]]
+    assert harness.get(chains[0]) == [payload_bytes(x, BLOCK) for x in chains[0]]
     assert store.stats()["tiers"]["disk"]["hits"] == 4
     assert store.lookup(NS.id, chains[0]).tiers == ("host",) * 4
     assert store.check() == []
@@ -175,13 +167,13 @@ def test_demotion_instead_of_drop_and_promotion_identical_bytes(harness):
 
 def test_disk_chain_is_promoted_root_first(harness):
     store = harness.store
-    first, others = chain(4, salt=1), [chain(4, salt=s) for s in range(2, 6)]
+    first, others = chain_hashes(1, 4), [chain_hashes(s, 4) for s in range(2, 6)]
     harness.put(first)
     for c in others:
         harness.put(c)  # pushes all of `first` to disk
     assert store.lookup(NS.id, first).tiers == ("disk",) * 4
     got = harness.get(first)
-    assert got == [payload_for(x) for x in first]
+    assert got == [payload_bytes(x, BLOCK) for x in first]
     assert store.lookup(NS.id, first).tiers == ("host",) * 4
     assert sum(t == "disk" for c in others for t in store.lookup(NS.id, c).tiers) == 12  # made room for `first`
     st = store.stats()["tiers"]
@@ -192,17 +184,17 @@ def test_disk_chain_is_promoted_root_first(harness):
 
 def test_promotion_from_staging_before_the_write_lands(harness):
     store = harness.store
-    first = chain(4, salt=1)
+    first = chain_hashes(1, 4)
     for s in range(1, 6):
-        harness.put(chain(4, salt=s))
+        harness.put(chain_hashes(s, 4))
     assert store.lookup(NS.id, first).tiers == ("disk",) * 4
     # Whatever the writer has done by now, the bytes are served (staging or disk).
-    assert harness.get(first) == [payload_for(x) for x in first]
+    assert harness.get(first) == [payload_bytes(x, BLOCK) for x in first]
     assert store.check() == []
 
 
 def test_restart_round_trip(harness):
-    chains = [chain(5, salt=s) for s in range(6)]
+    chains = [chain_hashes(s, 5) for s in range(6)]
     harness.spill(*chains)
     store = harness.store
     on_disk = {e.key[1] for e in store.iter_entries() if e.tier == "disk"}
@@ -214,13 +206,13 @@ def test_restart_round_trip(harness):
     assert {e.key[1] for e in store.iter_entries()} >= on_disk  # close() also persisted the host tier
     for c in chains:
         assert store.lookup(NS.id, c).tiers == ("disk",) * 5
-        assert harness.get(c) == [payload_for(h) for h in c]
+        assert harness.get(c) == [payload_bytes(h, BLOCK) for h in c]
     assert store.check() == []
 
 
 def test_sigterm_path_persists_the_host_tier(harness):
     """close() (the daemon's drain) writes host blocks to disk: a restart serves everything."""
-    chains = [chain(3, salt=s) for s in range(5)]
+    chains = [chain_hashes(s, 3) for s in range(5)]
     for c in chains:
         harness.put(c)
     store = harness.store
@@ -229,12 +221,12 @@ def test_sigterm_path_persists_the_host_tier(harness):
     store = harness.reopen()
     assert {e.key[1] for e in store.iter_entries()} == everything
     for c in chains:
-        assert harness.get(c) == [payload_for(h) for h in c]
+        assert harness.get(c) == [payload_bytes(h, BLOCK) for h in c]
     assert store.check() == []
 
 
 def test_restart_serves_every_disk_block_one_at_a_time(harness):
-    hashes = chain(6)
+    hashes = chain_hashes(0, 6)
     harness.spill(hashes)
     store = harness.store
     on_disk = [h for h, t in zip(hashes, store.lookup(NS.id, hashes).tiers) if t == "disk"]
@@ -245,19 +237,19 @@ def test_restart_serves_every_disk_block_one_at_a_time(harness):
     # One block at a time keeps the host tier (4 blocks) from being the limit.
     for h in on_disk:
         assert store.lookup(NS.id, [h]).hits == 1
-        e = store.acquire(NS.id, [h], "r", prefix=False)
+        e = store.pin(NS.id, [h], "r", prefix=False)
         e = asyncio.run(store.prepare_read(e, "r"))
         if e[0] is None:  # its parent is on disk: promotion keeps the tree rule
             store.release(NS.id, [], "r")
             assert store.counters["promotions_skipped_parent_on_disk"] >= 1
             continue
-        assert store.host.read(e[0].location) == payload_for(h)
+        assert store.host.read(e[0].location) == payload_bytes(h, BLOCK)
         store.release(NS.id, [h], "r")
     assert store.check() == []
 
 
 def test_corruption_is_detected_and_never_served(harness):
-    hashes = chain(8)
+    hashes = chain_hashes(0, 8)
     harness.spill(hashes)
     store = harness.store
     store.flush()
@@ -270,7 +262,7 @@ def test_corruption_is_detected_and_never_served(harness):
     store = harness.open()
     assert store.check() == []  # the index is consistent; corruption is found on read
     got = harness.get(hashes[:8])
-    assert got[:6] == [payload_for(x) for x in hashes[:6]] or got[0] is not None
+    assert got[:6] == [payload_bytes(x, BLOCK) for x in hashes[:6]] or got[0] is not None
     assert got[6] is None and got[7] is None
     assert store.stats()["tiers"]["disk"]["checksum_failures"] == 1
     assert store.lookup(NS.id, hashes).hits == 6  # the corrupt block and its subtree are gone
@@ -283,7 +275,7 @@ def test_corruption_is_detected_and_never_served(harness):
 
 
 def test_corruption_while_running_with_other_pins(harness):
-    hashes = chain(8)
+    hashes = chain_hashes(0, 8)
     harness.spill(hashes)
     store = harness.store
     store.flush()
@@ -294,9 +286,9 @@ def test_corruption_while_running_with_other_pins(harness):
         f.write(b"garbage!")
         f.flush()
         os.fsync(f.fileno())
-    other = store.acquire(NS.id, hashes, "other")
+    other = store.pin(NS.id, hashes, "other")
     assert all(x is not None for x in other)
-    entries = store.acquire(NS.id, hashes, "r")
+    entries = store.pin(NS.id, hashes, "r")
     got = asyncio.run(store.prepare_read(entries, "r"))
     assert [x is not None for x in got] == [True, True, False, False, False, False, False, False]
     store.release(NS.id, hashes[:2], "r")
@@ -311,7 +303,7 @@ def test_disk_budget_is_never_exceeded(tmp_path):
     try:
         store = h.store
         for s in range(12):
-            h.put(chain(3, salt=s))
+            h.put(chain_hashes(s, 3))
             assert store.disk.used_bytes <= store.disk.capacity_bytes
             assert store.stats()["tiers"]["disk"]["bytes"] <= store.disk.capacity_bytes
         assert store.tier_stats["disk"].evictions > 0
@@ -328,7 +320,7 @@ def test_smaller_budget_at_restart_drops_what_no_longer_fits(tmp_path):
     h = Harness(tmp_path / "disk", host_blocks=2, disk_blocks=16)
     try:
         for s in range(6):
-            h.put(chain(3, salt=s))
+            h.put(chain_hashes(s, 3))
         h.close()
         h.disk_blocks = 4
         store = h.open()
@@ -342,7 +334,7 @@ def test_smaller_budget_at_restart_drops_what_no_longer_fits(tmp_path):
 def test_tree_rule_across_tiers_under_random_operations(harness):
     rng = np.random.default_rng(7)
     store = harness.store
-    chains = [chain(int(rng.integers(1, 7)), salt=s) for s in range(30)]
+    chains = [chain_hashes(s, int(rng.integers(1, 7))) for s in range(30)]
     restarts = 0
     for step in range(200):
         c = chains[int(rng.integers(len(chains)))]
@@ -353,7 +345,7 @@ def test_tree_rule_across_tiers_under_random_operations(harness):
             got = harness.get(c)
             for h, data in zip(c, got):
                 if data is not None:
-                    assert data == payload_for(h)
+                    assert data == payload_bytes(h, BLOCK)
         elif op < 0.97:
             store.remove(NS.id, c[:1])
         else:
@@ -375,17 +367,17 @@ def test_tree_rule_across_tiers_under_random_operations(harness):
 
 def test_put_under_a_disk_parent_is_skipped(harness):
     store = harness.store
-    first = chain(2, salt=1)
+    first = chain_hashes(1, 2)
     harness.spill(first)
     assert store.lookup(NS.id, first).tiers == ("disk", "disk")
-    child = chain(3, salt=1)[2]
+    child = chain_hashes(1, 3)[2]
     assert harness.put([child], parent=first[1]) == 0
     assert store.counters["put_parent_on_disk_blocks"] == 1
     assert store.check() == []
 
 
 def test_orphan_records_are_dropped_at_open(harness):
-    hashes = chain(8)
+    hashes = chain_hashes(0, 8)
     harness.spill(hashes)
     store = harness.store
     store.flush()
@@ -408,7 +400,7 @@ def test_orphan_records_are_dropped_at_open(harness):
 
 
 def test_check_catches_a_missing_index_record(harness):
-    hashes = chain(8)
+    hashes = chain_hashes(0, 8)
     harness.spill(hashes)
     store = harness.store
     store.flush()
@@ -422,7 +414,7 @@ def test_check_catches_a_missing_index_record(harness):
 
 
 def test_check_catches_leaked_and_double_owned_disk_pages(harness):
-    hashes = chain(4)
+    hashes = chain_hashes(0, 4)
     harness.spill(hashes)
     store = harness.store
     leaked = store.disk.allocate(BLOCK)
@@ -444,7 +436,7 @@ def test_write_failure_drops_the_block(harness, monkeypatch):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(disk, "_write_job", broken)
-    chains = [chain(4, salt=s) for s in range(4)]
+    chains = [chain_hashes(s, 4) for s in range(4)]
     for c in chains:
         harness.put(c)
     store.flush()
@@ -457,14 +449,14 @@ def test_slot_reuse_never_serves_the_old_block(harness):
     """Evict from disk, reuse the slot, restart: the evicted block is gone and the new one intact."""
     store = harness.store
     for s in range(20):
-        harness.put(chain(2, salt=s))
+        harness.put(chain_hashes(s, 2))
     store = harness.reopen()
     for e in list(store.iter_entries()):
         assert isinstance(e.location, DiskSlot)
     for s in range(20):
-        c = chain(2, salt=s)
+        c = chain_hashes(s, 2)
         for h, data in zip(c, harness.get(c)):
-            assert data is None or data == payload_for(h)
+            assert data is None or data == payload_bytes(h, BLOCK)
     assert store.check() == []
 
 
@@ -483,13 +475,13 @@ def test_unaligned_block_size_round_trips_through_the_bounce_buffer(tmp_path):
         hashes = [bytes([i]) * 16 for i in range(1, 9)]
         for h in hashes:  # eight roots; the host tier holds four
             (e,) = store.reserve(ns_id, [(h, None)], "w")
-            store.host.write(e.location, payload_for(h, ns.block_bytes))
+            store.host.write(e.location, payload_bytes(h, ns.block_bytes))
             store.commit(ns_id, [h], "w")
         assert store.lookup(ns_id, hashes[:1]).tiers == ("disk",)
         store.flush()
-        entries = store.acquire(ns_id, hashes[:4], "r", prefix=False)
+        entries = store.pin(ns_id, hashes[:4], "r", prefix=False)
         got = asyncio.run(store.prepare_read(entries, "r"))
-        assert [store.host.read(e.location) for e in got] == [payload_for(h, ns.block_bytes) for h in hashes[:4]]
+        assert [store.host.read(e.location) for e in got] == [payload_bytes(h, ns.block_bytes) for h in hashes[:4]]
         store.release(ns_id, hashes[:4], "r")
         assert store.check() == []
     finally:
@@ -506,7 +498,7 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
         hashes = [bytes([i]) * 16 for i in range(1, 4)]
         for h in hashes:
             (e,) = store.reserve(ns_id, [(h, None)], "w")
-            store.host.write(e.location, payload_for(h, ns.block_bytes))
+            store.host.write(e.location, payload_bytes(h, ns.block_bytes))
             store.commit(ns_id, [h], "w")
         store.flush()
         slot = store.entries[(ns_id, hashes[0])].location
@@ -515,7 +507,7 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
         whole = np.frombuffer(buf, dtype=np.uint8)
         dst = [whole[i * 4096 : (i + 1) * 4096] for i in range(1200)]  # 1200 iovecs > IOV_MAX (1024)
         assert store.disk.read_block(slot.extents, ns.block_bytes, slot.known_checksum(), dst)
-        assert whole.tobytes() == payload_for(hashes[0], ns.block_bytes)
+        assert whole.tobytes() == payload_bytes(hashes[0], ns.block_bytes)
         del dst, whole
         buf.close()
         assert store.check() == []
@@ -562,11 +554,11 @@ def test_tier_on_tmpfs_works_with_whatever_io_the_kernel_allows(caplog):
         try:
             disk = h.store.disk
             assert disk.direct or ("refuses O_DIRECT" in disk.direct_reason and disk.direct_reason in caplog.text)
-            chains = [chain(2, salt=s) for s in range(5)]
+            chains = [chain_hashes(s, 2) for s in range(5)]
             for c in chains:
                 h.put(c)
             assert h.store.lookup(NS.id, chains[0]).tiers == ("disk", "disk")
-            assert h.get(chains[0]) == [payload_for(x) for x in chains[0]]
+            assert h.get(chains[0]) == [payload_bytes(x, BLOCK) for x in chains[0]]
             assert h.store.check() == []
             h.reopen()
             assert h.store.check() == []

@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import threading
-import time
 
 import lmdb
 import msgpack
@@ -28,28 +27,11 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, hash_blocks
-from tools.daemon_proc import start_daemon
+from tests.helpers import chain_hashes, namespace, payload_for, poll
+from tools.harness.daemon_proc import start_daemon
 
 BLOCK = 64 * 1024
-NS = Namespace("crash-model", "bf16", 2, 2, 64, 16, BLOCK)
-
-
-def payload_for(h: bytes) -> np.ndarray:
-    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-    return rng.integers(0, 256, BLOCK, dtype=np.uint8)
-
-
-def chain_hashes(salt: int, n: int) -> list[bytes]:
-    return hash_blocks(np.arange(salt * 1000, salt * 1000 + 16 * n), 16)
-
-
-def poll(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+NS = namespace("crash-model", BLOCK, dtype="bf16")
 
 
 def acknowledged(disk_path: str) -> tuple[dict[bytes, bytes | None], list[bytes]]:
@@ -115,14 +97,14 @@ class Storm:
                 self.chains.append(hashes)
                 blocks, parent = [], None
                 for h in hashes:
-                    blocks.append((h, parent, payload_for(h)))
+                    blocks.append((h, parent, payload_for(h, BLOCK)))
                     parent = h
                 self.client.put(self.ns_id, blocks)
                 self.acked += 1
                 if self.read_from is not None and rng.random() < 0.5:
                     pick = rng.choice(self.read_from + self.chains)
                     for h, data in zip(pick, self.client.get(self.ns_id, pick)):
-                        if data is not None and not np.array_equal(data, payload_for(h)):
+                        if data is not None and not np.array_equal(data, payload_for(h, BLOCK)):
                             self.wrong.append(h)
                     self.reads += 1
         except (KVStoreError, OSError) as exc:  # the daemon was killed under us
@@ -143,7 +125,7 @@ def verify(socket_path: str, must_serve: list[bytes], chains: list[list[bytes]])
                     continue
                 served += 1
                 must.discard(h)
-                assert np.array_equal(data, payload_for(h)), f"block {h.hex()[:16]} served with wrong bytes"
+                assert np.array_equal(data, payload_for(h, BLOCK)), f"block {h.hex()[:16]} served with wrong bytes"
     assert not must, f"{len(must)} acknowledged blocks belong to no chain the test put"
     return served
 
@@ -224,10 +206,10 @@ def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
         with KVClient(socket_path=d.socket_path) as client:
             ns_id = client.register(NS)
             for hashes in chains:
-                client.put(ns_id, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
+                client.put(ns_id, [(h, p, payload_for(h, BLOCK)) for h, p in zip(hashes, [None] + hashes[:-1])])
             assert client.lookup(ns_id, chains[0]).tiers == ("disk",) * 4  # lookups report disk hits
             got = client.get(ns_id, chains[0])
-            assert all(np.array_equal(g, payload_for(h)) for g, h in zip(got, chains[0]))
+            assert all(np.array_equal(g, payload_for(h, BLOCK)) for g, h in zip(got, chains[0]))
             disk = client.stats()["tiers"]["disk"]
         assert disk["demotions_in"] >= 24 and disk["promotions_out"] == 4 and disk["hits"] == 4
         assert disk["checksum_failures"] == 0 and disk["direct_io"] is True
@@ -254,7 +236,7 @@ def test_reads_do_not_make_blocks_less_durable(tmp_path):
         with KVClient(socket_path=d.socket_path) as client:
             ns_id = client.register(NS)
             for hashes in chains:
-                client.put(ns_id, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
+                client.put(ns_id, [(h, p, payload_for(h, BLOCK)) for h, p in zip(hashes, [None] + hashes[:-1])])
         assert d.stop(signal.SIGTERM) == 0  # everything reaches the disk
         d = start_daemon(tmp_path, *args, host_bytes="1MiB", page_bytes="64KiB", disk=True, name=d.name)
         with KVClient(socket_path=d.socket_path) as client:
@@ -262,7 +244,7 @@ def test_reads_do_not_make_blocks_less_durable(tmp_path):
             assert all(client.lookup(ns_id, c).tiers == ("disk",) * 4 for c in chains)
             writes_before = client.stats()["tiers"]["disk"]["writes"]
             for hashes in chains + chains[:3]:  # promote all, so host blocks are demoted back
-                assert all(np.array_equal(g, payload_for(h)) for g, h in zip(client.get(ns_id, hashes), hashes))
+                assert all(np.array_equal(g, payload_for(h, BLOCK)) for g, h in zip(client.get(ns_id, hashes), hashes))
             stats = client.stats()
             in_host = sum(t == "host" for c in chains for t in client.lookup(ns_id, c).tiers)
         assert in_host == 16 and stats["tiers"]["disk"]["copies"] == 16

@@ -32,10 +32,11 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVClient
-from tests.test_disk_crash import NS, Storm, acknowledged, chain_hashes, payload_for, poll
+from tests.helpers import chain_hashes, payload_for, poll
+from tests.test_disk_crash import NS, Storm, acknowledged
 from tiers.host import copy_in
 from tiers.host_index import index_path
-from tools.daemon_proc import DaemonProc, start_daemon
+from tools.harness.daemon_proc import DaemonProc, start_daemon
 
 BLOCK = NS.block_bytes  # 64 KiB
 
@@ -48,7 +49,7 @@ def put_chains(d: DaemonProc, chains: list[list[bytes]]) -> None:
     with KVClient(d.socket_path) as c:
         ns = c.register(NS)
         for hashes in chains:
-            assert c.put(ns, [(h, p, payload_for(h)) for h, p in zip(hashes, [None] + hashes[:-1])]) == len(hashes)
+            assert c.put(ns, [(h, p, payload_for(h, BLOCK)) for h, p in zip(hashes, [None] + hashes[:-1])]) == len(hashes)
 
 
 def held(d: DaemonProc, chains: list[list[bytes]]) -> dict[bytes, str]:
@@ -72,7 +73,7 @@ def served(d: DaemonProc, chains: list[list[bytes]]) -> dict[bytes, bool]:
         ns = c.register(NS)
         for hashes in chains:
             for h, data in zip(hashes, c.get(ns, hashes)):
-                assert data is None or np.array_equal(data, payload_for(h)), f"{h.hex()[:16]} served wrong"
+                assert data is None or np.array_equal(data, payload_for(h, BLOCK)), f"{h.hex()[:16]} served wrong"
                 out[h] = data is not None
     return out
 
@@ -235,7 +236,7 @@ def test_torn_or_altered_blocks_are_not_served_after_adoption(tmp_path):
         with KVClient(d.socket_path) as c:  # reserved and written, never committed: a put cut short
             ns = c.register(NS)
             for ext, h in zip(c.reserve(ns, list(zip(torn, [None, torn[0]]))), torn):
-                copy_in(c.arena, ext, payload_for(h))
+                copy_in(c.arena, ext, payload_for(h, BLOCK))
             poll(lambda: settled(d), 30, "host records")
             d.stop(signal.SIGKILL, keep_arena=True)
         with open(arena_of(d), "r+b") as f:  # alter the third block of the chain after its record was written

@@ -1,22 +1,16 @@
-"""Waiting for in-flight blocks (kvstore/inflight.py) through a real daemon: a consumer's wait ends at
+"""Waiting for in-flight blocks (kvstore/waits.py) through a real daemon: a consumer's wait ends at
 commit, abort, the producer's lease, a withdrawn announcement, or the timeout; never on uncommitted bytes."""
 
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import ProtocolError
-from kvstore.keys import Namespace, hash_blocks
+from tests.helpers import chain, namespace
 
-NS = Namespace("inflight-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
-
-
-def chain(seed: int, n: int):
-    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
-    return hs, [None] + hs[:-1]
+NS = namespace("inflight-model")
 
 
 class Waiter:

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.vllm_helpers import REPO, build_model, connector_config, corpus_text, engine_spec, run_engine, start_daemon
-from tests.vllm_helpers import vllm_available
+from tools.harness.vllm_helpers import REPO, build_model, connector_config, corpus_text, engine_spec, run_engine, start_daemon
+from tools.harness.vllm_helpers import vllm_available
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]

@@ -25,12 +25,12 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.config import EventsConfig
-from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from server.event_wire import MEDIUM, RawEvent, decode_batch, encode_batch, group_by_topic
 from server.events import EventPublisher
 from tests.conftest import ROOT
 from tiers.host import HostArena
+from tests.helpers import chain_hashes, namespace
 
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (the tools extra)")
 msgspec = pytest.importorskip("msgspec", reason="vLLM's decoder is msgspec's")
@@ -38,13 +38,14 @@ vllm_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM's K
 DECODER = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
 
 BT = 16
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, BT, 256 * 1024)
+NS = namespace(block_bytes=256 * 1024, block_tokens=BT)
 TOPIC = f"kv@{socket.gethostname()}@test-model".encode()
 
 
-def chain(seed: int, n: int) -> tuple[list[bytes], list[bytes]]:
+def chain_tokens(seed: int, n: int) -> tuple[list[bytes], list[bytes]]:
+    """The hashes of a chain (tests/helpers.py) and each block's token ids as <u4 bytes."""
     tokens = (np.arange(n * BT) + seed * 100_000).astype("<u4")
-    return hash_blocks(tokens, BT), [tokens[i * BT:(i + 1) * BT].tobytes() for i in range(n)]
+    return chain_hashes(seed, n, block_tokens=BT), [tokens[i * BT:(i + 1) * BT].tobytes() for i in range(n)]
 
 
 class Subscriber:
@@ -122,7 +123,7 @@ def test_events_mirror_every_tier_change_decoded_by_vllm(events_daemon):
         ns = c.register(NS)
         assert c.server_info["events"]["token_ids"] is True
         for seed in range(7):  # 7 chains of 5 blocks: 35 blocks through a host tier of 8 and a disk tier of 16
-            hs, toks = chain(seed, 5)
+            hs, toks = chain_tokens(seed, 5)
             parents = [None] + hs[:-1]
             for h, p, t in zip(hs, parents, toks):  # one block per commit: the tiny host tier makes room each time
                 ext = c.reserve(ns, [(h, p)])
@@ -138,7 +139,7 @@ def test_events_mirror_every_tier_change_decoded_by_vllm(events_daemon):
         before_clear = daemon_holds(c, ns, list(committed))
         status, _ = d.http("/clear", method="POST")
         assert status == 200
-        hs, toks = chain(99, 2)
+        hs, toks = chain_tokens(99, 2)
         c.reserve(ns, [(hs[0], None), (hs[1], hs[0])])
         c.commit(ns, hs, tokens=toks)
         committed.update({hs[0]: (None, toks[0]), hs[1]: (hs[0], toks[1])})
@@ -195,7 +196,7 @@ def test_replay_serves_missed_batches_and_survives_bad_requests(events_daemon):
     with KVClient(d.socket_path) as c:
         ns = c.register(NS)
         for seed in range(3):
-            hs, toks = chain(seed, 2)
+            hs, toks = chain_tokens(seed, 2)
             c.reserve(ns, [(hs[0], None), (hs[1], hs[0])])
             c.commit(ns, hs, tokens=toks)
     time.sleep(0.2)
@@ -245,7 +246,7 @@ class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def test_encodings_decode_with_vllm_and_with_the_older_array_form():
-    hs, toks = chain(1, 3)
+    hs, toks = chain_tokens(1, 3)
     raw = [RawEvent("S", b"t", BT, hs[0], None, toks[0], "host"), RawEvent("S", b"t", BT, hs[1], hs[0], toks[1], "host"),
            RawEvent("S", b"t", BT, hs[2], hs[1], toks[2], "remote"), RawEvent("R", b"t", block_hash=hs[2], tier="remote"),
            RawEvent("R", b"t", block_hash=hs[1], tier="disk"), RawEvent("C", b"t")]
@@ -274,8 +275,8 @@ def test_a_publisher_that_falls_behind_drops_then_resyncs_the_whole_state(tmp_pa
         ns = store.register_namespace(NS)
         cfg = EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_queue_events=4)
         pub = EventPublisher(cfg, store.namespaces)
-        store.events = pub
-        hs, toks = chain(3, 6)
+        store.add_listener(pub)
+        hs, toks = chain_tokens(3, 6)
         for i, (h, t) in enumerate(zip(hs, toks)):  # the thread is not running yet: nothing drains the queue
             store.reserve(ns, [(h, hs[i - 1] if i else None)], "w")
             store.commit(ns, [h], "w", tokens=[t])
@@ -311,7 +312,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_events_command_prints_replayed_and_live_batches(events_daemon):
     d = events_daemon
-    hs, toks = chain(5, 3)
+    hs, toks = chain_tokens(5, 3)
     with KVClient(d.socket_path) as c:
         ns = c.register(NS)
         c.reserve(ns, [(hs[0], None), (hs[1], hs[0]), (hs[2], hs[1])])

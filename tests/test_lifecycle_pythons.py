@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVClient
-from kvstore.keys import Namespace, hash_blocks
-from tools.daemon_proc import ROOT, start_daemon
+from kvstore.keys import hash_blocks
+from tools.harness.daemon_proc import ROOT, start_daemon
+from tests.helpers import namespace
 
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
-NS = Namespace("lifecycle", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+NS = namespace("lifecycle")
 
 
 def venv_python(version: str):

@@ -2,7 +2,7 @@
 
 The daemon runs as root here; the other user is `nobody` (uid 65534), reached through
 `setpriv`. Those tests skip, saying why, when not run as root. Each finding is checked
-with real daemons (tools/daemon_proc.py) and real processes of the other user:
+with real daemons (tools/harness/daemon_proc.py) and real processes of the other user:
 
 1. the admin HTTP plane: counters stay open on loopback, everything else needs the
    owner's token; foreign Host headers (DNS rebinding) and non-JSON POSTs are refused;
@@ -31,11 +31,12 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import hash_blocks
+from tests.helpers import namespace
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+NS = namespace()
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv: the test acts as a second local user (uid 65534)",

@@ -17,9 +17,10 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVClient
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import hash_blocks
 from server.metrics import MAX_MODEL_LABELS, OTHER_MODEL
 from tests.conftest import ROOT
+from tests.helpers import namespace
 
 DASHBOARD = ROOT / "docs" / "grafana" / "kvstore.json"
 NUM_MODELS = MAX_MODEL_LABELS + 4
@@ -39,7 +40,7 @@ def scrape(daemon) -> dict[str, list]:
 def fill(daemon) -> None:
     with KVClient(daemon.socket_path) as c:
         for m in range(NUM_MODELS):
-            ns = c.register(Namespace(f"model-{m}", "bfloat16", 2, 2, 64, 16, 64 * 1024))
+            ns = c.register(namespace(f"model-{m}"))
             n = m % 3 + 1
             hs = hash_blocks(np.arange(16 * n) + m * 10_000, 16)
             c.put(ns, [(h, p, np.zeros(64 * 1024, np.uint8)) for h, p in zip(hs, [None] + hs[:-1])])

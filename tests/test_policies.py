@@ -307,7 +307,7 @@ def test_store_pinned_blocks_survive_pressure(name, make_store):
     store, ns, clock = make_store(name, 8)
     hot = [h("hot", i) for i in range(3)]
     assert put_chain(store, ns, hot) == 3
-    store.acquire(ns, hot, "reader")
+    store.pin(ns, hot, "reader")
     for r in range(10):
         clock.now = r + 1
         put_chain(store, ns, [h("cold", r, i) for i in range(4)])
@@ -338,7 +338,7 @@ def test_store_full_of_pins_refuses_instead_of_evicting(name, make_store):
     store, ns, _ = make_store(name, 4)
     chain = [h("p", i) for i in range(4)]
     assert put_chain(store, ns, chain) == 4
-    store.acquire(ns, chain, "reader")
+    store.pin(ns, chain, "reader")
     assert put_chain(store, ns, [h("q", 0)]) == 0  # no room: refused, nothing pinned evicted
     assert store.counters["put_capacity_rejects"] >= 1
     assert store.lookup(ns, chain).hits == 4
@@ -364,7 +364,7 @@ def test_store_random_workload_stays_consistent(name, make_store):
         n = store.lookup(ns, chain).hits
         hits += n
         if n:
-            store.acquire(ns, chain[:n], "engine")
+            store.pin(ns, chain[:n], "engine")
             store.release(ns, chain[:n], "engine")
         rest = chain[n:]
         if rest:
@@ -439,7 +439,7 @@ def test_victims_the_store_did_not_take_are_named_again(name):
 
 
 def test_leaf_queues_rekey_reorders_every_leaf_at_once():
-    from eviction.lfu import LeafQueues
+    from eviction.leaves import LeafQueues
 
     q = LeafQueues()
     for i, (key, parent) in enumerate([("a", None), ("b", "a"), ("c", None), ("d", None)]):

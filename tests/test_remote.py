@@ -2,7 +2,7 @@
 
 Real parts only: the wheel's `mooncake_master`, each daemon a Mooncake client
 contributing its own segment, TCP between network namespaces made by the test
-(tests/remote_env.py). Faults: the master killed and restarted, a peer daemon
+(tools/harness/remote_env.py). Faults: the master killed and restarted, a peer daemon
 killed -9, values written wrong under a block's key, bad configuration.
 """
 
@@ -18,21 +18,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.keys import Namespace, hash_blocks
-from tests.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
-from tools.daemon_proc import ROOT, start_daemon
+from kvstore.keys import Namespace
+from tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from tools.harness.daemon_proc import ROOT, start_daemon
+from tests.helpers import chain, namespace
 
-NS = Namespace("remote-test-model", "bfloat16", 2, 2, 64, 16, 256 * 1024)
+NS = namespace("remote-test-model", 256 * 1024)
 
 
-def chain(seed: int, n: int):
-    hs = hash_blocks(np.arange(n * 16) + seed * 100_000, 16)
+def chain_payloads(seed: int, n: int):
+    """(hashes, parents, payloads) of a chain (tests/helpers.py), random payloads drawn from the seed."""
+    hs, ps = chain(seed, n)
     payloads = [np.random.default_rng([seed, i]).integers(0, 256, NS.block_bytes, dtype=np.uint8) for i in range(n)]
-    return hs, [None] + hs[:-1], payloads
+    return hs, ps, payloads
 
 
 def put_chain(d, seed: int, n: int):
-    hs, parents, payloads = chain(seed, n)
+    hs, parents, payloads = chain_payloads(seed, n)
     with d.client() as c:
         ns = c.register(NS)
         assert c.put(ns, list(zip(hs, parents, payloads))) == n
@@ -100,7 +102,7 @@ def test_two_hosts_share_chains_through_mooncake(tmp_path, two_hosts, started):
             assert c.lookup(ns, hs).tiers == ("host",) * 6  # promoted into B's arena: the next read is local
         assert c.lookup(other, chains[0][1]).hits == 0  # nothing leaks across namespaces
         # a prefix held locally, the rest remotely: one lookup joins them
-        hs, _, payloads = chain(7, 8)
+        hs, _, payloads = chain_payloads(7, 8)
         c.put(ns, list(zip(hs[:3], [None] + hs[:2], payloads[:3])))
     put_chain(da, 7, 8)
     wait_counter(da, "remote_published_blocks", 18 + 8)
@@ -122,7 +124,7 @@ def test_a_corrupt_or_foreign_remote_value_is_a_miss_never_a_wrong_block(tmp_pat
     cfg = remote_config(tmp_path / "remote.toml", master)
     db = start_daemon(tmp_path, "--config", cfg, name="reader", log_path=str(tmp_path / "b.log"))
     started.append(db)
-    hs, parents, payloads = chain(3, 6)
+    hs, parents, payloads = chain_payloads(3, 6)
     ns_id = NS.id
     # Another "host" publishes the chain with its own Mooncake client, but block 2's bytes change
     # after its checksum was taken (torn), and block 4's header names another parent (foreign).
@@ -239,7 +241,7 @@ def test_a_killed_peer_is_a_clean_miss_on_the_other_host(tmp_path, two_hosts, st
 
 
 def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_path, mooncake):
-    from tests.remote_env import free_port
+    from tools.harness.remote_env import free_port
 
     from tiers.host import remove_stale_arena
 
@@ -255,7 +257,7 @@ def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_p
     assert not arena.exists() and not Path(f"{arena}.index").exists()  # the arena this failed start created is gone
     # An arena a previous daemon kept is kept through a failed start, blocks and all.
     kept = start_daemon(tmp_path, name="keptarena", host_bytes="16MiB", log_path=str(tmp_path / "k.log"))
-    hs, parents, payloads = chain(1, 2)
+    hs, parents, payloads = chain_payloads(1, 2)
     with kept.client() as c:
         assert c.put(c.register(NS), list(zip(hs, parents, payloads))) == 2
     assert kept.stop(keep_arena=True) == 0
@@ -277,7 +279,7 @@ def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_p
     try:
         stats = d.stats()
         assert stats["chain"] == ["host"] and "cannot reach the Mooncake master" in stats["tiers"]["remote"]["absent"]
-        hs, parents, payloads = chain(1, 2)
+        hs, parents, payloads = chain_payloads(1, 2)
         with d.client() as c:
             ns = c.register(NS)
             assert c.put(ns, list(zip(hs, parents, payloads))) == 2 and c.lookup(ns, hs).hits == 2

@@ -1,5 +1,5 @@
 """A real vLLM CPU engine on host B gets a prefix hit on KV an engine on host A computed, through
-two daemons and a Mooncake cluster (hosts are network namespaces; tests/remote_env.py).
+two daemons and a Mooncake cluster (hosts are network namespaces; tools/harness/remote_env.py).
 
 Same model, prompts and baseline as tests/test_vllm_e2e.py: prompt B shares a
 700-token document with prompt A, so 21 blocks of 32 tokens (672) can come
@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from tests.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
 from tests.test_vllm_e2e import BS, COMMON, DOC, EXPECTED_HIT, one
-from tests.vllm_helpers import (base_env, build_model, connector_config, corpus_text, engine_spec, run_engine,
+from tools.harness.vllm_helpers import (base_env, build_model, connector_config, corpus_text, engine_spec, run_engine,
                                 tokenize, vllm_available)
-from tools.daemon_proc import ROOT, start_daemon
+from tools.harness.daemon_proc import ROOT, start_daemon
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]

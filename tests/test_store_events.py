@@ -43,7 +43,7 @@ class EventsMachine(StoreMachine):
     def _open(self) -> None:
         super()._open()
         self.sink = RecordingSink()
-        self.store.events = self.sink
+        self.store.add_listener(self.sink)
         self.store.report_all()  # what a restart recovered, as the daemon reports it at start
 
     @rule()

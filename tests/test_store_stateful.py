@@ -104,14 +104,15 @@ class StoreMachine(RuleBasedStateMachine):
         self.writable = [t.name for t in self.store.chain if t.client_readable]
         if not self.watch_demotions:
             return
-        demote = self.store.demote
+        placement = self.store.placement
+        demote = placement.demote
 
         def demote_leaves_only(entry):  # "only leaves demoted", seen at the moment of each demotion
             if not is_leaf_in(entry, entry.tier):
                 self.demoted_non_leaves.append(entry.key)
             demote(entry)
 
-        self.store.demote = demote_leaves_only
+        placement.demote = demote_leaves_only
 
     def teardown(self) -> None:
         self.store.close(persist=False)
@@ -195,7 +196,7 @@ class StoreMachine(RuleBasedStateMachine):
     def acquire_and_read(self, data, owner):
         h = data.draw(st.sampled_from(sorted(self.committed)))
         reader = data.draw(st.sampled_from(self.writable))
-        [entry] = self.store.acquire(self.ns, [h], owner, prefix=True)
+        [entry] = self.store.pin(self.ns, [h], owner, prefix=True)
         assert entry is not None
         was = entry.tier
         parent = self.store.entries.get(entry.parent) if entry.parent is not None else None
@@ -262,8 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
                 tier.abandon()
             else:
                 tier.close()
-        if self.store._reader is not None:
-            self.store._reader.shutdown()
+        self.store.promoter.shutdown()
         self._open()
         self.pins = {o: [] for o in self.pins}
         self.reserved = {}

@@ -20,8 +20,9 @@ from kvstore.client import KVClient
 from kvstore.config import ServerConfig, load_config
 from kvstore.errors import AuthError, ConfigError, PermissionDenied, ProtocolError
 from kvstore.keys import ExtraKeys, Namespace, hash_blocks
+from tests.helpers import frame, namespace, wait_for
 
-NS = Namespace("test-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+NS = namespace()
 MiB = 1 << 20
 SECRETS = {"acme": "acme-secret-0123456789", "globex": "globex-secret-0123456789", "reader": "reader-secret-0123456789",
            "other": "other-model-secret-0123", "admin": "admin-secret-0123456789"}
@@ -65,11 +66,6 @@ def salted_blocks(salt: str, n: int, block_bytes: int = NS.block_bytes):
     return hs, list(zip(hs, [None] + hs[:-1], payloads)), payloads
 
 
-def frame(obj) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
 def raw_tcp(d, timeout: float = 5.0) -> socket.socket:
     return socket.create_connection(("127.0.0.1", d.tcp_port), timeout=timeout)
 
@@ -106,15 +102,6 @@ def closed_now(sock: socket.socket) -> bool:
 
 def errors(d) -> dict:
     return d.stats()["errors"]
-
-
-def wait_for(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 # -- 1. scoped tokens ---------------------------------------------------------------
@@ -342,7 +329,7 @@ def test_limits_before_hello_are_configurable(tmp_path):
 
 # -- 3. frames under the daemon's limit --------------------------------------------------
 
-BIG = Namespace("test-model", "bfloat16", 2, 2, 64, 16, MiB)
+BIG = namespace(block_bytes=MiB)
 
 
 @pytest.fixture

@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVClient
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import hash_blocks
 from tests.conftest import ROOT
+from tests.helpers import namespace
 
 pytest.importorskip("rich", reason="kvstore top needs rich (the tools extra)")
-NS = Namespace("top-model", "bfloat16", 2, 2, 64, 16, 64 * 1024)
+NS = namespace("top-model")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
 

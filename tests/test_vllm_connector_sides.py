@@ -19,7 +19,7 @@ from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors import vllm_worker  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import ExtraKeys, Namespace, hash_blocks  # noqa: E402
-from tests.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
+from tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
 
 BT, NB, H, D, L = 32, 16, 2, 8, 3  # block tokens, blocks, kv heads, head size, layers
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]

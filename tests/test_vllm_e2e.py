@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.vllm_helpers import (
+from tools.harness.vllm_helpers import (
     build_model,
     connector_config,
     corpus_text,

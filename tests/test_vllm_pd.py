@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation with real engines: a kv_producer OpenAI server and a kv_consumer one
-(separate processes, one daemon) behind tools/pd_proxy.py, SmolLM2 bf16, block size 32.
+(separate processes, one daemon) behind server/pd_proxy.py, SmolLM2 bf16, block size 32.
 
 One module-scoped world serves every check (engine startups dominate on this machine):
 * outputs through the proxy equal a baseline engine's (no connector) split at the same token: it
@@ -31,7 +31,8 @@ import urllib.request
 import pytest
 
 from kvstore.client import KVClient
-from tests.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
+from tests.helpers import free_port
+from tools.harness.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
                                 run_engine, start_daemon, tokenize, vllm_available)
 
 ok, why = vllm_available()
@@ -42,14 +43,6 @@ MAX_TOKENS = 12
 COMMON = dict(dtype="bfloat16", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
               max_num_batched_tokens=2048)
 CONSUMER_WAIT_S = 60.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict, dict]:
@@ -129,7 +122,7 @@ class World:
         self.producer.wait_http(self.p_url + "/v1/models")
         self.consumer.wait_http(self.c_url + "/v1/models")
         port = free_port()
-        self.proxy = Proc([sys.executable, "-m", "tools.pd_proxy", "--prefill", self.p_url, "--decode", self.c_url,
+        self.proxy = Proc([sys.executable, "-m", "tools.cli", "proxy", "--prefill", self.p_url, "--decode", self.c_url,
                            "--port", str(port), "--health-interval-s", "0.5"], workdir, "proxy")
         self.x_url = f"http://127.0.0.1:{port}"
         self.proxy.wait_http(self.x_url + "/health", timeout_s=60)

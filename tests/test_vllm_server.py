@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import urllib.request
 
 import pytest
 
-from tests.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize, vllm_available
+from tests.helpers import free_port
+from tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize, vllm_available
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
 
 BS = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 120) -> str:

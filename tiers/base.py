@@ -46,9 +46,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from tiers import TIER_ORDER  # noqa: F401  (also this module's name)
 from tiers.pages import PageAllocator
 
-TIER_ORDER = ("gpu", "host", "disk", "remote")  # fastest first
 Key = tuple  # (namespace id, block hash)
 
 

@@ -13,38 +13,39 @@ Sub-databases: `meta` (format version, geometry, the arena file's inode),
 {e: extents, n: length, p: parent hash, d: depth, a: attention, t: wall-clock
 time it reached the tier, x: xxh3_64 of its bytes, or None until taken}).
 
+Who writes (one LMDB environment, every write transaction under `_lock`):
+- The owner's thread writes what it makes: the records of committed blocks
+  (`record`), their deletions (`forget`), namespaces, and `settle`/`flush`.
+  On an asyncio loop, everything a turn of the loop recorded or forgot is
+  written in one transaction when that turn ends (packing and putting a
+  record costs the loop ~2.6 us; one transaction per turn keeps the commits
+  few); a caller that runs no loop (a store used in process, the daemon's
+  close in an executor thread) writes each record or deletion at once.
+- The `kvstore-host-index` thread writes only the checksums the
+  `kvstore-host-hash` thread computes: the hasher runs at nice 19 and must
+  never hold the lock the loop waits for.
+
 Rules that make an adopted block safe to serve:
 - A record is written only after its block committed (the client copied the
   bytes in before it sent `commit`), so a reserved, never committed block (a
   put cut short by the kill: a torn block) has no record and its pages are
-  free at the next start. Records are written at the end of the event loop's
-  turn that committed them, one LMDB transaction per turn (`pending` until
-  then: what a kill -9 loses). Packing a record and putting it costs the loop
-  ~2.6 us; handing it to a thread cost ~7 us of that thread's CPU plus the
-  loop's waits for the GIL it took (session 19, docs/benchmarks.md). A
-  caller with no running asyncio loop in its thread (tests, a store used in
-  process, the daemon's close in an executor) has them written by the
-  `kvstore-index` thread, within milliseconds; that thread also writes the
-  hasher's checksums.
+  free at the next start. A kill -9 loses the records of the loop's current
+  turn (`pending` until it ends): blocks whose commit was answered in the
+  microseconds before the kill are misses after the restart, never wrong.
 - A record is deleted before its pages are handed out again: `forget` queues
-  the deletion, committed with the turn's records (or by the index thread
-  soon after), and the arena's `allocate` commits what is still queued first
-  (`settle`), so no record ever points at pages that hold another block.
-- The checksum is added to the record later, by the `kvstore-hash` thread
-  (nice 19), once no block has been committed, freed or acquired for
-  `QUIET_S` (or the oldest unchecked record is `CHECK_LAG_S` old): hashing
-  reads every byte, and on a memory-bound host it would slow the puts and gets
-  it ran beside. A clean stop checks every block first (`flush`).
+  the deletion (written with the turn, or at once), and the arena's
+  `allocate` commits what is still queued first (`settle`), so no record ever
+  points at pages that hold another block.
+- The checksum is added to the record later, by the hasher, once no block has
+  been committed, freed or acquired for `QUIET_S` (or the oldest unchecked
+  record is `CHECK_LAG_S` old): hashing reads every byte, and on a
+  memory-bound host it would slow the puts and gets it ran beside. A clean
+  stop checks every block first (`flush`).
 - At adoption every record is checked (extents inside the arena, no overlap,
   length) and a record with a checksum is verified against the bytes: an
   altered block is dropped, never served. A record without one (a kill -9
   before the store was quiet) is adopted on the two rules above, and checked
   in the background like a new one.
-
-Threads: `record`, `forget`, `settle` and the end-of-turn write run on the
-owner's thread (the event loop). `_lock` orders every write transaction and
-the state below; the hasher never takes it (a preempted nice-19 thread
-holding it would stall the loop).
 """
 
 from __future__ import annotations
@@ -145,11 +146,10 @@ class HostIndex:
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
         self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
-        # For the index thread: _Pending (a new record) | [(item, checksum)]; appended without a lock,
-        # `_index_wake` set after (one wake-up per batch, not per block: the loop holds the GIL meanwhile).
-        self._to_index: deque = deque()
-        self._turn: list[_Pending] | None = None  # new records to write at the end of the loop's turn (scheduled)
-        self._turn_thread = 0  # the loop's thread, which alone adds to `_turn`
+        # For the index thread: batches of [(item, checksum)] from the hasher; `_index_wake` set after.
+        self._sums: deque = deque()
+        self._turn: list[_Pending] | None = None  # new records to write when the loop's turn ends (scheduled)
+        self._turn_thread = 0  # the thread of the loop whose turn that is
         self._index_wake = threading.Event()
         self._hash_wake = threading.Event()
         self._stopped = threading.Event()
@@ -276,23 +276,25 @@ class HostIndex:
         self._queue(None)  # committed promptly: a removed block must not come back after a kill
 
     def _queue(self, item: _Pending | None) -> None:
-        """Have a new record (`item`) or the queued deletions (None) written soon: at the end of the
-        running loop's turn, by the loop (one transaction for every block the turn committed or
-        freed), or by the index thread where the owner runs no loop."""
-        if self._turn is None or threading.get_ident() != self._turn_thread:  # (get_running_loop: ~0.2 us)
-            try:
-                loop = asyncio.get_running_loop()  # the calling thread's (a store closing in an executor has none)
-            except RuntimeError:
-                loop = None
-            if loop is None or self._turn is not None:  # no loop here, or the turn open is another thread's
-                if item is not None:
-                    self._to_index.append(item)
-                self._wake_index()
-                return
-            self._turn, self._turn_thread = [], threading.get_ident()
-            loop.call_soon(self._write_turn)
-        if item is not None:
-            self._turn.append(item)
+        """Have a new record (`item`) or the queued deletions (None) written by the calling thread:
+        when the turn of the loop it runs ends (one transaction for all that turn recorded or
+        forgot), or at once where it runs no loop."""
+        if self._turn is not None and threading.get_ident() == self._turn_thread:  # the turn's next block
+            if item is not None:
+                self._turn.append(item)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or self._turn is not None:  # no loop here, or the turn open is another loop's
+            new = [] if item is None else [(item, record_key(item.key), _pack(item, None), False)]
+            with self._lock:
+                if not self._closing:  # else `close` writes what is pending
+                    self._commit(new, [])
+            return
+        self._turn, self._turn_thread = [] if item is None else [item], threading.get_ident()
+        loop.call_soon(self._write_turn)
 
     def _write_turn(self) -> None:
         """The end of a loop turn: write its new records and deletions, one transaction."""
@@ -301,13 +303,6 @@ class HostIndex:
         with self._lock:
             if not self._closing:  # else `close` writes what is pending (or, unlinking, drops it)
                 self._commit(new, [])
-
-    def _wake_index(self) -> None:
-        """Wake the index thread for what the caller just queued. The thread clears the event before
-        it drains, so an event still set means a drain to come that sees it: setting it again (a
-        lock and a notify, per block) is skipped."""
-        if not self._index_wake.is_set():
-            self._index_wake.set()
 
     def busy(self) -> None:
         """Clients are reading: no checksums for QUIET_S (a plain store, no lock: a float is atomic)."""
@@ -333,33 +328,29 @@ class HostIndex:
     def num_unchecked(self) -> int:
         return len(self._unchecked)
 
-    # -- the index thread: records ------------------------------------------------------
+    # -- the index thread: checksums ------------------------------------------------------
     def _write_loop(self) -> None:
-        """One transaction per batch of new records, checksums and deletions. Records are packed
+        """One transaction per wake-up for the checksums the hasher handed over. Records are packed
         before the lock is taken, yielding the GIL every few, so the loop waits for at most one
         short transaction."""
         _name_native_thread("kvstore-index")
         while True:
             self._index_wake.wait()
             self._index_wake.clear()  # before draining: what is appended from now on sets it again
-            msgs = []
+            sums = []
             while True:
                 try:
-                    msgs.append(self._to_index.popleft())
+                    batch = self._sums.popleft()
                 except IndexError:
                     break
-            new, sums = [], []
-            for i, m in enumerate(msgs):
-                if isinstance(m, _Pending):
-                    new.append((m, record_key(m.key), _pack(m, None), False))
-                else:
-                    sums += [(item, record_key(item.key), _pack(item, x)) for item, x in m]
-                if i % 16 == 15:
-                    time.sleep(0)
+                for i, (item, x) in enumerate(batch):
+                    sums.append((item, record_key(item.key), _pack(item, x)))
+                    if i % 16 == 15:
+                        time.sleep(0)
             with self._lock:
                 if self._closing:
                     return
-                self._commit(new, sums)
+                self._commit([], sums)
 
     def _commit(self, new: list, sums: list) -> None:
         """Under `_lock`: write the new records still pending and the checksums of records still
@@ -423,7 +414,7 @@ class HostIndex:
                     if size >= BATCH_BYTES:
                         break
             if batch:
-                self._to_index.append(batch)
+                self._sums.append(batch)
                 self._index_wake.set()
             elif not any(not i.hashing for i in list(self._unchecked.values())):
                 self._hash_wake.clear()

@@ -10,7 +10,7 @@ import logging
 import sys
 
 COMMAND_MODULES = ["tools.serve_cmd", "tools.stats_cmd", "tools.blocks_cmd", "tools.inspect_cmd", "tools.top_cmd",
-                   "tools.events_cmd", "tools.replay", "tools.gen_trace", "tools.pd_proxy"]
+                   "tools.events_cmd", "tools.replay", "tools.gen_trace", "tools.proxy_cmd"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,7 +118,7 @@ def replay(
             position[0], now[0] = i, req.timestamp_s
             hits = store.lookup(ns_id, hashes).hits
             if hits:
-                entries = store.acquire(ns_id, hashes[:hits], owner)
+                entries = store.pin(ns_id, hashes[:hits], owner)
                 if disk_blocks:
                     entries = loop.run_until_complete(store.prepare_read(entries, owner))  # type: ignore[attr-defined]
                 served = 0

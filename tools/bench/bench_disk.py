@@ -6,7 +6,7 @@ In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
   - dd read:   dd if=DIR/dd.bin of=/dev/null bs=BLOCK iflag=direct
   - demotion:  a [host, disk] TieredStore whose host arena holds N blocks (N roots), all evicted to disk
-               (`_make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
+               (`Placement.make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
                LMDB commits), timed until `flush()` returns, i.e. until every block is durable
   - promotion: acquire + `await prepare_read` of all N blocks in batches of 32 (allocate host
                pages, O_DIRECT read, xxh3 verify), then release
@@ -58,7 +58,7 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
             store.commit(ns_id, [h], "bench")
         disk.wait_formatted()  # steady state: every slot written once (see tiers/disk.py, Formatting)
         t0 = time.perf_counter()
-        store._make_room("host", lambda: host.used_bytes)  # demote everything
+        store.placement.make_room("host", lambda: host.used_bytes)  # demote everything
         store.flush()
         write_gbps = n * block_bytes / (time.perf_counter() - t0) / 1e9
         assert store.stats()["tiers"]["disk"]["blocks"] == n
@@ -66,7 +66,7 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
         async def promote_all() -> None:
             for i in range(0, n, 32):
                 part = hashes[i : i + 32]
-                entries = store.acquire(ns_id, part, "bench", prefix=False)
+                entries = store.pin(ns_id, part, "bench", prefix=False)
                 got = await store.prepare_read(entries, "bench")
                 assert all(e is not None and e.tier == "host" for e in got), "a promotion failed"
                 store.release(ns_id, part, "bench")

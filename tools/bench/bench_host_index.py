@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tools.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
+from tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize  # noqa: E402
+from tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize  # noqa: E402
 
 BS = 128
 

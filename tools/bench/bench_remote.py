@@ -1,6 +1,6 @@
 """Benchmark: the remote tier through two daemons vs Mooncake's own Python client, same run, same payloads.
 
-Two "hosts" are network namespaces joined by a veth pair (as tests/remote_env.py
+Two "hosts" are network namespaces joined by a veth pair (as tools/harness/remote_env.py
 makes them; root needed, else the run stops with the reason), a real
 `mooncake_master` runs on host A. Payload: `--blocks` blocks of `--block-bytes`
 (default 128 x 2 MiB) in one namespace.
@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tests.remote_env import Master, make_hosts, remote_config, remove_hosts  # noqa: E402
-from tools.daemon_proc import start_daemon  # noqa: E402
+from tools.harness.remote_env import Master, make_hosts, remote_config, remove_hosts  # noqa: E402
+from tools.harness.daemon_proc import start_daemon  # noqa: E402
 
 PEER = r"""
 import json, sys, time, mmap, ctypes
@@ -164,7 +164,7 @@ def transfers(args, a, b, master, da, db) -> dict:
 
 
 def vllm_ttft(args, work: str, da, db) -> dict:
-    from tests.vllm_helpers import build_model, connector_config, corpus_text, engine_spec, run_engine, tokenize
+    from tools.harness.vllm_helpers import build_model, connector_config, corpus_text, engine_spec, run_engine, tokenize
     from tools.bench.bench_vllm import BLOCK, TAIL
 
     model = build_model("smollm2")

@@ -4,7 +4,7 @@ multi-tenant workload derived from the Mooncake conversation trace (tools/bench/
 Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, eager
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
 daemon for the kvstore arms (every engine's connector on it, kv_both), and
-`kvstore proxy --engine ...` (tools/pd_proxy.py, router mode) in front. Arms:
+`kvstore proxy --engine ...` (server/pd_proxy.py, router mode) in front. Arms:
 
 * a: round-robin, vLLM prefix caching only
 * b: session affinity (x-session-affinity = the session id), prefix caching only
@@ -106,7 +106,7 @@ class Server:
     EngineCore process too)."""
 
     def __init__(self, args, model: str, kvt: dict | None, workdir: str, name: str, port: int) -> None:
-        from tests.vllm_helpers import base_env
+        from tools.harness.vllm_helpers import base_env
 
         self.args, self.model, self.kvt, self.workdir, self.name, self.port = args, model, kvt, workdir, name, port
         self.base_env = base_env
@@ -178,10 +178,10 @@ class Server:
 class Router:
     def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5,
                  health_timeout_s: float = 3.0, load_bound: float = 0.0) -> None:
-        from tests.vllm_helpers import base_env
+        from tools.harness.vllm_helpers import base_env
 
         self.port = free_port()
-        cmd = [sys.executable, "-m", "tools.pd_proxy", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tools.cli", "proxy", "--port", str(self.port),
                "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s),
                "--load-bound", str(load_bound)]
         for u in urls:
@@ -298,7 +298,7 @@ ARMS = {
 
 
 def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
-    from tests.vllm_helpers import connector_config, start_daemon
+    from tools.harness.vllm_helpers import connector_config, start_daemon
 
     label, affinity, kvstore, restart = ARMS[arm]
     workdir = tempfile.mkdtemp(prefix=f"arm-{arm}-", dir=root)
@@ -447,7 +447,7 @@ def main() -> None:
         return
     if not args.max_model_len:
         args.max_model_len = int(math.ceil((stats["max_prompt"] + args.max_tokens + 1) / 256) * 256)
-    from tests.vllm_helpers import build_model
+    from tools.harness.vllm_helpers import build_model
 
     model = build_model("smollm2")
     root = tempfile.mkdtemp(prefix="bench-serving-")

@@ -52,7 +52,7 @@ from eviction.base import policy_names  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tiers.host import copy_bytes  # noqa: E402
-from tools.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
+from tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ which blocks are resident, so a policy variant is judged 2-3x faster:
   after the whole tail is reserved;
 - a victim must be resident, committed, without resident children and not
   protected (the store's `evictable`), and the loop asks again while it is
-  short of room, as `_make_room` does.
+  short of room, as `Placement.make_room` does.
 
 Capacity is in blocks (one page each). One tier, no attention estimates, no
 Belady. tests/test_policy_sim.py checks that every registered policy gets the

@@ -124,7 +124,7 @@ def simulate(reqs: list[Request], engines: int, block_tokens: int, local_tokens:
     unbounded; a request's blocks are looked up as vLLM does (longest local prefix, then the store's
     continuation; the last token is never a hit), then all its full blocks are inserted. Sequential (no
     concurrency, no blocks in flight). `dead` = (engine, first request idx, first idx back): that engine
-    takes nothing in between and comes back empty. The rendezvous hash is the router's (tools/pd_proxy.py)."""
+    takes nothing in between and comes back empty. The rendezvous hash is the router's (server/pd_proxy.py)."""
     from collections import OrderedDict
 
     cap = max(local_tokens // block_tokens, 1)
@@ -164,7 +164,7 @@ def simulate(reqs: list[Request], engines: int, block_tokens: int, local_tokens:
 
 
 def affinity_split(reqs: list[Request], urls: list[str]) -> dict:
-    """Where the router's rendezvous hash (tools/pd_proxy.py Pool.pick) sends each session, all engines up."""
+    """Where the router's rendezvous hash (server/pd_proxy.py Pool.pick) sends each session, all engines up."""
     out = {u: {"sessions": set(), "requests": 0, "prompt_tokens": 0} for u in urls}
     for r in reqs:
         u = max(urls, key=lambda x: hashlib.sha256(f"{r.session}|{x}".encode()).digest())

@@ -3,7 +3,8 @@ kvstore daemon.
 
     kvstore proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
     kvstore proxy --engine http://127.0.0.1:8100 --engine http://127.0.0.1:8101 --port 8000   # router
-    (or: python -m tools.pd_proxy ...)
+
+(the command line is tools/proxy_cmd.py; this module is the service.)
 
 Router mode (`--engine`, no --prefill/--decode): one pool of kv_both engines;
 each request is forwarded unchanged to one engine (round-robin, or by
@@ -41,7 +42,6 @@ Every upstream call is bounded by timeouts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
@@ -351,52 +351,10 @@ def make_app(cfg: ProxyConfig) -> web.Application:
     return app
 
 
-# -- command line -----------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", default=[], help="a prefill engine's base URL (repeatable)")
-    p.add_argument("--decode", action="append", default=[], help="a decode engine's base URL (repeatable)")
-    p.add_argument("--engine", action="append", default=[],
-                   help="router mode: an engine's base URL (repeatable; instead of --prefill/--decode)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mode", choices=["parallel", "sequential"], default="parallel")
-    p.add_argument("--health-interval-s", type=float, default=2.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--connect-timeout-s", type=float, default=3.0,
-                   help="connect timeout to an engine, and the time a health check may take")
-    p.add_argument("--load-bound", type=float, default=1.25,
-                   help="affinity with bounded loads: a session moves off its engine while that engine has more "
-                        "than this factor times its share of the requests in flight (0: never)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.mode, args.health_interval_s,
-                          connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,
-                          engines=tuple(args.engine), load_bound=args.load_bound)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+def serve(cfg: ProxyConfig, host: str, port: int) -> None:
+    """Run the proxy until interrupted (`kvstore proxy`: tools/proxy_cmd.py)."""
     if cfg.mode == "router":
-        print(f"router on http://{args.host}:{args.port} engines={list(cfg.engines)}", flush=True)
+        print(f"router on http://{host}:{port} engines={list(cfg.engines)}", flush=True)
     else:
-        print(f"pd proxy on http://{args.host}:{args.port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}",
-              flush=True)
-    web.run_app(make_app(cfg), host=args.host, port=args.port, print=None, shutdown_timeout=5.0)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("proxy", help="prefill/decode disaggregation proxy (or, with --engine, a router) for "
-                                     "vLLM engines sharing the store")
-    add_arguments(p)
-    p.set_defaults(run=run)
-
-
-if __name__ == "__main__":
-    import sys
-
-    parser = argparse.ArgumentParser(prog="pd_proxy", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(run(parser.parse_args()))
+        print(f"pd proxy on http://{host}:{port} prefill={list(cfg.prefill)} decode={list(cfg.decode)}", flush=True)
+    web.run_app(make_app(cfg), host=host, port=port, print=None, shutdown_timeout=5.0)

@@ -1,10 +1,10 @@
 """Helpers for the vLLM end-to-end tests and benchmarks: the test models, a daemon, engine subprocesses.
 
-Every engine runs in its own subprocess (tests/engine_runner.py), one at a
+Every engine runs in its own subprocess (tools/harness/engine_runner.py), one at a
 time, with its own TMPDIR and one OpenMP thread: on a 2-core machine shared
 with other work, two threads spin on each other at every barrier (a 24-token
 generation measured 40 s with 2 threads, 2 s with 1). The daemon is a
-`kvstore serve` subprocess (tools/daemon_proc.py) on a socket in a temporary
+`kvstore serve` subprocess (tools/harness/daemon_proc.py) on a socket in a temporary
 folder, with a small host tier and no disk tier unless asked.
 """
 
@@ -19,11 +19,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.daemon_proc import DaemonProc
-from tools.daemon_proc import start_daemon as launch_daemon
+from tools.harness.daemon_proc import DaemonProc
+from tools.harness.daemon_proc import start_daemon as launch_daemon
 
-REPO = Path(__file__).resolve().parent.parent
-RUNNER = REPO / "tests" / "engine_runner.py"
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
 CONNECTOR_CLASS = "KVStoreConnector"
 CONNECTOR_MODULE = "connectors.vllm"
 
@@ -115,7 +115,7 @@ class EngineResult:
 
 def run_engine(spec: dict, workdir: str, multiprocess: bool = False, timeout_s: float = 300,
                threads: int = 1, env_extra: dict | None = None) -> EngineResult:
-    """Run tests/engine_runner.py on `spec` in a subprocess; raise with its stderr tail if it fails."""
+    """Run tools/harness/engine_runner.py on `spec` in a subprocess; raise with its stderr tail if it fails."""
     tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:

@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and print its results as JSON (driven by tests and benchmarks).
 
-    python tests/engine_runner.py SPEC.json
+    python tools/harness/engine_runner.py SPEC.json
 
 SPEC keys: model, dtype, block_size, kv_cache_memory_bytes, max_model_len,
 max_num_batched_tokens (optional), enable_prefix_caching (default true),
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from kvstore.config import instance_file
 from server.instance import read_admin_token, remove_stale_instance
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

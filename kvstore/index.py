@@ -1,0 +1,267 @@
+"""The block index: every block the store knows, the prefix tree over them, pins, reservations, copies.
+
+State, written by this object only:
+- `entries`: key -> Entry (kvstore/entry.py). `reserve` and `adopt` are the
+  only places an Entry is made, `remove` the only place one goes, `retier` the
+  only place its tier changes.
+- the prefix tree: each entry's parent, depth, children's keys and per-tier
+  child counts. A child is only inserted under a present parent and only an
+  entry without children is removed, so no chain ever has a hole.
+- pins per owner (an owner is a client connection), and *ghost pins*: pins on
+  blocks removed while pinned (lost or corrupt bytes), which `release`
+  accepts and forgets;
+- reservations per owner: uncommitted entries, invisible to readers;
+- copies: per persistent tier, the blocks that kept a copy of their bytes
+  there when they moved to a faster tier (oldest first), and `Entry.copies`.
+
+Where bytes are and which block leaves a tier is placement's business
+(kvstore/placement.py): it gives pages back and tells the index the result
+(`retier`, `remove`, `drop_copy`). The index reports every change of the tiers
+holding a committed block, and every reservation, commit and removal, to the
+store's listeners (kvstore/block_events.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Iterable, Sequence
+
+from kvstore.block_events import Listeners, held_tiers
+from kvstore.entry import RANK, Entry, Key, Owner, children_of, link_child, unlink_child
+from kvstore.errors import KVStoreError
+
+
+class BlockIndex:
+    def __init__(self, copy_tiers: Iterable[str], listeners: Listeners) -> None:
+        """`copy_tiers`: the persistent tiers, where promoted blocks keep copies."""
+        self.listeners = listeners
+        self.entries: dict[Key, Entry] = {}
+        self.pins_by_owner: dict[Owner, Counter] = defaultdict(Counter)
+        self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)
+        self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
+        self.copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # per tier, oldest first
+
+    # -- reading ----------------------------------------------------------------------
+    def get(self, key: Key) -> Entry | None:
+        return self.entries.get(key)
+
+    def committed(self, key: Key) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.committed
+
+    def parent_of(self, e: Entry) -> Entry | None:
+        return self.entries.get(e.parent) if e.parent is not None else None
+
+    def subtree(self, root: Key) -> list[Key]:
+        """`root` and everything below it, in O(size of the subtree)."""
+        entries = self.entries
+        out, stack = [], [root]
+        while stack:
+            key = stack.pop()
+            out.append(key)
+            stack.extend(children_of(entries[key]))
+        return out
+
+    def deepest_first(self, keys: Iterable[Key]) -> list[Entry]:
+        """The entries of `keys`, children before parents: each is a leaf when its turn comes."""
+        return sorted((self.entries[k] for k in keys), key=lambda e: -e.depth)
+
+    # -- entries -------------------------------------------------------------------------
+    def reserve(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
+                owner: Owner) -> Entry:
+        """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
+        e = self._link(Entry(key, parent.key if parent is not None else None,
+                             parent.depth + 1 if parent is not None else 0, nbytes, tier, location, owner), parent)
+        self.reserved_by_owner[owner].add(key)
+        self.listeners.reserved(e)
+        return e
+
+    def adopt(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
+              attention: float | None = None) -> Entry:
+        """A committed entry for a block found in a tier (restart recovery, a remote lookup)."""
+        e = self._link(Entry(key, parent.key if parent is not None else None,
+                             parent.depth + 1 if parent is not None else 0, nbytes, tier, location, None,
+                             committed=True, attention=attention), parent)
+        self.listeners.stored(e, tier)
+        return e
+
+    def _link(self, e: Entry, parent: Entry | None) -> Entry:
+        self.entries[e.key] = e
+        if parent is not None:
+            parent.children[RANK[e.tier]] += 1
+            link_child(parent, e.key)
+        return e
+
+    def commit(self, e: Entry, now: float, attention: float | None, tokens: bytes | None) -> None:
+        """`e` (reserved) is readable from now on."""
+        mine = self.reserved_by_owner.get(e.owner)
+        if mine is not None:
+            mine.discard(e.key)
+        e.committed, e.owner, e.last_access = True, None, now
+        if attention is not None:
+            e.attention = float(attention)
+        if tokens is not None and self.listeners.follows_tiers:
+            e.tokens = tokens
+        self.listeners.stored(e, e.tier)
+
+    def remove(self, e: Entry) -> None:
+        """Take out an entry without children, whose pages and copies placement gave back."""
+        if any(e.children):
+            raise KVStoreError("internal: removing a block that still has children")
+        if e.committed:
+            self.listeners.removed(e, e.tier)
+        else:
+            mine = self.reserved_by_owner.get(e.owner)
+            if mine is not None:
+                mine.discard(e.key)
+        del self.entries[e.key]
+        parent = self.parent_of(e)
+        if parent is not None:
+            parent.children[RANK[e.tier]] -= 1
+            unlink_child(parent, e.key)
+        self.listeners.dropped(e)
+
+    def retier(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
+        """Placement moved `e`'s bytes to `location` in `tier`. `keep_copy`: its old location stays
+        as a copy (a promotion out of a persistent tier); `from_copy`: `location` is the copy `e`
+        kept in `tier` (taken with `take_copy`), reported stored there already."""
+        old = e.tier
+        if keep_copy:
+            e.copies = {**(e.copies or {}), old: e.location}
+            self.copies[old][e.key] = None
+        else:
+            self.listeners.removed(e, old)
+        e.tier, e.location = tier, location
+        parent = self.parent_of(e)
+        if parent is not None:
+            parent.children[RANK[old]] -= 1
+            parent.children[RANK[tier]] += 1
+        if not from_copy:
+            self.listeners.stored(e, tier)
+
+    def take_copy(self, e: Entry, tier: str) -> object:
+        """Forget `e`'s copy in `tier` and return its location (the block goes back to it)."""
+        location = e.copies.pop(tier)  # type: ignore[union-attr]
+        if not e.copies:
+            e.copies = None
+        del self.copies[tier][e.key]
+        return location
+
+    def drop_copy(self, e: Entry, tier: str) -> object:
+        """Forget `e`'s copy in `tier` (placement frees its pages); returns its location."""
+        location = self.take_copy(e, tier)
+        self.listeners.removed(e, tier)
+        return location
+
+    def add_copy(self, e: Entry, tier: str, location: object) -> None:
+        """`e`, in a faster tier, also has its bytes at `location` in `tier` (restart recovery)."""
+        e.copies = {**(e.copies or {}), tier: location}
+        self.copies[tier][e.key] = None
+        self.listeners.stored(e, tier)
+
+    def oldest_copy(self, tier: str) -> Entry | None:
+        copies = self.copies.get(tier)
+        return self.entries[next(iter(copies))] if copies else None
+
+    def report_all(self, tiers: Sequence[str]) -> None:
+        """Report every committed block as stored in each tier holding it (after a `cleared`).
+        Tier by tier, each chain walked from its root, so a parent comes before its children and a
+        chain's blocks come together."""
+        if not self.listeners.follows_tiers:
+            return
+        roots = [e for e in self.entries.values() if e.parent is None]
+        for tier in tiers:
+            for root in roots:
+                stack = [root]
+                while stack:
+                    e = stack.pop()
+                    if e.committed and tier in held_tiers(e):
+                        self.listeners.stored(e, tier)
+                    stack.extend(self.entries[k] for k in children_of(e))
+
+    # -- pins and reservations ----------------------------------------------------------
+    def pin(self, entries: Sequence[Entry], owner: Owner) -> None:
+        pins = self.pins_by_owner[owner]
+        for e in entries:
+            e.pins += 1
+            pins[e.key] += 1
+
+    def touch(self, entries: Sequence[Entry], now: float) -> None:
+        """An acquire hit these blocks (what inspection shows: hits, idle time)."""
+        for e in entries:
+            e.hits += 1
+            e.last_access = now
+
+    def pinned_by(self, owner: Owner, key: Key) -> bool:
+        pins = self.pins_by_owner.get(owner)
+        return bool(pins and pins.get(key))
+
+    def release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        """Unpin. Validates every hash first: a release of a block not pinned by `owner` changes
+        nothing. Pins on blocks removed while pinned (ghost pins) are accepted and forgotten."""
+        ghosts = self.ghost_pins.get(owner)
+        if ghosts:
+            left = Counter(ghosts)
+            real = []
+            for h in hashes:
+                if left[(ns_id, h)] > 0:
+                    left[(ns_id, h)] -= 1
+                else:
+                    real.append(h)
+            self._release(ns_id, real, owner)
+            self.ghost_pins[owner] = +left
+            return
+        self._release(ns_id, hashes, owner)
+
+    def _release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        pins = self.pins_by_owner.get(owner, Counter())
+        need = Counter((ns_id, h) for h in hashes)
+        for key, n in need.items():
+            if pins[key] < n:
+                raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+        for key, n in need.items():
+            self._unpin(key, n, pins)
+
+    def _unpin(self, key: Key, n: int, pins: Counter) -> None:
+        pins[key] -= n
+        if pins[key] == 0:
+            del pins[key]
+        self.entries[key].pins -= n
+
+    def unpin_failed(self, e: Entry, owner: Owner | None) -> None:
+        """Drop `owner`'s pin on a block that could not be served (its pin or its ghost pin)."""
+        if owner is None:
+            return
+        pins = self.pins_by_owner.get(owner)
+        if pins is not None and pins.get(e.key, 0) > 0 and self.entries.get(e.key) is e:
+            self._unpin(e.key, 1, pins)
+        elif self.ghost_pins.get(owner, {}).get(e.key, 0) > 0:
+            self.ghost_pins[owner][e.key] -= 1
+            self.ghost_pins[owner] = +self.ghost_pins[owner]
+
+    def ghost(self, e: Entry) -> None:
+        """`e` is about to be removed whatever its pins: they become ghost pins of their owners."""
+        for owner, pins in self.pins_by_owner.items():
+            n = pins.pop(e.key, 0)
+            if n:
+                self.ghost_pins[owner][e.key] += n
+        e.pins = 0
+
+    def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+        mine = self.reserved_by_owner.get(owner, set())
+        if len(set(hashes)) != len(hashes):
+            raise KVStoreError("duplicate hashes in one commit/abort")
+        for h in hashes:
+            if (ns_id, h) not in mine:
+                raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
+
+    def release_owner(self, owner: Owner) -> tuple[bool, list[Entry]]:
+        """The owner is gone: drop its pins and ghost pins. Returns whether it held pins, and its
+        reservations, children first, for placement to drop."""
+        self.ghost_pins.pop(owner, None)
+        pins = self.pins_by_owner.pop(owner, Counter())
+        for key, n in pins.items():
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.pins -= n
+        return bool(pins), self.deepest_first(self.reserved_by_owner.pop(owner, set()))
