@@ -23,21 +23,27 @@ log = logging.getLogger(__name__)
 
 
 def gpu_tier(config: Config) -> tuple[Tier | None, str]:
-    """The GPU pool the config asks for, or (None, why not)."""
+    """The GPU tier the config asks for (one pool per device, allocated now for the daemon's life),
+    or (None, why not)."""
     gc = config.gpu
     if not gc.enabled:
         return None, "disabled in the config ([gpu] enabled = false)"
     try:
-        from tiers.gpu import CudaUnavailable, GpuPool
+        from tiers.gpu import CudaUnavailable, GpuPool, GpuTier
     except ImportError as exc:  # pragma: no cover - the module itself imports nothing heavy
         return None, f"the gpu tier cannot be imported: {exc}"
+    pools: list = []
     try:
-        pool = GpuPool(gc.device, gc.capacity_bytes, gc.page_bytes)
-    except (CudaUnavailable, ImportError, RuntimeError) as exc:
+        for k, device in enumerate(gc.device_names()):
+            shm = f"{config.shm_path}.gpu{k}" if device == "cpu" else None
+            pools.append(GpuPool(device, gc.capacity_bytes, gc.page_bytes, shm_path=shm))
+    except (CudaUnavailable, ImportError, RuntimeError, OSError) as exc:
+        for pool in pools:
+            pool.close()
         return None, str(exc)
-    if pool.device.type != "cuda":
-        log.warning("gpu tier on %s: an emulated device (for tests); engines cannot map it", pool.device)
-    return pool, ""
+    if gc.device == "cpu":
+        log.warning("gpu tier emulated in shared memory (%d pool(s)): for tests, no GPU is used", len(pools))
+    return GpuTier(pools), ""
 
 
 def open_store(config: Config) -> TieredStore:

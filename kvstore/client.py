@@ -253,6 +253,27 @@ class KVClient:
     def acquire(self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True) -> list[Extents | None]:
         return self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix)["extents"]
 
+    def acquire_at(self, ns_id: str, hashes: Sequence[bytes], tier: str,
+                   prefix: bool = True) -> tuple[list[Extents | None], list[str | None]]:
+        """`acquire` for a client that also reads `tier` ("gpu": an engine that mapped the GPU pools,
+        `gpu_pools`): each block's extents and the tier they are in ("gpu" or "host"; None: a miss)."""
+        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix, tier=tier)
+        return reply["extents"], reply["at"]
+
+    def reserve_at(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]],
+                   tier: str) -> tuple[list[Extents | None], list[str | None]]:
+        """`reserve`, into `tier` ("gpu") where it has free pages, else into the arena: each block's
+        extents and the tier they are in (None: skipped)."""
+        reply = self.call("reserve", ns=ns_id, blocks=[[h, p] for h, p in blocks], tier=tier)
+        return reply["extents"], reply["at"]
+
+    @property
+    def gpu_pools(self) -> list[dict] | None:
+        """The daemon's GPU pools as this connection may map them (`tiers.gpu.open_pool`), one per device
+        slot; None where the daemon has no gpu tier."""
+        gpu = self.server_info.get("gpu") or {}
+        return gpu.get("pools") if gpu.get("available") else None
+
     def acquire_with_tiers(
         self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True
     ) -> tuple[list[Extents | None], list[str | None]]:

@@ -166,22 +166,36 @@ class DiskConfig:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    """The VRAM tier above the host arena. Off by default: it takes `capacity` of the device's memory
-    beside the engines. `device = "cpu"` runs the same tier on host memory (tests, CPU-only CI)."""
+    """The VRAM tier above the host arena. Off by default: it takes `capacity` of each device's memory
+    beside the engines. `devices` lists the CUDA devices that get a pool (default: `device`'s);
+    `device = "cpu"` runs the same tier in shared memory (tests, CPU-only CI), one pool per entry of
+    `devices`."""
 
     enabled: bool = False
     device: str = "cuda:0"
-    capacity_bytes: int = 2 * GiB
+    devices: tuple = ()
+    capacity_bytes: int = 2 * GiB  # per device
     page_bytes: int = 256 * KiB
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "gpu.enabled must be true or false")
         _require(isinstance(self.device, str) and re.fullmatch(r"cuda(:\d+)?|cpu", self.device) is not None,
                  f"gpu.device must be cuda, cuda:N or cpu (emulated), got {self.device!r}")
+        devices = self.devices
+        _require(isinstance(devices, (list, tuple)) and all(_is_int(d) and 0 <= d < 1024 for d in devices)
+                 and len(set(devices)) == len(devices),
+                 f"gpu.devices must be a list of distinct device numbers, got {devices!r}")
+        object.__setattr__(self, "devices", tuple(devices))
         _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
                  f"gpu.page_size must be a multiple of 4KiB, got {self.page_bytes!r}")
         _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= self.page_bytes,
                  f"gpu.capacity must hold at least one page, got {self.capacity_bytes!r}")
+
+    def device_names(self) -> list[str]:
+        """One torch device per pool: "cuda:N" for each of `devices` (or `device`), or "cpu" per emulated pool."""
+        if self.device == "cpu":
+            return ["cpu"] * max(1, len(self.devices))
+        return [f"cuda:{d}" for d in self.devices] if self.devices else [self.device]
 
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -337,6 +351,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
     "gpu": {
         "enabled": ("enabled", None),
         "device": ("device", str),
+        "devices": ("devices", None),
         "capacity": ("capacity_bytes", "size"),
         "page_size": ("page_bytes", "size"),
     },

@@ -89,9 +89,11 @@ class Promoter:
             self._reader = None
 
     # -- the read -------------------------------------------------------------------------
-    async def prepare_read(self, entries: Sequence[Entry | None], owner: Owner | None, tier: str) -> list[Entry | None]:
+    async def prepare_read(self, entries: Sequence[Entry | None], owner: Owner | None, tier: str,
+                           lift: bool = True) -> list[Entry | None]:
         """`entries` (pinned, root first) brought to where a reader of `tier` reads them; None where one
-        could not be, and `owner`'s pin on it dropped."""
+        could not be, and `owner`'s pin on it dropped. Without `lift` a host block stays in host for a
+        reader of a faster tier (which reads host too)."""
         target = self.placement.tiers.get(tier)
         if target is None or not target.client_readable:
             raise KVStoreError(f"cannot read from the {tier!r} tier")
@@ -118,7 +120,7 @@ class Promoter:
                 if not (isinstance(served, dict) and served.get(out[i].key) is True):  # type: ignore[union-attr]
                     self.index.unpin_failed(out[i], owner)  # type: ignore[arg-type]
                     out[i] = None
-        if RANK[tier] < RANK["host"]:
+        if lift and RANK[tier] < RANK["host"]:
             for e in out:
                 if e is not None and e.tier == "host":
                     self._lift(e, tier)

@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Sequence
 from eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
+from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
@@ -99,6 +100,10 @@ class TieredStore:
                                          sharing or SharingOptions())
             self.listeners.add(self.sharing)
         self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing)
+        self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop
+        if "gpu" in self.tiers:
+            self.demoter = GpuDemoter(self.placement, self.index, self.shared)
+            self.listeners.add(self.demoter)
         self._persisted_ns: set[str] = set()
         recover(self.index, self.placement, self.register_namespace)
 
@@ -172,16 +177,17 @@ class TieredStore:
         return LookupResult(len(tiers), tuple(tiers))
 
     async def acquire(self, ns_id: str, hashes: Sequence[bytes], owner: Owner, prefix: bool = True,
-                      tier: str = "host") -> tuple[list[Entry | None], list[str | None]]:
+                      tier: str = "host", lift: bool = True) -> tuple[list[Entry | None], list[str | None]]:
         """The read's first phase: pin the committed blocks among `hashes` (the remote tier asked
         first) and bring them where a reader of `tier` reads them. Returns the entries (None = miss,
         or a block that could not be brought there, then not pinned) and the tier each block was
-        found in. With `prefix` the answer stops at the first miss."""
+        found in. With `prefix` the answer stops at the first miss. Without `lift`, blocks a reader of
+        `tier` can already read stay where they are (a GPU engine reads the arena too)."""
         await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
         found = [e.tier if e is not None else None for e in entries]
         if any(t is not None and t != tier for t in found):
-            entries = await self.prepare_read(entries, owner, tier)
+            entries = await self.prepare_read(entries, owner, tier, lift)
         return entries, found
 
     def pin(self, ns_id: str, hashes: Sequence[bytes], owner: Owner, prefix: bool = True) -> list[Entry | None]:
@@ -210,7 +216,7 @@ class TieredStore:
         return out
 
     async def prepare_read(
-        self, entries: Sequence[Entry | None], owner: Owner | None = None, tier: str = "host"
+        self, entries: Sequence[Entry | None], owner: Owner | None = None, tier: str = "host", lift: bool = True
     ) -> list[Entry | None]:
         """Bring pinned `entries` (root first) to where a reader of `tier` reads them (kvstore/promotion.py).
 
@@ -218,7 +224,7 @@ class TieredStore:
         (no room, checksum mismatch, read error, parent not promoted, or it sits
         in a faster tier the reader cannot read); `owner`'s pin on such a block is dropped.
         """
-        return await self.promoter.prepare_read(entries, owner, tier)
+        return await self.promoter.prepare_read(entries, owner, tier, lift)
 
     def release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         """Unpin. A release of a block not pinned by `owner` raises and changes nothing."""
@@ -230,14 +236,22 @@ class TieredStore:
 
     # -- writes ----------------------------------------------------------------
     def reserve(
-        self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str = "host"
+        self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str = "host",
+        prefer: str | None = None,
     ) -> list[Entry | None]:
         """Reserve room in `tier` (a client-readable one) for `(hash, parent_hash)` blocks; None where skipped.
 
         Skipped: already present (committed or being written), its parent is
         absent (inserting it would orphan it) or sits in a slower tier (the
         child would be faster than its parent), or no room can be made.
+        With `prefer` (a faster client-readable tier: a GPU engine's saves), a block goes there when
+        that tier has free pages now and its parent is not slower; room is never made there by
+        eviction (a copy out of the GPU tier runs off the event loop: kvstore/gpu_demoter.py).
         """
+        if prefer is not None:
+            pt = self.tiers.get(prefer)
+            if pt is None or not pt.client_readable:
+                raise KVStoreError(f"cannot write into the {prefer!r} tier")
         ns = self.namespace(ns_id)
         target = self.tiers.get(tier)
         if target is None or not target.client_readable:
@@ -246,14 +260,22 @@ class TieredStore:
         placement, entries = self.placement, self.index.entries
         placement.reap()
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
-        # so each parent's tier is looked at just before its child's room is made.
-        per_block = placement.next_tier(tier) is not None
+        # so each parent's tier is looked at just before its child's room is made. (So too with a
+        # preferred tier: room is made only for the blocks that do not go there.)
+        per_block = placement.next_tier(tier) is not None or prefer is not None
         if not per_block:
             placement.room_for_batch(ns_id, ns.block_bytes, blocks, target)
         out: list[Entry | None] = []
         for h, parent_hash in blocks:
             key = (ns_id, h)
             parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
+            if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
+                                                                                 parent, owner):
+                alloc = self.tiers[prefer].allocate(ns.block_bytes)  # free pages only: nothing is evicted
+                if alloc is not None:
+                    out.append(self.index.reserve(key, entries.get(parent), ns.block_bytes, prefer, alloc, owner))
+                    self.counters[f"put_{prefer}_blocks"] += 1
+                    continue
             if per_block:
                 if key not in entries and self._parent_too_slow(entries.get(parent), tier):
                     out.append(None)
@@ -283,7 +305,17 @@ class TieredStore:
                 out.append(None)
                 continue
             out.append(self.index.reserve(key, parent_entry, ns.block_bytes, tier, location, owner))
+        if prefer is not None and self.demoter is not None:
+            self.demoter.kick()
         return out
+
+    @staticmethod
+    def _fits_preferred(parent: Entry | None, prefer: str, parent_key: Key | None, owner: Owner) -> bool:
+        """A new block may go into the preferred tier: its parent is there or faster (or it is a root),
+        and committed or this owner's own write."""
+        if parent_key is None:
+            return True
+        return parent is not None and RANK[parent.tier] <= RANK[prefer] and (parent.committed or parent.owner == owner)
 
     def _parent_too_slow(self, parent: Entry | None, tier: str) -> bool:
         """A child put into `tier` would sit faster than its parent: skipped, and counted."""
@@ -402,7 +434,10 @@ class TieredStore:
             self.sharing.start()
 
     async def stop(self) -> None:
-        """Stop background work: what is queued for the remote tier is published (bounded)."""
+        """Stop background work: what is queued for the remote tier is published (bounded), a gpu
+        demotion in flight finishes."""
+        if self.demoter is not None:
+            await self.demoter.stop()
         if self.sharing is not None:
             await self.sharing.stop()
 

@@ -41,6 +41,12 @@ def tier_rows(placement: Placement, committed: list[Entry], absent: dict[str, st
         else:
             row.update(tier.stats())
             row["promotions_out"] = st.promotions_out
+            device_of = getattr(tier, "device_of", None)
+            if device_of is not None:  # per device: the bytes of committed blocks in its pool
+                per_device: dict[str, int] = {d: 0 for d in row.get("devices", {})}
+                for e in blocks:
+                    per_device[device_of(e.location)] = per_device.get(device_of(e.location), 0) + e.nbytes
+                row["device_bytes"] = per_device
             half_life = getattr(placement.policies.get(name), "half_life_s", None)
             if half_life is not None:  # the attention policy's current choice (eviction/halflife.py)
                 row["policy_half_life_s"] = half_life

@@ -119,6 +119,17 @@ class StoreCollector:
             if "capacity_bytes" in t:  # the tiers in the chain
                 cap.add_metric([tier], t["capacity_bytes"])
         yield cap
+        gpu = s["tiers"].get("gpu", {})
+        if "devices" in gpu:  # per device of the gpu tier
+            dev_bytes = GaugeMetricFamily("kvstore_device_bytes", "Bytes of committed blocks per device of a tier",
+                                          labels=["tier", "device"])
+            dev_cap = GaugeMetricFamily("kvstore_device_capacity_bytes", "Capacity per device of a tier",
+                                        labels=["tier", "device"])
+            for device, d in gpu["devices"].items():
+                dev_bytes.add_metric(["gpu", device], gpu.get("device_bytes", {}).get(device, 0))
+                dev_cap.add_metric(["gpu", device], d["capacity_bytes"])
+            yield dev_bytes
+            yield dev_cap
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
         if "remote" in s:  # the remote tier is in the chain
             remote_errors = CounterMetricFamily("kvstore_remote_errors", "Remote tier operations that failed or timed out",

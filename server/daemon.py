@@ -83,10 +83,12 @@ def _socket_answers(path: str) -> bool:
 
 
 def gpu_info(store: TieredStore) -> dict:
-    """What clients are told of the gpu tier at hello."""
+    """The gpu tier as clients and stats see it now (the per-connection pool handles are added at hello)."""
     if store.gpu is None:
         return {"available": False, "reason": store.absent.get("gpu", "not configured")}
-    return {"available": True, "reason": "", **store.gpu.stats()}
+    from tiers.gpu import tier_status
+
+    return tier_status(store.gpu)  # type: ignore[arg-type]
 
 
 class Daemon:
@@ -100,11 +102,11 @@ class Daemon:
             "arena_id": uuid.uuid4().hex,  # clients remap when a restarted daemon has a new arena
             "arena_bytes": self.store.host.capacity_bytes,
             "page_bytes": self.store.host.page_bytes,
-            "gpu": gpu_info(self.store),
             "events": None,  # {endpoint, replay_endpoint, token_ids} once KV events are published
         }
         sc = config.server
-        self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info)
+        self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info,
+                                 gpu_info=lambda: gpu_info(self.store))
         self.errors: Counter = Counter()
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
@@ -123,7 +125,7 @@ class Daemon:
         stats["sessions"] = len(self.sessions)
         stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
         stats["errors"] = dict(self.errors)
-        stats["gpu"] = self.handlers.info["gpu"]
+        stats["gpu"] = gpu_info(self.store)
         stats["ops"] = dict(self.handlers.op_counts)
         if self.events is not None:
             stats["events"] = self.events.stats()

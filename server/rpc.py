@@ -18,6 +18,7 @@ fit in a frame is refused with the number of blocks that would.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, w
 from kvstore.store import TieredStore
 from kvstore.tokens import TokenScope
 from server.auth import Grant, authenticate, unix_grant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,8 +50,9 @@ class Session:
 
 class Handlers:
     def __init__(self, store: TieredStore, scopes: tuple[TokenScope, ...], max_batch: int, max_frame: int,
-                 info: dict[str, Any]) -> None:
+                 info: dict[str, Any], gpu_info: Callable[[], dict] | None = None) -> None:
         self.store = store
+        self.gpu_info = gpu_info or (lambda: {"available": False, "reason": "not configured"})
         self.scopes = scopes
         self.max_batch = max_batch
         self.max_frame = max_frame
@@ -104,10 +108,22 @@ class Handlers:
         s.client_name = want(args, "client", str, optional=True) or ""
         s.grant = authenticate(self.scopes, token, tenant) if s.transport == "tcp" else unix_grant(tenant)
         s.authed = True
-        reply = {"version": PROTOCOL_VERSION, "transport": s.transport, "pid": os.getpid(), **self.info}
+        reply = {"version": PROTOCOL_VERSION, "transport": s.transport, "pid": os.getpid(), **self.info,
+                 "gpu": self.gpu_info()}
         if s.transport == "tcp":
             reply.pop("arena_path", None)  # remote clients cannot map it
+        elif self.store.gpu is not None:
+            reply["gpu"]["pools"] = self._pool_handles()
         return reply
+
+    def _pool_handles(self) -> list | None:
+        """A fresh export of every device's pool for this connection (None, with the reason logged, when
+        the export fails: the client then reads and writes the arena only)."""
+        try:
+            return self.store.gpu.handles()  # type: ignore[union-attr]
+        except Exception as exc:  # a GPU fault never takes the local service down
+            log.warning("gpu pool export failed: %r; clients use the host arena", exc)
+            return None
 
     def ping(self, s: Session, args: dict) -> dict:
         return {"pong": True}
@@ -171,9 +187,13 @@ class Handlers:
         hashes = want_hashes(args, self.max_batch)
         prefix = want(args, "prefix", bool, optional=True)
         inflight = want(args, "inflight", bool, optional=True)
-        entries, tiers = await self.store.acquire(ns, hashes, s.owner, prefix=prefix is not False)
+        tier = self._reader_tier(args)
+        entries, tiers = await self.store.acquire(ns, hashes, s.owner, prefix=prefix is not False, tier=tier,
+                                                  lift=False)
         reply = {"extents": [e.location if e is not None else None for e in entries],
                  "tiers": [t if e is not None else None for e, t in zip(entries, tiers)]}
+        if tier != "host":  # where each block is read from now (a GPU engine reads the arena too)
+            reply["at"] = [e.tier if e is not None else None for e in entries]
         if inflight:  # how many leading blocks are committed or in flight (a consumer may wait for them)
             reply["inflight"] = self.store.count_in_flight(ns, hashes)
         return reply
@@ -220,10 +240,26 @@ class Handlers:
 
     # -- writes ---------------------------------------------------------------
     def reserve(self, s: Session, args: dict) -> dict:
+        """Extents to write each block into; with `tier="gpu"` (an engine that maps the GPU pools) a block
+        goes into the GPU tier where it has free pages, else into the arena: `at` says which."""
         self._local_only(s, "reserve")
         ns = want(args, "ns", str)
-        entries = self.store.reserve(ns, want_blocks(args, self.max_batch, with_payload=False), s.owner)
-        return {"extents": [e.location if e is not None else None for e in entries]}
+        prefer = self._reader_tier(args)
+        entries = self.store.reserve(ns, want_blocks(args, self.max_batch, with_payload=False), s.owner,
+                                     prefer=prefer if prefer != "host" else None)
+        reply: dict[str, Any] = {"extents": [e.location if e is not None else None for e in entries]}
+        if prefer != "host":
+            reply["at"] = [e.tier if e is not None else None for e in entries]
+        return reply
+
+    def _reader_tier(self, args: dict) -> str:
+        """The tier a local client reads and writes besides the arena: "host" (default) or "gpu"."""
+        tier = want(args, "tier", str, optional=True) or "host"
+        if tier not in ("host", "gpu"):
+            raise ProtocolError(f"tier must be host or gpu, got {tier!r}")
+        if tier == "gpu" and self.store.gpu is None:
+            raise ProtocolError("this daemon has no gpu tier (hello says why)")
+        return tier
 
     def commit(self, s: Session, args: dict) -> dict:
         ns = want(args, "ns", str)

@@ -67,33 +67,58 @@ def test_without_cuda_the_tier_is_absent_with_a_reason(arena):
     assert arena.buf[:4].tolist() == [7] * 4
     pinned.unpin()
     with pytest.raises(gpu.CudaUnavailable):
-        gpu.TransferStream("cpu")
-    with pytest.raises(gpu.CudaUnavailable):
         gpu.GpuPool("cuda:0", 1 << 20, 4096)
     with pytest.raises(gpu.CudaUnavailable):
         gpu.open_pool(_fake_handle())
 
 
-def test_pool_paging_on_a_cpu_device():
-    pool = gpu.GpuPool("cpu", 10 * 4096 + 100, 4096)
-    assert pool.capacity_bytes == 10 * 4096 and pool.num_pages == 10
-    a = pool.allocate(3 * 4096 - 5)
-    b = pool.allocate(4096)
-    assert a == [[0, 3 * 4096 - 5]] and b == [[3 * 4096, 4096]]
-    pool.free(a)
-    c = pool.allocate(5 * 4096)
-    assert len(c) == 2  # reuses the hole, so spans non-adjacent pages
+def test_tier_paging_over_two_emulated_pools():
+    tier = gpu.GpuTier([gpu.GpuPool("cpu", 10 * 4096 + 100, 4096), gpu.GpuPool("cpu", 4 * 4096, 4096)])
+    assert tier.capacity_bytes == 14 * 4096 and tier.free_bytes == 14 * 4096
+    a = tier.allocate(3 * 4096 - 5)
+    assert a == [[0, 3 * 4096 - 5]]  # the pool with the most free pages: device slot 0
+    b = tier.allocate(4096)
+    c = tier.allocate(4 * 4096)  # slot 0 has 7 free pages, slot 1 has 4: slot 0
+    assert b == [[3 * 4096, 4096]] and c[0][0] < gpu.SLOT
+    d = tier.allocate(2 * 4096)  # slot 0 has 3 free, slot 1 has 4: slot 1, at global offsets
+    assert d == [[gpu.SLOT, 2 * 4096]] and tier.device_of(d) == "1"
+    tier.free(a)
+    e = tier.allocate(5 * 4096)  # only slot 0 has 5 free pages, around a hole: two extents
+    assert len(e) == 2 and all(o < gpu.SLOT for o, _ in e)
     data = bytes(range(256)) * 80
-    pool.write(c, data)
-    assert pool.read(c) == data
-    assert pool.check([b, c]) == []
-    assert pool.check([b]) != []  # a leak is reported
-    assert pool.allocate(5 * 4096) is None  # 6 of 10 pages are used
-    assert pool.stats()["used_bytes"] == 6 * 4096
+    tier.write(e, data)
+    assert tier.read(e) == data
+    tier.write(d, data[: 2 * 4096])
+    assert tier.read(d) == data[: 2 * 4096]
+    assert tier.check([b, c, d, e]) == []
+    assert tier.check([b, c, e]) != []  # a leak in slot 1 is reported
+    assert tier.check([b, c, d, e, [[gpu.SLOT * 5, 10]]]) != []  # extents that name no pool
+    assert tier.allocate(5 * 4096) is None and tier.shortfall(5 * 4096) > 0
+    stats = tier.stats()
+    assert stats["used_bytes"] == 12 * 4096 and set(stats["devices"]) == {"0", "1"}
     with pytest.raises(gpu.CudaUnavailable):
-        pool.export_ipc()
+        tier.pools[0].export_ipc()
     with pytest.raises(ValueError):
-        pool.write(b, b"short")
+        tier.write(b, b"short")
+
+
+def test_an_emulated_pool_in_shared_memory_is_mapped_by_a_client(tmp_path):
+    import os
+
+    pool = gpu.GpuPool("cpu", 8 * 4096, 4096, shm_path=str(tmp_path / "pool0"))
+    tier = gpu.GpuTier([pool])
+    block = tier.allocate(3 * 4096)
+    tier.write(block, bytes(range(256)) * 48)
+    (handle,) = tier.handles()
+    assert handle["kind"] == "shm" and handle["nbytes"] == 8 * 4096
+    view = gpu.open_pool(handle, os.getuid())
+    assert view[: 3 * 4096].tobytes() == bytes(range(256)) * 48
+    view[:4] = 9  # the client writes, the tier reads it
+    assert tier.read(block)[:4] == b"\t" * 4
+    with pytest.raises(PermissionError):
+        gpu.open_pool(handle, os.getuid() + 1)  # another user's file is never mapped
+    tier.close()
+    assert not (tmp_path / "pool0").exists()
 
 
 def _fake_handle() -> gpu.IpcHandle:

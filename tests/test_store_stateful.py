@@ -55,6 +55,7 @@ CHAINS = {
     "host(kept)": {"host": 12},
     "host(kept)+disk": {"host": 6, "disk": 16},
     "gpu+host(kept)+disk": {"gpu": 4, "host": 6, "disk": 16},
+    "gpu x2+host+disk": {"gpu": 4, "gpu_pools": 2, "host": 6, "disk": 16},  # two devices' pools
 }
 
 
@@ -65,9 +66,10 @@ def child_hash(parent: bytes | None, token: int) -> bytes:
 def make_tiers(pages: dict[str, int], folder: str, kept_arena: str | None = None) -> list:
     tiers = []
     if "gpu" in pages:
-        from tiers.gpu import GpuPool
+        from tiers.gpu import GpuPool, GpuTier
 
-        tiers.append(GpuPool("cpu", pages["gpu"] * PAGE, PAGE))
+        n = pages.get("gpu_pools", 1)
+        tiers.append(GpuTier([GpuPool("cpu", pages["gpu"] // n * PAGE, PAGE) for _ in range(n)]))
     path = kept_arena or f"/dev/shm/kvtest-{uuid.uuid4().hex}"
     tiers.append(HostArena(path, pages["host"] * PAGE, PAGE, prefault=False, persistent=kept_arena is not None))
     if "disk" in pages:

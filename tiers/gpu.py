@@ -1,59 +1,48 @@
-"""The GPU tier: one VRAM pool per device, paged like the host arena, shared by CUDA IPC.
+"""The GPU tier: one VRAM pool per device, paged like the host arena, read and written by engines directly.
 
-This is the only module that touches CUDA directly (torch.cuda; CuPy would go
-here too). Importing it never imports torch: every CUDA-specific call is made
-lazily, so `import tiers.gpu` is safe on a host without CUDA or without torch,
-and `cuda_available()` says why the tier is absent.
+This module and the connector's CUDA copy module (connectors/cuda_copy.py) are
+the only ones that touch CUDA; every CUDA call is made lazily, so `import
+tiers.gpu` is safe on a host without CUDA or without torch, and
+`cuda_available()` says why the tier is absent (without importing torch where
+no NVIDIA driver exists).
 
 What it owns
 ------------
-- `GpuPool` (daemon side): one `torch.empty(capacity, uint8, device)` allocated
-  once for the daemon's life, cut into pages with its own byte budget. Page
-  bookkeeping is every tier's (`tiers.base.Tier` over `tiers.pages`), so a
-  block's location is the same kind of value as in the host arena: extents, a
-  list of `[offset, length]` runs.
-- `IpcHandle` / `open_pool` (engine side): the pool is exported with torch's
-  CUDA IPC (`reduce_tensor` -> `UntypedStorage._share_cuda_()`, which wraps
-  `cudaIpcGetMemHandle`) as msgpack-able fields, and opened in the engine with
-  `rebuild_cuda_tensor` (-> `cudaIpcOpenMemHandle(..., LazyEnablePeerAccess)`).
-  The engine then copies device-to-device (same GPU) or peer-to-peer (engine on
-  another GPU; the CUDA driver stages through host memory only where peer
-  access is impossible). An IPC handle cannot be opened in the exporting
-  process. Opening a pool of device d creates a CUDA context on d in the engine
-  (a few hundred MiB of VRAM on d).
-- `pin_host` (engine and daemon): registers the shared-memory arena with
-  `cudaHostRegister` (portable) so host<->GPU copies are asynchronous DMA.
-  Pinning is only a speed-up: when it fails the copies still work, pageable.
-- `plan_runs` / `copy_runs`: move a batch of blocks between two flat byte
-  tensors (arena, pool, staging buffer; any devices) with one copy per run of
-  adjacent bytes rather than one per block.
-- `TransferStream`: a side CUDA stream ordered after the caller's current
-  stream, with events; nobody synchronizes the device.
+- `GpuPool`: one device's pool, allocated once for the daemon's life and never
+  moved (so engines' mappings stay valid), cut into pages (`tiers.pages`). On
+  CUDA its buffer is a `torch.empty(capacity, uint8, device)`; on the "cpu"
+  device (tests, CPU-only CI) it is a shared-memory file, so the whole path —
+  the handshake, engines mapping the pool, reads and writes into it — runs on
+  machines without a GPU too.
+- `GpuTier`: the store's tier over every configured device's pool. A block
+  sits in one pool; its extents carry global offsets, device slot k's pages at
+  `k * SLOT + offset`, so a location is the same kind of value as in every
+  tier (`[offset, length]` runs) and a client tells the device from the offset.
+  New blocks go to the pool with the most free pages.
+- Handles (`GpuPool.handle`, `open_pool`): what an engine needs to map a pool,
+  as msgpack-able fields, made afresh for every connection's hello: CUDA IPC
+  (`cudaIpcGetMemHandle` through torch's `reduce_tensor`; the engine opens it
+  with `cudaIpcOpenMemHandle`, same GPU or peer to peer) or, for the emulated
+  pool, its shared-memory path (mapped after the same ownership checks as the
+  arena). An IPC handle cannot be opened in the exporting process.
+- `pin_host`: registers host memory (the arena) with `cudaHostRegister`,
+  portable and mapped, so copies are asynchronous DMA and a kernel reads it
+  through unified addressing. Pinning is only a speed-up: when it fails copies
+  still work, pageable.
+- `plan_runs` / `copy_runs`: a batch of blocks between two flat byte buffers,
+  one copy per run of adjacent bytes.
 
-Invariants: the pool never grows or moves (IPC handles stay valid for the
-daemon's life); used + free pages == capacity (`check`); a block's bytes are
-readable by engines only after the daemon's `commit`, as in every tier.
-
-In the store (tiers/base.py)
-----------------------------
-`GpuPool` is a store tier: `open_store` puts it first in the chain when
-`[gpu] enabled`, and leaves it out, with `cuda_available()`'s reason in the
-stats, where CUDA is absent. Its `write_from`/`read_into` copy between pool
-extents and host-memory views (the arena: pinned, so DMA) and synchronize
-before returning; the store's rules (demotion gpu -> host of gpu leaves,
-promotion host -> gpu for GPU readers once the parent is in gpu) are the
-store's, tested on `GpuPool("cpu", ...)` in CI. Not wired yet (issue 12):
-the IPC export in the client handshake, and clients that read or write the
-pool (the connector's CUDA path).
+Invariants: a pool never grows or moves; used + free pages == capacity per pool
+(`check`); a block's bytes are readable by engines only after the daemon's
+`commit`, as in every tier.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -61,8 +50,9 @@ from tiers.base import Tier
 from tiers.pages import Extents, PageAllocator, pair_runs
 
 Run = tuple  # (dst_offset, src_offset, length)
+SLOT = 1 << 40  # device slot k's pages sit at global offsets [k * SLOT, k * SLOT + capacity)
 
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context in the process
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2  # pinned for every context; device-addressable (UVA)
 _DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")  # Linux, WSL2
 
 
@@ -98,25 +88,20 @@ def cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
-def tier_status(pools: dict | None = None) -> dict:
-    """The `gpu` entry of the daemon's stats: availability, and per-device budgets."""
-    ok, reason = cuda_available()
-    if not ok:
-        return {"available": False, "reason": reason}
-    if not pools:
-        return {"available": False, "reason": "CUDA is present but the gpu tier is not configured"}
-    return {"available": True, "devices": {str(d): pool.stats() for d, pool in pools.items()}}
+def tier_status(tier: "GpuTier | None" = None) -> dict:
+    """The `gpu` entry clients see at hello (without the per-connection handles)."""
+    if tier is None:
+        ok, reason = cuda_available()
+        return {"available": False, "reason": reason if not ok else "CUDA is present but the gpu tier is not configured"}
+    return {"available": True, "reason": "", "slot_bytes": SLOT, **tier.stats()}
 
 
-# -- the pool (daemon side) -----------------------------------------------------
-class GpuPool(Tier):
-    """A fixed VRAM pool cut into pages (tiers/base.py). `device="cpu"` gives the emulated tier that
-    CI's three-tier chains run on: the same pages, the same torch copies, no IPC."""
+# -- one device's pool -------------------------------------------------------------------------
+class GpuPool:
+    """One device's pool: a fixed buffer cut into pages. `device="cpu"` with `shm_path`: the emulated pool
+    in a shared-memory file (engines map it like the arena)."""
 
-    name = "gpu"
-    client_readable = True  # by CUDA IPC (`export_ipc`)
-
-    def __init__(self, device, capacity_bytes: int, page_bytes: int) -> None:
+    def __init__(self, device, capacity_bytes: int, page_bytes: int, shm_path: str | None = None) -> None:
         torch = _torch()
         if page_bytes <= 0:
             raise ValueError(f"gpu page_bytes must be positive, got {page_bytes}")
@@ -128,51 +113,61 @@ class GpuPool(Tier):
             ok, reason = cuda_available()
             if not ok:
                 raise CudaUnavailable(reason)
-        self.page_bytes = page_bytes
-        self.num_pages = num_pages
+        self.page_bytes, self.num_pages = page_bytes, num_pages
         self.capacity_bytes = num_pages * page_bytes
-        self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
-        self.pages = PageAllocator(num_pages, page_bytes, label="gpu")
+        self.shm_path = shm_path if self.device.type == "cpu" else None
+        self._mm = None
+        if self.shm_path is not None:
+            self.host = _shared_buffer(self.shm_path, self.capacity_bytes)
+            self._mm = self.host  # keeps the mapping alive
+            self.buf = torch.from_numpy(self.host)
+        else:
+            self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
+            self.host = self.buf.numpy() if self.device.type == "cpu" else None
+        self.pages = PageAllocator(num_pages, page_bytes, label=f"gpu {self.device}")
+        self._stream = None
 
-    # -- the store's transfers: to and from host-memory views (the arena) ---------
-    def write_from(self, alloc: Extents, src, meta=None) -> Extents:
-        self._copy(alloc, src, into_pool=True)
-        return alloc
+    @property
+    def free_bytes(self) -> int:
+        return self.pages.free_pages * self.page_bytes
 
-    def read_into(self, location: Extents, out) -> bool:
-        self._copy(location, out, into_pool=False)
-        return True
+    def copy(self, extents: Extents, host_segments: Sequence, into_pool: bool) -> None:
+        """Copy one block between its pool extents and host views; synchronous for the caller (on CUDA:
+        asynchronous DMA where the host memory is pinned, then one stream sync)."""
+        self.copy_many([(extents, host_segments)], into_pool)
 
-    def _copy(self, extents: Extents, host_segments, into_pool: bool) -> None:
-        """One torch copy per run between pool extents and host views; synchronous for the caller
-        (asynchronous DMA where the arena is pinned, then one stream sync): the source may be
-        reused as soon as this returns."""
+    def copy_many(self, blocks: Sequence[tuple], into_pool: bool) -> None:
+        """Copy blocks `(extents, host views)` in one batch, then wait once (CUDA: on the pool's own
+        stream, so it never waits behind other work on the device)."""
         torch = _torch()
-        pool = [self.buf[o : o + n] for o, n in extents]
-        host = [torch.from_numpy(np.asarray(h).reshape(-1)) for h in host_segments]
-        cuda = self.device.type == "cuda"
-        for pi, p_off, hi, h_off, n in pair_runs([n for _, n in extents], [h.numel() for h in host]):
-            dst, src = pool[pi][p_off : p_off + n], host[hi][h_off : h_off + n]
-            if not into_pool:
-                dst, src = src, dst
-            dst.copy_(src, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.host is not None:  # the emulated pool is host memory
+            for extents, segments in blocks:
+                pool = [self.host[o : o + n] for o, n in extents]
+                host = [np.asarray(h).reshape(-1) for h in segments]
+                _copy_pairs(pool, host) if into_pool else _copy_pairs(host, pool)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(self._stream):
+            for extents, segments in blocks:
+                pool = [self.buf[o : o + n] for o, n in extents]
+                host = [torch.from_numpy(np.asarray(h).reshape(-1)) for h in segments]
+                for pi, p_off, hi, h_off, n in pair_runs([n for _, n in extents], [h.numel() for h in host]):
+                    dst, src = pool[pi][p_off : p_off + n], host[hi][h_off : h_off + n]
+                    if not into_pool:
+                        dst, src = src, dst
+                    dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
 
-    def read(self, extents: Extents) -> bytes:
-        """A block's bytes on the host (blocking; for TCP clients, tests and demotion fallbacks)."""
-        return b"".join(self.buf[o : o + n].cpu().numpy().tobytes() for o, n in extents)
-
-    def write(self, extents: Extents, data) -> None:
-        """Blocking write of a whole block (tests, TCP clients)."""
-        src = np.frombuffer(bytes(data), dtype=np.uint8)
-        total = sum(n for _, n in extents)
-        if src.size != total:
-            raise ValueError(f"payload is {src.size} B but the extents hold {total} B")
-        self._copy(extents, [src.copy()], into_pool=True)  # written means readable by engines
+    def handle(self) -> dict:
+        """What an engine needs to map this pool (msgpack-able); made afresh per connection."""
+        if self.shm_path is not None:
+            return {"kind": "shm", "path": self.shm_path, "nbytes": self.capacity_bytes, "device": str(self.device)}
+        if self.device.type != "cuda":
+            raise CudaUnavailable(f"a pool on {self.device} without shared memory cannot be shared")
+        return {"kind": "cuda_ipc", **self.export_ipc().to_wire()}
 
     def export_ipc(self) -> "IpcHandle":
-        """A handle another process opens with `open_pool`; export once per client."""
         if self.device.type != "cuda":
             raise CudaUnavailable(f"a pool on {self.device} cannot be shared by CUDA IPC")
         from torch.multiprocessing.reductions import reduce_tensor
@@ -182,25 +177,176 @@ class GpuPool(Tier):
         #       storage_offset, requires_grad, ref_counter_handle, ref_counter_offset,
         #       event_handle, event_sync_required  (torch/multiprocessing/reductions.py)
         return IpcHandle(
-            nbytes=self.capacity_bytes,
-            tensor_offset=int(args[3]),
-            device=int(args[6]),
-            handle=bytes(args[7]),
-            storage_size_bytes=int(args[8]),
-            storage_offset_bytes=int(args[9]),
-            ref_counter_handle=bytes(args[11]),
-            ref_counter_offset=int(args[12]),
-            event_handle=None if args[13] is None else bytes(args[13]),
-            event_sync_required=bool(args[14]),
+            nbytes=self.capacity_bytes, tensor_offset=int(args[3]), device=int(args[6]), handle=bytes(args[7]),
+            storage_size_bytes=int(args[8]), storage_offset_bytes=int(args[9]),
+            ref_counter_handle=bytes(args[11]), ref_counter_offset=int(args[12]),
+            event_handle=None if args[13] is None else bytes(args[13]), event_sync_required=bool(args[14]),
         )
 
     def stats(self) -> dict:
-        return {"device": str(self.device), **super().stats()}
+        return {"device": str(self.device), "capacity_bytes": self.capacity_bytes,
+                "used_bytes": self.capacity_bytes - self.free_bytes, "page_bytes": self.page_bytes}
+
+    def close(self) -> None:
+        if self.shm_path is not None:
+            self.buf = self.host = self._mm = None
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
 
 
+def _copy_pairs(dst: list, src: list) -> None:
+    from tiers.arena import copy_segments
+
+    copy_segments(dst, src)
+
+
+def _shared_buffer(path: str, nbytes: int) -> np.ndarray:
+    """A new shared-memory file of `nbytes` (0600, created fresh), mapped read-write."""
+    import mmap
+
+    try:
+        os.unlink(path)  # a previous daemon of this name was killed: its pool is stale
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+# -- the tier over every device's pool ---------------------------------------------------------
+class GpuTier(Tier):
+    """The store's gpu tier: pools of one page size, one per device; extents carry global offsets."""
+
+    name = "gpu"
+    client_readable = True  # engines map the pools (CUDA IPC, or shared memory when emulated)
+
+    def __init__(self, pools: Sequence[GpuPool]) -> None:
+        if not pools:
+            raise ValueError("a gpu tier needs at least one pool")
+        if len({p.page_bytes for p in pools}) != 1:
+            raise ValueError("every gpu pool must have the same page size")
+        self.pools = list(pools)
+        self.page_bytes = pools[0].page_bytes
+        self.capacity_bytes = sum(p.capacity_bytes for p in pools)
+        self.host_memory = all(p.host is not None for p in pools)  # the emulated tier is host memory
+
+    @property
+    def device(self):
+        return self.pools[0].device
+
+    def _slot(self, extents: Extents) -> tuple[int, GpuPool]:
+        k = extents[0][0] // SLOT
+        return k, self.pools[k]
+
+    def _local(self, extents: Extents) -> Extents:
+        base = (extents[0][0] // SLOT) * SLOT
+        return [[o - base, n] for o, n in extents]
+
+    # -- pages ----------------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return sum(p.free_bytes for p in self.pools)
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < self.pages_for(nbytes) <= max(p.num_pages for p in self.pools)
+
+    def shortfall(self, nbytes: int) -> int:
+        """Bytes still to be freed before `nbytes` fit in some pool (<= 0: they fit now)."""
+        n = self.pages_for(nbytes)
+        return min((n - p.pages.free_pages) * self.page_bytes for p in self.pools)
+
+    def allocate(self, nbytes: int):
+        k = max(range(len(self.pools)), key=lambda i: self.pools[i].pages.free_pages)
+        local = self.pools[k].pages.allocate(nbytes)
+        return None if local is None else [[k * SLOT + o, n] for o, n in local]
+
+    def free(self, location, key=None) -> None:
+        _, pool = self._slot(location)
+        pool.pages.free(self._local(location))
+
+    def check(self, locations: Iterable) -> list[str]:
+        per_pool: list[list] = [[] for _ in self.pools]
+        problems = []
+        for loc in locations:
+            k = loc[0][0] // SLOT
+            if not 0 <= k < len(self.pools) or any(o // SLOT != k for o, _ in loc):
+                problems.append(f"gpu extents {loc} name no pool, or several")
+                continue
+            per_pool[k].append(self._local(loc))
+        for pool, locs in zip(self.pools, per_pool):
+            problems += pool.pages.check(locs)
+        return problems
+
+    # -- bytes ----------------------------------------------------------------------
+    def segments(self, location) -> list[np.ndarray]:
+        if not self.host_memory:
+            raise NotImplementedError("the gpu tier is device memory")
+        _, pool = self._slot(location)
+        return [pool.host[o : o + n] for o, n in self._local(location)]
+
+    def write_from(self, alloc, src: Sequence[np.ndarray], meta=None):
+        _, pool = self._slot(alloc)
+        pool.copy(self._local(alloc), src, into_pool=True)
+        return alloc
+
+    def read_into(self, location, out: Sequence[np.ndarray]) -> bool:
+        _, pool = self._slot(location)
+        pool.copy(self._local(location), out, into_pool=False)
+        return True
+
+    def read_many(self, blocks: Sequence[tuple]) -> None:
+        """Copy `(location, host views)` blocks out, one batch per pool (the demoter runs this in a
+        thread, off the event loop)."""
+        by_pool: dict[int, list] = {}
+        for location, out in blocks:
+            by_pool.setdefault(location[0][0] // SLOT, []).append((self._local(location), out))
+        for k, items in by_pool.items():
+            self.pools[k].copy_many(items, into_pool=False)
+
+    def read(self, location) -> bytes:
+        """A block's bytes on the host (blocking; tests and TCP clients)."""
+        out = np.empty(sum(n for _, n in location), dtype=np.uint8)
+        self.read_into(location, [out])
+        return out.tobytes()
+
+    def write(self, location, data) -> None:
+        """Blocking write of a whole block (tests, TCP clients)."""
+        src = np.frombuffer(bytes(data), dtype=np.uint8)
+        if src.size != sum(n for _, n in location):
+            raise ValueError(f"payload is {src.size} B but the extents hold {sum(n for _, n in location)} B")
+        self.write_from(location, [src.copy()])
+
+    def device_of(self, location) -> str:
+        """The device slot a block sits on ("0", "1", ...: the order of `[gpu] devices`)."""
+        return str(location[0][0] // SLOT)
+
+    def handles(self) -> list[dict]:
+        """Per device slot, what an engine needs to map its pool (a fresh export)."""
+        return [p.handle() for p in self.pools]
+
+    def stats(self) -> dict:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes, "page_bytes": self.page_bytes,
+                "device": ",".join(dict.fromkeys(str(p.device) for p in self.pools)),
+                "devices": {str(k): p.stats() for k, p in enumerate(self.pools)}}
+
+    def close(self) -> None:
+        for p in self.pools:
+            p.close()
+
+
+# -- engine side: mapping a pool --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class IpcHandle:
-    """The fields torch needs to map the pool in another process (all msgpack-able)."""
+    """The fields torch needs to map a CUDA pool in another process (all msgpack-able)."""
 
     nbytes: int
     tensor_offset: int
@@ -223,8 +369,15 @@ class IpcHandle:
         return cls(**data)
 
 
-def open_pool(h: IpcHandle):
-    """Engine side: the daemon's pool as a flat uint8 CUDA tensor on device `h.device`."""
+def open_pool(h: "IpcHandle | dict", owner_uid: int | None = None):
+    """Engine side: a pool as a flat uint8 buffer — a CUDA tensor on `h.device` for an IPC handle, a NumPy
+    array for an emulated pool's shared memory (refused, like the arena, unless `owner_uid` owns it)."""
+    if isinstance(h, dict) and h.get("kind") == "shm":
+        from tiers.arena import map_arena
+
+        return map_arena(str(h["path"]), int(h["nbytes"]), owner_uid)
+    if isinstance(h, dict):
+        h = IpcHandle.from_wire({k: v for k, v in h.items() if k != "kind"})
     ok, reason = cuda_available()
     if not ok:
         raise CudaUnavailable(reason)
@@ -239,7 +392,7 @@ def open_pool(h: IpcHandle):
     )  # fmt: skip
 
 
-# -- pinned host memory --------------------------------------------------------
+# -- pinned host memory --------------------------------------------------------------------
 @dataclass(slots=True)
 class PinnedHost:
     """A zero-copy uint8 tensor over host memory; `pinned` says whether DMA is asynchronous."""
@@ -255,7 +408,8 @@ class PinnedHost:
 
 
 def pin_host(array: np.ndarray) -> PinnedHost:
-    """Register `array` (e.g. the mapped arena) with cudaHostRegister; never raises for lack of CUDA."""
+    """Register `array` (e.g. the mapped arena) with cudaHostRegister, portable and mapped (so a kernel
+    reads it through unified addressing); never raises for lack of CUDA."""
     torch = _torch()
     tensor = torch.from_numpy(array.reshape(-1).view(np.uint8))
     ok, reason = cuda_available()
@@ -263,7 +417,8 @@ def pin_host(array: np.ndarray) -> PinnedHost:
         return PinnedHost(tensor, False, reason)
     if tensor.is_pinned():
         return PinnedHost(tensor, False, "already pinned by its owner")  # not ours to unpin
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), _CUDA_HOST_REGISTER_PORTABLE)
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), flags)
     code = int(getattr(err, "value", err))
     if code != 0:
         _clear_cuda_error()
@@ -273,7 +428,7 @@ def pin_host(array: np.ndarray) -> PinnedHost:
 
 def _clear_cuda_error() -> None:
     """Reset the runtime's last error, or torch reports it from an unrelated later launch."""
-    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             ctypes.CDLL(name).cudaGetLastError()
             return
@@ -317,47 +472,3 @@ def copy_runs(dst, src, runs: Sequence[Run]) -> None:
     non_blocking = dst.device.type == "cuda" or src.device.type == "cuda"
     for d, s, n in runs:
         dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
-
-
-# -- side stream and events ----------------------------------------------------
-class TransferStream:
-    """A side CUDA stream for transfers. Work submitted here starts after everything
-    already queued on the caller's current stream (so stores see the KV the forward
-    wrote); the caller orders compute after a transfer with `make_current_wait`."""
-
-    def __init__(self, device) -> None:
-        torch = _torch()
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise CudaUnavailable(f"no CUDA stream on {self.device}")
-        self.stream = torch.cuda.Stream(device=self.device)
-
-    @contextlib.contextmanager
-    def submit(self) -> Iterator[None]:
-        torch = _torch()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def record(self):
-        event = _torch().cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def to_device(self, values: Sequence[int]):
-        """An int64 index tensor on the device, copied from pinned memory (no stream sync)."""
-        torch = _torch()
-        host = torch.tensor(values, dtype=torch.int64).pin_memory()
-        return host.to(self.device, non_blocking=True)
-
-    def make_current_wait(self, event) -> None:
-        """The caller's current stream waits for `event` on the GPU; the host does not block."""
-        _torch().cuda.current_stream(self.device).wait_event(event)
-
-    @staticmethod
-    def is_done(event) -> bool:
-        return bool(event.query())
-
-    @staticmethod
-    def synchronize(event) -> None:
-        event.synchronize()  # host blocks: only off the forward path (get_finished, shutdown)

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-path", help="disk tier folder")
     p.add_argument("--disk-bytes", help="disk tier size, e.g. 8GiB")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("--gpu-bytes", help="turn the GPU tier on with this much VRAM per device, e.g. 8GiB")
+    p.add_argument("--gpu-devices", help="CUDA devices that get a pool, e.g. 0,1 (default: cuda:0)")
+    p.add_argument("--gpu-device", help="cuda, cuda:N, or cpu (the tier emulated in shared memory, for tests)")
     p.add_argument("--remote", metavar="mooncake://HOST:PORT",
                    help="share blocks with other hosts through this Mooncake master ([remote] in the config)")
     p.add_argument("--policy", help="eviction policy")
@@ -63,6 +66,10 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "host.page_size": size(args.page_bytes, "--page-bytes"),
         "host.prefault": False if args.no_prefault else None,
         "host.persistent": False if args.no_persistent_host else None,
+        "gpu.enabled": True if args.gpu_bytes else None,
+        "gpu.capacity": size(args.gpu_bytes, "--gpu-bytes"),
+        "gpu.devices": _devices(args.gpu_devices),
+        "gpu.device": args.gpu_device,
         "disk.path": args.disk_path,
         "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
         "disk.enabled": False if args.no_disk else None,
@@ -71,6 +78,15 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "events.endpoint": args.events_endpoint,
         "events.replay_endpoint": args.events_replay_endpoint,
     }
+
+
+def _devices(text: str | None) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise ConfigError(f"--gpu-devices takes device numbers like 0,1; got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
