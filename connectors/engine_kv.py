@@ -4,13 +4,17 @@
 (worker_loads.py, worker_saves.py): the KV geometry (copy_plan.py), the
 transfers that run plans on the engine's device (cpu_copy.py or cuda_copy.py,
 chosen once from the KV tensors' device and the connector's config), and the
-store's memory as this process sees it: each connection's mapping of the host
-arena (registered with the executor: a region on CPU, `cudaHostRegister`ed,
-portable and mapped, on CUDA) and, on CUDA, the daemon's GPU pools opened by IPC.
+store's memory as this process sees it (`StoreMemory`, per connection): the
+connection's mapping of the host arena (registered with the executor: a region
+on CPU, `cudaHostRegister`ed, portable and mapped, on CUDA) and, where the
+daemon has a GPU tier this engine can address, its pools — opened by CUDA IPC
+for a CUDA engine (same device or peer to peer), or the emulated tier's shared
+memory for a CPU engine (tests). With pools, reads answer each block's tier and
+saves go to the GPU tier while it has free pages (`tier="gpu"` RPCs).
 
 A plan is built against the store memory of the connection whose RPC returned
-the extents: extents from one connection are never read through another's
-mapping (a restarted daemon maps a new arena).
+the extents, in absolute addresses: extents from one connection are never read
+through another's mapping (a restarted daemon maps a new arena and new pools).
 """
 
 from __future__ import annotations
@@ -28,12 +32,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Mapping:
-    """One connection's arena mapping, registered with the transfers."""
+class StoreMemory:
+    """One connection's store memory as this process addresses it."""
 
-    array: np.ndarray
-    base: int
+    arena: np.ndarray
+    arena_base: int
+    pool_bases: list[int] | None  # per gpu device slot; None: this engine reads and writes the arena only
     pinned: object = None  # tiers.gpu.PinnedHost on CUDA
+    pools: list | None = None  # keeps the mappings alive
+
+    @property
+    def tier(self) -> str:
+        """The tier this engine asks to read and write besides the arena."""
+        return "gpu" if self.pool_bases is not None else "host"
+
+    def absolute(self, extents: Sequence, tier: str) -> list:
+        """Extents of `tier` ("host" or "gpu") as absolute [address, length] runs."""
+        if tier == "host":
+            return [[self.arena_base + o, n] for o, n in extents]
+        if self.pool_bases is None:
+            raise ValueError("a gpu extent for an engine that did not map the pools")
+        from tiers.gpu import SLOT
+
+        return [[self.pool_bases[o // SLOT] + o % SLOT, n] for o, n in extents]
 
 
 @dataclass
@@ -57,12 +78,23 @@ class FaultInjector:
         return self.rng.randrange(num_blocks)
 
 
+def reader_tier(handles: list | None, device: str) -> str:
+    """The tier an engine on `device` reads and writes besides the arena: "gpu" where the daemon's pools
+    are ones it can address — CUDA pools (IPC) for a CUDA engine, the emulated tier (shared memory) for a
+    CPU engine — else "host". The scheduler side asks by the same rule, so its pins see what its
+    workers will read."""
+    if not handles:
+        return "host"
+    kinds = {h.get("kind") for h in handles}
+    return "gpu" if kinds == ({"shm"} if str(device).startswith("cpu") else {"cuda_ipc"}) else "host"
+
+
 class EngineKV:
     def __init__(self, tensors: Sequence, num_blocks: int, executor: str = "auto", kernel_piece_bytes: int = 16 << 10,
                  threads: int | None = None) -> None:
         self.geometry: KVGeometry = kv_geometry(tensors, num_blocks)
         self.device = self.geometry.device
-        self._mappings: dict[int, _Mapping] = {}  # id(StoreLink) -> its connection's arena mapping
+        self._memory: dict[int, StoreMemory] = {}  # id(StoreLink) -> its connection's store memory
         if self.device == "cpu":
             from connectors.cpu_copy import COPY_THREADS, CpuExecutor, CpuTransfers, storage_bytes
 
@@ -84,38 +116,55 @@ class EngineKV:
     def layer_wise(self) -> bool:
         return self.geometry.layer_wise
 
-    def arena_base(self, link) -> int | None:
-        """The address of `link`'s arena mapping in this process, registered for copies (None: not connected)."""
+    def memory(self, link) -> StoreMemory | None:
+        """`link`'s store memory (None: not connected), mapped and registered once per connection."""
         arena = link.arena
         if arena is None:
             return None
         key = id(link)
-        known = self._mappings.get(key)
-        if known is not None and known.array is arena:
-            return known.base
+        known = self._memory.get(key)
+        if known is not None and known.arena is arena:
+            return known
         if known is not None:
             self._forget(key)
-        mapping = _Mapping(arena, int(arena.ctypes.data))
+        mem = StoreMemory(arena, int(arena.ctypes.data), None)
+        pools = self._open_pools(link)
         if self._cpu is not None:
-            self._cpu.set_regions(f"arena-{key}", [arena])
+            self._cpu.set_regions(f"arena-{key}", [arena] + (pools or []))
         else:
             from tiers.gpu import pin_host
 
-            mapping.pinned = pin_host(arena)
-            if not mapping.pinned.pinned:
+            mem.pinned = pin_host(arena)
+            if not mem.pinned.pinned:
                 log.warning("kvstore: the arena is not pinned (%s): copies to and from it are slower",
-                            mapping.pinned.reason)
-        self._mappings[key] = mapping
-        return mapping.base
+                            mem.pinned.reason)
+        if pools is not None:
+            mem.pools = pools
+            mem.pool_bases = [int(p.ctypes.data) if isinstance(p, np.ndarray) else int(p.data_ptr()) for p in pools]
+        self._memory[key] = mem
+        return mem
+
+    def _open_pools(self, link) -> list | None:
+        """The daemon's GPU pools, where this engine can address them (`reader_tier`). None otherwise,
+        or when mapping fails."""
+        client = link.client()
+        handles = client.gpu_pools if client is not None else None
+        if reader_tier(handles, self.device) != "gpu":
+            return None
+        try:
+            return client.gpu_pool_buffers()
+        except Exception as exc:  # a pool that cannot be opened: the arena still serves every block
+            log.warning("kvstore: the daemon's GPU pools cannot be opened here (%r); using the arena only", exc)
+            return None
 
     def _forget(self, key: int) -> None:
-        mapping = self._mappings.pop(key, None)
-        if mapping is None:
+        mem = self._memory.pop(key, None)
+        if mem is None:
             return
         if self._cpu is not None:
             self._cpu.set_regions(f"arena-{key}", [])
-        elif mapping.pinned is not None:
-            mapping.pinned.unpin()
+        elif mem.pinned is not None:
+            mem.pinned.unpin()
 
     def plan(self, block_ids: Sequence[int], extents: Sequence, base: int, to_kv: bool,
              merge_layers: bool = True) -> CopyPlan:
@@ -124,6 +173,6 @@ class EngineKV:
         return build_plan(self.geometry, block_ids, extents, base, to_kv, merge_layers)
 
     def close(self) -> None:
-        for key in list(self._mappings):
+        for key in list(self._memory):
             self._forget(key)
         self.transfers.close()

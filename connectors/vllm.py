@@ -16,7 +16,7 @@ connector sets it when the config says "fail" (vLLM's default), with a log line.
 kv_role: "kv_both" saves and loads; "kv_producer" (a prefill engine) saves and
 never loads, and announces the blocks it is about to save; "kv_consumer" (a
 decode engine) loads and never saves, and waits up to `wait_s` for blocks a
-producer has in flight (vllm_scheduler.py; tools/pd_proxy.py runs the pair).
+producer has in flight (vllm_scheduler.py; server/pd_proxy.py runs the pair).
 
 This class is thin: it picks the scheduler side (`vllm_scheduler.SchedulerSide`,
 in EngineCore) or the worker side (`vllm_worker.WorkerSide`, in each Worker)
@@ -76,7 +76,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             from connectors.vllm_scheduler import SchedulerSide
 
             self._prefer_recompute()
-            self.scheduler = SchedulerSide(self.config, namespaces, namespaces[0].block_tokens)
+            from vllm.platforms import current_platform
+
+            self.scheduler = SchedulerSide(self.config, namespaces, namespaces[0].block_tokens,
+                                           device=current_platform.device_type)
         else:
             from connectors.vllm_worker import WorkerSide
 

@@ -17,7 +17,7 @@ request's block ids. Per step it emits a `StepMeta`:
   when the daemon publishes KV events with token ids and the request is keyed
   by its tokens alone (no LoRA, salt or multimodal item), its token ids.
 
-Prefill/decode disaggregation (kv_role kv_producer / kv_consumer, tools/pd_proxy.py):
+Prefill/decode disaggregation (kv_role kv_producer / kv_consumer, server/pd_proxy.py):
 
 * a producer saves and never loads; a consumer loads and never saves
   (`ConnectorConfig.for_role`, as vLLM's own connectors read is_kv_producer /
@@ -56,10 +56,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from connectors.engine_kv import reader_tier
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
 from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks, lora_key
-from kvstore.store import RANK
+from kvstore.wire import RANK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -116,8 +117,12 @@ class _ReqState:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, namespaces: list[Namespace], block_tokens: int) -> None:
+    def __init__(self, config: ConnectorConfig, namespaces: list[Namespace], block_tokens: int,
+                 device: str = "cpu") -> None:
+        """`device`: the platform's device type ("cpu", "cuda"): the scheduler pins blocks for a reader of
+        the tier its workers read (`engine_kv.reader_tier`), so a block in the GPU tier is a hit there."""
         self.config = config
+        self.device = device
         self.block_tokens = block_tokens
         self.num_ranks = len(namespaces)
         self.link = StoreLink(config.socket_path, namespaces, config.timeout_s, config.retry_s, "vllm-scheduler")
@@ -139,9 +144,12 @@ class SchedulerSide:
         waits = self.config.wait_s > 0
 
         def rpc(client) -> list[tuple[list, list, int]]:
+            tier = reader_tier(client.gpu_pools, self.device)
+            tier = tier if tier != "host" else None
             if waits:
-                return [client.acquire_inflight(ns_id, hashes) for ns_id in self.link.ns_ids]
-            return [(*client.acquire_with_tiers(ns_id, hashes, prefix=True), 0) for ns_id in self.link.ns_ids]
+                return [client.acquire_inflight(ns_id, hashes, tier=tier) for ns_id in self.link.ns_ids]
+            return [(*client.acquire_with_tiers(ns_id, hashes, prefix=True, tier=tier), 0)
+                    for ns_id in self.link.ns_ids]
 
         answers = self.link.run("acquire", rpc)
         if answers is None:
@@ -331,7 +339,7 @@ class SchedulerSide:
 
 
 def _proxy_says_wait(request: "Request") -> bool:
-    """The disaggregation proxy (tools/pd_proxy.py) sent this prompt to a prefill engine too and marks
+    """The disaggregation proxy (server/pd_proxy.py) sent this prompt to a prefill engine too and marks
     the decode request with kv_transfer_params {"kvstore_wait": true}: its blocks will appear."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and bool(params.get("kvstore_wait"))

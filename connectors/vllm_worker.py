@@ -90,7 +90,7 @@ class WorkerSide:
         if self.config.attention_scores:
             self.saves.scorer = KeyNormScorer(tensors, self.namespace.block_tokens)
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
-        engine.arena_base(self.link)
+        engine.memory(self.link)
 
     # -- loads --------------------------------------------------------------------
     def start_load_kv(self, meta: StepMeta) -> None:

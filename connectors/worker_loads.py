@@ -104,18 +104,31 @@ class _Pinned:
 
 def pin_jobs(link: StoreLink, engine: EngineKV, jobs: Sequence[LoadJob], report: LoadReport,
              faults: FaultInjector, prefix: bool = False):
-    """One acquire for the jobs' blocks: (the pins, the plan's block ids, extents and arena base), or None
-    when the store is away (every job failed). A job loads its leading present blocks; the rest of it is
-    reported as failed."""
+    """One acquire for the jobs' blocks: (the pins, the plan's block ids, their extents as absolute
+    addresses), or None when the store is away (every job failed). A job loads its leading present
+    blocks; the rest of it is reported as failed. An engine that mapped the GPU pools reads each block
+    where it sits (GPU pool or arena); any other reads the arena."""
     hashes = [h for job in jobs for h in job.hashes]
-    extents = link.run("acquire", lambda c: c.acquire(link.ns_ids[0], hashes, prefix=prefix)) if hashes else []
-    base = engine.arena_base(link)
-    if extents is None or base is None:
+    mem = engine.memory(link)
+    if mem is None:
         report.fail_all(jobs)
         return None
+    ns = link.ns_ids[0] if link.ns_ids else ""
+    if not hashes:
+        answer: tuple | None = ([], [])
+    elif mem.tier == "host":
+        answer = link.run("acquire", lambda c: (lambda e: (e, ["host" if x is not None else None for x in e]))(
+            c.acquire(ns, hashes, prefix=prefix)))
+    else:
+        answer = link.run("acquire", lambda c: c.acquire_at(ns, hashes, mem.tier, prefix=prefix))
+    if answer is None:
+        report.fail_all(jobs)
+        return None
+    extents, at = answer
     ids, exts, work, pos = [], [], [], 0
     for index, job in enumerate(jobs):
         mine = extents[pos : pos + len(job.hashes)]
+        tiers = at[pos : pos + len(job.hashes)]
         pos += len(job.hashes)
         present = next((i for i, ext in enumerate(mine) if ext is None), len(mine))
         wrong = next((i for i in range(present) if sum(n for _, n in mine[i]) != engine.block_bytes), None)
@@ -130,10 +143,10 @@ def pin_jobs(link: StoreLink, engine: EngineKV, jobs: Sequence[LoadJob], report:
             report.fail(job, injected, "injected load failure (fail_loads)")
             present = injected
         ids += job.block_ids[:present]
-        exts += mine[:present]
+        exts += [mem.absolute(mine[i], tiers[i]) for i in range(present)]
         work.append((index, present))
     held = [h for h, e in zip(hashes, extents) if e is not None]
-    return _Pinned(link, link.generation, held, work), ids, exts, base
+    return _Pinned(link, link.generation, held, work), ids, exts
 
 
 @dataclass
@@ -173,8 +186,8 @@ class StepLoads:
         pinned = pin_jobs(self.link, engine, jobs, self.report, self.faults)
         if pinned is None:
             return
-        pins, ids, extents, base = pinned
-        plan = engine.plan(ids, extents, base, to_kv=True, merge_layers=not layer_wise)
+        pins, ids, extents = pinned
+        plan = engine.plan(ids, extents, 0, to_kv=True, merge_layers=not layer_wise)
         if layer_wise:
             ticket = engine.transfers.load_layers(plan.by_layer(self.layer_order), self.layer_order)
         else:
@@ -248,8 +261,7 @@ class _WaitedCopy:
     job: LoadJob
     pins: _Pinned
     ids: list
-    extents: list
-    base: int
+    extents: list  # absolute addresses
     answered: float  # monotonic time the daemon's wait answered
     acquired: float  # ... and the acquire
     ticket: object = None
@@ -313,11 +325,11 @@ class WaitedLoads:
         pinned = pin_jobs(link, engine, [part], local, self.faults, prefix=True) if ready else None
         if pinned is None:
             return set(job.block_ids)
-        pins, ids, extents, base = pinned
+        pins, ids, extents = pinned
         if not ids:
             pins.release()
             return set(job.block_ids)
-        item = _WaitedCopy(job, pins, ids, extents, base, answered, time.monotonic())
+        item = _WaitedCopy(job, pins, ids, extents, answered, time.monotonic())
         with self.report.lock:
             self._ready.append(item)
         try:
@@ -337,7 +349,7 @@ class WaitedLoads:
         with self.report.lock:
             items, self._ready = self._ready, []
         for item in items:
-            item.ticket = engine.transfers.load(engine.plan(item.ids, item.extents, item.base, to_kv=True))
+            item.ticket = engine.transfers.load(engine.plan(item.ids, item.extents, 0, to_kv=True))
             failed = set(item.job.block_ids[len(item.ids):])
             if item.ticket.error is not None:
                 log.warning("kvstore: copy of a waited load of %s failed (%r)", item.job.req_id, item.ticket.error)

@@ -41,11 +41,20 @@ class Saves:
         self._pending: list[_Saving] = []  # copies submitted, not yet committed
 
     def save(self, engine: EngineKV, saves: SaveBatch) -> None:
+        """Reserve (into the GPU tier while it has free pages, for an engine that mapped the pools; else
+        the arena), copy, and commit once the copy is done."""
         link = self.link
-        slots = link.run("reserve", lambda c: c.reserve(link.ns_ids[0], list(zip(saves.hashes, saves.parents))))
-        base = engine.arena_base(link)
-        if slots is None or base is None:
+        mem = engine.memory(link)
+        if mem is None:
             return
+        blocks = list(zip(saves.hashes, saves.parents))
+        if mem.tier == "host":
+            answer = link.run("reserve", lambda c: (lambda e: (e, ["host"] * len(e)))(c.reserve(link.ns_ids[0], blocks)))
+        else:
+            answer = link.run("reserve", lambda c: c.reserve_at(link.ns_ids[0], blocks, mem.tier))
+        if answer is None:
+            return
+        slots, at = answer
         reserved = [i for i, ext in enumerate(slots) if ext is not None]
         if not reserved:
             return
@@ -53,7 +62,7 @@ class Saves:
         block_ids = [saves.block_ids[i] for i in reserved]
         generation = link.generation
         try:
-            plan = engine.plan(block_ids, [slots[i] for i in reserved], base, to_kv=False)
+            plan = engine.plan(block_ids, [mem.absolute(slots[i], at[i]) for i in reserved], 0, to_kv=False)
         except (ValueError, IndexError) as exc:
             self._abort(hashes, generation, exc)
             return

@@ -270,26 +270,37 @@ class KVClient:
     @property
     def gpu_pools(self) -> list[dict] | None:
         """The daemon's GPU pools as this connection may map them (`tiers.gpu.open_pool`), one per device
-        slot; None where the daemon has no gpu tier."""
+        slot; None where the daemon has no gpu tier (or is reached over TCP)."""
         gpu = self.server_info.get("gpu") or {}
         return gpu.get("pools") if gpu.get("available") else None
 
+    def gpu_pool_buffers(self) -> list | None:
+        """The GPU pools mapped into this process, per device slot (mapped once per daemon): CUDA tensors
+        opened by IPC, or NumPy arrays over the emulated tier's shared memory. A block at global offset
+        `o` of the gpu tier is at `o % SLOT` of buffer `o // SLOT` (tiers.gpu.SLOT)."""
+        handles = self.gpu_pools
+        if handles is None or not isinstance(self.transport, ArenaTransport):
+            return None
+        return self.transport.pools(handles)
+
     def acquire_with_tiers(
-        self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True
+        self, ns_id: str, hashes: Sequence[bytes], prefix: bool = True, tier: str | None = None
     ) -> tuple[list[Extents | None], list[str | None]]:
         """`acquire`, plus the tier each block was found in ("host", "disk", ...) before
-        the daemon promoted it into the arena; None where the block is missing."""
-        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix)
+        the daemon promoted it into the arena; None where the block is missing. `tier` as in `acquire_at`."""
+        args = {"tier": tier} if tier is not None else {}
+        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=prefix, **args)
         extents = reply["extents"]
         tiers = reply.get("tiers") or [None if e is None else "host" for e in extents]  # an older daemon
         return extents, tiers
 
     def acquire_inflight(
-        self, ns_id: str, hashes: Sequence[bytes]
+        self, ns_id: str, hashes: Sequence[bytes], tier: str | None = None
     ) -> tuple[list[Extents | None], list[str | None], int]:
         """`acquire_with_tiers(prefix=True)`, plus how many leading blocks are committed or in
         flight (reserved or announced by a producer): those a consumer may `wait` for."""
-        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=True, inflight=True)
+        args = {"tier": tier} if tier is not None else {}
+        reply = self.call("acquire", ns=ns_id, hashes=list(hashes), prefix=True, inflight=True, **args)
         extents = reply["extents"]
         tiers = reply.get("tiers") or [None if e is None else "host" for e in extents]
         return extents, tiers, int(reply.get("inflight", 0))

@@ -75,8 +75,8 @@ class GpuDemoter:
         self.kick()
 
     async def _run(self) -> None:
-        try:
-            while (need := self.wanted()) > 0:
+        try:  # once started, on until HIGH is free (hysteresis: not one block per commit)
+            while (need := int(self.high * self.tier.capacity_bytes) - self.tier.free_bytes) > 0:
                 if not await self._batch(need):
                     break
         except Exception:  # never let a background task die unseen

@@ -85,6 +85,7 @@ class ArenaTransport:
         self._arena: np.ndarray | None = None
         self._arena_id: str | None = None
         self._daemon_uid: int | None = None  # from SO_PEERCRED: who must own the arena
+        self._pools: list | None = None  # the GPU pools as this process mapped them, per device slot
 
     @property
     def where(self) -> str:
@@ -108,6 +109,7 @@ class ArenaTransport:
         """After hello: a (re)started daemon has a new arena: map it, never keep writing into the old one."""
         if info.get("arena_id") == self._arena_id:
             return
+        self._pools = None  # a new daemon: its pools too are new
         try:
             self._arena = map_arena(info["arena_path"], info["arena_bytes"], owner_uid=self._daemon_uid)
         except ArenaRefused as exc:
@@ -119,6 +121,18 @@ class ArenaTransport:
         if self._arena is None:
             raise KVStoreError("no arena: the client is not connected")
         return self._arena
+
+    def pools(self, handles: list[dict]) -> list:
+        """The daemon's GPU pools mapped here, once per daemon (tiers.gpu.open_pool: a CUDA tensor by IPC, or
+        the emulated pool's shared memory, mapped only if the daemon's user owns it)."""
+        if self._pools is None:
+            from tiers.gpu import open_pool  # imports torch only for CUDA handles
+
+            try:
+                self._pools = [open_pool(h, self._daemon_uid) for h in handles]
+            except ArenaRefused as exc:
+                raise OwnershipError(str(exc)) from None
+        return self._pools
 
     def close(self) -> None:
         if self.pool is not None:

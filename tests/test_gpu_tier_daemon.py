@@ -108,7 +108,7 @@ def test_the_demoter_keeps_free_room_and_moves_bytes_to_the_arena_intact(gpu_dae
     at = save(client, pools, ns_id, blocks[:8]) + save(client, pools, ns_id, blocks[8:])
     assert at.count("gpu") >= 8
     gpu = lambda: client.stats()["tiers"]["gpu"]  # noqa: E731
-    wait_for(lambda: gpu()["used_bytes"] <= 0.9 * gpu()["capacity_bytes"], timeout_s=10)
+    assert wait_for(lambda: gpu()["used_bytes"] <= 0.9 * gpu()["capacity_bytes"], timeout_s=10)
     counters = client.stats()["counters"]
     assert counters["gpu_demotions"] >= 2 and counters["gpu_demotion_batches"] >= 1
     extents, where = client.acquire_at(ns_id, [h for h, _ in blocks], "gpu")
@@ -143,7 +143,7 @@ def test_a_killed_client_leaks_no_pool_page(gpu_daemon, tmp_path):
         assert client.stats()["tiers"]["gpu"]["used_bytes"] == 4 * BLOCK
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        wait_for(lambda: client.stats()["tiers"]["gpu"]["used_bytes"] == 0, timeout_s=10)
+        assert wait_for(lambda: client.stats()["tiers"]["gpu"]["used_bytes"] == 0, timeout_s=10)
         assert client.stats()["reserved_blocks"] == 0
         assert gpu_daemon.check() == []
     finally:

@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-bytes", help="turn the GPU tier on with this much VRAM per device, e.g. 8GiB")
     p.add_argument("--gpu-devices", help="CUDA devices that get a pool, e.g. 0,1 (default: cuda:0)")
     p.add_argument("--gpu-device", help="cuda, cuda:N, or cpu (the tier emulated in shared memory, for tests)")
+    p.add_argument("--gpu-page-bytes", help="GPU tier page size, e.g. 256KiB")
     p.add_argument("--remote", metavar="mooncake://HOST:PORT",
                    help="share blocks with other hosts through this Mooncake master ([remote] in the config)")
     p.add_argument("--policy", help="eviction policy")
@@ -70,6 +71,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
         "gpu.capacity": size(args.gpu_bytes, "--gpu-bytes"),
         "gpu.devices": _devices(args.gpu_devices),
         "gpu.device": args.gpu_device,
+        "gpu.page_size": size(args.gpu_page_bytes, "--gpu-page-bytes"),
         "disk.path": args.disk_path,
         "disk.capacity": size(args.disk_bytes, "--disk-bytes"),
         "disk.enabled": False if args.no_disk else None,
