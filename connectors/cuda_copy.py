@@ -218,14 +218,15 @@ class TorchStreams:
 
 
 class CudaTicket:
-    def __init__(self, streams, forward, done, layer_events: dict | None = None) -> None:
+    def __init__(self, streams, forward, done, layer_events: dict | None = None, ordered: bool = True) -> None:
         self._streams, self._forward, self._done = streams, forward, done
         self._layers = layer_events or {}
+        self.ordered = ordered
         self.error: BaseException | None = None
 
     def wait_layer(self, layer: int) -> None:
         event = self._layers.get(layer)
-        if event is not None:
+        if event is not None and self.ordered:
             self._streams.wait(self._forward, event)  # the GPU waits; the host goes on
 
     def done(self) -> bool:
@@ -244,25 +245,28 @@ class CudaTicket:
 class CudaTransfers:
     """Loads and saves on a side stream, ordered against the forward's stream by events."""
 
-    def __init__(self, device, chooser: Chooser, streams=None) -> None:
+    def __init__(self, device, chooser: Chooser, streams=None, ordered: bool = True) -> None:
+        """`ordered=False` drops every event wait: only the race test uses it, to show the waits matter."""
         self.device = str(device)
         self.chooser = chooser
         self.streams = streams if streams is not None else TorchStreams(device)
         self.side = self.streams.new_stream()
+        self.ordered = ordered
 
     def _submit(self, plans: Sequence[CopyPlan], keys: Sequence, load: bool, forward_waits: bool) -> CudaTicket:
         """Run `plans` in order on the side stream after the forward's work so far; an event after each."""
         streams = self.streams
         forward = streams.current()  # the engine thread's: the forward's stream
-        streams.wait(self.side, streams.record(forward))
+        if self.ordered:
+            streams.wait(self.side, streams.record(forward))
         events = {}
         for key, plan in zip(keys, plans):
             self._run(plan, load)
             events[key] = streams.record(self.side)
         done = events[keys[-1]] if events else streams.record(self.side)
-        if forward_waits:
+        if forward_waits and self.ordered:
             streams.wait(forward, done)
-        return CudaTicket(streams, forward, done, events if not forward_waits else None)
+        return CudaTicket(streams, forward, done, events if not forward_waits else None, self.ordered)
 
     def _run(self, plan: CopyPlan, load: bool) -> None:
         executor = self.chooser.pick(plan)

@@ -117,10 +117,11 @@ class EngineKV:
         return self.geometry.layer_wise
 
     def memory(self, link) -> StoreMemory | None:
-        """`link`'s store memory (None: not connected), mapped and registered once per connection."""
-        arena = link.arena
-        if arena is None:
+        """`link`'s store memory, mapped and registered once per connection (None: the daemon is away;
+        asking reconnects once the link's retry interval has passed)."""
+        if link.client() is None:
             return None
+        arena = link.arena
         key = id(link)
         known = self._memory.get(key)
         if known is not None and known.arena is arena:

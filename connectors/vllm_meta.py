@@ -20,10 +20,16 @@ import torch
 
 from kvstore.config import default_socket_path
 from kvstore.keys import Namespace
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # the connector's two sides also run without vLLM (the GPU machines' checks carry no vLLM)
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        pass
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,293 +1,254 @@
-"""GPU tier on CUDA: IPC sharing across processes, pinned arena DMA, gather/scatter on
-vLLM's CUDA KV layouts, and concurrent readers and writers.
+"""The GPU path end to end: engine processes drive the connector's two sides (the code vLLM calls) with KV
+tensors in vLLM's layouts, through a real daemon with a GPU tier, and a race test of the stream ordering.
 
-Every test here needs a CUDA device and skips with the reason `cuda_available()`
-gives. Child processes are plain `python -c` scripts that talk JSON lines on
-stdin/stdout, so nothing depends on pickling test functions.
+Every flow runs twice: on "cuda:0" (marked `gpu`: CUDA KV tensors, the daemon's VRAM pools opened by IPC,
+copies by the copy engines or the Triton kernel; skipped with the reason where there is no CUDA) and on
+"cpu" (the GPU tier emulated in shared memory, host copies: the same handshake, routing, demotion and
+restart logic, in CI). Engines are `tools/harness/kv_engine.py` processes; a block's bytes are compared by
+sha256 of its payload in the saving and the loading engine.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
+import signal
 import subprocess
 import sys
-import threading
-from pathlib import Path
 
-import msgpack
-import numpy as np
 import pytest
 
+from tests.helpers import wait_for
 from tiers import gpu
-from tiers.host import HostArena, copy_out, map_arena
+from tools.harness.daemon_proc import ROOT
 
 CUDA_OK, CUDA_REASON = gpu.cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")]
-
-torch = pytest.importorskip("torch", reason="the gpu tests need torch")
-
-from connectors import cuda_copy as cc  # noqa: E402
-from tests.test_cuda_copy_cpu import KINDS, NB, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-MiB = 1 << 20
-
-CHILD = r"""
-import hashlib, json, sys
-import msgpack, numpy as np, torch
-from tiers import gpu
-
-def pattern(seed, n):
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-pool = gpu.open_pool(gpu.IpcHandle.from_wire(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()))))
-target = torch.device(sys.argv[1]) if len(sys.argv) > 1 else pool.device
-print(json.dumps({"ok": True, "device": str(pool.device)}), flush=True)
-for line in sys.stdin:
-    task = json.loads(line)
-    if task["op"] == "quit":
-        break
-    sha = []
-    for extents, seed in task["blocks"]:
-        n = sum(length for _, length in extents)
-        if task["op"] == "write":
-            src = torch.from_numpy(pattern(seed, n)).to(pool.device)
-            gpu.copy_runs(pool, src, gpu.plan_runs(extents, [[0, n]]))
-        else:
-            dst = torch.empty(n, dtype=torch.uint8, device=target)
-            gpu.copy_runs(dst, pool, gpu.plan_runs([[0, n]], extents))
-            sha.append(hashlib.sha256(dst.cpu().numpy().tobytes()).hexdigest())
-    torch.cuda.synchronize()
-    print(json.dumps({"ok": True, "sha": sha}), flush=True)
-"""
+N = 16  # tokens per block (tools/harness/kv_engine.py)
+BLOCK = 8 * 4 * N * 2 * 64 * 2  # 128 KiB
+DEVICES = [pytest.param("cpu", id="emulated"),
+           pytest.param("cuda:0", id="cuda", marks=[pytest.mark.gpu,
+                                                   pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")])]
 
 
-def pattern(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+def gpu_flags(device: str, blocks_per_device: int, devices: str = "0") -> list[str]:
+    kind = ["--gpu-device", "cpu", "--gpu-devices", devices] if device == "cpu" else ["--gpu-devices", devices]
+    return [*kind, "--gpu-bytes", str(blocks_per_device * BLOCK), "--gpu-page-bytes", str(BLOCK)]
 
 
-def sha(data) -> str:
-    return hashlib.sha256(bytes(data)).hexdigest()
+class EngineProc:
+    """A `kv_engine` process; `ask` sends one request and returns its reply."""
 
+    def __init__(self, socket: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
+        args = [sys.executable, "-m", "tools.harness.kv_engine", socket, "--device", device, "--layout", layout,
+                "--seed", str(seed)] + (["--whole-step"] if whole_step else [])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        hello = self._reply()
+        assert hello.get("ready"), hello
+        self.block_outermost = hello["block_outermost"]
 
-class Child:
-    """An engine-like process that opened the pool by IPC."""
-
-    def __init__(self, pool: "gpu.GpuPool", *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-        self.send_line(msgpack.packb(pool.export_ipc().to_wire()).hex())
-        self.hello = self.reply()
-
-    def send_line(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def send(self, op: str, blocks=()) -> None:
-        self.send_line(json.dumps({"op": op, "blocks": list(blocks)}))
-
-    def reply(self) -> dict:
+    def _reply(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"child died (rc={self.proc.wait(timeout=60)})")
+            raise AssertionError(f"engine died (exit {self.proc.wait(timeout=30)})")
         return json.loads(line)
 
+    def ask(self, op: str, tokens: list[int], ids: list[int]) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens, "ids": ids}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        assert reply["ok"], reply
+        return reply
+
     def close(self) -> None:
-        self.send("quit")
-        assert self.proc.wait(timeout=120) == 0
+        if self.proc.poll() is None:
+            self.proc.stdin.write('{"op": "quit"}\n')
+            self.proc.stdin.flush()
+            assert self.proc.wait(timeout=60) == 0
 
 
 @pytest.fixture
-def pool():
-    p = gpu.GpuPool("cuda:0", 64 * MiB, 64 * 1024)
-    yield p
-    torch.cuda.synchronize()
+def engines():
+    started: list[EngineProc] = []
+
+    def make(*args, **kw) -> EngineProc:
+        e = EngineProc(*args, **kw)
+        started.append(e)
+        return e
+
+    yield make
+    for e in started:
+        if e.proc.poll() is None:
+            e.proc.kill()
+            e.proc.wait(timeout=30)
 
 
-def fragmented(alloc, free, nbytes: int, n: int) -> list:
-    """n blocks of 2 * nbytes in a pool with 2n holes of nbytes: each spans several holes."""
-    spacers = [alloc(nbytes) for _ in range(4 * n)]
-    for s in spacers[::2]:
-        free(s)
-    return [alloc(2 * nbytes) for _ in range(n)]
+def prompt(n_blocks: int, base: int) -> list[int]:
+    return list(range(base, base + n_blocks * N + 3))
 
 
-# -- IPC ------------------------------------------------------------------------------
-def test_second_process_reads_identical_bytes_by_ipc(pool):
-    blocks = fragmented(pool.allocate, pool.free, 200_000, 4)
-    assert all(len(e) > 1 for e in blocks)
-    payloads = [pattern(i, sum(n for _, n in e)) for i, e in enumerate(blocks)]
-    for e, p in zip(blocks, payloads):
-        pool.write(e, p.tobytes())
-    child = Child(pool)
-    assert child.hello["device"] == "cuda:0"
-    child.send("read", [(e, 0) for e in blocks])
-    assert child.reply()["sha"] == [sha(p) for p in payloads]
-    # and the other way round: what the child writes, the daemon reads
-    target = pool.allocate(123_457)
-    child.send("write", [(target, 99)])
-    child.reply()
-    assert pool.read(target) == pattern(99, 123_457).tobytes()
-    child.close()
+def check_same(saved: dict, loaded: dict, saved_ids: list[int], loaded_ids: list[int]) -> None:
+    for a, b in zip(saved_ids, loaded_ids):
+        assert loaded["sha"][str(b)] == saved["sha"][str(a)], f"block {a} -> {b}: other bytes"
 
 
-@pytest.mark.skipif(CUDA_OK and torch.cuda.device_count() < 2, reason="needs two GPUs for peer-to-peer")
-def test_engine_on_another_gpu_reads_the_pool_peer_to_peer(pool):
-    block = pool.allocate(1_000_000)
-    pool.write(block, pattern(5, 1_000_000).tobytes())
-    child = Child(pool, "cuda:1")
-    child.send("read", [(block, 0)])
-    assert child.reply()["sha"] == [sha(pattern(5, 1_000_000))]
-    child.close()
-
-
-# -- pinned arena <-> GPU ---------------------------------------------------------------
-@pytest.fixture
-def arena(tmp_path):
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    a = HostArena(os.path.join(root, f"kvstore-test-gpu-{os.getpid()}"), 32 * MiB, 64 * 1024)
-    yield a
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_a_saves_into_the_gpu_tier_and_engine_b_loads_the_same_bytes(daemon_factory, engines, device, layout):
+    d = daemon_factory(*gpu_flags(device, 16), page_bytes=str(BLOCK))
+    a = engines(d.socket_path, device, layout, seed=1)
+    b = engines(d.socket_path, device, layout, seed=2)
+    assert a.block_outermost == (layout == "BLHNC")
+    tokens = prompt(10, 1000)
+    saved = a.ask("save", tokens, list(range(11)))
+    assert len(saved["saved"]) == 10
+    stats = d.stats()
+    assert stats["counters"]["put_gpu_blocks"] == 10 and stats["tiers"]["gpu"]["blocks"] == 10
+    loaded = b.ask("load", tokens[: 10 * N] + [5, 5, 5], list(range(30, 41)))
+    assert loaded["hit"] == 10 * N and loaded["invalid"] == []
+    check_same(saved, loaded, list(range(10)), list(range(30, 40)))
     a.close()
+    b.close()
+    assert d.stats()["pinned_blocks"] == 0 and d.check() == []
 
 
-def test_arena_gpu_copies_through_registered_memory_are_identical(arena):
-    client = map_arena(arena.path, arena.capacity_bytes)  # the engine's own mapping
-    pinned = gpu.pin_host(client)
-    assert pinned.pinned, pinned.reason
-    assert pinned.tensor.is_pinned()
-    src = fragmented(arena.allocate, arena.free, 300_000, 6)
-    assert all(len(e) > 1 for e in src)
-    total = sum(n for e in src for _, n in e)
-    data = pattern(1, total)
-    pos = 0
-    for e in src:
-        size = sum(n for _, n in e)
-        arena.write(e, data[pos : pos + size])
-        pos += size
-    flat_src = [x for e in src for x in e]
-    back = arena.allocate(total)
-    stream = gpu.TransferStream("cuda:0")
-    staging = torch.empty(total, dtype=torch.uint8, device="cuda:0")
-    with stream.submit():
-        gpu.copy_runs(staging, pinned.tensor, gpu.plan_runs([[0, total]], flat_src))
-        gpu.copy_runs(pinned.tensor, staging, gpu.plan_runs(back, [[0, total]]))
-        done = stream.record()
-    stream.synchronize(done)
-    assert stream.is_done(done)
-    assert sha(staging.cpu().numpy()) == sha(data)
-    assert sha(copy_out(arena.buf, back)) == sha(data)
-    pinned.unpin()
-    assert not pinned.tensor.is_pinned()
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_demoted_gpu_host_disk_and_promoted_back_are_byte_identical(daemon_factory, engines, device, tmp_path):
+    disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", str(64 * BLOCK)]
+    d = daemon_factory(*gpu_flags(device, 4, "0"), *disk, host_bytes=str(8 * BLOCK), page_bytes=str(BLOCK), disk=True)
+    a = engines(d.socket_path, device, seed=3)
+    prompts = [prompt(6, base) for base in (10_000, 20_000, 30_000)]
+    saved = [a.ask("save", p, list(range(7 * i, 7 * i + 7))) for i, p in enumerate(prompts)]
+    assert wait_for(lambda: d.stats()["tiers"]["disk"]["blocks"] > 0, timeout_s=20)  # pushed down two tiers
+    counters = d.stats()["counters"]
+    assert counters["gpu_demotions"] > 0
+    b = engines(d.socket_path, device, seed=4)
+    for i, p in enumerate(prompts):
+        loaded = b.ask("load", p[: 6 * N] + [9, 9, 9], list(range(40, 47)))
+        assert loaded["hit"] == 6 * N and loaded["invalid"] == [], (i, loaded)
+        check_same(saved[i], loaded, list(range(7 * i, 7 * i + 6)), list(range(40, 46)))
+    assert d.stats()["counters"].get("promotions", 0) > 0  # some came back up from disk
+    a.close()
+    b.close()
+    assert d.check() == []
 
 
-# -- gather/scatter on CUDA layouts -------------------------------------------------------
-@pytest.mark.parametrize("target", ["pinned_host", "gpu_pool"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_save_and_layerwise_load_on_cuda_layouts(kind, target):
-    layout, ref_layers = make_layers(kind, seed=21)
-    _, layers = make_layers(kind, seed=21, device="cuda:0")
-    kv = cc.paged_kv(layers, NB)
-    ids = random_ids(6, seed=22)
-    if target == "pinned_host":
-        flat = torch.zeros(16 * kv.block_bytes, dtype=torch.uint8).pin_memory()
-    else:
-        flat = torch.zeros(16 * kv.block_bytes, dtype=torch.uint8, device="cuda:0")
-    slots = random.Random(3).sample(range(16), len(ids))
-    extents = [[[s * kv.block_bytes, kv.block_bytes]] for s in slots]
-    copier = cc.StreamedCopier("cuda:0")
-    ticket = copier.save(kv, ids, flat, extents)
-    ticket.fence_source()  # the next forward may overwrite the blocks only after the gather
-    ticket.synchronize()
-    assert ticket.ready()
-    host = flat.cpu()
-    for b, s in zip(ids, slots):
-        got = host[s * kv.block_bytes : (s + 1) * kv.block_bytes]
-        assert torch.equal(got, ref_payload(ref_layers, layout, b)), f"block {b}"
-
-    _, dst = blank_like(kind, device="cuda:0")
-    dst_ids = random_ids(6, seed=23)
-    ticket = copier.load(cc.paged_kv(dst, NB), dst_ids, flat, extents, layerwise=True)
-    for layer in range(len(dst)):
-        ticket.wait_layer(layer)  # what wait_for_layer_load does: the GPU waits, the host does not
-    torch.cuda.current_stream().synchronize()
-    dst_cpu = [t.cpu() for t in dst]
-    for b_src, b_dst in zip(ids, dst_ids):
-        assert torch.equal(ref_payload(dst_cpu, layout, b_dst), ref_payload(ref_layers, layout, b_src))
-    assert not any(ref_payload(dst_cpu, layout, b).any() for b in set(range(NB)) - set(dst_ids))
-
-
-# -- stress ---------------------------------------------------------------------------------
-def test_stress_ipc_readers_and_writers_in_other_processes(pool):
-    """Two writer and two reader processes work on the two halves of the pool in turn:
-    in round r writers fill half r % 2 while readers check what was committed to the
-    other half in round r - 1."""
-    halves = [[pool.allocate(random.Random(i).randrange(10_000, 400_000)) for i in range(h, 40, 2)] for h in (0, 1)]
-    writers, readers = [Child(pool) for _ in range(2)], [Child(pool) for _ in range(2)]
-    committed: dict[int, list] = {}
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_killed_engine_leaks_no_pool_page(daemon_factory, device, tmp_path):
+    d = daemon_factory(*gpu_flags(device, 8), page_bytes=str(BLOCK))
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import sys, time\n"
+        "from kvstore.client import KVClient\n"
+        "from tools.harness.kv_engine import namespace\n"
+        "import xxhash\n"
+        "c = KVClient(sys.argv[1])\n"
+        "ns = c.register(namespace(sys.argv[2], 'LBHNC'))\n"
+        "hs = [xxhash.xxh3_128_digest(bytes([i])) for i in range(4)]\n"
+        "ext, at = c.reserve_at(ns, [(h, p) for h, p in zip(hs, [None] + hs[:-1])], 'gpu')\n"
+        "print(at.count('gpu'), flush=True)\n"
+        "time.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), d.socket_path, device], stdout=subprocess.PIPE,
+                            text=True, env=env)
     try:
-        for r in range(8):
-            mine = halves[r % 2]
-            seeds = [1000 * r + i for i in range(len(mine))]
-            for k, w in enumerate(writers):
-                w.send("write", [(e, s) for e, s in list(zip(mine, seeds))[k::2]])
-            if r >= 1:
-                prev_blocks, prev_seeds = committed[(r - 1) % 2]
-                for rd in readers:
-                    rd.send("read", [(e, 0) for e in prev_blocks])
-            for w in writers:
-                w.reply()
-            if r >= 1:
-                want = [sha(pattern(s, sum(n for _, n in e))) for e, s in zip(prev_blocks, prev_seeds)]
-                for rd in readers:
-                    assert rd.reply()["sha"] == want, f"round {r}"
-            committed[r % 2] = (mine, seeds)  # commit only after every writer answered
+        assert int(proc.stdout.readline()) == 4
+        assert d.stats()["tiers"]["gpu"]["used_bytes"] == 4 * BLOCK
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert wait_for(lambda: d.stats()["tiers"]["gpu"]["used_bytes"] == 0, timeout_s=20)
+        assert d.stats()["reserved_blocks"] == 0 and d.check() == []
     finally:
-        for c in writers + readers:
-            c.close()
-    assert pool.check([e for half in halves for e in half]) == []
+        proc.kill()
 
 
-def test_stress_concurrent_copier_threads(arena):
-    """Threads save and load through their own side streams into disjoint arena
-    extents and disjoint KV blocks; every round trip must be byte-identical."""
-    layout, ref_layers = make_layers("shared_LBNHC", seed=31)
-    _, layers = make_layers("shared_LBNHC", seed=31, device="cuda:0")
-    kv = cc.paged_kv(layers, NB)
-    pinned = gpu.pin_host(map_arena(arena.path, arena.capacity_bytes))
-    ids_all = random_ids(12, seed=32)
-    errors: list[str] = []
-    lock = threading.Lock()
+@pytest.mark.parametrize("device", DEVICES)
+def test_after_a_daemon_restart_engines_reopen_the_pools(daemon_factory, engines, device):
+    flags = gpu_flags(device, 16)
+    d = daemon_factory(*flags, page_bytes=str(BLOCK), name="gpu-restart")
+    a = engines(d.socket_path, device, seed=5)
+    first = prompt(4, 40_000)
+    a.ask("save", first, list(range(5)))
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(timeout=30)
+    d = daemon_factory(*flags, page_bytes=str(BLOCK), name="gpu-restart")  # new pools, new handles
+    second = prompt(4, 50_000)
+    ids = list(range(10, 15))
 
-    def arena_alloc(n: int):
-        with lock:
-            return arena.allocate(n)
+    def saved_into_new_pools() -> bool:  # the engine's link reconnects after its retry interval
+        a.ask("save", second, ids)
+        return d.stats()["counters"].get("put_gpu_blocks", 0) >= 4
 
-    def worker(k: int) -> None:
-        try:
-            copier = cc.StreamedCopier("cuda:0")
-            ids = ids_all[k::4]
-            extents = [arena_alloc(kv.block_bytes) for _ in ids]
-            for _ in range(20):
-                copier.save(kv, ids, pinned.tensor, extents).synchronize()
-                for b, e in zip(ids, extents):
-                    if sha(copy_out(arena.buf, e)) != sha(ref_payload(ref_layers, layout, b).numpy()):
-                        errors.append(f"thread {k}: block {b} differs")
-                copier.load(kv, ids, pinned.tensor, extents).synchronize()
-        except Exception as exc:  # surfaced below: a thread cannot fail the test itself
-            errors.append(f"thread {k}: {exc!r}")
+    assert wait_for(saved_into_new_pools, timeout_s=20)
+    saved = a.ask("save", second, ids)  # (already stored: only the digests are wanted)
+    b = engines(d.socket_path, device, seed=6)
+    loaded = b.ask("load", second[: 4 * N] + [1, 1, 1], list(range(20, 25)))
+    assert loaded["hit"] == 4 * N and loaded["invalid"] == []
+    check_same(saved, loaded, ids[:4], list(range(20, 24)))
+    a.close()
+    b.close()
+    assert d.check() == []
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert errors == []
-    torch.cuda.synchronize()
-    for t_ref, t in zip(ref_layers, layers):  # loads wrote back what saves read: unchanged
-        assert torch.equal(t.cpu(), t_ref)
-    pinned.unpin()
+
+# -- ordering on the device ------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")
+@pytest.mark.parametrize("executor", ["dma", "kernel"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["with-event-waits", "waits-removed"])
+def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, ordered):
+    """200 iterations each, every byte checked, with the forward's stream busy with matmuls:
+    - save-then-overwrite: the forward writes a block, a save is submitted, the next forward overwrites it:
+      the save must hold what the forward wrote (vLLM #45704, #52360);
+    - load-then-read: the forward still reads a block when a load into it is submitted: the forward must
+      read the old bytes (vLLM #47282).
+    With the event waits the mismatches are 0; with them removed (`ordered=False`) the copies run ahead of
+    the matmuls and the test shows mismatches: the waits are what keeps the bytes right."""
+    import torch
+
+    from connectors import copy_plan as cp
+    from connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, KernelExecutor
+    from tiers.gpu import pin_host
+
+    dev = torch.device("cuda:0")
+    nb, block = 8, BLOCK
+    kv = torch.zeros(nb, block, dtype=torch.uint8, device=dev)  # one piece per block (block-outermost)
+    geom = cp.kv_geometry([kv.view(nb, 8, block // 8)[:, i] for i in range(8)], nb)
+    arena = torch.zeros(4 * block, dtype=torch.uint8).numpy()
+    pinned = pin_host(arena)
+    store = [[[int(arena.ctypes.data), block]]]  # one store slot, absolute address
+    chooser = Chooser(DmaExecutor() if executor == "dma" else None, KernelExecutor(dev) if executor == "kernel" else None,
+                      executor)
+    transfers = CudaTransfers(dev, chooser, ordered=ordered)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    seen = torch.empty(block, dtype=torch.uint8, device=dev)
+    bad_saves = bad_loads = 0
+    try:
+        for i in range(200):
+            value, other = (2 * i) % 251 + 1, (2 * i + 1) % 251 + 1
+            # save-then-overwrite: block 3 becomes `value` after the matmuls; then the save; then reuse
+            for _ in range(4):
+                a = (a @ a).clamp_(-1, 1)
+            kv[3].fill_(value)
+            ticket = transfers.save(cp.build_plan(geom, [3], store, 0, to_kv=False))
+            kv[3].fill_(other)  # the next forward reuses the freed block
+            ticket.finish()
+            torch.cuda.synchronize()
+            bad_saves += int((torch.from_numpy(arena[:block]) != value).any())
+            # load-then-read: the forward reads block 5 (old bytes) behind matmuls; a load into it is submitted
+            kv[5].fill_(value)
+            arena[:block] = other
+            torch.cuda.synchronize()
+            for _ in range(4):
+                a = (a @ a).clamp_(-1, 1)
+            seen.copy_(kv[5])  # the forward's read, queued behind the matmuls
+            ticket = transfers.load(cp.build_plan(geom, [5], store, 0, to_kv=True))
+            ticket.finish()
+            torch.cuda.synchronize()
+            bad_loads += int((seen != value).any())
+            assert bool((kv[5] == other).all()), "the load did not land"
+    finally:
+        pinned.unpin()
+    if ordered:
+        assert (bad_saves, bad_loads) == (0, 0)
+    else:
+        assert bad_saves + bad_loads > 0, "without the event waits the copies should overtake the forward"
