@@ -7,7 +7,10 @@ bf16, 128-token blocks: 2.95 MB a block) and laid out as vLLM 0.32 allocates
 them (one buffer, a view per layer). Engine A's worker stores a prompt's blocks;
 engine B's worker then loads them in one step whose forward is a stand-in: per
 layer, `wait_for_layer_load` (as vLLM's attention does) and then
-`--per-layer-ms` of torch matmuls (which release the GIL, like the model's ops).
+`--per-layer-ms` of torch work on this thread, a 256x256 matmul between runs of
+small element-wise ops, as an eager model's Python-driven forward issues them
+(each op takes and releases the GIL, so a copy thread's GIL hand-overs cost the
+forward what they cost a real engine's).
 
 For each per-layer time, median of the repeats:
 
@@ -68,11 +71,13 @@ def kv_tensors(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 class StandInForward:
-    """Per layer: wait for its load, then `per_layer_ms` of 256x256 matmuls on this thread."""
+    """Per layer: wait for its load, then `per_layer_ms` of a 256x256 matmul between small element-wise
+    ops (an eager forward's mix of one big op and many Python-issued small ones) on this thread."""
 
     def __init__(self, per_layer_ms: float) -> None:
         self.per_layer_s = per_layer_ms / 1e3
         self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
+        self.x = torch.randn(16, 64)
 
     def __call__(self, worker: WorkerSide | None) -> None:
         for name in LAYER_NAMES:
@@ -81,6 +86,9 @@ class StandInForward:
             end = time.perf_counter() + self.per_layer_s
             while time.perf_counter() < end:
                 torch.mm(self.a, self.b)
+                x = self.x
+                for _ in range(8):
+                    x = (x * 0.5 + 1.0).relu_()
 
 
 def store_prompt(cfg: ConnectorConfig, ns: Namespace, tokens: list[int], num_full: int,
