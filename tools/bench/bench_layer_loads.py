@@ -7,10 +7,11 @@ bf16, 128-token blocks: 2.95 MB a block) and laid out as vLLM 0.32 allocates
 them (one buffer, a view per layer). Engine A's worker stores a prompt's blocks;
 engine B's worker then loads them in one step whose forward is a stand-in: per
 layer, `wait_for_layer_load` (as vLLM's attention does) and then
-`--per-layer-ms` of torch work on this thread, a 256x256 matmul between runs of
-small element-wise ops, as an eager model's Python-driven forward issues them
-(each op takes and releases the GIL, so a copy thread's GIL hand-overs cost the
-forward what they cost a real engine's).
+torch work on this thread that takes `--per-layer-ms` alone (a fixed number of
+rounds of a 256x256 matmul between small element-wise ops, as an eager model's
+Python-driven forward issues them; each op takes and releases the GIL, so a copy
+thread's GIL hand-overs and its share of the core cost the forward what they
+cost a real engine's).
 
 For each per-layer time, median of the repeats:
 
@@ -71,24 +72,38 @@ def kv_tensors(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 class StandInForward:
-    """Per layer: wait for its load, then `per_layer_ms` of a 256x256 matmul between small element-wise
-    ops (an eager forward's mix of one big op and many Python-issued small ones) on this thread."""
+    """Per layer: wait for its load, then a fixed number of rounds of a 256x256 matmul between small
+    element-wise ops (an eager forward's mix of one big op and many Python-issued small ones) on this
+    thread. The number of rounds is calibrated once so that a layer takes `per_layer_ms` alone: a copy
+    thread that takes the GIL or the core's share from the forward makes the step longer, as it would
+    a real engine's."""
 
     def __init__(self, per_layer_ms: float) -> None:
-        self.per_layer_s = per_layer_ms / 1e3
         self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
         self.x = torch.randn(16, 64)
+        self.rounds = 0
+        if per_layer_ms > 0:
+            probe = 200
+            best = min(self._timed(probe) for _ in range(5))
+            self.rounds = max(1, round(per_layer_ms / 1e3 / (best / probe)))
+
+    def _timed(self, rounds: int) -> float:
+        t0 = time.perf_counter()
+        self._work(rounds)
+        return time.perf_counter() - t0
+
+    def _work(self, rounds: int) -> None:
+        for _ in range(rounds):
+            torch.mm(self.a, self.b)
+            x = self.x
+            for _ in range(8):
+                x = (x * 0.5 + 1.0).relu_()
 
     def __call__(self, worker: WorkerSide | None) -> None:
         for name in LAYER_NAMES:
             if worker is not None:
                 worker.wait_for_layer_load(name)
-            end = time.perf_counter() + self.per_layer_s
-            while time.perf_counter() < end:
-                torch.mm(self.a, self.b)
-                x = self.x
-                for _ in range(8):
-                    x = (x * 0.5 + 1.0).relu_()
+            self._work(self.rounds)
 
 
 def store_prompt(cfg: ConnectorConfig, ns: Namespace, tokens: list[int], num_full: int,
