@@ -99,7 +99,7 @@ class _ReqState:
     extra: ExtraKeys
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    num_saved: int = 0  # blocks [0, num_saved) were offered to the store already
+    num_saved: int = 0  # blocks [0, num_saved) were offered to the store already, or loaded from it
     pins: _Pins | None = None  # from the latest lookup, not yet handed to a load
     pin_key: tuple[int, int] | None = None  # (first block, block limit) of that lookup
     hit_tiers: Counter = field(default_factory=Counter)  # tier -> blocks of the planned load
@@ -237,6 +237,8 @@ class SchedulerSide:
         self._pending_loads.append(job)
         self._pending_pins.append(loaded)
         self.stats["load_blocks"] += num_load
+        if st.num_saved >= start:  # the store holds what it loads: not offered back (a failed load is, below)
+            st.num_saved = max(st.num_saved, start + num_load)
 
     def hit_tiers(self, request: "Request", num_external_tokens: int) -> dict[str, int]:
         """Tokens of the planned load per tier they were found in (sums to num_external_tokens)."""

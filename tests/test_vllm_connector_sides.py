@@ -91,6 +91,7 @@ def test_save_then_load_in_another_engine_copies_the_bytes(sides):
     sched_b.update_state_after_alloc(req_b, blocks([9, 10, 11, 12, 13, 14]), num)
     meta = run_step(sched_b, worker_b, sched_output(new=[("b", [9, 10, 11, 12, 13, 14], num)], scheduled={"b": 40}))
     assert [j.block_ids for j in meta.loads] == [[9, 10, 11, 12]]
+    assert meta.saves.block_ids == [13]  # its new full block; what it loaded is in the store, not offered back
     for name in LAYERS:
         assert torch.equal(kv_b[name][9:13], kv_a[name][3:7])
     assert worker_b.get_block_ids_with_load_errors() == set()
@@ -214,7 +215,7 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 1)
     meta = run_step(sched_b, worker_b, sched_output(new=[("b", ids, num)], scheduled={"b": len(longer) - num}))
     assert meta.invalid == {6, 7, 8}  # the failed block and the rest of the load
-    assert len(meta.saves) == 7  # the step offered the new blocks ...
+    assert meta.saves.block_ids == [9, 10, 11]  # the step offered the new blocks (not the loaded ones) ...
     assert sched_b.link.client().stats()["blocks"] == stored  # ... but none were stored
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
