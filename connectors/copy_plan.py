@@ -31,6 +31,7 @@ bytes move and no CUDA call is made.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -65,7 +66,13 @@ class CopyPlan:
         """One plan per layer, in `order` (layer-wise loads). Needs per-layer pieces."""
         if len(self) and (self.layer == LAYERS_MERGED).any():
             raise ValueError("the plan's pieces span layers (a block-outermost layout): copy whole blocks")
-        return [self.take(self.layer == layer) for layer in order]
+        if not len(self):
+            return [self for _ in order]
+        idx = np.argsort(self.layer, kind="stable")  # each layer's pieces keep their order
+        sorted_layer = self.layer[idx]
+        lo = np.searchsorted(sorted_layer, order, side="left")
+        hi = np.searchsorted(sorted_layer, order, side="right")
+        return [self.take(idx[a:b]) for a, b in zip(lo.tolist(), hi.tolist())]
 
 
 EMPTY_PLAN = CopyPlan(*(np.zeros(0, np.uint64) for _ in range(3)), np.zeros(0, np.int32))
@@ -97,6 +104,12 @@ class KVGeometry:
     def block_outermost(self) -> bool:
         """True when a block's payload is one contiguous run of KV memory (one copy per block)."""
         return self.size.size == 1
+
+    @cached_property
+    def tiles_block(self) -> bool:
+        """True when the pieces, in order, tile a block's payload from byte 0 with no gap."""
+        ends = self.payload + self.size
+        return bool(self.payload[0] == 0 and (self.payload[1:] == ends[:-1]).all() and ends[-1] == self.block_bytes)
 
     @property
     def layer_wise(self) -> bool:
@@ -237,8 +250,12 @@ def build_plan(geom: KVGeometry, block_ids: Sequence[int], extents: Sequence, ba
     piece_start = (np.arange(n, dtype=np.int64)[:, None] * bb + geom.payload[None, :]).reshape(-1)
     piece_addr = (geom.addr0.astype(np.int64)[None, :] + ids[:, None] * geom.stride[None, :]).reshape(-1)
     piece_layer = np.broadcast_to(geom.layer, (n, num_pieces)).reshape(-1)
-    ext_start = np.cumsum(lengths) - lengths  # each block's extents total block_bytes (checked above)
     ext_addr = np.int64(base) + offsets
+    if offsets.size == n and geom.tiles_block:  # one run per block (the usual arena page): cut at pieces only
+        store_addr = np.repeat(ext_addr, num_pieces) + np.tile(geom.payload, n)
+        src, dst = (store_addr, piece_addr) if to_kv else (piece_addr, store_addr)
+        return _merge_runs(src, dst, np.tile(geom.size, n), piece_layer, merge_layers)
+    ext_start = np.cumsum(lengths) - lengths  # each block's extents total block_bytes (checked above)
     starts = np.union1d(piece_start, ext_start)
     sizes = np.diff(np.append(starts, n * bb))
     pi = np.searchsorted(piece_start, starts, side="right") - 1

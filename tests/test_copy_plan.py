@@ -29,7 +29,9 @@ STORE_BYTES = 1 << 20
 
 def scattered_extents(n: int, block_bytes: int, page: int, seed: int) -> list:
     """n blocks over random, distinct store pages (as the arena's page allocator hands them out):
-    a block's extents are its runs of adjacent pages, its last page partly used."""
+    a block's extents are its runs of adjacent pages, its last page partly used. `page` 0: a page
+    per block (one extent each: the plan builder's fast path)."""
+    page = page or block_bytes
     return scattered_pages(STORE_BYTES // page, page, n, block_bytes, random.Random(seed))
 
 
@@ -63,7 +65,7 @@ def test_geometry_cuts_each_layout_into_its_pieces(kind):
     assert geom.layer_wise == (kind not in BLOCK_OUTERMOST)
 
 
-@pytest.mark.parametrize("page", [256, 40])
+@pytest.mark.parametrize("page", [256, 40, 0])
 @pytest.mark.parametrize("kind", KINDS)
 def test_load_plan_writes_the_reference_payload_into_exactly_the_named_blocks(kind, page):
     src_layers = make_layers(kind, seed=3)
@@ -85,7 +87,7 @@ def test_load_plan_writes_the_reference_payload_into_exactly_the_named_blocks(ki
             assert not got.any(), f"block {b} was not named but changed"
 
 
-@pytest.mark.parametrize("page", [256, 40])
+@pytest.mark.parametrize("page", [256, 40, 0])
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_plan_writes_the_reference_payload_into_the_extents(kind, page):
     layers = make_layers(kind, seed=5)
