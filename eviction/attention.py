@@ -396,6 +396,10 @@ class AttentionPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None
 
+    def evict(self, missing: Callable[[], int], evictable: Callable[[Key], bool],
+              take: Callable[[Key], None]) -> bool:
+        return self._leaves.evict("v", missing, evictable, take)
+
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
         now = self._taus()[self._lead]

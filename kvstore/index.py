@@ -27,8 +27,10 @@ from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import RANK, Entry, Key, Owner, children_of, link_child, unlink_child
+from kvstore.entry import RANK, TIERS, Entry, Key, Owner, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
+
+_NUM_TIERS = len(TIERS)  # an entry's per-tier child counts
 
 
 class BlockIndex:
@@ -70,8 +72,11 @@ class BlockIndex:
     def reserve(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
                 owner: Owner) -> Entry:
         """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
-        e = self._link(Entry(key, parent.key if parent is not None else None,
-                             parent.depth + 1 if parent is not None else 0, nbytes, tier, location, owner), parent)
+        if parent is None:
+            e = Entry(key, None, 0, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
+        else:
+            e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
+        self._link(e, parent)
         self.reserved_by_owner[owner].add(key)
         self.listeners.reserved(e)
         return e
@@ -94,15 +99,25 @@ class BlockIndex:
 
     def commit(self, e: Entry, now: float, attention: float | None, tokens: bytes | None) -> None:
         """`e` (reserved) is readable from now on."""
-        mine = self.reserved_by_owner.get(e.owner)
-        if mine is not None:
-            mine.discard(e.key)
-        e.committed, e.owner, e.last_access = True, None, now
-        if attention is not None:
-            e.attention = float(attention)
-        if tokens is not None and self.listeners.follows_tiers:
-            e.tokens = tokens
-        self.listeners.stored(e, e.tier)
+        self.commit_many([e], now, None if attention is None else [attention], None if tokens is None else [tokens])
+
+    def commit_many(self, entries: Sequence[Entry], now: float, attention: Sequence[float | None] | None,
+                    tokens: Sequence[bytes | None] | None) -> None:
+        """`commit` for several reserved entries, in order (one commit); `attention`, `tokens`: one
+        value (or None) per entry, or None for none."""
+        reserved, stored = self.reserved_by_owner, self.listeners.stored
+        if tokens is not None and not self.listeners.follows_tiers:
+            tokens = None
+        for i, e in enumerate(entries):
+            mine = reserved.get(e.owner)
+            if mine is not None:
+                mine.discard(e.key)
+            e.committed, e.owner, e.last_access = True, None, now
+            if attention is not None and attention[i] is not None:
+                e.attention = float(attention[i])  # type: ignore[arg-type]
+            if tokens is not None and tokens[i] is not None:
+                e.tokens = tokens[i]
+            stored(e, e.tier)
 
     def remove(self, e: Entry) -> None:
         """Take out an entry without children, whose pages and copies placement gave back."""
@@ -247,13 +262,17 @@ class BlockIndex:
                 self.ghost_pins[owner][e.key] += n
         e.pins = 0
 
-    def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+    def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> list[Key]:
+        """The keys of `hashes`, all reserved by `owner` (KVStoreError otherwise, naming one that is not)."""
         mine = self.reserved_by_owner.get(owner, set())
+        keys = [(ns_id, h) for h in hashes]
         if len(set(hashes)) != len(hashes):
             raise KVStoreError("duplicate hashes in one commit/abort")
-        for h in hashes:
-            if (ns_id, h) not in mine:
-                raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
+        if not mine.issuperset(keys):
+            for h in hashes:
+                if (ns_id, h) not in mine:
+                    raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
+        return keys
 
     def release_owner(self, owner: Owner) -> tuple[bool, list[Entry]]:
         """The owner is gone: drop its pins and ghost pins. Returns whether it held pins, and its

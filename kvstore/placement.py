@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy
+from eviction.base import BlockInfo, EvictionPolicy, PolicyError
 from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
@@ -40,6 +40,19 @@ from kvstore.keys import Namespace
 from tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
+
+
+def _by_tier(entries: Sequence[Entry]) -> dict[str, Sequence[Entry]]:
+    """`entries` grouped by the tier they sit in, each group in order (most often one group)."""
+    if not entries:
+        return {}
+    first = entries[0].tier
+    if all(e.tier == first for e in entries):
+        return {first: entries}
+    groups: dict[str, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.tier, []).append(e)
+    return groups
 
 
 class Placement:
@@ -51,6 +64,10 @@ class Placement:
         self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
         self.shared = shared
         self.counters, self.tier_stats = shared.counters, shared.tier_stats
+        # where each tier's victims go: the next tier, where it takes demotions
+        self._below: dict[str, Tier | None] = {
+            t.name: nxt if nxt is not None and nxt.accepts_demotions else None
+            for t, nxt in zip(self.chain, self.chain[1:] + [None])}
 
     def info(self, e: Entry) -> BlockInfo:
         return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[e.key[0]].block_tokens,
@@ -71,17 +88,23 @@ class Placement:
     # -- blocks entering and being read -------------------------------------------------
     def placed(self, e: Entry, stamp: float) -> None:
         """`e` committed where it sits: a persistent tier records it (the host arena's index)."""
-        tier = self.tiers[e.tier]
-        if tier.persistent:
-            tier.placed(e.location, self.block_meta(e, stamp))
+        self.placed_many([e], stamp)
+
+    def placed_many(self, entries: Sequence[Entry], stamp: float) -> None:
+        """`placed` for the blocks of one commit (one call per persistent tier they sit in)."""
+        for name, group in _by_tier(entries).items():
+            tier = self.tiers[name]
+            if tier.persistent:
+                tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
+                                                         e.attention, stamp)) for e in group])
 
     def admit(self, entries: Sequence[Entry]) -> None:
         """Committed or adopted blocks enter their tier's policy, in order (one call per tier)."""
-        by_tier: dict[str, list[BlockInfo]] = {}
-        for e in entries:
-            by_tier.setdefault(e.tier, []).append(self.info(e))
-        for tier, infos in by_tier.items():
-            self.policies[tier].on_insert_many(infos)
+        namespaces = self.shared.namespaces
+        for tier, group in _by_tier(entries).items():
+            self.policies[tier].on_insert_many([
+                BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
+                for e in group])
 
     def adopted(self, e: Entry) -> None:
         """A block adopted where it sits (restart recovery, a remote lookup) enters its tier's policy."""
@@ -146,24 +169,24 @@ class Placement:
                 and is_leaf_in(e, tier)
             )
 
-        while (missing := shortfall()) > 0:
-            victims = policy.victims(missing, evictable)
-            if not victims:
-                raise CapacityError(f"{tier} tier is full of pinned, uncommitted or non-leaf blocks")
-            for key in victims:
-                if not evictable(key):
-                    raise KVStoreError(f"policy {policy.name} named a victim that is not evictable")
-                self.tier_stats[tier].evictions += 1
-                self.shared.ns_counters[key[0]]["evictions"] += 1
-                self.demote(entries[key])
-                if shortfall() <= 0:
-                    break
+        stats, ns_counters = self.tier_stats[tier], self.shared.ns_counters
+
+        def take(key: Key) -> None:  # the policy's victim goes (on_remove is called on the way)
+            stats.evictions += 1
+            ns_counters[key[0]]["evictions"] += 1
+            self.demote(entries[key])
+
+        try:
+            done = policy.evict(shortfall, evictable, take)
+        except PolicyError as exc:
+            raise KVStoreError(str(exc)) from None
+        if not done:
+            raise CapacityError(f"{tier} tier is full of pinned, uncommitted or non-leaf blocks")
 
     # -- moving down ----------------------------------------------------------------------
     def next_tier(self, tier: str) -> Tier | None:
         """Where victims of `tier` go: the next tier that takes demotions (None: they are dropped)."""
-        i = self.chain.index(self.tiers[tier]) + 1
-        return self.chain[i] if i < len(self.chain) and self.chain[i].accepts_demotions else None
+        return self._below[tier]
 
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next

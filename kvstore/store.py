@@ -266,45 +266,51 @@ class TieredStore:
         if not per_block:
             placement.room_for_batch(ns_id, ns.block_bytes, blocks, target)
         out: list[Entry | None] = []
+        nbytes, counters, reserve, take_free = ns.block_bytes, self.counters, self.index.reserve, target.allocate
+        rank = RANK[tier]
         for h, parent_hash in blocks:
             key = (ns_id, h)
             parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
             if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
                                                                                  parent, owner):
-                alloc = self.tiers[prefer].allocate(ns.block_bytes)  # free pages only: nothing is evicted
+                alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted
                 if alloc is not None:
-                    out.append(self.index.reserve(key, entries.get(parent), ns.block_bytes, prefer, alloc, owner))
-                    self.counters[f"put_{prefer}_blocks"] += 1
+                    out.append(reserve(key, entries.get(parent), nbytes, prefer, alloc, owner))
+                    counters[f"put_{prefer}_blocks"] += 1
                     continue
             if per_block:
                 if key not in entries and self._parent_too_slow(entries.get(parent), tier):
                     out.append(None)
                     continue
-                placement.room_for_batch(ns_id, ns.block_bytes, [(h, parent_hash)], target)
-            if key in entries and entries[key].tier == "remote":  # written here now; the cluster keeps its copy
-                placement.drop_subtree(entries[key], also=lambda e: e.tier == "remote"
-                                       and not self.promoter.promoting(e.key))
-            if key in entries:
-                self.counters["put_dedup_blocks"] += 1
-                out.append(None)
-                continue
+                placement.room_for_batch(ns_id, nbytes, [(h, parent_hash)], target)
+            present = entries.get(key)
+            if present is not None:
+                if present.tier == "remote":  # written here now; the cluster keeps its copy
+                    placement.drop_subtree(present, also=lambda e: e.tier == "remote"
+                                           and not self.promoter.promoting(e.key))
+                if key in entries:
+                    counters["put_dedup_blocks"] += 1
+                    out.append(None)
+                    continue
             parent_entry = entries.get(parent) if parent is not None else None
             if parent is not None and (
                 parent_entry is None or (not parent_entry.committed and parent_entry.owner != owner)
             ):
-                self.counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
+                counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
                 out.append(None)
                 continue
-            if self._parent_too_slow(parent_entry, tier):
+            if parent_entry is not None and RANK[parent_entry.tier] > rank and self._parent_too_slow(parent_entry, tier):
                 out.append(None)
                 continue
-            try:
-                location = placement.allocate(tier, ns.block_bytes, protect=parent)
-            except CapacityError:
-                self.counters["put_capacity_rejects"] += 1
-                out.append(None)
-                continue
-            out.append(self.index.reserve(key, parent_entry, ns.block_bytes, tier, location, owner))
+            location = take_free(nbytes)  # free pages; else room is made (placement.allocate evicts)
+            if location is None:
+                try:
+                    location = placement.allocate(tier, nbytes, protect=parent)
+                except CapacityError:
+                    counters["put_capacity_rejects"] += 1
+                    out.append(None)
+                    continue
+            out.append(reserve(key, parent_entry, nbytes, tier, location, owner))
         if prefer is not None and self.demoter is not None:
             self.demoter.kick()
         return out
@@ -331,11 +337,12 @@ class TieredStore:
         """Make reserved blocks readable. `tokens`: each block's token ids (<u4 bytes, block_tokens of
         them) or None, kept while a listener follows tiers (KV events: routers match requests on them)."""
         ns = self.namespace(ns_id)
-        self.index.check_reserved(ns_id, hashes, owner)
-        entries = [self.index.entries[(ns_id, h)] for h in hashes]
-        batch = {e.key for e in entries}
+        index = self.index
+        keys = index.check_reserved(ns_id, hashes, owner)
+        entries = [index.entries[key] for key in keys]
+        batch = set(keys)
         for e in entries:
-            if e.parent is not None and not self.index.committed(e.parent) and e.parent not in batch:
+            if e.parent is not None and e.parent not in batch and not index.committed(e.parent):
                 raise KVStoreError("commit a block's parent before or together with the block")
         if attention is not None and len(attention) != len(hashes):
             raise KVStoreError("attention must have one value per committed block")
@@ -344,24 +351,19 @@ class TieredStore:
             raise KVStoreError(f"tokens must have one entry per committed block, each None or "
                                f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
         now, stamp = self.shared.clock(), self.shared.wall_clock()
-        done: list[Entry] = []
+        index.commit_many(entries, now, attention, tokens)
         try:
-            for i, e in enumerate(entries):
-                self.index.commit(e, now, attention[i] if attention is not None else None,
-                                  tokens[i] if tokens is not None else None)
-                done.append(e)
-                self.placement.placed(e, stamp)
+            self.placement.placed_many(entries, stamp)
         finally:  # every block marked committed reaches its policy, even if a tier's record failed
-            self.placement.admit(done)
-            self.listeners.committed(done)
+            self.placement.admit(entries)
+            self.listeners.committed(entries)
         self.counters["put_blocks"] += len(hashes)
         self.ns_counters[ns_id]["put_blocks"] += len(hashes)
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         self.namespace(ns_id)
-        self.index.check_reserved(ns_id, hashes, owner)
-        keys = [(ns_id, h) for h in hashes]
+        keys = self.index.check_reserved(ns_id, hashes, owner)
         batch = set(keys)
         if any(kid not in batch for key in keys for kid in children_of(self.index.entries[key])):
             raise KVStoreError("abort a block together with the blocks reserved under it")

@@ -42,7 +42,7 @@ All other methods run on the store's thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -52,9 +52,9 @@ from tiers.pages import PageAllocator
 Key = tuple  # (namespace id, block hash)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What a persistent tier records with a block (to rebuild the tree at restart)."""
+class BlockMeta(NamedTuple):
+    """What a persistent tier records with a block (to rebuild the tree at restart). A named tuple:
+    the store makes one per committed block on the commit path."""
 
     key: Key
     parent: bytes | None  # the parent's hash; None for a root
@@ -117,6 +117,11 @@ class Tier:
 
     def placed(self, location, meta: "BlockMeta") -> None:
         """A committed block now sits at `location` (its commit, or a move into this tier)."""
+
+    def placed_many(self, blocks: Sequence[tuple[object, "BlockMeta"]]) -> None:
+        """`placed` for the (location, meta) of several blocks (one commit), in order."""
+        for location, meta in blocks:
+            self.placed(location, meta)
 
     def busy(self) -> None:
         """Clients are reading (an acquire): background work that competes for memory may wait."""

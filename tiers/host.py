@@ -181,9 +181,13 @@ class HostArena(Tier):
         self.pages.free(location)
 
     def placed(self, location: Extents, meta: BlockMeta) -> None:
+        self.placed_many([(location, meta)])
+
+    def placed_many(self, blocks: Sequence[tuple[Extents, BlockMeta]]) -> None:
         if self.index is not None:
-            nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
-            self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
+            self.index.record_many([
+                (meta.key, location, location[0][1] if len(location) == 1 else sum(n for _, n in location),
+                 (meta.parent, meta.depth, meta.attention, meta.stamp)) for location, meta in blocks])
 
     def busy(self) -> None:
         if self.index is not None:
