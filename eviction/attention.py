@@ -74,12 +74,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import add as _add
 from typing import Callable, Sequence
 
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
-                               check_early_fraction)
+                               check_early_fraction, sampled)
 from eviction.leaves import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -297,12 +298,14 @@ class AttentionPolicy(EvictionPolicy):
         self._insert(info, self._taus())
 
     def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
-        """Blocks committed together: one clock reading for all (the store's commit)."""
+        """Blocks committed together: one clock reading for all (the store's commit). A block that
+        is the parent of another of them gets no heap entry: it stops being a leaf within the call."""
         taus = self._taus()
+        inner = {info.parent for info in infos} if len(infos) > 1 else ()
         for info in infos:
-            self._insert(info, taus)
+            self._insert(info, taus, info.key not in inner)
 
-    def _insert(self, info: BlockInfo, taus: list[float]) -> None:
+    def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True) -> None:
         key = info.key
         ghost = self._ghost.pop(key, None)
         if ghost is None:
@@ -314,16 +317,18 @@ class AttentionPolicy(EvictionPolicy):
                     self.gate.hit[old_a >= 0.5] += 1
             freq = _credited(ghost, taus, self.params.ghost_credit)
         self._freq[key] = freq
-        if self.experts is not None and self.experts.inserted(key):
+        experts = self.experts
+        if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
-        cost = self._cost[key] = self._block_cost(info)
+        cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+        self._cost[key] = cost
         if info.attention is not None:
             self._set_attention(key, info.attention)
             own = self._own(key, freq)
         else:
-            own = [f + c for f, c in zip(freq, cost)]
+            own = [*map(_add, freq, cost)]
         self._val[key] = own
-        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead])  # one heap push, final value
+        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push, final value
 
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
@@ -333,18 +338,21 @@ class AttentionPolicy(EvictionPolicy):
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
         tracked, reprioritise = leaves.queue, leaves.reprioritise
+        # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away
+        lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            freq = freqs[key] = _credited(freqs[key], taus, credit)
+            freq = freqs[key] = [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
+                                 for f, tau in zip(freqs[key], taus)]
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)
                     self.gate.hit[att[key] >= 0.5] += 1
                 own = self._own(key, freq)
             else:
-                own = [f + c for f, c in zip(freq, costs[key])]
+                own = [*map(_add, freq, costs[key])]
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
             reprioritise(key, top[lead])

@@ -66,7 +66,9 @@ class LeafQueues:
     def is_leaf(self, key: Key) -> bool:
         return not self.children.get(key)
 
-    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object) -> None:
+    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True) -> None:
+        """Track `key`. `leaf=False`: the caller adds a child of it next (a chain inserted in one
+        call), so no heap entry is made for it: it would be stale at once."""
         if key in self.queue:
             self.update(key, queue, prio)
             return
@@ -77,7 +79,7 @@ class LeafQueues:
         if parent is not None:
             children[parent] += 1
             self._token.pop(parent, None)  # no longer a leaf
-        if key not in children:  # a leaf (the Counter holds no zero counts)
+        if leaf and key not in children:  # a leaf (the Counter holds no zero counts)
             self._push(key, queue, prio)
 
     def update(self, key: Key, queue: str, prio: object) -> None:

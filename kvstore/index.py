@@ -38,7 +38,7 @@ class BlockIndex:
         """`copy_tiers`: the persistent tiers, where promoted blocks keep copies."""
         self.listeners = listeners
         self.entries: dict[Key, Entry] = {}
-        self.pins_by_owner: dict[Owner, Counter] = defaultdict(Counter)
+        self.pins_by_owner: dict[Owner, dict[Key, int]] = {}  # owner -> key -> its pins (never 0)
         self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
         self.copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # per tier, oldest first
@@ -101,23 +101,31 @@ class BlockIndex:
         """`e` (reserved) is readable from now on."""
         self.commit_many([e], now, None if attention is None else [attention], None if tokens is None else [tokens])
 
-    def commit_many(self, entries: Sequence[Entry], now: float, attention: Sequence[float | None] | None,
+    def commit_many(self, entries: Sequence[Entry], now: float, attention: Sequence[float] | None,
                     tokens: Sequence[bytes | None] | None) -> None:
-        """`commit` for several reserved entries, in order (one commit); `attention`, `tokens`: one
-        value (or None) per entry, or None for none."""
-        reserved, stored = self.reserved_by_owner, self.listeners.stored
-        if tokens is not None and not self.listeners.follows_tiers:
-            tokens = None
-        for i, e in enumerate(entries):
-            mine = reserved.get(e.owner)
+        """`commit` for several reserved entries, in order (one commit); `attention`: one value per
+        entry, or None; `tokens`: one (or None) per entry, or None."""
+        owners = {e.owner for e in entries}  # one, for a client's commit
+        for owner in owners:
+            mine = self.reserved_by_owner.get(owner)
             if mine is not None:
-                mine.discard(e.key)
-            e.committed, e.owner, e.last_access = True, None, now
-            if attention is not None and attention[i] is not None:
-                e.attention = float(attention[i])  # type: ignore[arg-type]
-            if tokens is not None and tokens[i] is not None:
-                e.tokens = tokens[i]
-            stored(e, e.tier)
+                mine.difference_update([e.key for e in entries] if len(owners) == 1 else
+                                       [e.key for e in entries if e.owner == owner])
+        for e in entries:
+            e.committed = True
+            e.owner = None
+            e.last_access = now
+        if attention is not None:
+            for e, a in zip(entries, attention):
+                e.attention = float(a)
+        if self.listeners.follows_tiers:
+            if tokens is not None:
+                for e, t in zip(entries, tokens):
+                    if t is not None:
+                        e.tokens = t
+            stored = self.listeners.stored
+            for e in entries:
+                stored(e, e.tier)
 
     def remove(self, e: Entry) -> None:
         """Take out an entry without children, whose pages and copies placement gave back."""
@@ -196,10 +204,14 @@ class BlockIndex:
 
     # -- pins and reservations ----------------------------------------------------------
     def pin(self, entries: Sequence[Entry], owner: Owner) -> None:
-        pins = self.pins_by_owner[owner]
+        pins = self.pins_by_owner.get(owner)
+        if pins is None:
+            pins = self.pins_by_owner[owner] = {}
+        held = pins.get
         for e in entries:
             e.pins += 1
-            pins[e.key] += 1
+            key = e.key
+            pins[key] = held(key, 0) + 1
 
     def touch(self, entries: Sequence[Entry], now: float) -> None:
         """An acquire hit these blocks (what inspection shows: hits, idle time)."""
@@ -229,17 +241,37 @@ class BlockIndex:
         self._release(ns_id, hashes, owner)
 
     def _release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
-        pins = self.pins_by_owner.get(owner, Counter())
-        need = Counter((ns_id, h) for h in hashes)
+        pins = self.pins_by_owner.get(owner, {})
+        keys = [(ns_id, h) for h in hashes]
+        distinct = set(keys)
+        if len(distinct) == len(keys):  # (the usual release: each block once)
+            if not pins.keys() >= distinct:
+                self._not_pinned(next(k for k in keys if k not in pins))
+            entries = self.entries
+            for key in keys:
+                n = pins[key] - 1
+                if n:
+                    pins[key] = n
+                else:
+                    del pins[key]
+                entries[key].pins -= 1
+            return
+        need = Counter(keys)
         for key, n in need.items():
-            if pins[key] < n:
-                raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+            if pins.get(key, 0) < n:
+                self._not_pinned(key)
         for key, n in need.items():
             self._unpin(key, n, pins)
 
-    def _unpin(self, key: Key, n: int, pins: Counter) -> None:
-        pins[key] -= n
-        if pins[key] == 0:
+    @staticmethod
+    def _not_pinned(key: Key) -> None:
+        raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+
+    def _unpin(self, key: Key, n: int, pins: dict[Key, int]) -> None:
+        left = pins[key] - n
+        if left:
+            pins[key] = left
+        else:
             del pins[key]
         self.entries[key].pins -= n
 
@@ -278,7 +310,7 @@ class BlockIndex:
         """The owner is gone: drop its pins and ghost pins. Returns whether it held pins, and its
         reservations, children first, for placement to drop."""
         self.ghost_pins.pop(owner, None)
-        pins = self.pins_by_owner.pop(owner, Counter())
+        pins = self.pins_by_owner.pop(owner, {})
         for key, n in pins.items():
             entry = self.entries.get(key)
             if entry is not None:

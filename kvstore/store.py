@@ -197,10 +197,12 @@ class TieredStore:
         self.placement.reap()
         out: list[Entry | None] = []
         hits: list[Entry] = []
+        get, missed = self.index.entries.get, False
         for h in hashes:
-            e = self.index.get((ns_id, h))
-            if e is None or not e.committed or (prefix and len(out) > len(hits)):
+            e = get((ns_id, h))
+            if e is None or not e.committed or missed:
                 out.append(None)
+                missed = prefix
                 continue
             out.append(e)
             hits.append(e)

@@ -185,9 +185,7 @@ class HostArena(Tier):
 
     def placed_many(self, blocks: Sequence[tuple[Extents, BlockMeta]]) -> None:
         if self.index is not None:
-            self.index.record_many([
-                (meta.key, location, location[0][1] if len(location) == 1 else sum(n for _, n in location),
-                 (meta.parent, meta.depth, meta.attention, meta.stamp)) for location, meta in blocks])
+            self.index.record_many(blocks)
 
     def busy(self) -> None:
         if self.index is not None:

@@ -60,7 +60,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import lmdb
 import msgpack
@@ -144,7 +144,6 @@ class HostIndex:
             raise
         self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
         self._pending: dict[tuple, _Pending] = {}  # committed, record not yet written (insertion order)
-        self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
         self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
@@ -251,30 +250,28 @@ class HostIndex:
     def record(self, key: tuple, extents: list, nbytes: int, meta: tuple) -> None:
         """A block committed at `extents`; `meta` = (parent, depth, attention, stamp). Its record is
         written shortly, its checksum once the store is quiet."""
-        self.record_many([(key, extents, nbytes, meta)])
+        self._add([_Pending(key, extents, nbytes, meta)])
 
-    def record_many(self, blocks: list[tuple[tuple, list, int, tuple]]) -> None:
-        """`record` for the (key, extents, nbytes, meta) of several blocks (one commit), in order."""
-        items = [_Pending(key, extents, nbytes, meta) for key, extents, nbytes, meta in blocks]
-        pending, ids, unchecked = self._pending, self._pending_ids, self._unchecked
+    def record_many(self, blocks: Sequence[tuple[list, Any]]) -> None:
+        """`record` for several blocks (one commit), in order: (extents, meta) where meta is a
+        tiers.base.BlockMeta (key, parent, depth, attention, stamp)."""
+        self._add([_Pending(m[0], x, x[0][1] if len(x) == 1 else sum(n for _, n in x), m[1:]) for x, m in blocks])
+
+    def _add(self, items: list[_Pending]) -> None:
+        pending, unchecked = self._pending, self._unchecked
         with self._lock:
             for item in items:
                 key = item.key
-                old = pending.pop(key, None)
-                if old is not None:
-                    ids.discard(id(old.extents))
+                pending.pop(key, None)  # (re-inserted: a new record replaces one not yet written)
                 unchecked.pop(key, None)
                 pending[key] = item
-                ids.add(id(item.extents))
         self._queue(items)
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
         (committed at the end of the turn, and by `settle` before its pages are allocated again)."""
         with self._lock:
-            item = self._pending.pop(key, None)
-            if item is not None:
-                self._pending_ids.discard(id(item.extents))
+            if self._pending.pop(key, None) is not None:
                 return
             rkey = self._recorded.pop(key, None)
             if rkey is None:
@@ -329,7 +326,8 @@ class HostIndex:
             self._commit([], [])
 
     def pending(self, extents: list) -> bool:
-        return id(extents) in self._pending_ids
+        """Whether the block at `extents` (that very list) waits for its record (only this turn's do)."""
+        return any(item.extents is extents for item in list(self._pending.values()))
 
     @property
     def num_pending(self) -> int:
@@ -383,7 +381,6 @@ class HostIndex:
         now = time.monotonic()
         for item, rkey, _, checked in new:
             del self._pending[item.key]
-            self._pending_ids.discard(id(item.extents))
             self._recorded[item.key] = rkey
             if not checked:
                 item.since = now
@@ -483,8 +480,8 @@ def _name_native_thread(name: str) -> None:
 
 def _pack(item: _Pending, x: int | None) -> bytes:
     parent, depth, attention, stamp = item.meta
-    return msgpack.packb({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
-                          "x": x})
+    return _PACKER.pack({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
+                         "x": x})
 
 
 def _private_dir(path: str) -> None:

@@ -7,15 +7,17 @@ client, socket and daemon. Requests of `--batch` blocks (default: 512 and 32),
 in chains of `--chain` blocks (a request of 32 is a 32-block piece of a chain,
 its parent in the piece before):
 
-- write, free pages: `KVClient.put` = reserve -> copy into the arena -> commit,
-  pipelined as the client does (the next reserve in flight during the copy);
-  each round writes new chains, which are removed (untimed) after the round's
-  reads, so the next round writes into free pages again;
-- read: `lookup` of the request's hashes, then `KVClient.get_into` = acquire ->
-  copy out -> release, of the chains just written;
-- write, full tier: a daemon whose host tier holds half of what a round writes,
-  filled by an untimed round: every batch evicts first (a serving store's
-  steady state); nothing is removed between rounds.
+- write, free pages: one `KVClient.put` of the round's blocks, `--batch` per
+  reserve -> copy into the arena -> commit, pipelined as the client does (the
+  next reserve in flight during the copy); each round writes new chains,
+  which are removed (untimed) after the round's reads, so the next round
+  writes into free pages again;
+- read = lookup + get: a `lookup` of every `--batch` blocks, one after the
+  other, then one `KVClient.get_into` of them all, `--batch` per acquire ->
+  copy out -> release, pipelined the same way, of the chains just written;
+- write, full tier: as the write into free pages, into a daemon whose host
+  tier holds half of what a round writes, filled by an untimed round: every
+  batch evicts first (a serving store's steady state); nothing is removed.
 
 Each arm runs against one daemon per policy (`--policies`, default the
 default policy `attention` and `lru`), the policies alternating round by
@@ -34,8 +36,9 @@ Bandwidth (`--bandwidth-mib`, 0 to skip): `tools/bench/bench_store.py`'s
 into a full tier, the same functions.
 
 `--profile DIR` samples each daemon with py-spy (`pip install py-spy`; 500 Hz,
-not pausing it) into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and
-prints the top functions by own time of each; the sampler takes some CPU of
+not pausing it, only while a thread holds the GIL: where the daemon spends CPU)
+into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and prints the top
+functions by own samples of each; the sampler takes some CPU of
 the two cores, so timings of a profiled run are not the figures.
 
     python tools/bench/bench_control_plane.py [--json] [--blocks 8192] [--rounds 5] [--batch 512 32]
@@ -104,7 +107,7 @@ def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label
     if profile:  # sampled while it runs; py-spy writes its stacks when the daemon exits
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         spy = subprocess.Popen([exe, "record", "--pid", str(daemon.proc.pid), "--rate", "500", "--format", "raw",
-                                "--function", "--nonblocking", "--output", os.path.join(profile, f"{policy}-{label}.txt")],
+                                "--function", "--gil", "--nonblocking", "--output", os.path.join(profile, f"{policy}-{label}.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = KVClient(daemon.socket_path, name=f"bench-cp-{policy}-{label}", timeout_s=60)
     ns = client.register(Namespace(f"bench-cp-{label}", "bf16", 1, 1, 128, 16, BLOCK_BYTES))
@@ -139,63 +142,61 @@ def profile_top(path: str, lines: int = 25) -> list[tuple[float, float, str]]:
     return [(100 * n / samples, 100 * total[fr] / samples, fr) for fr, n in top]
 
 
-def put_requests(arm: Arm, blocks: list, batch: int, payload: np.ndarray) -> int:
-    stored = 0
-    for i in range(0, len(blocks), batch):
-        part = blocks[i : i + batch]
-        stored += arm.client.put(arm.ns, [(h, p, payload[j]) for j, (h, p) in enumerate(part)], chunk=batch)
-    return stored
+def put_blocks(arm: Arm, blocks: list, batch: int, payload: np.ndarray) -> int:
+    """One `KVClient.put` of every block, `batch` per reserve/commit, pipelined as the client does."""
+    return arm.client.put(arm.ns, [(h, p, payload[i % len(payload)]) for i, (h, p) in enumerate(blocks)], chunk=batch)
 
 
-def read_requests(arm: Arm, blocks: list, batch: int, out: np.ndarray) -> int:
-    found = 0
-    for i in range(0, len(blocks), batch):
-        hashes = [h for h, _ in blocks[i : i + batch]]
-        hits = arm.client.lookup(arm.ns, hashes).hits
-        got = arm.client.get_into(arm.ns, hashes[:hits], out[:hits], chunk=batch)
-        found += sum(got)
-    return found
+def lookup_blocks(arm: Arm, blocks: list, batch: int) -> int:
+    """A `lookup` of every `batch` blocks, one after the other; the hits."""
+    hashes = [h for h, _ in blocks]
+    return sum(arm.client.lookup(arm.ns, hashes[i : i + batch]).hits for i in range(0, len(hashes), batch))
 
 
-def timed(arm: Arm, fn, *args) -> tuple[float, float, object]:
-    c0, t0 = arm.cpu_s(), time.perf_counter()
-    result = fn(arm, *args)
-    return time.perf_counter() - t0, arm.cpu_s() - c0, result
+def get_blocks(arm: Arm, blocks: list, batch: int, out: np.ndarray) -> int:
+    """One `KVClient.get_into` of every block, `batch` per acquire/release, pipelined; the hits."""
+    return sum(arm.client.get_into(arm.ns, [h for h, _ in blocks], out, chunk=batch))
+
+
+ARMS = ("write_free", "lookup", "get", "write_full")
 
 
 def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, rounds: int,
                 profile: str | None) -> dict:
     """Every arm at one batch size; the policies alternate round by round."""
-    payload = np.ones((max(batch, 1), BLOCK_BYTES), np.uint8)
-    out = np.zeros((max(batch, 1), BLOCK_BYTES), np.uint8)
+    payload = np.ones((chain, BLOCK_BYTES), np.uint8)
+    out = np.zeros((n, BLOCK_BYTES), np.uint8)
     free = [open_arm(tmp, p, 2 * n + 1024, profile, f"free{batch}") for p in policies]
     full = [open_arm(tmp, p, n // 2, profile, f"full{batch}") for p in policies]
-    times = {p: {"write_free": [], "read": [], "write_full": []} for p in policies}
-    cpu = {p: {"write_free": 0.0, "read": 0.0, "write_full": 0.0} for p in policies}
+    times: dict = {p: {arm: [] for arm in ARMS} for p in policies}
+    cpu: dict = {p: {arm: 0.0 for arm in ARMS} for p in policies}
+
+    def record(p: str, name: str, arm: Arm, fn, *args) -> object:
+        c0, t0 = arm.cpu_s(), time.perf_counter()
+        result = fn(arm, *args)
+        times[p][name].append(time.perf_counter() - t0)
+        cpu[p][name] += arm.cpu_s() - c0
+        return result
+
     try:
         for arm in full:  # fill: from now on every batch evicts
-            if put_requests(arm, chains(n, chain, 10_000), batch, payload) != n:
+            if put_blocks(arm, chains(n, chain, 10_000), batch, payload) != n:
                 raise SystemExit("the filling round did not store every block")
         for r in range(rounds):
             for arm_free, arm_full in zip(free, full):
                 p = arm_free.policy
                 blocks = chains(n, chain, r)
-                wall, c, stored = timed(arm_free, put_requests, blocks, batch, payload)
-                if stored != n:
-                    raise SystemExit(f"{p}: put stored {stored} of {n} blocks into free pages")
-                times[p]["write_free"].append(wall)
-                cpu[p]["write_free"] += c
-                wall, c, found = timed(arm_free, read_requests, blocks, batch, out)
-                if found != n:
-                    raise SystemExit(f"{p}: read found {found} of {n} blocks")
-                times[p]["read"].append(wall)
-                cpu[p]["read"] += c
+                if record(p, "write_free", arm_free, put_blocks, blocks, batch, payload) != n:
+                    raise SystemExit(f"{p}: put stored fewer than {n} blocks into free pages")
+                if record(p, "lookup", arm_free, lookup_blocks, blocks, batch) != n:
+                    raise SystemExit(f"{p}: lookups found fewer than {n} blocks")
+                if record(p, "get", arm_free, get_blocks, blocks, batch, out) != n:
+                    raise SystemExit(f"{p}: get found fewer than {n} blocks")
+                if r == 0 and not np.array_equal(out[n - 1], payload[(n - 1) % chain]):
+                    raise SystemExit(f"{p}: get returned other bytes than put stored")
                 arm_free.client.remove(arm_free.ns, [h for h, parent in blocks if parent is None])
-                wall, c, stored = timed(arm_full, put_requests, chains(n, chain, 20_000 + r), batch, payload)
-                if stored != n:
-                    raise SystemExit(f"{p}: put stored {stored} of {n} blocks into the full tier")
-                times[p]["write_full"].append(wall)
-                cpu[p]["write_full"] += c
+                if record(p, "write_full", arm_full, put_blocks, chains(n, chain, 20_000 + r), batch, payload) != n:
+                    raise SystemExit(f"{p}: put stored fewer than {n} blocks into the full tier")
         evictions = {arm.policy: arm.client.stats()["tiers"]["host"]["evictions"] for arm in full}
     finally:
         for arm in free + full:
@@ -203,7 +204,9 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
     rows = {}
     for p in policies:
         row = {f"{k}_us": statistics.median(v) / n * 1e6 for k, v in times[p].items()}
+        row["read_us"] = row["lookup_us"] + row["get_us"]
         row.update({f"{k}_daemon_cpu_us": v / (rounds * n) * 1e6 for k, v in cpu[p].items()})
+        row["read_daemon_cpu_us"] = row["lookup_daemon_cpu_us"] + row["get_daemon_cpu_us"]
         row["full_tier_evictions"] = evictions[p]
         row["all_us"] = {k: [round(x / n * 1e6, 2) for x in v] for k, v in times[p].items()}
         rows[p] = row
@@ -368,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch, per in result["batches"].items():
         for p, row in per.items():
             print(f"batch {batch:>4} {p:<10} write (free pages) {row['write_free_us']:6.2f} "
-                  f"[{row['write_free_daemon_cpu_us']:5.1f}] | read (lookup+acquire+release) {row['read_us']:6.2f} "
-                  f"[{row['read_daemon_cpu_us']:5.1f}] | write (full tier) {row['write_full_us']:6.2f} "
-                  f"[{row['write_full_daemon_cpu_us']:5.1f}]")
+                  f"[{row['write_free_daemon_cpu_us']:5.1f}] | read {row['read_us']:6.2f} "
+                  f"[{row['read_daemon_cpu_us']:5.1f}] = lookup {row['lookup_us']:5.2f} + get {row['get_us']:5.2f} "
+                  f"| write (full tier) {row['write_full_us']:6.2f} [{row['write_full_daemon_cpu_us']:5.1f}]")
     anchor = result.get("lookup")
     if anchor is not None:
         if "skipped" in anchor:
