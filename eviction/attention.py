@@ -356,10 +356,18 @@ class AttentionPolicy(EvictionPolicy):
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
             reprioritise(key, top[lead])
-        if top is not None:
-            parent = leaves.parent.get(keys[0]) if keys[0] in tracked else None
-            while parent is not None and parent in tracked and self._lift(parent, top):
-                parent = leaves.parent.get(parent)  # keep parent >= child above the chain
+        if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
+            up = leaves.parent.get
+            parent = up(keys[0]) if keys[0] in tracked else None
+            while parent is not None and parent in tracked:
+                cur = vals[parent]
+                new = [*map(max, cur, top)]
+                if new == cur:
+                    break
+                vals[parent] = new
+                if new[lead] != cur[lead]:
+                    reprioritise(parent, new[lead])
+                parent = up(parent)
 
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
@@ -386,9 +394,16 @@ class AttentionPolicy(EvictionPolicy):
         if key not in leaves.queue:
             return
         parent = leaves.parent[key]
-        val = self._val.pop(key)
-        if parent is not None and parent in leaves.queue:
-            self._lift(parent, val)  # the tree rule, applied before it becomes a leaf
+        vals = self._val
+        val = vals.pop(key)
+        if parent is not None and parent in leaves.queue:  # the tree rule, applied before it becomes a leaf
+            cur = vals[parent]  # (`_lift`, inline: eviction removes one block at a time)
+            new = [*map(max, cur, val)]
+            if new != cur:
+                vals[parent] = new
+                lead = self._lead
+                if new[lead] != cur[lead]:
+                    leaves.reprioritise(parent, new[lead])
         leaves.remove(key)
         del self._cost[key]
         freq = self._freq.pop(key)

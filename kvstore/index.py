@@ -76,7 +76,12 @@ class BlockIndex:
             e = Entry(key, None, 0, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
         else:
             e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
-        self._link(e, parent)
+            parent.children[RANK[tier]] += 1
+            if parent.kids is None:  # (`link_child` of a first child)
+                parent.kids = key
+            else:
+                link_child(parent, key)
+        self.entries[key] = e
         self.reserved_by_owner[owner].add(key)
         self.listeners.reserved(e)
         return e
@@ -137,11 +142,15 @@ class BlockIndex:
             mine = self.reserved_by_owner.get(e.owner)
             if mine is not None:
                 mine.discard(e.key)
-        del self.entries[e.key]
-        parent = self.parent_of(e)
+        key = e.key
+        del self.entries[key]
+        parent = self.entries.get(e.parent) if e.parent is not None else None
         if parent is not None:
             parent.children[RANK[e.tier]] -= 1
-            unlink_child(parent, e.key)
+            if parent.kids == key:  # (`unlink_child` of an only child)
+                parent.kids = None
+            else:
+                unlink_child(parent, key)
         self.listeners.dropped(e)
 
     def retier(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:

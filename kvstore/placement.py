@@ -131,19 +131,21 @@ class Placement:
         return alloc
 
     def room_for_batch(self, ns_id: str, block_bytes: int, blocks: Sequence[tuple[bytes, bytes | None]],
-                       t: Tier) -> None:
+                       t: Tier) -> int:
         """Make room in `t` for the (hash, parent) blocks of a reserve (or one block, where a tier lies
-        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one."""
+        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one.
+        Returns how many of the blocks the index does not hold."""
         entries = self.index.entries
         new = [(h, p) for h, p in blocks if (ns_id, h) not in entries]
         need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
-            return
+            return len(new)
         protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in entries}
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
             pass
+        return len(new)
 
     def make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
         """Evict leaves of `tier` until `shortfall()` (bytes still missing) is <= 0.
@@ -193,7 +195,7 @@ class Placement:
         one has no room, drop it, and with it its subtree in the slower tiers."""
         if entry.tier == "host":
             self.shared.listeners.evicting(entry)  # its bytes leave the arena now
-        below = self.next_tier(entry.tier)
+        below = self._below[entry.tier]
         if below is not None and self.move_down(entry, below):
             return
         if not any(entry.children):
@@ -257,8 +259,9 @@ class Placement:
         """Give back the pages of a block without children (its copies' too) and remove it."""
         if any(e.children):
             raise KVStoreError("internal: dropping a block that still has children")
-        for tier in list(e.copies or ()):
-            self.drop_copy(e, tier)
+        if e.copies:
+            for tier in list(e.copies):
+                self.drop_copy(e, tier)
         self.tiers[e.tier].free(e.location, e.key)
         self.policies[e.tier].on_remove(e.key)  # (a reservation is in no policy: a no-op)
         self.index.remove(e)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
@@ -158,7 +158,8 @@ class TieredStore:
 
     async def find(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """`lookup`, after indexing what the remote tier holds past the local prefix."""
-        await self.extend_from_remote(ns_id, hashes)
+        if self.sharing is not None:
+            await self.extend_from_remote(ns_id, hashes)
         return self.lookup(ns_id, hashes)
 
     def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
@@ -166,8 +167,9 @@ class TieredStore:
         self.namespace(ns_id)
         self.placement.reap()
         tiers: list[str] = []
+        get = self.index.entries.get
         for h in hashes:
-            e = self.index.get((ns_id, h))
+            e = get((ns_id, h))
             if e is None or not e.committed:
                 break
             tiers.append(e.tier)
@@ -183,7 +185,8 @@ class TieredStore:
         or a block that could not be brought there, then not pinned) and the tier each block was
         found in. With `prefix` the answer stops at the first miss. Without `lift`, blocks a reader of
         `tier` can already read stay where they are (a GPU engine reads the arena too)."""
-        await self.extend_from_remote(ns_id, hashes)
+        if self.sharing is not None:
+            await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
         found = [e.tier if e is not None else None for e in entries]
         if any(t is not None and t != tier for t in found):
@@ -259,16 +262,31 @@ class TieredStore:
         if target is None or not target.client_readable:
             raise KVStoreError(f"cannot write into the {tier!r} tier; client-readable tiers: "
                                f"{[t.name for t in self.chain if t.client_readable]}")
-        placement, entries = self.placement, self.index.entries
+        placement = self.placement
         placement.reap()
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
         # so each parent's tier is looked at just before its child's room is made. (So too with a
         # preferred tier: room is made only for the blocks that do not go there.)
         per_block = placement.next_tier(tier) is not None or prefer is not None
-        if not per_block:
-            placement.room_for_batch(ns_id, ns.block_bytes, blocks, target)
+        nbytes = ns.block_bytes
+        # Pages for a batch are taken from the free list in one call (the pages the block-by-block
+        # allocations would get, in order); when they run out, room is made block by block.
+        free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
+                    if not per_block else ())
+        try:
+            return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
+        finally:
+            unused = list(free)
+            if unused:
+                target.free_unused(unused)
+
+    def _reserve_blocks(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str,
+                        prefer: str | None, per_block: bool, free: Iterator) -> list[Entry | None]:
+        """The loop of `reserve`: each block reserved or skipped, in order, its pages taken from `free`
+        (allocations made for the batch) while it lasts."""
+        placement, entries = self.placement, self.index.entries
         out: list[Entry | None] = []
-        nbytes, counters, reserve, take_free = ns.block_bytes, self.counters, self.index.reserve, target.allocate
+        nbytes, counters, reserve = self.namespaces[ns_id].block_bytes, self.counters, self.index.reserve
         rank = RANK[tier]
         for h, parent_hash in blocks:
             key = (ns_id, h)
@@ -284,7 +302,7 @@ class TieredStore:
                 if key not in entries and self._parent_too_slow(entries.get(parent), tier):
                     out.append(None)
                     continue
-                placement.room_for_batch(ns_id, nbytes, [(h, parent_hash)], target)
+                placement.room_for_batch(ns_id, nbytes, [(h, parent_hash)], self.tiers[tier])
             present = entries.get(key)
             if present is not None:
                 if present.tier == "remote":  # written here now; the cluster keeps its copy
@@ -304,7 +322,7 @@ class TieredStore:
             if parent_entry is not None and RANK[parent_entry.tier] > rank and self._parent_too_slow(parent_entry, tier):
                 out.append(None)
                 continue
-            location = take_free(nbytes)  # free pages; else room is made (placement.allocate evicts)
+            location = next(free, None)  # free pages; else room is made (placement.allocate evicts)
             if location is None:
                 try:
                     location = placement.allocate(tier, nbytes, protect=parent)

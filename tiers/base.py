@@ -111,6 +111,23 @@ class Tier:
         """Pages for `nbytes` (an allocation the tier understands), or None when there is no room."""
         return self.pages.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list:
+        """`allocate(nbytes)` up to `count` times while there is room, in one call: the allocations
+        those calls would have made, in order. What the caller does not use goes back through
+        `free_unused`, as if never taken."""
+        out = []
+        for _ in range(count):
+            alloc = self.allocate(nbytes)
+            if alloc is None:
+                break
+            out.append(alloc)
+        return out
+
+    def free_unused(self, allocations: Sequence) -> None:
+        """Give back unused allocations of `allocate_many` (no block was ever placed in them)."""
+        for alloc in reversed(allocations):
+            self.free(alloc)
+
     def free(self, location, key: Key | None = None) -> None:
         """Give a block's pages back (and forget its record, in a persistent tier)."""
         self.pages.free(location)

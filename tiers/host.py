@@ -175,6 +175,14 @@ class HostArena(Tier):
             self.index.settle()  # no record may point at pages we hand out
         return self.pages.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list:
+        if self.index is not None and self.index.has_deletes:
+            self.index.settle()
+        return self.pages.allocate_many(nbytes, count)
+
+    def free_unused(self, allocations: Sequence) -> None:
+        self.pages.free_unused(allocations)
+
     def free(self, location: Extents, key: tuple | None = None) -> None:
         if key is not None and self.index is not None:
             self.index.forget(key)

@@ -57,6 +57,32 @@ class PageAllocator:
                 run_start = prev = p
         return extents
 
+    def allocate_many(self, nbytes: int, count: int) -> list[list]:
+        """`allocate(nbytes)` up to `count` times while pages last, in one call: the same pages in
+        the same order as the calls one by one (`free_unused` gives back what the caller did not use)."""
+        n = self.pages_for(nbytes)
+        if n != 1 or nbytes <= 0:
+            out = []
+            for _ in range(count):
+                alloc = self.allocate(nbytes)
+                if alloc is None:
+                    break
+                out.append(alloc)
+            return out
+        free, pb = self._free, self.page_bytes
+        k = min(count, len(free))
+        if k <= 0:
+            return []
+        taken = free[-k:]
+        del free[-k:]
+        return [[[p * pb, nbytes]] for p in reversed(taken)]
+
+    def free_unused(self, allocations: Sequence) -> None:
+        """Give back allocations of `allocate_many` that were not used, as if never taken (the last
+        taken goes back first)."""
+        for extents in reversed(allocations):
+            self.free(extents)
+
     def pages_of(self, extents: Sequence) -> list[int]:
         pb, pages = self.page_bytes, []
         for offset, length in extents:
