@@ -45,8 +45,11 @@ def inline_blocks_per_frame(max_frame_bytes: int, block_bytes: int) -> int:
     return max(0, (max_frame_bytes - REQUEST_OVERHEAD_BYTES) // (block_bytes + INLINE_BYTES_PER_BLOCK))
 
 
+_PACKER = msgpack.Packer(use_bin_type=True)  # `pack` holds the GIL throughout: one Packer serves every thread
+
+
 def pack_frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = _PACKER.pack(obj)  # (packb would make a Packer per frame)
     return HEADER.pack(len(body)) + body
 
 
