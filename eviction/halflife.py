@@ -80,7 +80,7 @@ FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here a
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
-_heappush = heapq.heappush
+_heappush, _heappop = heapq.heappush, heapq.heappop
 
 
 def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
@@ -144,10 +144,19 @@ def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, t
             credit, log_credit = m._credits[1]
         else:
             hit = False
-            old = m.ghost.pop(key, None)
+            ghost = m.ghost
+            old = ghost.pop(key, None)
             credit, log_credit = m._credits[0 if old is None else 2]
-            if len(values) >= capacity:
-                m._trim(capacity - 1)
+            if len(values) >= capacity:  # m._trim(capacity - 1), inline: a miss in a full miniature
+                heap = m._heap
+                while len(values) >= capacity and heap:
+                    f, _, k = _heappop(heap)
+                    if values.get(k) == f:
+                        del values[k]
+                        ghost[k] = f
+                bound = m._ghost_factor * capacity
+                while len(ghost) > bound:
+                    ghost.popitem(last=False)
         if old is None or old - tau < FORGET_LOG2:
             new = log_credit + tau
         else:

@@ -278,6 +278,8 @@ class HostIndex:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
             self._deletes.append(rkey)
+        if self._turn is not None and threading.get_ident() == self._turn_thread:
+            return  # written with this turn (`_queue`'s first case, inline: one forget per evicted block)
         self._queue(None)  # committed promptly: a removed block must not come back after a kill
 
     def _queue(self, items: list[_Pending] | None) -> None:
