@@ -212,13 +212,22 @@ class BlockIndex:
                     stack.extend(self.entries[k] for k in children_of(e))
 
     # -- pins and reservations ----------------------------------------------------------
-    def pin(self, entries: Sequence[Entry], owner: Owner) -> None:
+    def pin(self, entries: Sequence[Entry], owner: Owner, now: float | None = None) -> None:
+        """`owner` pins `entries`; with `now`, they are also `touch`ed (an acquire's hits)."""
         pins = self.pins_by_owner.get(owner)
         if pins is None:
             pins = self.pins_by_owner[owner] = {}
         held = pins.get
+        if now is None:
+            for e in entries:
+                e.pins += 1
+                key = e.key
+                pins[key] = held(key, 0) + 1
+            return
         for e in entries:
             e.pins += 1
+            e.hits += 1
+            e.last_access = now
             key = e.key
             pins[key] = held(key, 0) + 1
 

@@ -112,12 +112,9 @@ class Placement:
 
     def accessed(self, entries: Sequence[Entry]) -> None:
         """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
-        by_tier: dict[str, list[Key]] = {}
-        for e in entries:
-            by_tier.setdefault(e.tier, []).append(e.key)
-        for tier, keys in by_tier.items():
-            self.tier_stats[tier].hits += len(keys)
-            self.policies[tier].on_access(keys)
+        for tier, group in _by_tier(entries).items():
+            self.tier_stats[tier].hits += len(group)
+            self.policies[tier].on_access([e.key for e in group])
 
     # -- room -----------------------------------------------------------------------------
     def allocate(self, tier: str, nbytes: int, protect: Key | set | None = None) -> object:

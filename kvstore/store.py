@@ -209,10 +209,9 @@ class TieredStore:
                 continue
             out.append(e)
             hits.append(e)
-        self.index.pin(hits, owner)
         if hits:
+            self.index.pin(hits, owner, self.shared.clock())  # (and `touch`)
             self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
-            self.index.touch(hits, self.shared.clock())
             self.placement.accessed(hits)
             self.listeners.hit(hits)
         for counts in (self.counters, self.ns_counters[ns_id]):
