@@ -299,15 +299,35 @@ class AttentionPolicy(EvictionPolicy):
 
     def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
         """Blocks committed together: one clock reading for all (the store's commit). A block that
-        is the parent of another of them gets no heap entry: it stops being a leaf within the call."""
+        is the parent of another of them gets no heap entry: it stops being a leaf within the call.
+        The usual block (first seen, no estimate) takes `_insert`'s steps inline."""
         taus = self._taus()
         inner = {info.parent for info in infos} if len(infos) > 1 else ()
+        experts, ghost_pop, costs, freqs, cost_of, vals = \
+            self.experts, self._ghost.pop, self._costs, self._freq, self._cost, self._val
+        bits = experts.sample_bits if experts is not None else 0
+        add = self._leaves.add
+        fresh = self._first_freq(taus)
         for info in infos:
-            self._insert(info, taus, info.key not in inner)
+            key = info.key
+            ghost = ghost_pop(key, None)
+            if ghost is not None or info.attention is not None:
+                self._insert(info, taus, key not in inner, ghost)
+                continue
+            freqs[key] = fresh
+            if experts is not None and sampled(key, bits) and experts.inserted(key):
+                self._follow()
+            cost = costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+            cost_of[key] = cost
+            own = vals[key] = [*map(_add, fresh, cost)]
+            add(key, info.parent, info.nbytes, "v", own[self._lead], key not in inner)
 
-    def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True) -> None:
+    def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True, ghost: object = None) -> None:
+        """Enter one block; `ghost`: what the ghost table held of it (taken out already), else it is
+        looked up here."""
         key = info.key
-        ghost = self._ghost.pop(key, None)
+        if ghost is None:
+            ghost = self._ghost.pop(key, None)
         if ghost is None:
             freq = self._first_freq(taus)
         else:

@@ -265,15 +265,16 @@ class GhostTable:
     def __init__(self, factor: float) -> None:
         self.factor = factor
         self._items: OrderedDict[Key, object] = OrderedDict()
+        # pop(key, default): what was remembered of `key`, forgotten now (the OrderedDict's own method:
+        # a policy asks on every insert)
+        self.pop = self._items.pop
 
     def remember(self, key: Key, value: object, resident: int) -> None:
-        self._items[key] = value
+        items = self._items
+        items[key] = value
         limit = self.factor * resident
-        while len(self._items) > limit:
-            self._items.popitem(last=False)
-
-    def pop(self, key: Key, default: object = None) -> object:
-        return self._items.pop(key, default)
+        while len(items) > limit:
+            items.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._items)
