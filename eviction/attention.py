@@ -357,7 +357,7 @@ class AttentionPolicy(EvictionPolicy):
             self._follow()
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
-        tracked, reprioritise = leaves.queue, leaves.reprioritise
+        tracked, reprioritise, prio, inner = leaves.queue, leaves.reprioritise, leaves.prio, leaves.children
         # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away
         lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
@@ -375,7 +375,10 @@ class AttentionPolicy(EvictionPolicy):
                 own = [*map(_add, freq, costs[key])]
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
-            reprioritise(key, top[lead])
+            if key in inner:  # (`reprioritise` of a block with children: no heap entry)
+                prio[key] = top[lead]
+            else:
+                reprioritise(key, top[lead])
         if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
             up = leaves.parent.get
             parent = up(keys[0]) if keys[0] in tracked else None
@@ -386,7 +389,10 @@ class AttentionPolicy(EvictionPolicy):
                     break
                 vals[parent] = new
                 if new[lead] != cur[lead]:
-                    reprioritise(parent, new[lead])
+                    if parent in inner:  # (`reprioritise` of a block with children: no heap entry)
+                        prio[parent] = new[lead]
+                    else:
+                        reprioritise(parent, new[lead])
                 parent = up(parent)
 
     def on_feedback(self, key: Key, attention: float) -> None:
