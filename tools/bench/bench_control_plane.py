@@ -36,7 +36,7 @@ Bandwidth (`--bandwidth-mib`, 0 to skip): `tools/bench/bench_store.py`'s
 256 KiB and 2 MiB put/get against single-thread memcpy into free pages and
 into a full tier, the same functions.
 
-`--profile DIR` samples each daemon with py-spy (`pip install py-spy`; 500 Hz,
+`--profile DIR` samples each daemon with py-spy (`pip install py-spy`; 1000 Hz,
 not pausing it, only while a thread holds the GIL: where the daemon spends CPU)
 into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and prints the top
 functions by own samples of each; the sampler takes some CPU of
@@ -109,7 +109,7 @@ def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label
     spy = None
     if profile:  # sampled while it runs; py-spy writes its stacks when the daemon exits
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-        spy = subprocess.Popen([exe, "record", "--pid", str(daemon.proc.pid), "--rate", "500", "--format", "raw",
+        spy = subprocess.Popen([exe, "record", "--pid", str(daemon.proc.pid), "--rate", "1000", "--format", "raw",
                                 "--function", "--gil", "--nonblocking", "--output", os.path.join(profile, f"{policy}-{label}.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = KVClient(daemon.socket_path, name=f"bench-cp-{policy}-{label}", timeout_s=60)
