@@ -47,7 +47,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from tiers import TIER_ORDER  # noqa: F401  (also this module's name)
-from tiers.pages import PageAllocator
+from tiers.pages import PageAllocator, allocate_each
 
 Key = tuple  # (namespace id, block hash)
 
@@ -115,13 +115,7 @@ class Tier:
         """`allocate(nbytes)` up to `count` times while there is room, in one call: the allocations
         those calls would have made, in order. What the caller does not use goes back through
         `free_unused`, as if never taken."""
-        out = []
-        for _ in range(count):
-            alloc = self.allocate(nbytes)
-            if alloc is None:
-                break
-            out.append(alloc)
-        return out
+        return allocate_each(self.allocate, nbytes, count)
 
     def free_unused(self, allocations: Sequence) -> None:
         """Give back unused allocations of `allocate_many` (no block was ever placed in them)."""

@@ -11,11 +11,22 @@ allocation; nothing is allocated beyond `num_pages`.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 Extents = list  # list of [offset, length] pairs, in payload order
+
+
+def allocate_each(allocate: Callable[[int], object | None], nbytes: int, count: int) -> list:
+    """`allocate(nbytes)` up to `count` times, until it answers None: the allocations, in order."""
+    out = []
+    for _ in range(count):
+        alloc = allocate(nbytes)
+        if alloc is None:
+            break
+        out.append(alloc)
+    return out
 
 
 class PageAllocator:
@@ -62,13 +73,7 @@ class PageAllocator:
         the same order as the calls one by one (`free_unused` gives back what the caller did not use)."""
         n = self.pages_for(nbytes)
         if n != 1 or nbytes <= 0:
-            out = []
-            for _ in range(count):
-                alloc = self.allocate(nbytes)
-                if alloc is None:
-                    break
-                out.append(alloc)
-            return out
+            return allocate_each(self.allocate, nbytes, count)
         free, pb = self._free, self.page_bytes
         k = min(count, len(free))
         if k <= 0:

@@ -69,7 +69,7 @@ from tools.harness.daemon_proc import DaemonProc, proc_stat_cpu, start_daemon  #
 
 BLOCK_BYTES = 4096
 KiB, MiB = 1 << 10, 1 << 20
-GOALS = {  # the issue's goals (issue 39), per block at batches of 512; batches of 32 get twice as long
+GOALS = {  # the control plane's targets, per block at batches of 512; batches of 32 get twice as long
     "read_us": 4.0,
     "write_full_us_default": 8.0,
     "lookup_vs_mooncake": 1.0,
@@ -309,7 +309,7 @@ def bandwidth(tmp: str, total_mib: int, rounds: int) -> dict:
 
 
 def goals(result: dict) -> list[tuple[str, str, bool | None]]:
-    """(goal, measured, met) for each of the issue's goals that this run measured."""
+    """(goal, measured, met) for each of the targets (GOALS and the bandwidth ratios) that this run measured."""
     rows: list[tuple[str, str, bool | None]] = []
     default = "attention"
     for batch, per in sorted(result["batches"].items(), key=lambda kv: -int(kv[0])):
