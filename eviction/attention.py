@@ -74,12 +74,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import add as _add
 from typing import Callable, Sequence
 
 
 from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
-                               check_early_fraction)
+                               check_early_fraction, sampled)
 from eviction.leaves import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -297,14 +298,36 @@ class AttentionPolicy(EvictionPolicy):
         self._insert(info, self._taus())
 
     def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
-        """Blocks committed together: one clock reading for all (the store's commit)."""
+        """Blocks committed together: one clock reading for all (the store's commit). A block that
+        is the parent of another of them gets no heap entry: it stops being a leaf within the call.
+        The usual block (first seen, no estimate) takes `_insert`'s steps inline."""
         taus = self._taus()
+        inner = {info.parent for info in infos} if len(infos) > 1 else ()
+        experts, ghost_pop, costs, freqs, cost_of, vals = \
+            self.experts, self._ghost.pop, self._costs, self._freq, self._cost, self._val
+        bits = experts.sample_bits if experts is not None else 0
+        add = self._leaves.add
+        fresh = self._first_freq(taus)
         for info in infos:
-            self._insert(info, taus)
+            key = info.key
+            ghost = ghost_pop(key, None)
+            if ghost is not None or info.attention is not None:
+                self._insert(info, taus, key not in inner, ghost)
+                continue
+            freqs[key] = fresh
+            if experts is not None and sampled(key, bits) and experts.inserted(key):
+                self._follow()
+            cost = costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+            cost_of[key] = cost
+            own = vals[key] = [*map(_add, fresh, cost)]
+            add(key, info.parent, info.nbytes, "v", own[self._lead], key not in inner)
 
-    def _insert(self, info: BlockInfo, taus: list[float]) -> None:
+    def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True, ghost: object = None) -> None:
+        """Enter one block; `ghost`: what the ghost table held of it (taken out already), else it is
+        looked up here."""
         key = info.key
-        ghost = self._ghost.pop(key, None)
+        if ghost is None:
+            ghost = self._ghost.pop(key, None)
         if ghost is None:
             freq = self._first_freq(taus)
         else:
@@ -314,16 +337,18 @@ class AttentionPolicy(EvictionPolicy):
                     self.gate.hit[old_a >= 0.5] += 1
             freq = _credited(ghost, taus, self.params.ghost_credit)
         self._freq[key] = freq
-        if self.experts is not None and self.experts.inserted(key):
+        experts = self.experts
+        if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
-        cost = self._cost[key] = self._block_cost(info)
+        cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+        self._cost[key] = cost
         if info.attention is not None:
             self._set_attention(key, info.attention)
             own = self._own(key, freq)
         else:
-            own = [f + c for f, c in zip(freq, cost)]
+            own = [*map(_add, freq, cost)]
         self._val[key] = own
-        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead])  # one heap push, final value
+        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push, final value
 
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
@@ -332,26 +357,43 @@ class AttentionPolicy(EvictionPolicy):
             self._follow()
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
-        tracked, reprioritise = leaves.queue, leaves.reprioritise
+        tracked, reprioritise, prio, inner = leaves.queue, leaves.reprioritise, leaves.prio, leaves.children
+        # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away
+        lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            freq = freqs[key] = _credited(freqs[key], taus, credit)
+            freq = freqs[key] = [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
+                                 for f, tau in zip(freqs[key], taus)]
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)
                     self.gate.hit[att[key] >= 0.5] += 1
                 own = self._own(key, freq)
             else:
-                own = [f + c for f, c in zip(freq, costs[key])]
+                own = [*map(_add, freq, costs[key])]
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
-            reprioritise(key, top[lead])
-        if top is not None:
-            parent = leaves.parent.get(keys[0]) if keys[0] in tracked else None
-            while parent is not None and parent in tracked and self._lift(parent, top):
-                parent = leaves.parent.get(parent)  # keep parent >= child above the chain
+            if key in inner:  # (`reprioritise` of a block with children: no heap entry)
+                prio[key] = top[lead]
+            else:
+                reprioritise(key, top[lead])
+        if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
+            up = leaves.parent.get
+            parent = up(keys[0]) if keys[0] in tracked else None
+            while parent is not None and parent in tracked:
+                cur = vals[parent]
+                new = [*map(max, cur, top)]
+                if new == cur:
+                    break
+                vals[parent] = new
+                if new[lead] != cur[lead]:
+                    if parent in inner:  # (`reprioritise` of a block with children: no heap entry)
+                        prio[parent] = new[lead]
+                    else:
+                        reprioritise(parent, new[lead])
+                parent = up(parent)
 
     def on_feedback(self, key: Key, attention: float) -> None:
         if key not in self._leaves:
@@ -378,9 +420,16 @@ class AttentionPolicy(EvictionPolicy):
         if key not in leaves.queue:
             return
         parent = leaves.parent[key]
-        val = self._val.pop(key)
-        if parent is not None and parent in leaves.queue:
-            self._lift(parent, val)  # the tree rule, applied before it becomes a leaf
+        vals = self._val
+        val = vals.pop(key)
+        if parent is not None and parent in leaves.queue:  # the tree rule, applied before it becomes a leaf
+            cur = vals[parent]  # (`_lift`, inline: eviction removes one block at a time)
+            new = [*map(max, cur, val)]
+            if new != cur:
+                vals[parent] = new
+                lead = self._lead
+                if new[lead] != cur[lead]:
+                    leaves.reprioritise(parent, new[lead])
         leaves.remove(key)
         del self._cost[key]
         freq = self._freq.pop(key)
@@ -395,6 +444,10 @@ class AttentionPolicy(EvictionPolicy):
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None
+
+    def evict(self, missing: Callable[[], int], evictable: Callable[[Key], bool],
+              take: Callable[[Key], None]) -> bool:
+        return self._leaves.evict("v", missing, evictable, take)
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""

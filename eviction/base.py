@@ -10,6 +10,8 @@ One policy instance serves one tier. The store calls:
 - `on_feedback(key, attention)` for an attention estimate that arrives after the block was
   inserted (a commit passes its estimate in `BlockInfo.attention`; no RPC sends a later one yet);
 - `victims(n_bytes, evictable)` when the tier needs `n_bytes` of room;
+- `evict(missing, evictable, take)`, the store's eviction loop: victims are
+  named and taken one after the other until `missing()` is <= 0 (below);
 - `describe(keys)` for inspection tools (read-only).
 
 `victims` answers with keys for which `evictable(key)` is true *now* (the
@@ -22,22 +24,37 @@ fewer bytes than asked: it should stop after a victim whose removal exposes its
 parent as a new leaf, if that parent could be the next victim in its order;
 otherwise one large request trims the tails of many chains instead of finishing
 the least valuable one.
+
+`evict` is that loop in one call: it names a victim, has the store `take` it
+(the store demotes it and calls `on_remove`) and names the next one against
+the state that removal left, until `missing()` (the bytes the tier still
+needs) is <= 0, or answers False when it can name nothing more. Each victim is
+the one `victims` would have named at that moment, so a policy gets the same
+decisions either way; the default asks `victims` for rounds of them, and a
+policy whose candidates live in `LeafQueues` takes them straight off its heap
+(no round ends at an exposed parent: the parent is a candidate as soon as its
+last child is taken).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Hashable, Sequence
+from typing import Callable, ClassVar, Hashable, NamedTuple, Sequence
 
 Key = Hashable
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """What a policy may know of a block. `depth` is its index in its chain (0 = first block)."""
+class PolicyError(RuntimeError):
+    """A policy broke its contract (named a victim that is not evictable): a bug in the policy."""
+
+
+class BlockInfo(NamedTuple):
+    """What a policy may know of a block. `depth` is its index in its chain (0 = first block).
+
+    A named tuple, not a frozen dataclass: the store makes one per committed block on the
+    commit path, and a tuple is made ~5x faster (0.3 against 1.4 us)."""
 
     key: Key
     parent: Key | None
@@ -80,6 +97,23 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None: ...
+
+    def evict(self, missing: Callable[[], int], evictable: Callable[[Key], bool],
+              take: Callable[[Key], None]) -> bool:
+        """Name victims and have the store `take` each (it removes it, calling `on_remove`) until
+        `missing()` <= 0; False when no victim can be named. Raises PolicyError for a named victim
+        that is not evictable."""
+        while (need := missing()) > 0:
+            victims = self.victims(need, evictable)
+            if not victims:
+                return False
+            for key in victims:
+                if not evictable(key):
+                    raise PolicyError(f"policy {self.name} named a victim that is not evictable")
+                take(key)
+                if missing() <= 0:
+                    break
+        return True
 
     @abstractmethod
     def __contains__(self, key: Key) -> bool: ...

@@ -80,7 +80,7 @@ FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here a
 _MIX = 0x9E3779B97F4A7C15
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
-_heappush = heapq.heappush
+_heappush, _heappop = heapq.heappush, heapq.heappop
 
 
 def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
@@ -114,30 +114,7 @@ class MiniCache:
 
     def reference(self, key: Key, capacity: int, weight: float) -> bool:
         """Replay one reference to `key` holding at most `capacity` keys; True if it was a hit."""
-        values, tau = self.values, self.tau
-        old = values.get(key)
-        hit = old is not None
-        if hit:
-            self.hits += weight
-            credit, log_credit = self._credits[1]
-        else:
-            old = self.ghost.pop(key, None)
-            credit, log_credit = self._credits[0 if old is None else 2]
-            if len(values) >= capacity:
-                self._trim(capacity - 1)
-        if old is None or old - tau < FORGET_LOG2:
-            new = log_credit + tau
-        else:
-            new = _log2(2.0 ** (old - tau) + credit) + tau
-        values[key] = new
-        heap = self._heap
-        _heappush(heap, (new, self._seq(), key))
-        if len(heap) > 4 * len(values) + 64:  # drop stale entries
-            self._heap = [(f, self._seq(), k) for k, f in values.items()]
-            heapq.heapify(self._heap)
-        if hit and len(values) > capacity:  # the tier shrank since the last miss
-            self._trim(capacity)
-        return hit
+        return _refer((self,), key, capacity, weight, (self.tau,))[0]
 
     def _trim(self, limit: int) -> None:
         """Evict the lowest counts down to `limit` keys, into a ghost table of ghost_factor x (limit + 1)."""
@@ -150,6 +127,50 @@ class MiniCache:
         bound = self._ghost_factor * (limit + 1)
         while len(ghost) > bound:
             ghost.popitem(last=False)
+
+
+def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, taus: Sequence[float]) -> list[bool]:
+    """`MiniCache.reference` of `key` in each of `minis` at its clock in `taus` (set as its `tau`), in
+    one loop: the experts replay every sampled reference in six miniatures, and a call each would
+    cost more than the replay. Whether each was a hit."""
+    hits = []
+    for m, tau in zip(minis, taus):
+        m.tau = tau
+        values = m.values
+        old = values.get(key)
+        if old is not None:
+            hit = True
+            m.hits += weight
+            credit, log_credit = m._credits[1]
+        else:
+            hit = False
+            ghost = m.ghost
+            old = ghost.pop(key, None)
+            credit, log_credit = m._credits[0 if old is None else 2]
+            if len(values) >= capacity:  # m._trim(capacity - 1), inline: a miss in a full miniature
+                heap = m._heap
+                while len(values) >= capacity and heap:
+                    f, _, k = _heappop(heap)
+                    if values.get(k) == f:
+                        del values[k]
+                        ghost[k] = f
+                bound = m._ghost_factor * capacity
+                while len(ghost) > bound:
+                    ghost.popitem(last=False)
+        if old is None or old - tau < FORGET_LOG2:
+            new = log_credit + tau
+        else:
+            new = _log2(2.0 ** (old - tau) + credit) + tau
+        values[key] = new
+        heap = m._heap
+        _heappush(heap, (new, m._seq(), key))
+        if len(heap) > 4 * len(values) + 64:  # drop stale entries
+            m._heap = [(f, m._seq(), k) for k, f in values.items()]
+            heapq.heapify(m._heap)
+        if hit and len(values) > capacity:  # the tier shrank since the last miss
+            m._trim(capacity)
+        hits.append(hit)
+    return hits
 
 
 def check_early_fraction(early_fraction: float) -> None:
@@ -254,16 +275,12 @@ class HalfLifeExperts:
         capacity = len(self._held) or 1
         weight = self._weight
         taus = self._taus  # every miniature's clock is set here, not on every event (advance())
-        for m, tau in zip(self.minis, taus):
-            m.tau = tau
         if self.early:
-            for m, tau in zip(self.early, taus):
-                m.tau = tau
             small = max(1, int(capacity * self.early_fraction))
-            hits = [m.reference(key, small, weight) for m in self.early]
+            hits = _refer(self.early, key, small, weight, taus)
             if True in hits and False in hits:
                 _count_apart(self._apart_early, hits, weight)
-        hits = [m.reference(key, capacity, weight) for m in self.minis]
+        hits = _refer(self.minis, key, capacity, weight, taus)
         if True in hits and False in hits:
             _count_apart(self._apart, hits, weight)
         if capacity != self._decay_for:  # scores halve per SCORE_HALF_TURNOVERS x capacity references

@@ -55,6 +55,7 @@ class LeafQueues:
         self._heaps: dict[str, list] = {}
         self._tokens = itertools.count()
         self._lent: list[tuple[str, tuple]] = []  # (queue, heap entry) of the last pick's victims
+        self._rekeyed = 0  # rekeys so far: heap entries taken out before one are not put back after it
 
     def __contains__(self, key: Key) -> bool:
         return key in self.queue
@@ -65,7 +66,9 @@ class LeafQueues:
     def is_leaf(self, key: Key) -> bool:
         return not self.children.get(key)
 
-    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object) -> None:
+    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True) -> None:
+        """Track `key`. `leaf=False`: the caller adds a child of it next (a chain inserted in one
+        call), so no heap entry is made for it: it would be stale at once."""
         if key in self.queue:
             self.update(key, queue, prio)
             return
@@ -76,7 +79,7 @@ class LeafQueues:
         if parent is not None:
             children[parent] += 1
             self._token.pop(parent, None)  # no longer a leaf
-        if key not in children:  # a leaf (the Counter holds no zero counts)
+        if leaf and key not in children:  # a leaf (the Counter holds no zero counts)
             self._push(key, queue, prio)
 
     def update(self, key: Key, queue: str, prio: object) -> None:
@@ -134,6 +137,7 @@ class LeafQueues:
         self.prio.update(prio)
         mine = self.prio
         self._lent.clear()  # every live leaf is in the new heaps
+        self._rekeyed += 1
         heaps: dict[str, list] = {queue: [] for queue in self._heaps}
         for key, token in self._token.items():
             heaps.setdefault(self.queue[key], []).append((mine[key], token, key))
@@ -165,11 +169,8 @@ class LeafQueues:
         by the caller in this round (it is updated).
         """
         token = self._token
-        if self._lent:  # the last answer's victims the caller did not take
-            for q, entry in self._lent:
-                if token.get(entry[2]) == entry[1]:
-                    heapq.heappush(self._heaps[q], entry)
-            self._lent.clear()
+        if self._lent:
+            self._return_lent()
         heap = self._heaps.get(queue)
         if not heap:
             return []
@@ -195,6 +196,58 @@ class LeafQueues:
             heapq.heappush(heap, entry)
         return chosen
 
+    def _return_lent(self) -> None:
+        """The last answer's victims the caller did not take go back into their heaps."""
+        token = self._token
+        for q, entry in self._lent:
+            if token.get(entry[2]) == entry[1]:
+                heapq.heappush(self._heaps[q], entry)
+        self._lent.clear()
+
+    def evict(self, queue: str, missing: Callable[[], int], evictable: Callable[[Key], bool],
+              take: Callable[[Key], None]) -> bool:
+        """`pick` and the caller's removal of each victim, one victim at a time, until `missing()` <= 0
+        (EvictionPolicy.evict): the lowest-priority evictable leaf of `queue` is taken (`take` removes
+        it, and its policy's `on_remove` pushes a parent that became a leaf), then the next one is
+        popped. False when the queue has no evictable leaf left.
+
+        The same victims as rounds of `pick` with the removals in between: a round ends at a victim
+        that exposes its parent because the parent enters the heap only once that victim is gone,
+        which is what happens here after `take`; and the leaves found not evictable are set aside and
+        put back at the end, as each `pick` puts them back (a removal never makes one evictable: a
+        leaf is no removed victim's parent)."""
+        if self._lent:
+            self._return_lent()
+        token, pop = self._token, heapq.heappop
+        rekeyed = self._rekeyed
+        held: list = []
+        try:
+            while missing() > 0:
+                heap = self._heaps.get(queue)  # (a push in `take` may have rebuilt it)
+                while True:
+                    if not heap:
+                        return False
+                    entry = pop(heap)
+                    key = entry[2]
+                    if token.get(key) != entry[1]:
+                        continue  # stale
+                    if evictable(key):
+                        break
+                    held.append(entry)
+                try:
+                    take(key)
+                except BaseException:
+                    if token.get(key) == entry[1]:  # not taken: back where `pick` would keep it
+                        self._lent.append((queue, entry))
+                    raise
+            return True
+        finally:
+            if held and rekeyed == self._rekeyed:  # (a rekey put every live leaf into new heaps)
+                heap = self._heaps[queue]
+                for entry in held:
+                    if token.get(entry[2]) == entry[1]:
+                        heapq.heappush(heap, entry)
+
     def exposes_parent(self, key: Key, pending: dict) -> bool:
         """Count `key` as named; true when that names the last child of a tracked parent."""
         parent = self.parent.get(key)
@@ -212,15 +265,16 @@ class GhostTable:
     def __init__(self, factor: float) -> None:
         self.factor = factor
         self._items: OrderedDict[Key, object] = OrderedDict()
+        # pop(key, default): what was remembered of `key`, forgotten now (the OrderedDict's own method:
+        # a policy asks on every insert)
+        self.pop = self._items.pop
 
     def remember(self, key: Key, value: object, resident: int) -> None:
-        self._items[key] = value
+        items = self._items
+        items[key] = value
         limit = self.factor * resident
-        while len(self._items) > limit:
-            self._items.popitem(last=False)
-
-    def pop(self, key: Key, default: object = None) -> object:
-        return self._items.pop(key, default)
+        while len(items) > limit:
+            items.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._items)

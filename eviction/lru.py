@@ -40,6 +40,16 @@ class LRUPolicy(EvictionPolicy):
         self._order[info.key] = info.nbytes
         self._touch(info.parent)
 
+    def on_insert_many(self, infos: Sequence[BlockInfo]) -> None:
+        parents, order, parked = self._parent, self._order, self._parked
+        for key, parent, _depth, nbytes, _tokens, _attention in infos:
+            parents[key] = parent
+            order[key] = nbytes
+            if parent in parked:  # _touch(parent)
+                order[parent] = parked.pop(parent)
+            elif parent in order:
+                order.move_to_end(parent)
+
     def on_access(self, keys: Sequence[Key]) -> None:
         for key in reversed(keys):
             self._touch(key)

@@ -42,11 +42,42 @@ if TYPE_CHECKING:
 KINDS = ("stored", "removed", "cleared", "reserved", "committed", "dropped", "hit", "evicting")
 
 
+def _ignore(*args: object) -> None:
+    pass
+
+
+def _fan_out(fns: list[Callable]) -> Callable:
+    def call(*args: object) -> None:
+        for fn in fns:
+            fn(*args)
+    return call
+
+
 class Listeners:
-    """The store's listeners, per kind; the parts call the method of the kind they report."""
+    """The store's listeners, per kind; the parts call the method of the kind they report.
+
+    Reporting happens several times per block on the hot paths, so each kind's method is bound,
+    per instance, to what it has to call: nothing, the one subscriber's method itself, or a loop
+    over several (`_bind`, after every change of the subscriptions)."""
+
+    # one per kind (see the module docstring), bound by `_bind`
+    stored: Callable[[Entry, str], None]
+    removed: Callable[[Entry, str], None]
+    cleared: Callable[[Iterable[str]], None]
+    reserved: Callable[[Entry], None]
+    committed: Callable[[Sequence[Entry]], None]
+    dropped: Callable[[Entry], None]
+    hit: Callable[[Sequence[Entry]], None]
+    evicting: Callable[[Entry], None]
 
     def __init__(self) -> None:
         self._subs: dict[str, list[Callable]] = {kind: [] for kind in KINDS}
+        for kind in KINDS:
+            self._bind(kind)
+
+    def _bind(self, kind: str) -> None:
+        fns = self._subs[kind]
+        setattr(self, kind, _ignore if not fns else fns[0] if len(fns) == 1 else _fan_out(list(fns)))
 
     def add(self, listener: object) -> None:
         """Subscribe each of `listener`'s methods named like a kind."""
@@ -54,6 +85,7 @@ class Listeners:
             fn = getattr(listener, kind, None)
             if callable(fn):
                 self._subs[kind].append(fn)
+                self._bind(kind)
 
     @property
     def follows_tiers(self) -> bool:
@@ -65,42 +97,14 @@ class Listeners:
         """No `stored`/`removed` inside (an admin clear: one `cleared` says it all)."""
         saved = self._subs["stored"], self._subs["removed"]
         self._subs["stored"], self._subs["removed"] = [], []
+        self._bind("stored")
+        self._bind("removed")
         try:
             yield
         finally:
             self._subs["stored"], self._subs["removed"] = saved
-
-    def stored(self, entry: Entry, tier: str) -> None:
-        for fn in self._subs["stored"]:
-            fn(entry, tier)
-
-    def removed(self, entry: Entry, tier: str) -> None:
-        for fn in self._subs["removed"]:
-            fn(entry, tier)
-
-    def cleared(self, ns_ids: Iterable[str]) -> None:
-        for fn in self._subs["cleared"]:
-            fn(ns_ids)
-
-    def reserved(self, entry: Entry) -> None:
-        for fn in self._subs["reserved"]:
-            fn(entry)
-
-    def committed(self, entries: Sequence[Entry]) -> None:
-        for fn in self._subs["committed"]:
-            fn(entries)
-
-    def dropped(self, entry: Entry) -> None:
-        for fn in self._subs["dropped"]:
-            fn(entry)
-
-    def hit(self, entries: Sequence[Entry]) -> None:
-        for fn in self._subs["hit"]:
-            fn(entries)
-
-    def evicting(self, entry: Entry) -> None:
-        for fn in self._subs["evicting"]:
-            fn(entry)
+            self._bind("stored")
+            self._bind("removed")
 
 
 def held_tiers(entry: Entry) -> list[str]:

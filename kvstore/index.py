@@ -27,8 +27,10 @@ from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import RANK, Entry, Key, Owner, children_of, link_child, unlink_child
+from kvstore.entry import RANK, TIERS, Entry, Key, Owner, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
+
+_NUM_TIERS = len(TIERS)  # an entry's per-tier child counts
 
 
 class BlockIndex:
@@ -36,7 +38,7 @@ class BlockIndex:
         """`copy_tiers`: the persistent tiers, where promoted blocks keep copies."""
         self.listeners = listeners
         self.entries: dict[Key, Entry] = {}
-        self.pins_by_owner: dict[Owner, Counter] = defaultdict(Counter)
+        self.pins_by_owner: dict[Owner, dict[Key, int]] = {}  # owner -> key -> its pins (never 0)
         self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
         self.copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # per tier, oldest first
@@ -70,8 +72,16 @@ class BlockIndex:
     def reserve(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
                 owner: Owner) -> Entry:
         """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
-        e = self._link(Entry(key, parent.key if parent is not None else None,
-                             parent.depth + 1 if parent is not None else 0, nbytes, tier, location, owner), parent)
+        if parent is None:
+            e = Entry(key, None, 0, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
+        else:
+            e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
+            parent.children[RANK[tier]] += 1
+            if parent.kids is None:  # (`link_child` of a first child)
+                parent.kids = key
+            else:
+                link_child(parent, key)
+        self.entries[key] = e
         self.reserved_by_owner[owner].add(key)
         self.listeners.reserved(e)
         return e
@@ -94,15 +104,33 @@ class BlockIndex:
 
     def commit(self, e: Entry, now: float, attention: float | None, tokens: bytes | None) -> None:
         """`e` (reserved) is readable from now on."""
-        mine = self.reserved_by_owner.get(e.owner)
-        if mine is not None:
-            mine.discard(e.key)
-        e.committed, e.owner, e.last_access = True, None, now
+        self.commit_many([e], now, None if attention is None else [attention], None if tokens is None else [tokens])
+
+    def commit_many(self, entries: Sequence[Entry], now: float, attention: Sequence[float] | None,
+                    tokens: Sequence[bytes | None] | None) -> None:
+        """`commit` for several reserved entries, in order (one commit); `attention`: one value per
+        entry, or None; `tokens`: one (or None) per entry, or None."""
+        owners = {e.owner for e in entries}  # one, for a client's commit
+        for owner in owners:
+            mine = self.reserved_by_owner.get(owner)
+            if mine is not None:
+                mine.difference_update([e.key for e in entries] if len(owners) == 1 else
+                                       [e.key for e in entries if e.owner == owner])
+        for e in entries:
+            e.committed = True
+            e.owner = None
+            e.last_access = now
         if attention is not None:
-            e.attention = float(attention)
-        if tokens is not None and self.listeners.follows_tiers:
-            e.tokens = tokens
-        self.listeners.stored(e, e.tier)
+            for e, a in zip(entries, attention):
+                e.attention = float(a)
+        if self.listeners.follows_tiers:
+            if tokens is not None:
+                for e, t in zip(entries, tokens):
+                    if t is not None:
+                        e.tokens = t
+            stored = self.listeners.stored
+            for e in entries:
+                stored(e, e.tier)
 
     def remove(self, e: Entry) -> None:
         """Take out an entry without children, whose pages and copies placement gave back."""
@@ -114,11 +142,15 @@ class BlockIndex:
             mine = self.reserved_by_owner.get(e.owner)
             if mine is not None:
                 mine.discard(e.key)
-        del self.entries[e.key]
-        parent = self.parent_of(e)
+        key = e.key
+        del self.entries[key]
+        parent = self.entries.get(e.parent) if e.parent is not None else None
         if parent is not None:
             parent.children[RANK[e.tier]] -= 1
-            unlink_child(parent, e.key)
+            if parent.kids == key:  # (`unlink_child` of an only child)
+                parent.kids = None
+            else:
+                unlink_child(parent, key)
         self.listeners.dropped(e)
 
     def retier(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
@@ -180,11 +212,24 @@ class BlockIndex:
                     stack.extend(self.entries[k] for k in children_of(e))
 
     # -- pins and reservations ----------------------------------------------------------
-    def pin(self, entries: Sequence[Entry], owner: Owner) -> None:
-        pins = self.pins_by_owner[owner]
+    def pin(self, entries: Sequence[Entry], owner: Owner, now: float | None = None) -> None:
+        """`owner` pins `entries`; with `now`, they are also `touch`ed (an acquire's hits)."""
+        pins = self.pins_by_owner.get(owner)
+        if pins is None:
+            pins = self.pins_by_owner[owner] = {}
+        held = pins.get
+        if now is None:
+            for e in entries:
+                e.pins += 1
+                key = e.key
+                pins[key] = held(key, 0) + 1
+            return
         for e in entries:
             e.pins += 1
-            pins[e.key] += 1
+            e.hits += 1
+            e.last_access = now
+            key = e.key
+            pins[key] = held(key, 0) + 1
 
     def touch(self, entries: Sequence[Entry], now: float) -> None:
         """An acquire hit these blocks (what inspection shows: hits, idle time)."""
@@ -214,17 +259,37 @@ class BlockIndex:
         self._release(ns_id, hashes, owner)
 
     def _release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
-        pins = self.pins_by_owner.get(owner, Counter())
-        need = Counter((ns_id, h) for h in hashes)
+        pins = self.pins_by_owner.get(owner, {})
+        keys = [(ns_id, h) for h in hashes]
+        distinct = set(keys)
+        if len(distinct) == len(keys):  # (the usual release: each block once)
+            if not pins.keys() >= distinct:
+                self._not_pinned(next(k for k in keys if k not in pins))
+            entries = self.entries
+            for key in keys:
+                n = pins[key] - 1
+                if n:
+                    pins[key] = n
+                else:
+                    del pins[key]
+                entries[key].pins -= 1
+            return
+        need = Counter(keys)
         for key, n in need.items():
-            if pins[key] < n:
-                raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+            if pins.get(key, 0) < n:
+                self._not_pinned(key)
         for key, n in need.items():
             self._unpin(key, n, pins)
 
-    def _unpin(self, key: Key, n: int, pins: Counter) -> None:
-        pins[key] -= n
-        if pins[key] == 0:
+    @staticmethod
+    def _not_pinned(key: Key) -> None:
+        raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+
+    def _unpin(self, key: Key, n: int, pins: dict[Key, int]) -> None:
+        left = pins[key] - n
+        if left:
+            pins[key] = left
+        else:
             del pins[key]
         self.entries[key].pins -= n
 
@@ -247,19 +312,23 @@ class BlockIndex:
                 self.ghost_pins[owner][e.key] += n
         e.pins = 0
 
-    def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
+    def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> list[Key]:
+        """The keys of `hashes`, all reserved by `owner` (KVStoreError otherwise, naming one that is not)."""
         mine = self.reserved_by_owner.get(owner, set())
+        keys = [(ns_id, h) for h in hashes]
         if len(set(hashes)) != len(hashes):
             raise KVStoreError("duplicate hashes in one commit/abort")
-        for h in hashes:
-            if (ns_id, h) not in mine:
-                raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
+        if not mine.issuperset(keys):
+            for h in hashes:
+                if (ns_id, h) not in mine:
+                    raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
+        return keys
 
     def release_owner(self, owner: Owner) -> tuple[bool, list[Entry]]:
         """The owner is gone: drop its pins and ghost pins. Returns whether it held pins, and its
         reservations, children first, for placement to drop."""
         self.ghost_pins.pop(owner, None)
-        pins = self.pins_by_owner.pop(owner, Counter())
+        pins = self.pins_by_owner.pop(owner, {})
         for key, n in pins.items():
             entry = self.entries.get(key)
             if entry is not None:

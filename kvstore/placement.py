@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy
+from eviction.base import BlockInfo, EvictionPolicy, PolicyError
 from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
@@ -40,6 +40,19 @@ from kvstore.keys import Namespace
 from tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
+
+
+def _by_tier(entries: Sequence[Entry]) -> dict[str, Sequence[Entry]]:
+    """`entries` grouped by the tier they sit in, each group in order (most often one group)."""
+    if not entries:
+        return {}
+    first = entries[0].tier
+    if all(e.tier == first for e in entries):
+        return {first: entries}
+    groups: dict[str, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.tier, []).append(e)
+    return groups
 
 
 class Placement:
@@ -51,6 +64,10 @@ class Placement:
         self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
         self.shared = shared
         self.counters, self.tier_stats = shared.counters, shared.tier_stats
+        # where each tier's victims go: the next tier, where it takes demotions
+        self._below: dict[str, Tier | None] = {
+            t.name: nxt if nxt is not None and nxt.accepts_demotions else None
+            for t, nxt in zip(self.chain, self.chain[1:] + [None])}
 
     def info(self, e: Entry) -> BlockInfo:
         return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[e.key[0]].block_tokens,
@@ -71,17 +88,23 @@ class Placement:
     # -- blocks entering and being read -------------------------------------------------
     def placed(self, e: Entry, stamp: float) -> None:
         """`e` committed where it sits: a persistent tier records it (the host arena's index)."""
-        tier = self.tiers[e.tier]
-        if tier.persistent:
-            tier.placed(e.location, self.block_meta(e, stamp))
+        self.placed_many([e], stamp)
+
+    def placed_many(self, entries: Sequence[Entry], stamp: float) -> None:
+        """`placed` for the blocks of one commit (one call per persistent tier they sit in)."""
+        for name, group in _by_tier(entries).items():
+            tier = self.tiers[name]
+            if tier.persistent:
+                tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
+                                                         e.attention, stamp)) for e in group])
 
     def admit(self, entries: Sequence[Entry]) -> None:
         """Committed or adopted blocks enter their tier's policy, in order (one call per tier)."""
-        by_tier: dict[str, list[BlockInfo]] = {}
-        for e in entries:
-            by_tier.setdefault(e.tier, []).append(self.info(e))
-        for tier, infos in by_tier.items():
-            self.policies[tier].on_insert_many(infos)
+        namespaces = self.shared.namespaces
+        for tier, group in _by_tier(entries).items():
+            self.policies[tier].on_insert_many([
+                BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
+                for e in group])
 
     def adopted(self, e: Entry) -> None:
         """A block adopted where it sits (restart recovery, a remote lookup) enters its tier's policy."""
@@ -89,12 +112,9 @@ class Placement:
 
     def accessed(self, entries: Sequence[Entry]) -> None:
         """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
-        by_tier: dict[str, list[Key]] = {}
-        for e in entries:
-            by_tier.setdefault(e.tier, []).append(e.key)
-        for tier, keys in by_tier.items():
-            self.tier_stats[tier].hits += len(keys)
-            self.policies[tier].on_access(keys)
+        for tier, group in _by_tier(entries).items():
+            self.tier_stats[tier].hits += len(group)
+            self.policies[tier].on_access([e.key for e in group])
 
     # -- room -----------------------------------------------------------------------------
     def allocate(self, tier: str, nbytes: int, protect: Key | set | None = None) -> object:
@@ -108,19 +128,21 @@ class Placement:
         return alloc
 
     def room_for_batch(self, ns_id: str, block_bytes: int, blocks: Sequence[tuple[bytes, bytes | None]],
-                       t: Tier) -> None:
+                       t: Tier) -> int:
         """Make room in `t` for the (hash, parent) blocks of a reserve (or one block, where a tier lies
-        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one."""
+        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one.
+        Returns how many of the blocks the index does not hold."""
         entries = self.index.entries
         new = [(h, p) for h, p in blocks if (ns_id, h) not in entries]
         need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
-            return
+            return len(new)
         protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in entries}
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
             pass
+        return len(new)
 
     def make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
         """Evict leaves of `tier` until `shortfall()` (bytes still missing) is <= 0.
@@ -146,31 +168,31 @@ class Placement:
                 and is_leaf_in(e, tier)
             )
 
-        while (missing := shortfall()) > 0:
-            victims = policy.victims(missing, evictable)
-            if not victims:
-                raise CapacityError(f"{tier} tier is full of pinned, uncommitted or non-leaf blocks")
-            for key in victims:
-                if not evictable(key):
-                    raise KVStoreError(f"policy {policy.name} named a victim that is not evictable")
-                self.tier_stats[tier].evictions += 1
-                self.shared.ns_counters[key[0]]["evictions"] += 1
-                self.demote(entries[key])
-                if shortfall() <= 0:
-                    break
+        stats, ns_counters = self.tier_stats[tier], self.shared.ns_counters
+
+        def take(key: Key) -> None:  # the policy's victim goes (on_remove is called on the way)
+            stats.evictions += 1
+            ns_counters[key[0]]["evictions"] += 1
+            self.demote(entries[key])
+
+        try:
+            done = policy.evict(shortfall, evictable, take)
+        except PolicyError as exc:
+            raise KVStoreError(str(exc)) from None
+        if not done:
+            raise CapacityError(f"{tier} tier is full of pinned, uncommitted or non-leaf blocks")
 
     # -- moving down ----------------------------------------------------------------------
     def next_tier(self, tier: str) -> Tier | None:
         """Where victims of `tier` go: the next tier that takes demotions (None: they are dropped)."""
-        i = self.chain.index(self.tiers[tier]) + 1
-        return self.chain[i] if i < len(self.chain) and self.chain[i].accepts_demotions else None
+        return self._below[tier]
 
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
         one has no room, drop it, and with it its subtree in the slower tiers."""
         if entry.tier == "host":
             self.shared.listeners.evicting(entry)  # its bytes leave the arena now
-        below = self.next_tier(entry.tier)
+        below = self._below[entry.tier]
         if below is not None and self.move_down(entry, below):
             return
         if not any(entry.children):
@@ -234,8 +256,9 @@ class Placement:
         """Give back the pages of a block without children (its copies' too) and remove it."""
         if any(e.children):
             raise KVStoreError("internal: dropping a block that still has children")
-        for tier in list(e.copies or ()):
-            self.drop_copy(e, tier)
+        if e.copies:
+            for tier in list(e.copies):
+                self.drop_copy(e, tier)
         self.tiers[e.tier].free(e.location, e.key)
         self.policies[e.tier].on_remove(e.key)  # (a reservation is in no policy: a no-op)
         self.index.remove(e)

@@ -19,7 +19,7 @@ blocks, and the daemon refuses a `get` whose reply would not fit.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Sequence
 
 import msgpack
 
@@ -45,8 +45,11 @@ def inline_blocks_per_frame(max_frame_bytes: int, block_bytes: int) -> int:
     return max(0, (max_frame_bytes - REQUEST_OVERHEAD_BYTES) // (block_bytes + INLINE_BYTES_PER_BLOCK))
 
 
+_PACKER = msgpack.Packer(use_bin_type=True)  # `pack` holds the GIL throughout: one Packer serves every thread
+
+
 def pack_frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = _PACKER.pack(obj)  # (packb would make a Packer per frame)
     return HEADER.pack(len(body)) + body
 
 
@@ -99,13 +102,22 @@ def want_hashes(args: dict, limit: int, name: str = "hashes") -> list[bytes]:
     return hashes
 
 
-def want_blocks(args: dict, limit: int, with_payload: bool) -> list[tuple]:
-    """`blocks`: [[hash, parent|None(, payload)], ...]."""
+def want_blocks(args: dict, limit: int, with_payload: bool) -> list[Sequence]:
+    """`blocks`: [[hash, parent|None(, payload)], ...], each as sent (a list: unpack it)."""
     blocks = want(args, "blocks", list)
     if len(blocks) > limit:
         raise ProtocolError(f"{len(blocks)} blocks in one request; the limit is {limit}")
     width = 3 if with_payload else 2
-    out = []
+    if not blocks:
+        return blocks
+    if set(map(type, blocks)) == {list} and set(map(len, blocks)) == {width}:  # checked per column, in C
+        hashes = [b[0] for b in blocks]
+        parents = [b[1] for b in blocks if b[1] is not None]
+        payloads = {bytes} if not with_payload else set(map(type, [b[2] for b in blocks]))
+        if (set(map(type, hashes)) == {bytes} and set(map(len, hashes)) == {HASH_BYTES} and payloads == {bytes}
+                and (not parents or (set(map(type, parents)) == {bytes} and set(map(len, parents)) == {HASH_BYTES}))):
+            return blocks
+    out = []  # name the first offender
     for i, b in enumerate(blocks):
         if not isinstance(b, list) or len(b) != width:
             raise ProtocolError(f"blocks[{i}] must be a list of {width} items")

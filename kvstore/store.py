@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
@@ -158,7 +158,8 @@ class TieredStore:
 
     async def find(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """`lookup`, after indexing what the remote tier holds past the local prefix."""
-        await self.extend_from_remote(ns_id, hashes)
+        if self.sharing is not None:
+            await self.extend_from_remote(ns_id, hashes)
         return self.lookup(ns_id, hashes)
 
     def lookup(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
@@ -166,8 +167,9 @@ class TieredStore:
         self.namespace(ns_id)
         self.placement.reap()
         tiers: list[str] = []
+        get = self.index.entries.get
         for h in hashes:
-            e = self.index.get((ns_id, h))
+            e = get((ns_id, h))
             if e is None or not e.committed:
                 break
             tiers.append(e.tier)
@@ -183,7 +185,8 @@ class TieredStore:
         or a block that could not be brought there, then not pinned) and the tier each block was
         found in. With `prefix` the answer stops at the first miss. Without `lift`, blocks a reader of
         `tier` can already read stay where they are (a GPU engine reads the arena too)."""
-        await self.extend_from_remote(ns_id, hashes)
+        if self.sharing is not None:
+            await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
         found = [e.tier if e is not None else None for e in entries]
         if any(t is not None and t != tier for t in found):
@@ -197,17 +200,18 @@ class TieredStore:
         self.placement.reap()
         out: list[Entry | None] = []
         hits: list[Entry] = []
+        get, missed = self.index.entries.get, False
         for h in hashes:
-            e = self.index.get((ns_id, h))
-            if e is None or not e.committed or (prefix and len(out) > len(hits)):
+            e = get((ns_id, h))
+            if e is None or not e.committed or missed:
                 out.append(None)
+                missed = prefix
                 continue
             out.append(e)
             hits.append(e)
-        self.index.pin(hits, owner)
         if hits:
+            self.index.pin(hits, owner, self.shared.clock())  # (and `touch`)
             self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
-            self.index.touch(hits, self.shared.clock())
             self.placement.accessed(hits)
             self.listeners.hit(hits)
         for counts in (self.counters, self.ns_counters[ns_id]):
@@ -257,54 +261,75 @@ class TieredStore:
         if target is None or not target.client_readable:
             raise KVStoreError(f"cannot write into the {tier!r} tier; client-readable tiers: "
                                f"{[t.name for t in self.chain if t.client_readable]}")
-        placement, entries = self.placement, self.index.entries
+        placement = self.placement
         placement.reap()
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
         # so each parent's tier is looked at just before its child's room is made. (So too with a
         # preferred tier: room is made only for the blocks that do not go there.)
         per_block = placement.next_tier(tier) is not None or prefer is not None
-        if not per_block:
-            placement.room_for_batch(ns_id, ns.block_bytes, blocks, target)
+        nbytes = ns.block_bytes
+        # Pages for a batch are taken from the free list in one call (the pages the block-by-block
+        # allocations would get, in order); when they run out, room is made block by block.
+        free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
+                    if not per_block else ())
+        try:
+            return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
+        finally:
+            unused = list(free)
+            if unused:
+                target.free_unused(unused)
+
+    def _reserve_blocks(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str,
+                        prefer: str | None, per_block: bool, free: Iterator) -> list[Entry | None]:
+        """The loop of `reserve`: each block reserved or skipped, in order, its pages taken from `free`
+        (allocations made for the batch) while it lasts."""
+        placement, entries = self.placement, self.index.entries
         out: list[Entry | None] = []
+        nbytes, counters, reserve = self.namespaces[ns_id].block_bytes, self.counters, self.index.reserve
+        rank = RANK[tier]
         for h, parent_hash in blocks:
             key = (ns_id, h)
             parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
             if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
                                                                                  parent, owner):
-                alloc = self.tiers[prefer].allocate(ns.block_bytes)  # free pages only: nothing is evicted
+                alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted
                 if alloc is not None:
-                    out.append(self.index.reserve(key, entries.get(parent), ns.block_bytes, prefer, alloc, owner))
-                    self.counters[f"put_{prefer}_blocks"] += 1
+                    out.append(reserve(key, entries.get(parent), nbytes, prefer, alloc, owner))
+                    counters[f"put_{prefer}_blocks"] += 1
                     continue
             if per_block:
                 if key not in entries and self._parent_too_slow(entries.get(parent), tier):
                     out.append(None)
                     continue
-                placement.room_for_batch(ns_id, ns.block_bytes, [(h, parent_hash)], target)
-            if key in entries and entries[key].tier == "remote":  # written here now; the cluster keeps its copy
-                placement.drop_subtree(entries[key], also=lambda e: e.tier == "remote"
-                                       and not self.promoter.promoting(e.key))
-            if key in entries:
-                self.counters["put_dedup_blocks"] += 1
-                out.append(None)
-                continue
+                placement.room_for_batch(ns_id, nbytes, [(h, parent_hash)], self.tiers[tier])
+            present = entries.get(key)
+            if present is not None:
+                if present.tier == "remote":  # written here now; the cluster keeps its copy
+                    placement.drop_subtree(present, also=lambda e: e.tier == "remote"
+                                           and not self.promoter.promoting(e.key))
+                if key in entries:
+                    counters["put_dedup_blocks"] += 1
+                    out.append(None)
+                    continue
             parent_entry = entries.get(parent) if parent is not None else None
             if parent is not None and (
                 parent_entry is None or (not parent_entry.committed and parent_entry.owner != owner)
             ):
-                self.counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
+                counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
                 out.append(None)
                 continue
-            if self._parent_too_slow(parent_entry, tier):
+            if parent_entry is not None and RANK[parent_entry.tier] > rank and self._parent_too_slow(parent_entry, tier):
                 out.append(None)
                 continue
-            try:
-                location = placement.allocate(tier, ns.block_bytes, protect=parent)
-            except CapacityError:
-                self.counters["put_capacity_rejects"] += 1
-                out.append(None)
-                continue
-            out.append(self.index.reserve(key, parent_entry, ns.block_bytes, tier, location, owner))
+            location = next(free, None)  # free pages; else room is made (placement.allocate evicts)
+            if location is None:
+                try:
+                    location = placement.allocate(tier, nbytes, protect=parent)
+                except CapacityError:
+                    counters["put_capacity_rejects"] += 1
+                    out.append(None)
+                    continue
+            out.append(reserve(key, parent_entry, nbytes, tier, location, owner))
         if prefer is not None and self.demoter is not None:
             self.demoter.kick()
         return out
@@ -331,11 +356,12 @@ class TieredStore:
         """Make reserved blocks readable. `tokens`: each block's token ids (<u4 bytes, block_tokens of
         them) or None, kept while a listener follows tiers (KV events: routers match requests on them)."""
         ns = self.namespace(ns_id)
-        self.index.check_reserved(ns_id, hashes, owner)
-        entries = [self.index.entries[(ns_id, h)] for h in hashes]
-        batch = {e.key for e in entries}
+        index = self.index
+        keys = index.check_reserved(ns_id, hashes, owner)
+        entries = [index.entries[key] for key in keys]
+        batch = set(keys)
         for e in entries:
-            if e.parent is not None and not self.index.committed(e.parent) and e.parent not in batch:
+            if e.parent is not None and e.parent not in batch and not index.committed(e.parent):
                 raise KVStoreError("commit a block's parent before or together with the block")
         if attention is not None and len(attention) != len(hashes):
             raise KVStoreError("attention must have one value per committed block")
@@ -344,24 +370,19 @@ class TieredStore:
             raise KVStoreError(f"tokens must have one entry per committed block, each None or "
                                f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
         now, stamp = self.shared.clock(), self.shared.wall_clock()
-        done: list[Entry] = []
+        index.commit_many(entries, now, attention, tokens)
         try:
-            for i, e in enumerate(entries):
-                self.index.commit(e, now, attention[i] if attention is not None else None,
-                                  tokens[i] if tokens is not None else None)
-                done.append(e)
-                self.placement.placed(e, stamp)
+            self.placement.placed_many(entries, stamp)
         finally:  # every block marked committed reaches its policy, even if a tier's record failed
-            self.placement.admit(done)
-            self.listeners.committed(done)
+            self.placement.admit(entries)
+            self.listeners.committed(entries)
         self.counters["put_blocks"] += len(hashes)
         self.ns_counters[ns_id]["put_blocks"] += len(hashes)
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         self.namespace(ns_id)
-        self.index.check_reserved(ns_id, hashes, owner)
-        keys = [(ns_id, h) for h in hashes]
+        keys = self.index.check_reserved(ns_id, hashes, owner)
         batch = set(keys)
         if any(kid not in batch for key in keys for kid in children_of(self.index.entries[key])):
             raise KVStoreError("abort a block together with the blocks reserved under it")

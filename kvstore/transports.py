@@ -40,7 +40,7 @@ import numpy as np
 
 from kvstore.errors import KVStoreError, OwnershipError, ProtocolError
 from kvstore.protocol import inline_blocks_per_frame
-from tiers.arena import ArenaRefused, copy_in, copy_out, map_arena
+from tiers.arena import ArenaRefused, copy_in_many, copy_out, copy_out_many, map_arena
 
 Block = tuple  # (hash, parent hash or None, payload buffer)
 PARALLEL_COPY_MIN_BYTES = 4 << 20
@@ -153,8 +153,7 @@ class ArenaTransport:
             mine = [(extents, h, data) for extents, (h, _, data) in zip(slots, part) if extents is not None]
             written = [h for _, h, _ in mine]
             try:
-                self._copy_batch([(copy_in, (self.arena, ext, data)) for ext, _, data in mine],
-                                 sum(length for ext, _, _ in mine for _, length in ext))
+                self._copy_batch(copy_in_many, [ext for ext, _, _ in mine], [data for _, _, data in mine])
             except BaseException:
                 if ahead is not None:  # first: its blocks may be reserved under this chunk's
                     _undo_ahead(rpc, ahead, "abort", ns_id, [h for h, _, _ in chunks[k + 1]])
@@ -178,8 +177,7 @@ class ArenaTransport:
             mine = [(i, ext) for i, ext in zip(idx, extents) if ext is not None]
             held = [hashes[i] for i, _ in mine]  # all pinned by the acquire: release them whatever happens
             try:
-                self._copy_batch([(copy_out, (self.arena, ext, outs[i])) for i, ext in mine],
-                                 sum(length for _, ext in mine for _, length in ext))
+                self._copy_batch(copy_out_many, [ext for _, ext in mine], [outs[i] for i, _ in mine])
             except BaseException:
                 if ahead is not None:
                     _undo_ahead(rpc, ahead, "release", ns_id, [hashes[i] for i in parts[k + 1]])
@@ -202,25 +200,25 @@ class ArenaTransport:
             if held:
                 rpc.call("release", ns=ns_id, hashes=held)
 
-    def _copy_batch(self, copies: list[tuple[Callable, tuple]], nbytes: int) -> None:
-        """Run `fn(*args)` for each copy; split over the copy threads when the batch is large.
+    def _copy_batch(self, copy_many: Callable, extents: list, bufs: list) -> None:
+        """`copy_many(arena, extents, bufs)` (tiers/arena.py: copy_in_many, copy_out_many); split over
+        the copy threads when the batch is large.
 
         Waits for every thread before raising the first failure, so nothing is
         still writing when the caller aborts or releases the blocks.
         """
-        k = min(self.copy_threads, len(copies))
-        if k <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES or nbytes < PARALLEL_COPY_MIN_BLOCK_BYTES * len(copies):
-            for fn, args in copies:
-                fn(*args)
+        k = min(self.copy_threads, len(extents))
+        if k > 1:
+            nbytes = sum(length for ext in extents for _, length in ext)
+            if nbytes < PARALLEL_COPY_MIN_BYTES or nbytes < PARALLEL_COPY_MIN_BLOCK_BYTES * len(extents):
+                k = 1
+        if k <= 1:
+            copy_many(self.arena, extents, bufs)
             return
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="kvstore-copy")
-
-        def run(part: list) -> None:
-            for fn, args in part:
-                fn(*args)
-
-        futures = [self.pool.submit(run, copies[j::k]) for j in range(k)]
+        arena = self.arena
+        futures = [self.pool.submit(copy_many, arena, extents[j::k], bufs[j::k]) for j in range(k)]
         errors = [f.exception() for f in futures]
         for exc in errors:
             if exc is not None:

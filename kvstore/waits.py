@@ -55,10 +55,13 @@ class InflightWaits:
 
     # -- what the index reports (listener methods) --------------------------------------
     def reserved(self, entry: Entry) -> None:
-        self._notify(entry.key)
+        if self._futures:
+            self._notify(entry.key)
 
     def committed(self, entries: Sequence[Entry]) -> None:
         """A committed block needs no announcement any more (whoever announced it)."""
+        if not self._expected and not self._futures:
+            return
         for e in entries:
             owners = self._expected.pop(e.key, None)
             for owner in owners or ():
@@ -70,7 +73,8 @@ class InflightWaits:
             self._notify(e.key)
 
     def dropped(self, entry: Entry) -> None:
-        self._notify(entry.key)  # an aborted or lost reservation ends its waits
+        if self._futures:
+            self._notify(entry.key)  # an aborted or lost reservation ends its waits
 
     def _notify(self, key: Key) -> None:
         fut = self._futures.pop(key, None)

@@ -42,19 +42,19 @@ All other methods run on the store's thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from tiers import TIER_ORDER  # noqa: F401  (also this module's name)
-from tiers.pages import PageAllocator
+from tiers.pages import PageAllocator, allocate_each
 
 Key = tuple  # (namespace id, block hash)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What a persistent tier records with a block (to rebuild the tree at restart)."""
+class BlockMeta(NamedTuple):
+    """What a persistent tier records with a block (to rebuild the tree at restart). A named tuple:
+    the store makes one per committed block on the commit path."""
 
     key: Key
     parent: bytes | None  # the parent's hash; None for a root
@@ -111,12 +111,28 @@ class Tier:
         """Pages for `nbytes` (an allocation the tier understands), or None when there is no room."""
         return self.pages.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list:
+        """`allocate(nbytes)` up to `count` times while there is room, in one call: the allocations
+        those calls would have made, in order. What the caller does not use goes back through
+        `free_unused`, as if never taken."""
+        return allocate_each(self.allocate, nbytes, count)
+
+    def free_unused(self, allocations: Sequence) -> None:
+        """Give back unused allocations of `allocate_many` (no block was ever placed in them)."""
+        for alloc in reversed(allocations):
+            self.free(alloc)
+
     def free(self, location, key: Key | None = None) -> None:
         """Give a block's pages back (and forget its record, in a persistent tier)."""
         self.pages.free(location)
 
     def placed(self, location, meta: "BlockMeta") -> None:
         """A committed block now sits at `location` (its commit, or a move into this tier)."""
+
+    def placed_many(self, blocks: Sequence[tuple[object, "BlockMeta"]]) -> None:
+        """`placed` for the (location, meta) of several blocks (one commit), in order."""
+        for location, meta in blocks:
+            self.placed(location, meta)
 
     def busy(self) -> None:
         """Clients are reading (an acquire): background work that competes for memory may wait."""

@@ -175,15 +175,25 @@ class HostArena(Tier):
             self.index.settle()  # no record may point at pages we hand out
         return self.pages.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list:
+        if self.index is not None and self.index.has_deletes:
+            self.index.settle()
+        return self.pages.allocate_many(nbytes, count)
+
+    def free_unused(self, allocations: Sequence) -> None:
+        self.pages.free_unused(allocations)
+
     def free(self, location: Extents, key: tuple | None = None) -> None:
         if key is not None and self.index is not None:
             self.index.forget(key)
         self.pages.free(location)
 
     def placed(self, location: Extents, meta: BlockMeta) -> None:
+        self.placed_many([(location, meta)])
+
+    def placed_many(self, blocks: Sequence[tuple[Extents, BlockMeta]]) -> None:
         if self.index is not None:
-            nbytes = location[0][1] if len(location) == 1 else sum(n for _, n in location)
-            self.index.record(meta.key, location, nbytes, (meta.parent, meta.depth, meta.attention, meta.stamp))
+            self.index.record_many(blocks)
 
     def busy(self) -> None:
         if self.index is not None:

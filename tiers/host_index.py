@@ -60,7 +60,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import lmdb
 import msgpack
@@ -83,8 +83,11 @@ def index_path(arena_path: str) -> str:
     return arena_path + ".index"
 
 
+_PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
+
+
 def record_key(key: tuple) -> bytes:
-    return msgpack.packb([key[0], key[1]])
+    return _PACKER.pack([key[0], key[1]])  # (packb would make a Packer per call: ~3x the cost)
 
 
 def checksum(arena: np.ndarray, extents: Iterable) -> int:
@@ -141,7 +144,6 @@ class HostIndex:
             raise
         self._lock = threading.Lock()  # the state below, and every write transaction; never held by the hasher
         self._pending: dict[tuple, _Pending] = {}  # committed, record not yet written (insertion order)
-        self._pending_ids: set[int] = set()  # id() of the pending blocks' extents lists (`durable`)
         self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
@@ -248,57 +250,65 @@ class HostIndex:
     def record(self, key: tuple, extents: list, nbytes: int, meta: tuple) -> None:
         """A block committed at `extents`; `meta` = (parent, depth, attention, stamp). Its record is
         written shortly, its checksum once the store is quiet."""
-        item = _Pending(key, extents, nbytes, meta)
+        self._add([_Pending(key, extents, nbytes, meta)])
+
+    def record_many(self, blocks: Sequence[tuple[list, Any]]) -> None:
+        """`record` for several blocks (one commit), in order: (extents, meta) where meta is a
+        tiers.base.BlockMeta (key, parent, depth, attention, stamp)."""
+        self._add([_Pending(m[0], x, x[0][1] if len(x) == 1 else sum(n for _, n in x), m[1:]) for x, m in blocks])
+
+    def _add(self, items: list[_Pending]) -> None:
+        pending, unchecked = self._pending, self._unchecked
         with self._lock:
-            self._active_at = time.monotonic()
-            old = self._pending.pop(key, None)
-            if old is not None:
-                self._pending_ids.discard(id(old.extents))
-            self._unchecked.pop(key, None)
-            self._pending[key] = item
-            self._pending_ids.add(id(extents))
-        self._queue(item)
+            for item in items:
+                key = item.key
+                pending.pop(key, None)  # (re-inserted: a new record replaces one not yet written)
+                unchecked.pop(key, None)
+                pending[key] = item
+        self._queue(items)
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
         (committed at the end of the turn, and by `settle` before its pages are allocated again)."""
         with self._lock:
-            self._active_at = time.monotonic()
-            item = self._pending.pop(key, None)
-            if item is not None:
-                self._pending_ids.discard(id(item.extents))
+            if self._pending.pop(key, None) is not None:
                 return
             rkey = self._recorded.pop(key, None)
             if rkey is None:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
             self._deletes.append(rkey)
+        if self._turn is not None and threading.get_ident() == self._turn_thread:
+            return  # written with this turn (`_queue`'s first case, inline: one forget per evicted block)
         self._queue(None)  # committed promptly: a removed block must not come back after a kill
 
-    def _queue(self, item: _Pending | None) -> None:
-        """Have a new record (`item`) or the queued deletions (None) written by the calling thread:
+    def _queue(self, items: list[_Pending] | None) -> None:
+        """Have new records (`items`) or the queued deletions (None) written by the calling thread:
         when the turn of the loop it runs ends (one transaction for all that turn recorded or
-        forgot), or at once where it runs no loop."""
+        forgot), or at once where it runs no loop. The store counts as busy from now to the write
+        (no checksums meanwhile: `_busy_for`)."""
         if self._turn is not None and threading.get_ident() == self._turn_thread:  # the turn's next block
-            if item is not None:
-                self._turn.append(item)
+            if items is not None:
+                self._turn.extend(items)
             return
+        self._active_at = time.monotonic()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         if loop is None or self._turn is not None:  # no loop here, or the turn open is another loop's
-            new = [] if item is None else [(item, record_key(item.key), _pack(item, None), False)]
+            new = [] if items is None else [(m, record_key(m.key), _pack(m, None), False) for m in items]
             with self._lock:
                 if not self._closing:  # else `close` writes what is pending
                     self._commit(new, [])
             return
-        self._turn, self._turn_thread = [] if item is None else [item], threading.get_ident()
+        self._turn, self._turn_thread = [] if items is None else list(items), threading.get_ident()
         loop.call_soon(self._write_turn)
 
     def _write_turn(self) -> None:
         """The end of a loop turn: write its new records and deletions, one transaction."""
         items, self._turn = self._turn or [], None
+        self._active_at = time.monotonic()
         new = [(m, record_key(m.key), _pack(m, None), False) for m in items]  # packed before the lock
         with self._lock:
             if not self._closing:  # else `close` writes what is pending (or, unlinking, drops it)
@@ -318,7 +328,8 @@ class HostIndex:
             self._commit([], [])
 
     def pending(self, extents: list) -> bool:
-        return id(extents) in self._pending_ids
+        """Whether the block at `extents` (that very list) waits for its record (only this turn's do)."""
+        return any(item.extents is extents for item in list(self._pending.values()))
 
     @property
     def num_pending(self) -> int:
@@ -366,13 +377,12 @@ class HostIndex:
         with self.env.begin(write=True, db=self._db_blocks) as txn:
             for rkey in self._deletes:
                 txn.delete(rkey)
-            for r in new + sums:
-                txn.put(r[1], r[2])
+            if new or sums:
+                txn.cursor().putmulti([(r[1], r[2]) for r in new + sums])
         self._deletes.clear()
         now = time.monotonic()
         for item, rkey, _, checked in new:
             del self._pending[item.key]
-            self._pending_ids.discard(id(item.extents))
             self._recorded[item.key] = rkey
             if not checked:
                 item.since = now
@@ -472,8 +482,8 @@ def _name_native_thread(name: str) -> None:
 
 def _pack(item: _Pending, x: int | None) -> bytes:
     parent, depth, attention, stamp = item.meta
-    return msgpack.packb({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
-                          "x": x})
+    return _PACKER.pack({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
+                         "x": x})
 
 
 def _private_dir(path: str) -> None:

@@ -11,11 +11,22 @@ allocation; nothing is allocated beyond `num_pages`.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 Extents = list  # list of [offset, length] pairs, in payload order
+
+
+def allocate_each(allocate: Callable[[int], object | None], nbytes: int, count: int) -> list:
+    """`allocate(nbytes)` up to `count` times, until it answers None: the allocations, in order."""
+    out = []
+    for _ in range(count):
+        alloc = allocate(nbytes)
+        if alloc is None:
+            break
+        out.append(alloc)
+    return out
 
 
 class PageAllocator:
@@ -56,6 +67,26 @@ class PageAllocator:
             if p is not None:
                 run_start = prev = p
         return extents
+
+    def allocate_many(self, nbytes: int, count: int) -> list[list]:
+        """`allocate(nbytes)` up to `count` times while pages last, in one call: the same pages in
+        the same order as the calls one by one (`free_unused` gives back what the caller did not use)."""
+        n = self.pages_for(nbytes)
+        if n != 1 or nbytes <= 0:
+            return allocate_each(self.allocate, nbytes, count)
+        free, pb = self._free, self.page_bytes
+        k = min(count, len(free))
+        if k <= 0:
+            return []
+        taken = free[-k:]
+        del free[-k:]
+        return [[[p * pb, nbytes]] for p in reversed(taken)]
+
+    def free_unused(self, allocations: Sequence) -> None:
+        """Give back allocations of `allocate_many` that were not used, as if never taken (the last
+        taken goes back first)."""
+        for extents in reversed(allocations):
+            self.free(extents)
 
     def pages_of(self, extents: Sequence) -> list[int]:
         pb, pages = self.page_bytes, []

@@ -1,0 +1,44 @@
+"""tools/bench/bench_control_plane.py runs small on a CPU: every arm moves every block through daemons in
+their own processes, and the goals table names what was measured."""
+
+from __future__ import annotations
+
+import json
+
+from tools.bench.bench_control_plane import GOALS, chains, main, profile_top
+
+
+def test_chains_are_distinct_and_linked():
+    blocks = chains(100, 32, seed=3)
+    assert len(blocks) == 100 and len({h for h, _ in blocks}) == 100
+    assert [p is None for _, p in blocks].count(True) == 4  # chains of 32, 32, 32, 4
+    assert all(p == blocks[i - 1][0] for i, (_, p) in enumerate(blocks) if p is not None)
+    assert chains(100, 32, seed=4)[0][0] != blocks[0][0]
+
+
+def test_a_small_run_measures_every_arm_and_reports_the_goals(capsys):
+    # (exits non-zero, through SystemExit, if a put stores fewer blocks or a get misses or returns other bytes)
+    assert main(["--json", "--blocks", "256", "--rounds", "1", "--batch", "64", "8", "--chain", "32",
+                 "--lookup-iters", "20", "--bandwidth-mib", "8", "--bandwidth-rounds", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for batch in ("64", "8"):
+        for policy in ("attention", "lru"):
+            row = result["batches"][batch][policy]
+            assert all(row[f"{arm}_us"] > 0 for arm in ("write_free", "lookup", "get", "write_full", "read"))
+            assert row["full_tier_evictions"] >= 256  # every timed block of the full tier evicted one
+    lookup = result["lookup"]
+    assert "skipped" in lookup or (lookup["kvstore"]["per_s"] > 0 and lookup["mooncake_master"]["per_s"] > 0)
+    assert {r["block_bytes"] for r in result["bandwidth"]["free"]} == {256 << 10, 2 << 20}
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert any(g.startswith(f"read <= {GOALS['read_us'] * 2:g} us/block, batch 8") for g in goals)
+    assert all(isinstance(g["met"], bool) for g in goals.values())
+
+
+def test_profile_top_reads_py_spy_raw_stacks(tmp_path):
+    raw = tmp_path / "spy.txt"
+    raw.write_text("main (a.py:1);serve (b.py:2);work (c.py:3) 30\n"
+                   "main (a.py:1);serve (b.py:2) 10\n"
+                   "Thread._bootstrap (threading.py:1);hash (d.py:4) 50\n")
+    top = profile_top(str(raw))
+    assert top[0] == (75.0, 75.0, "work (c.py:3)")  # the loop thread's samples only
+    assert (25.0, 100.0, "serve (b.py:2)") in top
