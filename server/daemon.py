@@ -6,9 +6,11 @@ optionally, TCP (remote clients, payloads inline, a scoped token required:
 server/auth.py). Each connection is a session; its pins and reservations are
 leases that die with the connection. A frame larger than `max_frame_bytes` gets
 an error reply naming the limit and the connection is closed (the stream cannot
-be resynchronised); a body up to DISCARD_FACTOR times the limit is read and
-dropped first, so the client reads that reply rather than a reset. Any other
-bad request gets an error reply and the connection stays usable.
+be resynchronised); what arrives of a body up to DISCARD_FACTOR times the limit
+is read and dropped first, so a client still sending reads that reply rather than
+a reset — bounded in time (server/frames.py: a peer that sends no body is closed
+after DISCARD_IDLE_S). Any other bad request gets an error reply and the
+connection stays usable.
 
 A TCP peer that has not authenticated costs a socket and a read buffer, so until
 its hello succeeds: its frames may be at most `tcp_hello_max_frame_bytes` (a
