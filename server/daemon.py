@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 DRAIN_S = 10.0  # requests in progress at SIGTERM get this long to finish
 CLOSE_S = 5.0  # then connections and listeners get this long to close
 DISCARD_FACTOR = 4  # an authenticated peer's oversize frame up to this many limits is drained before closing
+LISTEN_BACKLOG = 4096  # pending connects the listeners queue (the kernel caps it at net.core.somaxconn):
+# asyncio's default of 100 made local connects fail with EAGAIN when many engine workers started together
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 
 
@@ -144,11 +146,13 @@ class Daemon:
         limit = sc.max_frame_bytes + HEADER.size
         old_umask = os.umask(0o177)
         try:
-            self._servers.append(await asyncio.start_unix_server(self._serve_unix, path=sock, limit=limit))
+            self._servers.append(await asyncio.start_unix_server(self._serve_unix, path=sock, limit=limit,
+                                                                 backlog=LISTEN_BACKLOG))
         finally:
             os.umask(old_umask)
         if sc.tcp_port is not None:
-            srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit)
+            srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit,
+                                             backlog=LISTEN_BACKLOG)
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
         if self.events is not None:
