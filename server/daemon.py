@@ -57,6 +57,7 @@ from collections import Counter
 from kvstore.chain import open_store
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
+from kvstore.promotion import PRESENT_MISS
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
@@ -84,6 +85,11 @@ def _socket_answers(path: str) -> bool:
         return False
     finally:
         probe.close()
+
+
+def present_misses(counters: dict) -> dict[str, int]:
+    """Present (committed) blocks that reads answered as misses, by reason (kvstore/promotion.py)."""
+    return {k[len(PRESENT_MISS):]: n for k, n in counters.items() if k.startswith(PRESENT_MISS)}
 
 
 def gpu_info(store: TieredStore) -> dict:
@@ -129,6 +135,7 @@ class Daemon:
         stats["sessions"] = len(self.sessions)
         stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
         stats["errors"] = dict(self.errors)
+        stats["present_misses"] = present_misses(stats["counters"])
         stats["gpu"] = gpu_info(self.store)
         stats["ops"] = dict(self.handlers.op_counts)
         if self.events is not None:
