@@ -54,6 +54,7 @@ class ConnectorConfig:
     # fault injection for tests and the chaos run, off by default: this fraction of load jobs fails at a
     # random block (seeded), as if its copy had failed; vLLM recomputes from there
     fail_loads: float = 0.0
+    fail_saves: float = 0.0  # this fraction of steps' saves fails after its reserve (reservations aborted)
     fault_seed: int = 0
     # prefill/decode disaggregation (connectors/vllm_scheduler.py):
     wait_s: float = 10.0  # a loader waits this long for blocks in flight (reserved/announced); 0 = never wait
@@ -75,8 +76,8 @@ class ConnectorConfig:
             raise ValueError(f"copy_executor must be auto, dma or kernel, got {cfg.copy_executor!r}")
         if cfg.kernel_piece_bytes < 0:
             raise ValueError("kernel_piece_bytes must be >= 0")
-        if not 0 <= cfg.fail_loads <= 1:
-            raise ValueError("fail_loads must be a fraction in 0..1")
+        if not (0 <= cfg.fail_loads <= 1 and 0 <= cfg.fail_saves <= 1):
+            raise ValueError("fail_loads and fail_saves must be fractions in 0..1")
         return cfg
 
     def for_role(self, kv_role: str | None) -> "ConnectorConfig":

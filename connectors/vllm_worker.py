@@ -52,10 +52,10 @@ class WorkerSide:
         self.link = StoreLink(config.socket_path, [namespace], config.timeout_s, config.retry_s, "vllm-worker")
         self.engine: EngineKV | None = None
         self.report = LoadReport()
-        self.faults = FaultInjector(config.fail_loads, config.fault_seed)
+        self.faults = FaultInjector(config.fail_loads, config.fault_seed, config.fail_saves)
         self.loads = StepLoads(config, self.link, self.report, self.faults, layer_names)
         self.waited = WaitedLoads(config, namespace, self.report, self.faults)
-        self.saves = Saves(self.link, None)
+        self.saves = Saves(self.link, None, self.faults)
         self._loads_done: dict[int, int] = {}
 
     @property

@@ -412,3 +412,20 @@ def test_a_forward_that_does_not_wait_gets_load_errors_and_whole_step_copies_aft
         assert torch.equal(kv_b[name][8:11], kv_a[name][0:3])
     worker.wait_for_save(meta)
     assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_an_injected_save_failure_aborts_its_reservations(daemon):
+    """fail_saves (fault injection, off by default): a step's save fails after its reserve, as if its copy
+    had failed; its reservations are aborted and nothing is committed."""
+    sched, make_worker = make_sides(daemon, fail_saves=1.0)
+    worker, _ = make_worker(1)
+    tokens = list(range(2000, 2000 + 3 * BT))
+    req = request("a", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    meta = run_step(sched, worker, sched_output(new=[("a", [1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    assert len(meta.saves) == 3 and worker.faults.injected_saves == 1
+    stats = sched.link.client().stats()
+    assert stats["blocks"] == 0 and stats["reserved_blocks"] == 0
+    with pytest.raises(ValueError, match="fractions in 0..1"):
+        ConnectorConfig.from_extra({"fail_saves": 1.5})
