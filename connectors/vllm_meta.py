@@ -199,6 +199,9 @@ class SaveBatch:
     parents: list[bytes | None] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     tokens: list[bytes | None] = field(default_factory=list)  # <u4 token ids, for the daemon's KV events
+    # req id -> the block ids of a request admitted (or resumed) this step: vLLM's prefix cache may have
+    # given it blocks that a synchronous load fills this step, and its forward attends to them
+    admitted: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, req_id: str, block_id: int, block_hash: bytes, parent: bytes | None,
             tokens: bytes | None = None) -> None:

@@ -260,19 +260,21 @@ class SchedulerSide:
                 announce.extend(st.announced)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._collect_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta.saves)
+                self._collect_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta.saves,
+                                    admitted=True)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             end = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-            self._collect_saves(st, end, meta.saves)
+            self._collect_saves(st, end, meta.saves, admitted=resumed)
         if announce:  # before the forward pass that computes them: consumers may wait for these
             self.link.run("expect", lambda c: [c.expect(ns_id, announce) for ns_id in self.link.ns_ids])
             self.stats["announced_blocks"] += len(announce)
@@ -280,13 +282,18 @@ class SchedulerSide:
         self._step += 1
         return meta
 
-    def _collect_saves(self, st: _ReqState, end: int, saves: SaveBatch) -> None:
+    def _collect_saves(self, st: _ReqState, end: int, saves: SaveBatch, admitted: bool = False) -> None:
+        """Offer the request's newly completed full blocks. A request `admitted` (or resumed) this step
+        also sends its block ids: the worker saves none of its blocks if one of them failed to load this
+        step (vLLM's prefix cache hands a synchronous load's blocks to requests admitted after it)."""
         if not self.config.save:
             return
         verified = min(end, st.request.num_tokens)  # never a speculative token
         num_full = min(verified // self.block_tokens, len(st.block_ids))
         if num_full <= st.num_saved:
             return
+        if admitted:
+            saves.admitted[st.request.request_id] = list(st.block_ids)
         hashes = st.hashes_upto(num_full, self.block_tokens)
         bt = self.block_tokens
         # Token ids only for the daemon's KV events, and only for requests keyed by their tokens alone:

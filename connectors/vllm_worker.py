@@ -19,7 +19,9 @@ saves) -> `get_finished` / `get_block_ids_with_load_errors` /
 `build_worker_meta` (reports to the scheduler side). A failed or missing load
 is reported and recomputed, never served: a request whose load failed in a
 step saves none of its blocks in that step (its forward attended to whatever
-the failed blocks held).
+the failed blocks held), and neither does a request admitted in that step whose
+blocks include a failed one (vLLM caches a synchronous load's blocks when it
+allocates them, so a request admitted after it in the same step shares them).
 
 Every RPC is batched per step (acquire, release, reserve, commit), and nothing
 outlives the step on the host path; on the GPU path, pins and commits wait for
@@ -123,9 +125,12 @@ class WorkerSide:
             return
         step, failed = self.report.failed_reqs
         if step == meta.step and failed:
-            # a failed load left garbage in the request's blocks, and this step's forward
-            # attended to it: save none of that request's blocks (vLLM recomputes them)
-            saves = without_requests(saves, failed)
+            # a failed load left garbage in the request's blocks, and this step's forward attended to it:
+            # save none of that request's blocks (vLLM recomputes them), nor of a request admitted this step
+            # whose blocks include a failed one (vLLM's prefix cache shared them with it)
+            bad = self.report.failed_step_blocks
+            sharing = {r for r, ids in saves.admitted.items() if bad.intersection(ids)}
+            saves = without_requests(saves, failed | sharing)
         if len(saves):
             self.saves.save(self.engine, saves)
 

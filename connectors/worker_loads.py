@@ -50,6 +50,7 @@ class LoadReport:
         self.lock = threading.Lock()
         self.failed_blocks: set[int] = set()
         self.failed_reqs: tuple[int, set[str]] = (-1, set())  # (step, requests whose load failed in it)
+        self.failed_step_blocks: set[int] = set()  # the blocks whose load failed in that step
         self.finished: set[str] = set()
         self.waited: dict[str, set[int]] = {}  # req id -> its blocks that did not load (wait threads)
         self.stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0,
@@ -57,11 +58,13 @@ class LoadReport:
 
     def begin_step(self, step: int) -> None:
         self.failed_reqs = (step, set())
+        self.failed_step_blocks = set()
 
     def fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first,
                     len(job.block_ids), why)
         self.failed_blocks.update(job.block_ids[first:])
+        self.failed_step_blocks.update(job.block_ids[first:])
         self.failed_reqs[1].add(job.req_id)
 
     def fail_all(self, jobs: Sequence[LoadJob], why: str = "store unavailable") -> None:

@@ -109,7 +109,7 @@ class Saves:
 
 
 def without_requests(saves: SaveBatch, req_ids: set[str]) -> SaveBatch:
-    kept = SaveBatch()
+    kept = SaveBatch(admitted={r: ids for r, ids in saves.admitted.items() if r not in req_ids})
     for r, b, h, p, t in zip(saves.req_ids, saves.block_ids, saves.hashes, saves.parents, saves.tokens):
         if r not in req_ids:
             kept.add(r, b, h, p, t)

@@ -219,6 +219,44 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
 
+def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_step(daemon, monkeypatch):
+    """Found by the chaos run's probe (issue 38): vLLM caches the blocks of a synchronous load as soon as it
+    allocates them, so a request admitted in the same step can hit them in its local prefix cache and
+    attend to them in the same forward. When the load fails, that request's new blocks were computed on
+    garbage: it must save none of them in that step either (they were stored, and a later engine that
+    loaded them gave wrong output), and offer them again."""
+    sched_a, make_worker = make_sides(daemon)
+    worker_a, _ = make_worker(9)
+    prefix = list(range(500, 500 + 4 * BT))
+    run_step(sched_a, worker_a, _admit(sched_a, "a", prefix + [1, 2, 3], [0, 1, 2, 3, 4], 0))
+    stored = sched_a.link.client().stats()["blocks"]
+
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    loader = prefix + list(range(9000, 9000 + BT + 5))  # loads the 4 prefix blocks
+    sharer = prefix + list(range(7000, 7000 + 2 * BT + 5))  # vLLM's local hit on the loader's blocks
+    num, _ = sched_b.get_num_new_matched_tokens(request("l", loader), 0)
+    assert num == 4 * BT
+    sched_b.update_state_after_alloc(request("l", loader), blocks([5, 6, 7, 8, 9]), num)
+    sched_b.get_num_new_matched_tokens(request("s", sharer), 4 * BT)  # nothing after the local hit
+    sched_b.update_state_after_alloc(request("s", sharer), blocks([5, 6, 7, 8, 10, 11, 12]), 0)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 2)  # the loader's 3rd block fails
+    so = sched_output(new=[("l", [5, 6, 7, 8, 9], num), ("s", [5, 6, 7, 8, 10, 11, 12], 4 * BT)],
+                      scheduled={"l": len(loader) - num, "s": len(sharer) - 4 * BT})
+    meta = run_step(sched_b, worker_b, so)
+    assert meta.invalid == {7, 8}
+    assert set(meta.saves.req_ids) == {"l", "s"}  # both offered blocks ...
+    assert sched_b.link.client().stats()["blocks"] == stored  # ... and neither stored one
+    assert sched_b._reqs["s"].num_saved == 2  # offered again from the first failed block
+
+
+def _admit(sched: SchedulerSide, req_id: str, tokens: list[int], ids: list[int], num_computed: int):
+    """A new request admitted with no external hit; the step's scheduler output."""
+    sched.get_num_new_matched_tokens(request(req_id, tokens), num_computed)
+    sched.update_state_after_alloc(request(req_id, tokens), blocks(ids), 0)
+    return sched_output(new=[(req_id, ids, num_computed)], scheduled={req_id: len(tokens) - num_computed})
+
+
 def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(whole_step_sides, monkeypatch):
     """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact;
     a copy that fails fails every block of the step's load (vLLM recomputes them all)."""

@@ -1,0 +1,62 @@
+"""A failed load under vLLM's prefix cache, with real engines (found by the chaos run's probes, issue 38).
+
+vLLM caches the blocks of a synchronous connector load when it allocates them, so a request admitted
+after the loading one in the same step gets them as a local prefix hit and attends to them in the same
+forward. When the load fails, that second request's new blocks are computed on garbage: vLLM
+recomputes them (its output stays right), but the connector must not save them. Before the fix it
+did, and a later engine that loaded them gave wrong output.
+
+SmolLM2 float32, block size 32, chunked prefill of 96 tokens. Engine A stores the 12-block prefix P;
+engine B (every load fails at a seeded random block) serves R = P + a and R2 = P + b together (R loads
+P, R2 hits R's blocks locally); engine C loads R2's 13 stored blocks. Baseline: each prompt served alone
+by an engine without the connector, same chunking, prefix caching off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.harness.vllm_helpers import (
+    build_model,
+    connector_config,
+    corpus_text,
+    engine_spec,
+    run_engine,
+    start_daemon,
+    tokenize,
+    vllm_available,
+)
+
+ok, why = vllm_available()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
+
+BS = 32
+COMMON = dict(dtype="float32", block_size=BS, kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+              max_num_batched_tokens=96)
+
+
+def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
+    model = build_model("smollm2")
+    ids = tokenize(model, corpus_text(20000))
+    p = ids[: 12 * BS]
+    r, r2 = p + ids[2000:2040], p + ids[3000:3050]
+    workdir = str(tmp_path)
+    daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
+    one = lambda prompt: {"prompts": [{"ids": prompt}], "max_tokens": 24}  # noqa: E731
+    try:
+        run_engine(engine_spec(model, [{"prompts": [{"ids": p + ids[5000:5010]}], "max_tokens": 2}],
+                               kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+        b = run_engine(engine_spec(model, [{"prompts": [{"ids": r}, {"ids": r2}], "max_tokens": 24}],
+                                   kv_transfer_config=connector_config(daemon.socket_path, fail_loads=1.0), **COMMON),
+                       workdir)
+        c = run_engine(engine_spec(model, [one(r2)], kv_transfer_config=connector_config(daemon.socket_path),
+                                   **COMMON), workdir)
+        base = run_engine(engine_spec(model, [one(r), one(r2)], enable_prefix_caching=False, **COMMON), workdir)
+        assert daemon.check() == []
+    finally:
+        daemon.stop()
+    assert "injected load failure" in b.log and "Recovered from KV load failure" in b.log
+    assert b.cached(0, 0) == b.cached(0, 1) == 12 * BS  # R loaded P, R2 hit R's blocks
+    assert b.tokens(0, 0) == base.tokens(0) and b.tokens(0, 1) == base.tokens(1)  # vLLM recomputed
+    assert c.cached(0) == 13 * BS  # C loaded R2's blocks, the 13th saved by B
+    assert c.tokens(0) == base.tokens(1)
