@@ -252,6 +252,10 @@ class SchedulerSide:
         if self._pending_pins:
             self._pins_by_step[self._step] = self._pending_pins
         self._pending_loads, self._pending_pins = [], []
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.block_ids = []  # freed by vLLM (and soon another request's); a resumption brings new ones
         announce: list[bytes] = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -305,27 +309,36 @@ class SchedulerSide:
         self.stats["save_blocks_offered"] += num_full - st.num_saved
         st.num_saved = num_full
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: "KVConnectorOutput") -> set[int]:
+        """The workers' reports of a step. Returns the engine blocks a failed load left wrong: the failed
+        ones and, in each request that holds one, every block after it (computed on it). The connector
+        evicts them from vLLM's prefix cache: with the "recompute" policy vLLM keeps them cached for the
+        request that recomputes them, and a request admitted before it has (it may be aborted or
+        preempted first) would attend to garbage."""
         invalid = getattr(output, "invalid_block_ids", None)
-        if invalid:
-            self._offer_again(invalid)
+        stale = self._offer_again(invalid) if invalid else set()
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
-            return
+            return stale
         for step, n in report.loads_done.items():
             self._done_counts[step] += n
             if self._done_counts[step] >= self.num_ranks:
                 del self._done_counts[step]
                 for pins in self._pins_by_step.pop(step, []):
                     self._release(pins)
+        return stale
 
-    def _offer_again(self, invalid_block_ids: set[int]) -> None:
-        """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving again."""
+    def _offer_again(self, invalid_block_ids: set[int]) -> set[int]:
+        """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving
+        again. Returns them and what follows them in every request that holds one."""
+        stale = set(invalid_block_ids)
         for st in self._reqs.values():
-            for i, block_id in enumerate(st.block_ids[: st.num_saved]):
+            for i, block_id in enumerate(st.block_ids):
                 if block_id in invalid_block_ids:
-                    st.num_saved = i
+                    st.num_saved = min(st.num_saved, i)
+                    stale.update(st.block_ids[i:])
                     break
+        return stale
 
     def _expire_pins(self) -> None:
         for step in [s for s in self._pins_by_step if s < self._step - PIN_TTL_STEPS]:

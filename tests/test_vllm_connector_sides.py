@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -248,6 +249,39 @@ def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_s
     assert set(meta.saves.req_ids) == {"l", "s"}  # both offered blocks ...
     assert sched_b.link.client().stats()["blocks"] == stored  # ... and neither stored one
     assert sched_b._reqs["s"].num_saved == 2  # offered again from the first failed block
+
+
+def test_a_failed_load_names_the_blocks_to_evict_from_the_prefix_cache(daemon, monkeypatch):
+    """vLLM's "recompute" policy keeps a failed load's blocks in its prefix cache for the request that
+    recomputes them; the scheduler side names them, and what follows them in every request holding one
+    (computed on them), for the connector to evict. A preempted request's old block ids are forgotten."""
+    sched_a, make_worker = make_sides(daemon)
+    worker_a, _ = make_worker(9)
+    prefix = list(range(600, 600 + 4 * BT))
+    run_step(sched_a, worker_a, _admit(sched_a, "a", prefix + [1, 2, 3], [0, 1, 2, 3, 4], 0))
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    loader, sharer = prefix + [7] * (BT + 5), prefix + [8] * (2 * BT + 5)
+    old = list(range(3000, 3000 + 3 * BT))  # preempted below: its block 7 goes to the loader
+    run_step(sched_b, worker_b, _admit(sched_b, "o", old, [7, 13, 14], 0))
+    num, _ = sched_b.get_num_new_matched_tokens(request("l", loader), 0)
+    sched_b.update_state_after_alloc(request("l", loader), blocks([5, 6, 7, 8, 9]), num)
+    sched_b.get_num_new_matched_tokens(request("s", sharer), 4 * BT)
+    sched_b.update_state_after_alloc(request("s", sharer), blocks([5, 6, 7, 8, 10, 11, 12]), 0)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 2)
+    so = sched_output(new=[("l", [5, 6, 7, 8, 9], num), ("s", [5, 6, 7, 8, 10, 11, 12], 4 * BT)],
+                      scheduled={"l": len(loader) - num, "s": len(sharer) - 4 * BT}, preempted=["o"])
+    meta = sched_b.build_connector_meta(so)
+    worker_b.start_load_kv(meta)
+    for name in LAYERS:
+        worker_b.wait_for_layer_load(name)
+    worker_b.wait_for_save(meta)
+    invalid = worker_b.get_block_ids_with_load_errors()
+    stale = sched_b.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker_b.build_worker_meta(),
+                                                            invalid_block_ids=invalid))
+    assert invalid == {7, 8}
+    assert stale == {7, 8, 9, 10, 11, 12}  # the loader's from block 2 on, the sharer's too; not 13, 14
+    assert sched_b._reqs["o"].num_saved == 3  # the preempted request's old ids are not its blocks any more
 
 
 def _admit(sched: SchedulerSide, req_id: str, tokens: list[int], ids: list[int], num_computed: int):

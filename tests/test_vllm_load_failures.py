@@ -1,10 +1,17 @@
 """A failed load under vLLM's prefix cache, with real engines (found by the chaos run's probes, issue 38).
 
-vLLM caches the blocks of a synchronous connector load when it allocates them, so a request admitted
-after the loading one in the same step gets them as a local prefix hit and attends to them in the same
-forward. When the load fails, that second request's new blocks are computed on garbage: vLLM
-recomputes them (its output stays right), but the connector must not save them. Before the fix it
-did, and a later engine that loaded them gave wrong output.
+Two bugs, each with its test:
+
+1. vLLM caches the blocks of a synchronous connector load when it allocates them, so a request
+   admitted after the loading one in the same step gets them as a local prefix hit and attends to
+   them in the same forward. When the load fails, that second request's new blocks are computed on
+   garbage: vLLM recomputes them (its output stays right), but the connector must not save them.
+   Before the fix it did, and a later engine that loaded them gave wrong output.
+2. With kv_load_failure_policy "recompute" vLLM leaves the failed blocks in its prefix cache, to be
+   recomputed by the request that loaded them. If that request is aborted (or preempted) before it
+   has, a request admitted later hits the garbage in the local prefix cache: its output was wrong
+   from the first token, and the connector stored its blocks. The connector now evicts the failed
+   blocks, and what followed them in each request that held them, from vLLM's prefix cache.
 
 SmolLM2 float32, block size 32, chunked prefill of 96 tokens. Engine A stores the 12-block prefix P;
 engine B (every load fails at a seeded random block) serves R = P + a and R2 = P + b together (R loads
@@ -60,3 +67,41 @@ def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
     assert b.tokens(0, 0) == base.tokens(0) and b.tokens(0, 1) == base.tokens(1)  # vLLM recomputed
     assert c.cached(0) == 13 * BS  # C loaded R2's blocks, the 13th saved by B
     assert c.tokens(0) == base.tokens(1)
+
+
+def test_a_failed_load_whose_request_is_aborted_leaves_no_garbage_in_the_prefix_cache(tmp_path):
+    """Engine B: R = P + a loads P, every load failing at a seeded block (block 6 of 12); R is aborted the
+    step after (it has recomputed 3 of the 6 failed blocks); R5 = P + c arrives then and hits P in vLLM's
+    prefix cache. Engine C then loads R5's stored chain."""
+    from pathlib import Path
+
+    from tools.harness.chaos_procs import EngineProc, wait_all
+
+    model = build_model("smollm2")
+    ids = tokenize(model, corpus_text(20000))
+    p = ids[: 12 * BS]
+    r, r5 = p + ids[2000:2040], p + ids[3000:3050]
+    workdir = str(tmp_path)
+    daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
+    one = lambda prompt: {"prompts": [{"ids": prompt}], "max_tokens": 24}  # noqa: E731
+    try:
+        run_engine(engine_spec(model, [{"prompts": [{"ids": p + ids[5000:5010]}], "max_tokens": 2}],
+                               kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+        requests = [dict(rid="R", engine=0, ids=r, max_tokens=24, arrive_step=0, abort="admitted"),
+                    dict(rid="R5", engine=0, ids=r5, max_tokens=24, arrive_step=2)]
+        kvt = connector_config(daemon.socket_path, fail_loads=1.0, fault_seed=0)
+        b = EngineProc("b", Path(workdir) / "b", {"engine": dict(model=model, **COMMON, kv_transfer_config=kvt),
+                                                   "requests": requests, "hold": False}).start()
+        wait_all([b], 600, idle=False)
+        res = b.result()["results"]
+        c = run_engine(engine_spec(model, [one(r5)], kv_transfer_config=connector_config(daemon.socket_path),
+                                   **COMMON), workdir)
+        base = run_engine(engine_spec(model, [one(r5)], enable_prefix_caching=False, **COMMON), workdir)
+        assert daemon.check() == []
+    finally:
+        daemon.stop()
+    log = (Path(workdir) / "b" / "engine.log").read_text()
+    assert "failed at block 6/12" in log and res["R"]["outcome"] == "aborted"
+    assert res["R"]["state"]["num_computed_tokens"] < 12 * BS  # aborted before it recomputed the failed blocks
+    assert res["R5"]["token_ids"] == base.tokens(0)
+    assert c.tokens(0) == base.tokens(0)
