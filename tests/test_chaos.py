@@ -7,6 +7,11 @@ Engines: SmolLM2-135M float32, block size 32, a 20-block KV cache with chunked p
 step) and whole-prompt admission off, so that they preempt; one engine plain, one with ngram
 speculative decoding and asynchronous loads. The baseline is each finished request served alone by an
 engine without the connector (same speculative config, prefix caching off, the same chunking).
+
+This bounded run (load failures injected in 30% of the loads, every stored block checked) caught the
+two bugs tests/test_vllm_load_failures.py pins down: on the connector before those fixes, 2 of its
+requests' outputs differed from the baseline and 6 of 85 stored blocks were off by 0.02-0.63 (relative;
+the tolerance is 1e-3); with them, none.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def test_the_bounded_chaos_run_passes_every_oracle(tmp_path):
     assert all(e["loaded_blocks"] > 0 and e["external_hit_tokens"] > 0 for e in engines)
     assert report["restarts"] == 1
     assert verdicts["outputs"]["compared"] >= 16 and verdicts["outputs"]["mismatches"] == 0
-    assert verdicts["stored_bytes"]["sampled"] >= 16
+    stored = verdicts["stored_bytes"]
+    assert stored["unknown_blocks"] == 0 and stored["sampled"] == stored["stored_blocks"] >= 32  # every one
     assert verdicts["stored_bytes"]["min_wrong_block_error"] > 100 * verdicts["stored_bytes"]["tolerance"]
     assert report["leaked_pins"] == 0 and report["leaked_reservations"] == 0
 
@@ -64,7 +70,7 @@ def test_stored_bytes_oracle_fails_on_stale_block_ids_after_preemption(tmp_path)
     """vLLM #52360's class: after preemption the connector saves from block ids that now hold another
     request's KV."""
     cfg = small(plant=((0, "stale_block_ids_on_resume"), (1, "stale_block_ids_on_resume")),
-                oracles=("stored_bytes",), sample_blocks=1000)
+                oracles=("stored_bytes",))
     verdict = run_chaos(cfg, str(tmp_path))["oracles"]["stored_bytes"]
     print(json.dumps(verdict, indent=1, default=str))
     assert not verdict["ok"] and verdict["bad"] > 0

@@ -77,12 +77,12 @@ class ChaosConfig:
     max_num_seqs: int = 12
     max_model_len: int = 640
     host_bytes: str = "128MiB"
-    fail_loads: float = 0.1
+    fail_loads: float = 0.3
     fail_saves: float = 0.05
     fault_seed: int = 1
     kill_at: tuple = (0.4,)  # progress fractions at which the daemon is SIGKILLed and restarted
     down_s: float = 2.0
-    sample_blocks: int = 24
+    sample_blocks: int = 1000  # stored blocks checked against a fresh engine's KV (all, up to this many)
     control: bool = False
     plant: tuple = ()  # (engine index, bug name) pairs, tools/harness/chaos_plants.py
     oracles: tuple = ALL_ORACLES
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="plain,ngram_async,async")
     ap.add_argument("--kill-at", default="0.3,0.6", help="progress fractions at which the daemon is SIGKILLed")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fail-loads", type=float, default=0.1)
+    ap.add_argument("--fail-loads", type=float, default=0.3)
     ap.add_argument("--control", action="store_true", help="also run the engines without the connector")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--workdir")
