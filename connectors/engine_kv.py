@@ -4,17 +4,17 @@
 (worker_loads.py, worker_saves.py): the KV geometry (copy_plan.py), the
 transfers that run plans on the engine's device (cpu_copy.py or cuda_copy.py,
 chosen once from the KV tensors' device and the connector's config), and the
-store's memory as this process sees it (`StoreMemory`, per connection): the
-connection's mapping of the host arena (registered with the executor: a region
+store's memory as this process sees it (`StoreMemory`, per daemon: every
+connection to it shares one): a mapping of the host arena (registered with the executor: a region
 on CPU, `cudaHostRegister`ed, portable and mapped, on CUDA) and, where the
 daemon has a GPU tier this engine can address, its pools — opened by CUDA IPC
 for a CUDA engine (same device or peer to peer), or the emulated tier's shared
 memory for a CPU engine (tests). With pools, reads answer each block's tier and
 saves go to the GPU tier while it has free pages (`tier="gpu"` RPCs).
 
-A plan is built against the store memory of the connection whose RPC returned
-the extents, in absolute addresses: extents from one connection are never read
-through another's mapping (a restarted daemon maps a new arena and new pools).
+A plan is built in absolute addresses against the store memory of the daemon
+whose RPC returned the extents: a restarted daemon (a new arena id) gets a new
+mapping and new pools, and extents of the old one are never read through them.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class EngineKV:
                  threads: int | None = None) -> None:
         self.geometry: KVGeometry = kv_geometry(tensors, num_blocks)
         self.device = self.geometry.device
-        self._memory: dict[int, StoreMemory] = {}  # id(StoreLink) -> its connection's store memory
+        self._memory: dict[str, StoreMemory] = {}  # the daemon's arena id -> the store memory it hands out
         if self.device == "cpu":
             from connectors.cpu_copy import COPY_THREADS, CpuExecutor, CpuTransfers, storage_bytes
 
@@ -129,21 +129,24 @@ class EngineKV:
         return self.geometry.layer_wise
 
     def memory(self, link) -> StoreMemory | None:
-        """`link`'s store memory, mapped and registered once per connection (None: the daemon is away;
-        asking reconnects once the link's retry interval has passed)."""
-        if link.client() is None:
+        """The store memory `link`'s daemon hands out, mapped and registered once per daemon — every
+        connection to the same daemon (the worker's and its wait threads') shares one (pinning a large
+        arena takes ~0.1 s per GiB). None: the daemon is away (asking reconnects once the link's retry
+        interval has passed)."""
+        client = link.client()
+        if client is None:
             return None
-        arena = link.arena
-        key = id(link)
+        key = str(client.server_info.get("arena_id") or id(client))
         known = self._memory.get(key)
-        if known is not None and known.arena is arena:
-            return known
         if known is not None:
-            self._forget(key)
+            return known
+        for old in list(self._memory):  # a new daemon (restarted): the old one's memory is gone
+            self._forget(old)
+        arena = link.arena
         mem = StoreMemory(arena, int(arena.ctypes.data), None)
         pools = self._open_pools(link)
         if self._cpu is not None:
-            self._cpu.set_regions(f"arena-{key}", [arena] + (pools or []))
+            self._cpu.set_regions("store", [arena] + (pools or []))
         else:
             from tiers.gpu import pin_host
 
@@ -170,12 +173,12 @@ class EngineKV:
             log.warning("kvstore: the daemon's GPU pools cannot be opened here (%r); using the arena only", exc)
             return None
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: str) -> None:
         mem = self._memory.pop(key, None)
         if mem is None:
             return
         if self._cpu is not None:
-            self._cpu.set_regions(f"arena-{key}", [])
+            self._cpu.set_regions("store", [])
         elif mem.pinned is not None:
             mem.pinned.unpin()
 

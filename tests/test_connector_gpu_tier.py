@@ -16,7 +16,8 @@ from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
-from tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
+from tests.test_vllm_connector_sides import run_step  # noqa: E402
+from tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
 
 BT, NB, H, D, L = 32, 24, 2, 16, 4  # one block = 4 layers x 2 heads x 32 tokens x 32 x 4 B = 32 KiB
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -36,12 +37,7 @@ def kv_tensors(seed: int) -> dict:
 
 
 def step(sched, worker, so):
-    meta = sched.build_connector_meta(so)
-    worker.start_load_kv(meta)
-    for name in LAYERS:
-        worker.wait_for_layer_load(name)
-    meta.invalid = report_step(sched, worker, meta)
-    return meta
+    return run_step(sched, worker, so, forward=LAYERS)
 
 
 def store_prompt(cfg, tokens, seed):

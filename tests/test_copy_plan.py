@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch", reason="KV tensors are torch tensors")
 
 from connectors import copy_plan as cp  # noqa: E402
 from connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
+from tools.bench.bench_gpu import scattered_pages  # noqa: E402
 from tests.kv_layouts import BLOCK_OUTERMOST, KINDS, NB, L, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
 
 STORE_BYTES = 1 << 20
@@ -29,21 +30,7 @@ STORE_BYTES = 1 << 20
 def scattered_extents(n: int, block_bytes: int, page: int, seed: int) -> list:
     """n blocks over random, distinct store pages (as the arena's page allocator hands them out):
     a block's extents are its runs of adjacent pages, its last page partly used."""
-    rng = random.Random(seed)
-    per_block = -(-block_bytes // page)
-    pages = rng.sample(range(STORE_BYTES // page), n * per_block)
-    out = []
-    for i in range(n):
-        mine, left, runs = pages[i * per_block : (i + 1) * per_block], block_bytes, []
-        for p in mine:
-            length = min(page, left)
-            left -= length
-            if runs and runs[-1][0] + runs[-1][1] == p * page and runs[-1][1] % page == 0:
-                runs[-1][1] += length
-            else:
-                runs.append([p * page, length])
-        out.append(runs)
-    return out
+    return scattered_pages(STORE_BYTES // page, page, n, block_bytes, random.Random(seed))
 
 
 def write_payloads(store: torch.Tensor, extents: list, payloads: list) -> None:

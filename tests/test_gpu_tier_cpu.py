@@ -133,3 +133,20 @@ def test_ipc_handle_survives_msgpack():
         gpu.IpcHandle.from_wire({**wire, "extra": 1})
     with pytest.raises(ValueError):
         gpu.IpcHandle.from_wire({k: v for k, v in wire.items() if k != "handle"})
+
+
+@needs_no_cuda
+def test_a_configured_gpu_tier_on_a_host_without_cuda_is_absent_and_imports_no_torch(tmp_path):
+    """[gpu] enabled where no NVIDIA driver exists: the chain leaves the tier out with the reason, and
+    neither torch (so neither torch.cuda) nor CuPy is imported to learn that."""
+    code = (
+        "import sys\n"
+        "from kvstore.config import load_config\n"
+        "from kvstore.chain import gpu_tier\n"
+        "tier, why = gpu_tier(load_config(None, {'gpu.enabled': True, 'gpu.devices': [0, 1]}))\n"
+        "assert tier is None and 'NVIDIA driver' in why, why\n"
+        "assert not {'torch', 'cupy'} & set(sys.modules), sorted(m for m in sys.modules if m in ('torch', 'cupy'))\n"
+        "print(why)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True)
+    assert "absent" in out.stdout

@@ -102,6 +102,10 @@ class GpuPool:
     in a shared-memory file (engines map it like the arena)."""
 
     def __init__(self, device, capacity_bytes: int, page_bytes: int, shm_path: str | None = None) -> None:
+        if str(device).startswith("cuda"):
+            ok, reason = cuda_available()  # before torch is imported: a host without a driver never imports it
+            if not ok:
+                raise CudaUnavailable(reason)
         torch = _torch()
         if page_bytes <= 0:
             raise ValueError(f"gpu page_bytes must be positive, got {page_bytes}")
@@ -109,10 +113,6 @@ class GpuPool:
         if num_pages < 1:
             raise ValueError(f"gpu capacity {capacity_bytes} B is smaller than one page ({page_bytes} B)")
         self.device = torch.device(device)
-        if self.device.type == "cuda":
-            ok, reason = cuda_available()
-            if not ok:
-                raise CudaUnavailable(reason)
         self.page_bytes, self.num_pages = page_bytes, num_pages
         self.capacity_bytes = num_pages * page_bytes
         self.shm_path = shm_path if self.device.type == "cpu" else None
