@@ -142,7 +142,7 @@ def test_oversize_length_prefix_closes_the_connection(stored):
 
 
 def test_oversize_length_prefix_without_a_body_is_answered_and_closed(stored):
-    """Protocol fuzzing (issue 38): a length prefix over the limit but within the drained range, and no
+    """Protocol fuzzing: a length prefix over the limit but within the drained range, and no
     body. The daemon answered and then kept the connection open waiting for the body (still open 10 s
     later); it must answer and close (within DISCARD_IDLE_S)."""
     daemon, ns, hs, payloads = stored

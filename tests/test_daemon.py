@@ -305,7 +305,7 @@ def test_the_chain_comes_from_the_config_and_stats_say_why_a_tier_is_absent(daem
 
 
 def test_a_connection_storm_is_queued_not_refused(daemon):
-    """Protocol fuzzing (issue 38): local connects failed with EAGAIN under connection storms (the Unix
+    """Protocol fuzzing: local connects failed with EAGAIN under connection storms (the Unix
     listener's backlog was asyncio's 100). With the daemon stopped (it accepts nothing), 600 clients
     connect at once, as many engine workers starting together would: every connect is queued, and
     once the daemon runs again every connection is served."""

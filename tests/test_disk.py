@@ -574,7 +574,7 @@ def present_misses(store) -> dict:
 
 
 def test_a_present_block_read_as_a_miss_is_counted_by_reason(harness):
-    """Issue 38 (protocol fuzzing): reads of committed, unpinned blocks returned misses with nothing to say
+    """Protocol fuzzing: reads of committed, unpinned blocks returned misses with nothing to say
     why. Each such miss is counted by its reason: no room to promote, checksum (and the subtree
     discarded with it), a prefix read's stop at its first miss."""
     store = harness.store

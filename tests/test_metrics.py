@@ -96,7 +96,7 @@ def test_dashboard_queries_name_only_what_the_daemon_exports(daemon_factory):
 
 
 def test_present_blocks_read_as_misses_are_in_stats_and_metrics_by_reason(daemon):
-    """Issue 38: a miss on a present (committed) block is counted by reason in /stats and /metrics."""
+    """A miss on a present (committed) block is counted by reason in /stats and /metrics."""
     with KVClient(daemon.socket_path) as c:
         ns = c.register(namespace("present-misses"))
         hs = hash_blocks(np.arange(16 * 3), 16)

@@ -221,7 +221,7 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
 
 
 def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_step(daemon, monkeypatch):
-    """Found by the chaos run's probe (issue 38): vLLM caches the blocks of a synchronous load as soon as it
+    """Found by the chaos run's probe: vLLM caches the blocks of a synchronous load as soon as it
     allocates them, so a request admitted in the same step can hit them in its local prefix cache and
     attend to them in the same forward. When the load fails, that request's new blocks were computed on
     garbage: it must save none of them in that step either (they were stored, and a later engine that

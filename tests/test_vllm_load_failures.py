@@ -1,4 +1,4 @@
-"""A failed load under vLLM's prefix cache, with real engines (found by the chaos run's probes, issue 38).
+"""A failed load under vLLM's prefix cache, with real engines (found by the chaos run's probes).
 
 Two bugs, each with its test:
 

@@ -2,7 +2,8 @@
 
 Test-only: tools/harness/chaos_engine.py applies the names its spec lists
 (`plant`) before the engine starts; nothing else imports this. Each bug is one
-the peers' users hit (issue 38), put back into this connector by monkeypatching:
+of a class that users of other KV offloading connectors hit, put back into this connector by
+monkeypatching:
 
 - `stale_block_ids_on_resume`: the scheduler side ignores that a request was
   resumed after preemption and keeps its old (freed, reused) block ids, so it
