@@ -41,6 +41,7 @@ if REPO not in sys.path:
 PROGRESS_S = 0.5
 TIMELINE_STEPS = 5  # a timeline point every this many steps
 MAX_STEPS = 200_000
+STALL_STEPS, STALL_S = 3000, 30.0  # no request moved in this many steps and seconds: the engine is stuck
 IDLE_STEP_S = 0.005  # between steps with only finished requests left (their blocks wait for the connector)
 
 
@@ -85,6 +86,7 @@ class Driver:
         self.timeline: list[dict] = []
         self.step = 0
         self._progress_at = 0.0
+        self._moved = (None, 0, 0.0)  # (what the requests' state was, the step and time it last changed)
 
     # -- requests ---------------------------------------------------------------------
     def add(self, r: dict) -> None:
@@ -198,10 +200,46 @@ class Driver:
             if self.step % TIMELINE_STEPS == 0:
                 self.sample()
             self.report_progress()
+            self.check_stalled()
             if self.step > MAX_STEPS:
-                raise RuntimeError("the engine did not finish its requests")
+                raise RuntimeError("the engine did not finish its requests\n" + self.dump())
         self.sample()
         self.report_progress(force=True)
+
+    def check_stalled(self) -> None:
+        """Raise (with the scheduler's view of every request) when no request moved for STALL_STEPS steps
+        and STALL_S seconds: a request the engine never schedules again, or a load never reported done."""
+        state = (len(self.results), len(self.pending),
+                 tuple((r.request_id, r.status.name, r.num_computed_tokens, r.num_output_tokens)
+                       for r in self.scheduler.requests.values()))
+        seen, step, t = self._moved
+        now = time.monotonic()
+        if state != seen:
+            self._moved = (state, self.step, now)
+        elif self.step - step > STALL_STEPS and now - t > STALL_S:
+            raise RuntimeError(f"no request moved in {self.step - step} steps ({now - t:.0f} s)\n" + self.dump())
+
+    def dump(self) -> str:
+        lines = [f"step {self.step}: {len(self.pending)} pending, {len(self.live)} live, "
+                 f"running {len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}"]
+        sch = self.scheduler
+        queues = {name: getattr(sch, name) for name in ("running", "waiting", "kv_holding_waiting", "deferred_waiting")
+                  if hasattr(sch, name)}
+        pool = sch.kv_cache_manager.block_pool
+        lines.append(f"  KV blocks free: {pool.get_num_free_blocks()} of {pool.num_gpu_blocks}")
+        for r in sch.requests.values():
+            where = [name for name, q in queues.items() if r in q]
+            try:
+                held = len(sch.kv_cache_manager.get_block_ids(r.request_id)[0])
+            except Exception:  # noqa: BLE001  (a diagnostic: whatever the manager says)
+                held = "?"
+            lines.append(f"  {r.request_id}: {r.status.name} computed {r.num_computed_tokens}/{r.num_tokens} "
+                         f"prompt {r.num_prompt_tokens} outputs {r.num_output_tokens} "
+                         f"preemptions {r.num_preemptions} blocks {held} in {where}")
+        lines.append(f"  scheduler: finished_recving {getattr(self.scheduler, 'finished_recving_kv_req_ids', '?')}, "
+                     f"failed_recving {getattr(self.scheduler, 'failed_recving_kv_req_ids', '?')}")
+        lines.append(f"  connector: {connector_stats()}")
+        return "\n".join(lines)
 
     def sample(self) -> None:
         c = counters(self.llm)

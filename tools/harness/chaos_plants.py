@@ -6,7 +6,7 @@ of a class that users of other KV offloading connectors hit, put back into this 
 monkeypatching:
 
 - `stale_block_ids_on_resume`: the scheduler side ignores that a request was
-  resumed after preemption and keeps its old (freed, reused) block ids, so it
+  preempted and resumed, and keeps its old (freed, reused) block ids, so it
   saves other requests' KV under this request's hashes (vLLM #52360);
 - `silent_load_failure`: an injected load failure (`fail_loads`) is not
   reported: the blocks stay uncopied and vLLM computes on whatever they held
@@ -36,8 +36,9 @@ def _stale_block_ids_on_resume() -> None:
 
     def build(self, so):
         cached = so.scheduled_cached_reqs
-        if cached.resumed_req_ids:  # hide the resumption from the connector only, not from vLLM
-            so = dataclasses.replace(so, scheduled_cached_reqs=dataclasses.replace(cached, resumed_req_ids=set()))
+        if cached.resumed_req_ids or so.preempted_req_ids:  # hidden from the connector only, not from vLLM
+            so = dataclasses.replace(so, preempted_req_ids=set(),
+                                     scheduled_cached_reqs=dataclasses.replace(cached, resumed_req_ids=set()))
         return original(self, so)
 
     SchedulerSide.build_connector_meta = build
