@@ -106,6 +106,8 @@ class _ReqState:
     num_wait: int = 0  # blocks after the pinned ones that the lookup found in flight (to be waited for)
     waited: bool = False  # a waiting load was planned once: a request whose wait failed is not made to wait again
     announced: list[bytes] = field(default_factory=list)  # hashes this (producer) engine announced
+    async_blocks: set[int] = field(default_factory=set)  # engine blocks of its asynchronous load in progress
+    async_failed: bool = False  # an asynchronous load of it failed: its next loads are synchronous
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
         have = len(self.hashes)
@@ -205,7 +207,11 @@ class SchedulerSide:
         if st.num_wait:
             self.stats["wait_lookups"] += 1
             return (hits + st.num_wait) * bt, True  # in-flight blocks: an async load, finished by get_finished
-        return hits * bt, self.config.load_async and hits > 0
+        # a request whose asynchronous load failed is admitted again with a synchronous one: vLLM admits it
+        # from the queue of requests holding blocks, ahead of those whose loads finished, and an asynchronous
+        # admission must leave the in-flight prefills' remaining blocks free (its own counted too); when it
+        # does not fit, vLLM stops at it every step and the requests behind it are never promoted
+        return hits * bt, self.config.load_async and hits > 0 and not st.async_failed
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -227,13 +233,15 @@ class SchedulerSide:
         if pins is not None:
             self._release(_Pins(pins.hashes[num_load:], pins.generation))
         job = LoadJob(request.request_id, block_ids[start : start + num_load],
-                      st.hashes[start : start + num_load], self.config.load_async)
+                      st.hashes[start : start + num_load], self.config.load_async and not st.async_failed)
         if num_load > num_pinned:  # some are in flight: the worker waits for them off the engine's thread
             st.waited = True  # vLLM reschedules the request if the wait fails: then it takes what is committed
             job.is_async, job.num_ready, job.wait_s = True, num_pinned, _wait_s(request, self.config)
             job.appear = _proxy_says_wait(request)
             st.hit_tiers["host"] += num_load - num_pinned
             self.stats["wait_blocks"] += num_load - num_pinned
+        if job.is_async:
+            st.async_blocks = set(job.block_ids)
         self._pending_loads.append(job)
         self._pending_pins.append(loaded)
         self.stats["load_blocks"] += num_load
@@ -317,6 +325,11 @@ class SchedulerSide:
         preempted first) would attend to garbage."""
         invalid = getattr(output, "invalid_block_ids", None)
         stale = self._offer_again(invalid) if invalid else set()
+        for req_id in getattr(output, "finished_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:  # its asynchronous load ended: failed if one of its blocks is invalid
+                st.async_failed |= bool(invalid and st.async_blocks.intersection(invalid))
+                st.async_blocks = set()
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
             return stale
