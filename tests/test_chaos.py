@@ -92,7 +92,7 @@ def test_daemon_state_and_rss_oracles_fail_on_leaks(tmp_path):
 def test_reuse_oracle_fails_when_hits_stop(tmp_path):
     """vLLM #52735's class (an engine's offload hits silently off) and a connector that never reconnects
     after the daemon's restart."""
-    cfg = small(plant=((0, "no_reconnect"), (1, "no_reconnect"), (1, "no_hits")), oracles=("reuse",), kill_at=(0.25,))
+    cfg = small(plant=((0, "no_reconnect"), (1, "no_reconnect"), (1, "no_hits")), oracles=("reuse",), kill_at=(0.1,))
     verdict = run_chaos(cfg, str(tmp_path))["oracles"]["reuse"]
     print(json.dumps(verdict, indent=1, default=str))
     assert not verdict["ok"]

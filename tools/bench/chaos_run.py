@@ -349,6 +349,7 @@ def summarize(cfg: ChaosConfig, work, chaos: dict, daemon: Daemon, stored: dict 
         }
     stats = chaos["snapshots"][-1]["stats"] if chaos["snapshots"] else {}
     return {"requests": len(work.requests), "engines": per_engine, "restarts": len(daemon.restarts),
+            "restart_times": daemon.restarts,
             "restart_snapshots": [{k: s["stats"].get(k) for k in ("sessions", "pinned_blocks", "reserved_blocks",
                                                                   "blocks")} for s in chaos["snapshots"][:-1]],
             "leaked_pins": stats.get("pinned_blocks"), "leaked_reservations": stats.get("reserved_blocks"),

@@ -15,7 +15,7 @@ monkeypatching:
   request, an aborted one) are never released (LMCache #1034: hit but never
   retrieved, pinned forever);
 - `drop_commits`: every 7th save is reserved and copied but never committed;
-- `rss_leak`: every step keeps 2 MiB (engines growing until an OOM kill, LMCache #3767);
+- `rss_leak`: every step keeps 6 MiB (engines growing until an OOM kill, LMCache #3767);
 - `no_hits`: lookups answer no hit (vLLM #52735: spec decoding turning offload hits off);
 - `no_reconnect`: the connector never reconnects after the daemon went away.
 """
@@ -95,7 +95,7 @@ def _rss_leak() -> None:
     original = WorkerSide.wait_for_save
 
     def wait_for_save(self, meta):
-        _kept.append(np.ones(2 << 20, np.uint8))
+        _kept.append(np.ones(6 << 20, np.uint8))
         return original(self, meta)
 
     WorkerSide.wait_for_save = wait_for_save

@@ -127,13 +127,15 @@ class Daemon:
     name: str = field(default_factory=lambda: f"chaos-{os.getpid()}-{int(time.time())}")
     proc: DaemonProc | None = None
     restarts: list = field(default_factory=list)  # {"killed", "ready"} wall times
+    starts: int = 0
 
     @property
     def socket_path(self) -> str:
         return str(self.folder / "kvstore.sock")
 
     def start(self) -> "Daemon":
-        log = self.folder / f"daemon-{len(self.restarts)}.log"
+        log = self.folder / f"daemon-{self.starts}.log"  # one per process: a restart's does not overwrite
+        self.starts += 1
         self.proc = start_daemon(self.folder, host_bytes=self.host_bytes, page_bytes="256KiB", name=self.name,
                                  admin=True, socket_path=self.socket_path, log_path=str(log),
                                  env=base_env(str(self.folder)))
