@@ -51,8 +51,8 @@ class ConnectorConfig:
     layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
     copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
     kernel_piece_bytes: int = 16 << 10  # "auto" runs a plan whose mean piece is smaller with the kernel
-    # fault injection for tests and the chaos run, off by default: this fraction of load jobs fails at a
-    # random block (seeded), as if its copy had failed; vLLM recomputes from there
+    # fault injection, off by default and for tests only (the worker warns when it is on): this fraction
+    # of load jobs fails at a random block (seeded), as if its copy had failed; vLLM recomputes from there
     fail_loads: float = 0.0
     fail_saves: float = 0.0  # this fraction of steps' saves fails after its reserve (reservations aborted)
     fault_seed: int = 0

@@ -55,6 +55,9 @@ class WorkerSide:
         self.engine: EngineKV | None = None
         self.report = LoadReport()
         self.faults = FaultInjector(config.fail_loads, config.fault_seed, config.fail_saves)
+        if config.fail_loads or config.fail_saves:
+            log.warning("kvstore: fault injection is on (fail_loads=%s, fail_saves=%s, fault_seed=%s): for tests only",
+                        config.fail_loads, config.fail_saves, config.fault_seed)
         self.loads = StepLoads(config, self.link, self.report, self.faults, layer_names)
         self.waited = WaitedLoads(config, namespace, self.report, self.faults)
         self.saves = Saves(self.link, None, self.faults)
