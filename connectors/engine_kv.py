@@ -59,23 +59,35 @@ class StoreMemory:
 
 @dataclass
 class FaultInjector:
-    """Seeded load failures for tests and the chaos run (`fail_loads` in the connector's config; off by
-    default): each load job fails with probability `rate` at a random block, as if that block's copy had
-    failed; the blocks from there are not copied and are reported as load errors."""
+    """Seeded faults for tests and the chaos run, off by default (the connector's `fail_loads`,
+    `fail_saves`, `fault_seed`): each load job fails with probability `rate` at a random block, as if that
+    block's copy had failed (the blocks from there are not copied and are reported as load errors); each
+    step's save fails with probability `save_rate` after its reserve, as if its copy had failed (the
+    reservations are aborted, nothing is committed)."""
 
     rate: float
     seed: int
+    save_rate: float = 0.0
     rng: random.Random = field(init=False)
+    save_rng: random.Random = field(init=False)
     injected: int = 0
+    injected_saves: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.save_rng = random.Random(self.seed + 1)
 
     def first_failed(self, num_blocks: int) -> int | None:
         if self.rate <= 0 or num_blocks == 0 or self.rng.random() >= self.rate:
             return None
         self.injected += 1
         return self.rng.randrange(num_blocks)
+
+    def save_fails(self) -> bool:
+        if self.save_rate <= 0 or self.save_rng.random() >= self.save_rate:
+            return False
+        self.injected_saves += 1
+        return True
 
 
 def reader_tier(handles: list | None, device: str) -> str:

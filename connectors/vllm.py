@@ -168,8 +168,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        if self.scheduler is not None:
-            self.scheduler.update_connector_output(connector_output)
+        if self.scheduler is None:
+            return
+        stale = self.scheduler.update_connector_output(connector_output)
+        manager = getattr(self, "_kv_cache_manager", None)  # bound by vLLM (bind_kv_cache_manager)
+        if stale and manager is not None:
+            # a failed load's blocks, and those computed on them, must not be prefix-cache hits before their
+            # request has recomputed them (vLLM evicts them itself only with the "fail" policy)
+            manager.evict_blocks(stale)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:

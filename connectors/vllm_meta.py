@@ -51,9 +51,10 @@ class ConnectorConfig:
     layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
     copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
     kernel_piece_bytes: int = 16 << 10  # "auto" runs a plan whose mean piece is smaller with the kernel
-    # fault injection for tests and the chaos run, off by default: this fraction of load jobs fails at a
-    # random block (seeded), as if its copy had failed; vLLM recomputes from there
+    # fault injection, off by default and for tests only (the worker warns when it is on): this fraction
+    # of load jobs fails at a random block (seeded), as if its copy had failed; vLLM recomputes from there
     fail_loads: float = 0.0
+    fail_saves: float = 0.0  # this fraction of steps' saves fails after its reserve (reservations aborted)
     fault_seed: int = 0
     # prefill/decode disaggregation (connectors/vllm_scheduler.py):
     wait_s: float = 10.0  # a loader waits this long for blocks in flight (reserved/announced); 0 = never wait
@@ -75,8 +76,8 @@ class ConnectorConfig:
             raise ValueError(f"copy_executor must be auto, dma or kernel, got {cfg.copy_executor!r}")
         if cfg.kernel_piece_bytes < 0:
             raise ValueError("kernel_piece_bytes must be >= 0")
-        if not 0 <= cfg.fail_loads <= 1:
-            raise ValueError("fail_loads must be a fraction in 0..1")
+        if not (0 <= cfg.fail_loads <= 1 and 0 <= cfg.fail_saves <= 1):
+            raise ValueError("fail_loads and fail_saves must be fractions in 0..1")
         return cfg
 
     def for_role(self, kv_role: str | None) -> "ConnectorConfig":
@@ -198,6 +199,9 @@ class SaveBatch:
     parents: list[bytes | None] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     tokens: list[bytes | None] = field(default_factory=list)  # <u4 token ids, for the daemon's KV events
+    # req id -> the block ids of a request admitted (or resumed) this step: vLLM's prefix cache may have
+    # given it blocks that a synchronous load fills this step, and its forward attends to them
+    admitted: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, req_id: str, block_id: int, block_hash: bytes, parent: bytes | None,
             tokens: bytes | None = None) -> None:

@@ -106,6 +106,8 @@ class _ReqState:
     num_wait: int = 0  # blocks after the pinned ones that the lookup found in flight (to be waited for)
     waited: bool = False  # a waiting load was planned once: a request whose wait failed is not made to wait again
     announced: list[bytes] = field(default_factory=list)  # hashes this (producer) engine announced
+    async_blocks: set[int] = field(default_factory=set)  # engine blocks of its asynchronous load in progress
+    async_failed: bool = False  # an asynchronous load of it failed: its next loads are synchronous
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
         have = len(self.hashes)
@@ -205,7 +207,11 @@ class SchedulerSide:
         if st.num_wait:
             self.stats["wait_lookups"] += 1
             return (hits + st.num_wait) * bt, True  # in-flight blocks: an async load, finished by get_finished
-        return hits * bt, self.config.load_async and hits > 0
+        # a request whose asynchronous load failed is admitted again with a synchronous one: vLLM admits it
+        # from the queue of requests holding blocks, ahead of those whose loads finished, and an asynchronous
+        # admission must leave the in-flight prefills' remaining blocks free (its own counted too); when it
+        # does not fit, vLLM stops at it every step and the requests behind it are never promoted
+        return hits * bt, self.config.load_async and hits > 0 and not st.async_failed
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -227,13 +233,15 @@ class SchedulerSide:
         if pins is not None:
             self._release(_Pins(pins.hashes[num_load:], pins.generation))
         job = LoadJob(request.request_id, block_ids[start : start + num_load],
-                      st.hashes[start : start + num_load], self.config.load_async)
+                      st.hashes[start : start + num_load], self.config.load_async and not st.async_failed)
         if num_load > num_pinned:  # some are in flight: the worker waits for them off the engine's thread
             st.waited = True  # vLLM reschedules the request if the wait fails: then it takes what is committed
             job.is_async, job.num_ready, job.wait_s = True, num_pinned, _wait_s(request, self.config)
             job.appear = _proxy_says_wait(request)
             st.hit_tiers["host"] += num_load - num_pinned
             self.stats["wait_blocks"] += num_load - num_pinned
+        if job.is_async:
+            st.async_blocks = set(job.block_ids)
         self._pending_loads.append(job)
         self._pending_pins.append(loaded)
         self.stats["load_blocks"] += num_load
@@ -254,6 +262,10 @@ class SchedulerSide:
         if self._pending_pins:
             self._pins_by_step[self._step] = self._pending_pins
         self._pending_loads, self._pending_pins = [], []
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.block_ids = []  # freed by vLLM (and soon another request's); a resumption brings new ones
         announce: list[bytes] = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -262,19 +274,21 @@ class SchedulerSide:
                 announce.extend(st.announced)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._collect_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta.saves)
+                self._collect_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta.saves,
+                                    admitted=True)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             end = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-            self._collect_saves(st, end, meta.saves)
+            self._collect_saves(st, end, meta.saves, admitted=resumed)
         if announce:  # before the forward pass that computes them: consumers may wait for these
             self.link.run("expect", lambda c: [c.expect(ns_id, announce) for ns_id in self.link.ns_ids])
             self.stats["announced_blocks"] += len(announce)
@@ -282,13 +296,18 @@ class SchedulerSide:
         self._step += 1
         return meta
 
-    def _collect_saves(self, st: _ReqState, end: int, saves: SaveBatch) -> None:
+    def _collect_saves(self, st: _ReqState, end: int, saves: SaveBatch, admitted: bool = False) -> None:
+        """Offer the request's newly completed full blocks. A request `admitted` (or resumed) this step
+        also sends its block ids: the worker saves none of its blocks if one of them failed to load this
+        step (vLLM's prefix cache hands a synchronous load's blocks to requests admitted after it)."""
         if not self.config.save:
             return
         verified = min(end, st.request.num_tokens)  # never a speculative token
         num_full = min(verified // self.block_tokens, len(st.block_ids))
         if num_full <= st.num_saved:
             return
+        if admitted:
+            saves.admitted[st.request.request_id] = list(st.block_ids)
         hashes = st.hashes_upto(num_full, self.block_tokens)
         bt = self.block_tokens
         # Token ids only for the daemon's KV events, and only for requests keyed by their tokens alone:
@@ -300,27 +319,41 @@ class SchedulerSide:
         self.stats["save_blocks_offered"] += num_full - st.num_saved
         st.num_saved = num_full
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: "KVConnectorOutput") -> set[int]:
+        """The workers' reports of a step. Returns the engine blocks a failed load left wrong: the failed
+        ones and, in each request that holds one, every block after it (computed on it). The connector
+        evicts them from vLLM's prefix cache: with the "recompute" policy vLLM keeps them cached for the
+        request that recomputes them, and a request admitted before it has (it may be aborted or
+        preempted first) would attend to garbage."""
         invalid = getattr(output, "invalid_block_ids", None)
-        if invalid:
-            self._offer_again(invalid)
+        stale = self._offer_again(invalid) if invalid else set()
+        for req_id in getattr(output, "finished_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:  # its asynchronous load ended: failed if one of its blocks is invalid
+                st.async_failed |= bool(invalid and st.async_blocks.intersection(invalid))
+                st.async_blocks = set()
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
-            return
+            return stale
         for step, n in report.loads_done.items():
             self._done_counts[step] += n
             if self._done_counts[step] >= self.num_ranks:
                 del self._done_counts[step]
                 for pins in self._pins_by_step.pop(step, []):
                     self._release(pins)
+        return stale
 
-    def _offer_again(self, invalid_block_ids: set[int]) -> None:
-        """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving again."""
+    def _offer_again(self, invalid_block_ids: set[int]) -> set[int]:
+        """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving
+        again. Returns them and what follows them in every request that holds one."""
+        stale = set(invalid_block_ids)
         for st in self._reqs.values():
-            for i, block_id in enumerate(st.block_ids[: st.num_saved]):
+            for i, block_id in enumerate(st.block_ids):
                 if block_id in invalid_block_ids:
-                    st.num_saved = i
+                    st.num_saved = min(st.num_saved, i)
+                    stale.update(st.block_ids[i:])
                     break
+        return stale
 
     def _expire_pins(self) -> None:
         for step in [s for s in self._pins_by_step if s < self._step - PIN_TTL_STEPS]:

@@ -19,7 +19,9 @@ saves) -> `get_finished` / `get_block_ids_with_load_errors` /
 `build_worker_meta` (reports to the scheduler side). A failed or missing load
 is reported and recomputed, never served: a request whose load failed in a
 step saves none of its blocks in that step (its forward attended to whatever
-the failed blocks held).
+the failed blocks held), and neither does a request admitted in that step whose
+blocks include a failed one (vLLM caches a synchronous load's blocks when it
+allocates them, so a request admitted after it in the same step shares them).
 
 Every RPC is batched per step (acquire, release, reserve, commit), and nothing
 outlives the step on the host path; on the GPU path, pins and commits wait for
@@ -52,10 +54,13 @@ class WorkerSide:
         self.link = StoreLink(config.socket_path, [namespace], config.timeout_s, config.retry_s, "vllm-worker")
         self.engine: EngineKV | None = None
         self.report = LoadReport()
-        self.faults = FaultInjector(config.fail_loads, config.fault_seed)
+        self.faults = FaultInjector(config.fail_loads, config.fault_seed, config.fail_saves)
+        if config.fail_loads or config.fail_saves:
+            log.warning("kvstore: fault injection is on (fail_loads=%s, fail_saves=%s, fault_seed=%s): for tests only",
+                        config.fail_loads, config.fail_saves, config.fault_seed)
         self.loads = StepLoads(config, self.link, self.report, self.faults, layer_names)
         self.waited = WaitedLoads(config, namespace, self.report, self.faults)
-        self.saves = Saves(self.link, None)
+        self.saves = Saves(self.link, None, self.faults)
         self._loads_done: dict[int, int] = {}
 
     @property
@@ -123,9 +128,12 @@ class WorkerSide:
             return
         step, failed = self.report.failed_reqs
         if step == meta.step and failed:
-            # a failed load left garbage in the request's blocks, and this step's forward
-            # attended to it: save none of that request's blocks (vLLM recomputes them)
-            saves = without_requests(saves, failed)
+            # a failed load left garbage in the request's blocks, and this step's forward attended to it:
+            # save none of that request's blocks (vLLM recomputes them), nor of a request admitted this step
+            # whose blocks include a failed one (vLLM's prefix cache shared them with it)
+            bad = self.report.failed_step_blocks
+            sharing = {r for r, ids in saves.admitted.items() if bad.intersection(ids)}
+            saves = without_requests(saves, failed | sharing)
         if len(saves):
             self.saves.save(self.engine, saves)
 

@@ -50,18 +50,21 @@ class LoadReport:
         self.lock = threading.Lock()
         self.failed_blocks: set[int] = set()
         self.failed_reqs: tuple[int, set[str]] = (-1, set())  # (step, requests whose load failed in it)
+        self.failed_step_blocks: set[int] = set()  # the blocks whose load failed in that step
         self.finished: set[str] = set()
         self.waited: dict[str, set[int]] = {}  # req id -> its blocks that did not load (wait threads)
         self.stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0,
-                                        "injected_failures": 0}
+                                        "injected_failures": 0, "loaded_blocks": 0}  # loaded: copied, not failed
 
     def begin_step(self, step: int) -> None:
         self.failed_reqs = (step, set())
+        self.failed_step_blocks = set()
 
     def fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first,
                     len(job.block_ids), why)
         self.failed_blocks.update(job.block_ids[first:])
+        self.failed_step_blocks.update(job.block_ids[first:])
         self.failed_reqs[1].add(job.req_id)
 
     def fail_all(self, jobs: Sequence[LoadJob], why: str = "store unavailable") -> None:
@@ -208,13 +211,15 @@ class StepLoads:
         pins of copies that are done (a GPU copy still running keeps its pins until a later call)."""
         steps, self._steps = self._steps, []
         for step in steps:
-            self._check_forward(step)
+            waited = self._check_forward(step)
             error = step.ticket.outcome()
             if error is not None:
                 log.warning("kvstore: a step's load copy failed (%r)", error)
                 for index, present in step.pinned.work:
                     if present:
                         self.report.fail(step.jobs[index], 0, f"copy failed: {error!r}")
+            elif waited:  # the blocks before an injected failure loaded too
+                self.report.stats["loaded_blocks"] += sum(present for _, present in step.pinned.work)
             self._releasing.append(step)
         self.release_done()
 
@@ -233,11 +238,12 @@ class StepLoads:
                 keep.append(step)
         self._releasing = keep
 
-    def _check_forward(self, step: _Step) -> None:
-        """Once per step: did the forward wait for the layers of a layer-wise load?"""
+    def _check_forward(self, step: _Step) -> bool:
+        """Once per step: did the forward wait for the layers of a layer-wise load? (False: its blocks were
+        reported as load errors.)"""
         awaited, step_awaited = set(step.awaited), step.awaited
         if not step.layer_wise or not any(present for _, present in step.pinned.work):
-            return
+            return True
         if not awaited or not self._hooked <= awaited:
             # the forward may have attended to blocks before they were copied: recompute them
             log.warning("kvstore: the forward waited for %d of %d layers of a layer-wise load; its blocks are "
@@ -247,11 +253,12 @@ class StepLoads:
             for index, present in step.pinned.work:
                 if present:
                     self.report.fail(step.jobs[index], 0, "the forward did not wait for its layers")
-            return
+            return False
         self._hooked |= awaited
         seen = list(dict.fromkeys(step_awaited))
         if seen and seen != self.layer_order[: len(seen)]:  # copy in the forward's order from now on
             self.layer_order = seen + [i for i in self.layer_order if i not in awaited]
+        return True
 
 
 @dataclass(eq=False)
@@ -356,6 +363,7 @@ class WaitedLoads:
                 failed = set(item.job.block_ids)
             with self.report.lock:  # reported in this step: the forward that reads the blocks comes after the copy
                 self.report.waited_done(item.job.req_id, failed)
+                self.report.stats["loaded_blocks"] += len(item.job.block_ids) - len(failed)
             if log.isEnabledFor(logging.DEBUG):
                 trace = {"req": item.job.req_id, "blocks": len(item.ids), "answered": item.answered,
                          "acquired": item.acquired, "submitted": time.monotonic()}

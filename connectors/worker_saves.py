@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from connectors.attention_score import KeyNormScorer
-from connectors.engine_kv import EngineKV
+from connectors.engine_kv import EngineKV, FaultInjector
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import SaveBatch
 from kvstore.protocol import metadata_frame_bytes
@@ -36,8 +36,8 @@ class _Saving:
 
 
 class Saves:
-    def __init__(self, link: StoreLink, scorer: KeyNormScorer | None) -> None:
-        self.link, self.scorer = link, scorer
+    def __init__(self, link: StoreLink, scorer: KeyNormScorer | None, faults: FaultInjector | None = None) -> None:
+        self.link, self.scorer, self.faults = link, scorer, faults
         self._pending: list[_Saving] = []  # copies submitted, not yet committed
 
     def save(self, engine: EngineKV, saves: SaveBatch) -> None:
@@ -65,6 +65,9 @@ class Saves:
             plan = engine.plan(block_ids, [mem.absolute(slots[i], at[i]) for i in reserved], 0, to_kv=False)
         except (ValueError, IndexError) as exc:
             self._abort(hashes, generation, exc)
+            return
+        if self.faults is not None and self.faults.save_fails():
+            self._abort(hashes, generation, RuntimeError("injected save failure (fail_saves)"))
             return
         ticket = engine.transfers.save(plan)
         if ticket.error is not None:
@@ -106,7 +109,7 @@ class Saves:
 
 
 def without_requests(saves: SaveBatch, req_ids: set[str]) -> SaveBatch:
-    kept = SaveBatch()
+    kept = SaveBatch(admitted={r: ids for r, ids in saves.admitted.items() if r not in req_ids})
     for r, b, h, p, t in zip(saves.req_ids, saves.block_ids, saves.hashes, saves.parents, saves.tokens):
         if r not in req_ids:
             kept.add(r, b, h, p, t)

@@ -24,6 +24,16 @@ of its parent:
 
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
+
+Every block that was present (committed, pinned by this read) and is answered
+as a miss is counted by its reason, `present_misses_<reason>` in the store's
+counters (stats' "present_misses", /metrics `kvstore_present_block_misses`):
+`no_room` (no host pages for the promotion, the arena full of pinned or
+reserved blocks), `evicted` (demoted while room was made), `discarded` (with a
+corrupt ancestor), `lost_<tier>`, `checksum_<tier>`, `read_error_<tier>` (for
+the remote tier: the cluster call failed or timed out), `parent_not_promoted`,
+`promotion_error` (a bug, logged), `unreadable_<tier>`; and, counted by the
+store's `pin`, `after_a_miss` (a prefix read stops at its first miss).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Fetched = list  # per (entry, host pages) item: True (in place, verified), False (did not verify), None (read failed)
+PRESENT_MISS = "present_misses_"  # counter prefix: a present block answered as a miss, by reason
 
 
 class Promoter:
@@ -117,7 +128,9 @@ class Promoter:
                 if isinstance(served, BaseException):
                     log.error("promotion into host failed", exc_info=served)
                     self.counters["promotions_failed_error"] += 1
-                if not (isinstance(served, dict) and served.get(out[i].key) is True):  # type: ignore[union-attr]
+                outcome = served.get(out[i].key, "discarded") if isinstance(served, dict) else "promotion_error"  # type: ignore[union-attr]
+                if outcome is not True:
+                    self.counters[PRESENT_MISS + outcome] += 1
                     self.index.unpin_failed(out[i], owner)  # type: ignore[arg-type]
                     out[i] = None
         if lift and RANK[tier] < RANK["host"]:
@@ -127,12 +140,13 @@ class Promoter:
         for i, e in enumerate(out):
             if e is not None and not (RANK[tier] <= RANK[e.tier] <= RANK["host"]):
                 self.counters[f"reads_unreadable_{e.tier}"] += 1
+                self.counters[f"{PRESENT_MISS}unreadable_{e.tier}"] += 1
                 self.index.unpin_failed(e, owner)
                 out[i] = None
         return out
 
     # -- into the host arena ---------------------------------------------------------------
-    async def _promote(self, src: Tier, batch: list[Entry]) -> dict[Key, bool]:
+    async def _promote(self, src: Tier, batch: list[Entry]) -> dict[Key, bool | str]:
         try:
             return await self._promote_batch(src, batch)
         finally:
@@ -142,10 +156,10 @@ class Promoter:
                 if held is not None:
                     self.host.free(held)
 
-    async def _promote_batch(self, src: Tier, batch: list[Entry]) -> dict[Key, bool]:
+    async def _promote_batch(self, src: Tier, batch: list[Entry]) -> dict[Key, bool | str]:
         """The one promotion routine: host pages root first, one fetch, then root first re-tiering.
-        Returns key -> whether the block now sits in host."""
-        served = {e.key: False for e in batch}
+        Returns key -> True (the block now sits in host) or why not (a present-miss reason)."""
+        served: dict[Key, bool | str] = {e.key: "discarded" for e in batch}
         todo: list[tuple[Entry, object]] = []
         for e in sorted(batch, key=lambda e: e.depth):
             slot = e.location
@@ -155,13 +169,16 @@ class Promoter:
                 alloc = self.placement.allocate("host", e.nbytes, protect=e.parent)
             except CapacityError:
                 self.counters["promotions_failed_host_full"] += 1
+                served[e.key] = "no_room"
                 continue
             if self.index.get(e.key) is not e or e.location is not slot:  # made room by evicting it
                 self.host.free(alloc)
+                served[e.key] = "evicted"
                 continue
             self._held_pages[e.key] = alloc
             if src.lost(slot):  # its write failed: the bytes are gone
                 self.placement.discard(e)
+                served[e.key] = f"lost_{src.name}"
                 continue
             todo.append((e, alloc))
         if not todo:
@@ -177,10 +194,12 @@ class Promoter:
                 continue  # discarded with a corrupt ancestor meanwhile
             if code is not True:
                 self._failed(src, e, code)
+                served[e.key] = f"{'read_error' if code is None else 'checksum'}_{src.name}"
                 continue
             parent = self.index.parent_of(e)
             if parent is not None and RANK[parent.tier] > RANK["host"]:
                 self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
+                served[e.key] = "parent_not_promoted"
                 continue
             del self._held_pages[e.key]
             self.placement.move(e, "host", alloc, keep_copy=src.persistent)

@@ -48,7 +48,7 @@ from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
-from kvstore.promotion import Promoter
+from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import recover
 from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, namespace_rows, tier_rows
@@ -204,6 +204,8 @@ class TieredStore:
         for h in hashes:
             e = get((ns_id, h))
             if e is None or not e.committed or missed:
+                if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
+                    self.counters[PRESENT_MISS + "after_a_miss"] += 1
                 out.append(None)
                 missed = prefix
                 continue

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
@@ -45,6 +46,7 @@ from tiers.arena import ArenaRefused, copy_in_many, copy_out, copy_out_many, map
 Block = tuple  # (hash, parent hash or None, payload buffer)
 PARALLEL_COPY_MIN_BYTES = 4 << 20
 PARALLEL_COPY_MIN_BLOCK_BYTES = 1 << 20
+CONNECT_RETRY_S = 0.01  # a Unix connect refused with EAGAIN (the listener's queue is full) is retried this often
 
 
 class Rpc(Protocol):
@@ -92,14 +94,23 @@ class ArenaTransport:
         return self.socket_path
 
     def open(self, timeout_s: float) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        return sock
+        """Connect within `timeout_s`. A Unix connect with a timeout fails at once with EAGAIN while the
+        daemon's listen queue is full (a storm of engine workers starting together): retried until then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout_s)
+                sock.connect(self.socket_path)
+                return sock
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + CONNECT_RETRY_S > deadline:
+                    raise
+                time.sleep(CONNECT_RETRY_S)
+            except OSError:
+                sock.close()
+                raise
 
     def greet(self, sock: socket.socket) -> None:
         """Before hello: the daemon must be ours (or root's)."""

@@ -110,6 +110,12 @@ class StoreCollector:
         yield CounterMetricFamily("kvstore_lookup_blocks", "Blocks looked up", value=c.get("lookup_blocks", 0))
         yield CounterMetricFamily("kvstore_lookup_hit_blocks", "Blocks found by lookups", value=c.get("lookup_hit_blocks", 0))
         yield CounterMetricFamily("kvstore_put_blocks", "Blocks committed", value=c.get("put_blocks", 0))
+        present = CounterMetricFamily("kvstore_present_block_misses",
+                                      "Present (committed) blocks that reads answered as misses, by reason",
+                                      labels=["reason"])
+        for reason, n in s.get("present_misses", {}).items():
+            present.add_metric([reason], n)
+        yield present
         errors = CounterMetricFamily("kvstore_errors", "Requests answered with an error", labels=["type"])
         for kind, n in s["errors"].items():
             errors.add_metric([kind], n)

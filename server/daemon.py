@@ -6,9 +6,11 @@ optionally, TCP (remote clients, payloads inline, a scoped token required:
 server/auth.py). Each connection is a session; its pins and reservations are
 leases that die with the connection. A frame larger than `max_frame_bytes` gets
 an error reply naming the limit and the connection is closed (the stream cannot
-be resynchronised); a body up to DISCARD_FACTOR times the limit is read and
-dropped first, so the client reads that reply rather than a reset. Any other
-bad request gets an error reply and the connection stays usable.
+be resynchronised); what arrives of a body up to DISCARD_FACTOR times the limit
+is read and dropped first, so a client still sending reads that reply rather than
+a reset — bounded in time (server/frames.py: a peer that sends no body is closed
+after DISCARD_IDLE_S). Any other bad request gets an error reply and the
+connection stays usable.
 
 A TCP peer that has not authenticated costs a socket and a read buffer, so until
 its hello succeeds: its frames may be at most `tcp_hello_max_frame_bytes` (a
@@ -55,6 +57,7 @@ from collections import Counter
 from kvstore.chain import open_store
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
+from kvstore.promotion import PRESENT_MISS
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
 from server.admin import AdminView, start_admin
@@ -68,6 +71,8 @@ log = logging.getLogger(__name__)
 DRAIN_S = 10.0  # requests in progress at SIGTERM get this long to finish
 CLOSE_S = 5.0  # then connections and listeners get this long to close
 DISCARD_FACTOR = 4  # an authenticated peer's oversize frame up to this many limits is drained before closing
+LISTEN_BACKLOG = 4096  # pending connects the listeners queue (the kernel caps it at net.core.somaxconn):
+# asyncio's default of 100 made local connects fail with EAGAIN when many engine workers started together
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 
 
@@ -80,6 +85,11 @@ def _socket_answers(path: str) -> bool:
         return False
     finally:
         probe.close()
+
+
+def present_misses(counters: dict) -> dict[str, int]:
+    """Present (committed) blocks that reads answered as misses, by reason (kvstore/promotion.py)."""
+    return {k[len(PRESENT_MISS):]: n for k, n in counters.items() if k.startswith(PRESENT_MISS)}
 
 
 def gpu_info(store: TieredStore) -> dict:
@@ -125,6 +135,7 @@ class Daemon:
         stats["sessions"] = len(self.sessions)
         stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
         stats["errors"] = dict(self.errors)
+        stats["present_misses"] = present_misses(stats["counters"])
         stats["gpu"] = gpu_info(self.store)
         stats["ops"] = dict(self.handlers.op_counts)
         if self.events is not None:
@@ -142,11 +153,13 @@ class Daemon:
         limit = sc.max_frame_bytes + HEADER.size
         old_umask = os.umask(0o177)
         try:
-            self._servers.append(await asyncio.start_unix_server(self._serve_unix, path=sock, limit=limit))
+            self._servers.append(await asyncio.start_unix_server(self._serve_unix, path=sock, limit=limit,
+                                                                 backlog=LISTEN_BACKLOG))
         finally:
             os.umask(old_umask)
         if sc.tcp_port is not None:
-            srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit)
+            srv = await asyncio.start_server(self._serve_tcp, sc.tcp_host, sc.tcp_port, limit=limit,
+                                             backlog=LISTEN_BACKLOG)
             self.tcp_port = srv.sockets[0].getsockname()[1]
             self._servers.append(srv)
         if self.events is not None:

@@ -7,6 +7,7 @@ alive, every stored block reads back identical, and the store's check() is clean
 import random
 import socket
 import struct
+import time
 
 import msgpack
 import numpy as np
@@ -136,6 +137,23 @@ def test_oversize_length_prefix_closes_the_connection(stored):
     raw.send(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)
     assert error_type(raw.reply()) == "ProtocolError"
     assert raw.reply() is None  # and the stream is closed: it cannot be resynchronised
+    raw.close()
+    assert_intact(daemon, ns, hs, payloads)
+
+
+def test_oversize_length_prefix_without_a_body_is_answered_and_closed(stored):
+    """Protocol fuzzing: a length prefix over the limit but within the drained range, and no
+    body. The daemon answered and then kept the connection open waiting for the body (still open 10 s
+    later); it must answer and close (within DISCARD_IDLE_S)."""
+    daemon, ns, hs, payloads = stored
+    limit = daemon.client().server_info["max_frame_bytes"]
+    raw = Raw(daemon.socket_path)
+    raw.hello()
+    raw.send(struct.pack(">I", limit + 1))
+    t0 = time.monotonic()
+    assert error_type(raw.reply()) == "ProtocolError"
+    assert raw.reply() is None  # closed, not waiting for a body that never comes (recv times out at 5 s)
+    assert time.monotonic() - t0 < 3.0  # DISCARD_IDLE_S (1 s) and some slack
     raw.close()
     assert_intact(daemon, ns, hs, payloads)
 

@@ -302,3 +302,60 @@ def test_the_chain_comes_from_the_config_and_stats_say_why_a_tier_is_absent(daem
     reason = no_cuda.stats()["tiers"]["gpu"].get("absent")
     ok, why = cuda_available()
     assert reason == (None if ok else why)
+
+
+def test_a_connection_storm_is_queued_not_refused(daemon):
+    """Protocol fuzzing: local connects failed with EAGAIN under connection storms (the Unix
+    listener's backlog was asyncio's 100). With the daemon stopped (it accepts nothing), 600 clients
+    connect at once, as many engine workers starting together would: every connect is queued, and
+    once the daemon runs again every connection is served."""
+    import socket
+
+    from tests.helpers import frame
+
+    socks, refused = [], 0
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(600):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)  # what the client does: a connect that cannot queue fails at once (EAGAIN)
+            try:
+                s.connect(daemon.socket_path)
+                socks.append(s)
+            except BlockingIOError:
+                refused += 1
+                s.close()
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    try:
+        assert refused == 0
+        for i, s in enumerate(socks):
+            s.sendall(frame([i, "ping", {}]))
+        for s in socks:
+            assert s.recv(64)  # served
+    finally:
+        for s in socks:
+            s.close()
+    assert daemon.check() == []
+
+
+def test_a_client_connect_refused_with_eagain_is_retried(daemon, monkeypatch):
+    """A Unix connect with a timeout fails at once with EAGAIN while the listen queue is full: the client
+    retries within its timeout instead of reporting the daemon unavailable."""
+    import socket
+
+    import kvstore.transports as transports
+
+    refusals = []
+
+    class Busy(socket.socket):
+        def connect(self, address):
+            if len(refusals) < 3:
+                refusals.append(address)
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+            return super().connect(address)
+
+    monkeypatch.setattr(transports.socket, "socket", Busy)
+    with KVClient(daemon.socket_path, timeout_s=5) as c:
+        assert c.ping()
+    assert len(refusals) == 3

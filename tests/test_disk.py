@@ -566,3 +566,36 @@ def test_tier_on_tmpfs_works_with_whatever_io_the_kernel_allows(caplog):
             h.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def present_misses(store) -> dict:
+    prefix = "present_misses_"
+    return {k[len(prefix):]: n for k, n in store.stats()["counters"].items() if k.startswith(prefix)}
+
+
+def test_a_present_block_read_as_a_miss_is_counted_by_reason(harness):
+    """Protocol fuzzing: reads of committed, unpinned blocks returned misses with nothing to say
+    why. Each such miss is counted by its reason: no room to promote, checksum (and the subtree
+    discarded with it), a prefix read's stop at its first miss."""
+    store = harness.store
+    hashes = chain_hashes(0, 4)
+    harness.spill(hashes)
+    assert present_misses(store) == {}
+    residents = [e.key[1] for e in store.iter_entries() if e.tier == "host" and e.committed]
+    store.pin(NS.id, residents, "hog", prefix=False)  # the arena full of pinned blocks: no room to promote
+    assert harness.get(hashes) == [None] * 4
+    assert present_misses(store) == {"no_room": 4}
+    store.release(NS.id, residents, "hog")
+    store.flush()
+    victim = store.entries[(NS.id, hashes[1])]
+    assert victim.tier == "disk"
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(victim.location.extents[0][0])
+        f.write(b"garbage!")
+    got = harness.get(hashes)
+    assert got[0] == payload_bytes(hashes[0], BLOCK) and got[1:] == [None] * 3
+    assert present_misses(store) == {"no_room": 4, "checksum_disk": 1, "discarded": 2}
+    absent = chain_hashes(7, 1)[0]
+    store.pin(NS.id, [absent, hashes[0]], "r")  # hashes[0] is present; the prefix read stopped before it
+    assert present_misses(store)["after_a_miss"] == 1
+    assert store.check() == []

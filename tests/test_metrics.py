@@ -93,3 +93,16 @@ def test_dashboard_queries_name_only_what_the_daemon_exports(daemon_factory):
         assert wanted <= have, f"{expr!r} groups by {wanted - have}, which its metrics do not carry"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_present_blocks_read_as_misses_are_in_stats_and_metrics_by_reason(daemon):
+    """A miss on a present (committed) block is counted by reason in /stats and /metrics."""
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(namespace("present-misses"))
+        hs = hash_blocks(np.arange(16 * 3), 16)
+        c.put(ns, [(h, p, np.zeros(64 * 1024, np.uint8)) for h, p in zip(hs, [None] + hs[:-1])])
+        absent = hash_blocks(np.arange(16) + 99_999, 16)[0]
+        assert c.acquire(ns, [absent, hs[1], hs[2]], prefix=True) == [None, None, None]
+    assert daemon.stats()["present_misses"] == {"after_a_miss": 2}
+    samples = scrape(daemon)["kvstore_present_block_misses_total"]
+    assert samples == [({"reason": "after_a_miss"}, 2.0)]

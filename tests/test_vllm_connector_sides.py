@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -220,6 +221,77 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
 
+def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_step(daemon, monkeypatch):
+    """Found by the chaos run's probe: vLLM caches the blocks of a synchronous load as soon as it
+    allocates them, so a request admitted in the same step can hit them in its local prefix cache and
+    attend to them in the same forward. When the load fails, that request's new blocks were computed on
+    garbage: it must save none of them in that step either (they were stored, and a later engine that
+    loaded them gave wrong output), and offer them again."""
+    sched_a, make_worker = make_sides(daemon)
+    worker_a, _ = make_worker(9)
+    prefix = list(range(500, 500 + 4 * BT))
+    run_step(sched_a, worker_a, _admit(sched_a, "a", prefix + [1, 2, 3], [0, 1, 2, 3, 4], 0))
+    stored = sched_a.link.client().stats()["blocks"]
+
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    loader = prefix + list(range(9000, 9000 + BT + 5))  # loads the 4 prefix blocks
+    sharer = prefix + list(range(7000, 7000 + 2 * BT + 5))  # vLLM's local hit on the loader's blocks
+    num, _ = sched_b.get_num_new_matched_tokens(request("l", loader), 0)
+    assert num == 4 * BT
+    sched_b.update_state_after_alloc(request("l", loader), blocks([5, 6, 7, 8, 9]), num)
+    sched_b.get_num_new_matched_tokens(request("s", sharer), 4 * BT)  # nothing after the local hit
+    sched_b.update_state_after_alloc(request("s", sharer), blocks([5, 6, 7, 8, 10, 11, 12]), 0)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 2)  # the loader's 3rd block fails
+    so = sched_output(new=[("l", [5, 6, 7, 8, 9], num), ("s", [5, 6, 7, 8, 10, 11, 12], 4 * BT)],
+                      scheduled={"l": len(loader) - num, "s": len(sharer) - 4 * BT})
+    meta = run_step(sched_b, worker_b, so)
+    assert meta.invalid == {7, 8}
+    assert set(meta.saves.req_ids) == {"l", "s"}  # both offered blocks ...
+    assert sched_b.link.client().stats()["blocks"] == stored  # ... and neither stored one
+    assert sched_b._reqs["s"].num_saved == 2  # offered again from the first failed block
+
+
+def test_a_failed_load_names_the_blocks_to_evict_from_the_prefix_cache(daemon, monkeypatch):
+    """vLLM's "recompute" policy keeps a failed load's blocks in its prefix cache for the request that
+    recomputes them; the scheduler side names them, and what follows them in every request holding one
+    (computed on them), for the connector to evict. A preempted request's old block ids are forgotten."""
+    sched_a, make_worker = make_sides(daemon)
+    worker_a, _ = make_worker(9)
+    prefix = list(range(600, 600 + 4 * BT))
+    run_step(sched_a, worker_a, _admit(sched_a, "a", prefix + [1, 2, 3], [0, 1, 2, 3, 4], 0))
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    loader, sharer = prefix + [7] * (BT + 5), prefix + [8] * (2 * BT + 5)
+    old = list(range(3000, 3000 + 3 * BT))  # preempted below: its block 7 goes to the loader
+    run_step(sched_b, worker_b, _admit(sched_b, "o", old, [7, 13, 14], 0))
+    num, _ = sched_b.get_num_new_matched_tokens(request("l", loader), 0)
+    sched_b.update_state_after_alloc(request("l", loader), blocks([5, 6, 7, 8, 9]), num)
+    sched_b.get_num_new_matched_tokens(request("s", sharer), 4 * BT)
+    sched_b.update_state_after_alloc(request("s", sharer), blocks([5, 6, 7, 8, 10, 11, 12]), 0)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 2)
+    so = sched_output(new=[("l", [5, 6, 7, 8, 9], num), ("s", [5, 6, 7, 8, 10, 11, 12], 4 * BT)],
+                      scheduled={"l": len(loader) - num, "s": len(sharer) - 4 * BT}, preempted=["o"])
+    meta = sched_b.build_connector_meta(so)
+    worker_b.start_load_kv(meta)
+    for name in LAYERS:
+        worker_b.wait_for_layer_load(name)
+    worker_b.wait_for_save(meta)
+    invalid = worker_b.get_block_ids_with_load_errors()
+    stale = sched_b.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker_b.build_worker_meta(),
+                                                            invalid_block_ids=invalid))
+    assert invalid == {7, 8}
+    assert stale == {7, 8, 9, 10, 11, 12}  # the loader's from block 2 on, the sharer's too; not 13, 14
+    assert sched_b._reqs["o"].num_saved == 3  # the preempted request's old ids are not its blocks any more
+
+
+def _admit(sched: SchedulerSide, req_id: str, tokens: list[int], ids: list[int], num_computed: int):
+    """A new request admitted with no external hit; the step's scheduler output."""
+    sched.get_num_new_matched_tokens(request(req_id, tokens), num_computed)
+    sched.update_state_after_alloc(request(req_id, tokens), blocks(ids), 0)
+    return sched_output(new=[(req_id, ids, num_computed)], scheduled={req_id: len(tokens) - num_computed})
+
+
 def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(whole_step_sides, monkeypatch):
     """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact;
     a copy that fails fails every block of the step's load (vLLM recomputes them all)."""
@@ -413,3 +485,20 @@ def test_a_forward_that_does_not_wait_gets_load_errors_and_whole_step_copies_aft
         assert torch.equal(kv_b[name][8:11], kv_a[name][0:3])
     worker.wait_for_save(meta)
     assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_an_injected_save_failure_aborts_its_reservations(daemon):
+    """fail_saves (fault injection, off by default): a step's save fails after its reserve, as if its copy
+    had failed; its reservations are aborted and nothing is committed."""
+    sched, make_worker = make_sides(daemon, fail_saves=1.0)
+    worker, _ = make_worker(1)
+    tokens = list(range(2000, 2000 + 3 * BT))
+    req = request("a", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    meta = run_step(sched, worker, sched_output(new=[("a", [1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    assert len(meta.saves) == 3 and worker.faults.injected_saves == 1
+    stats = sched.link.client().stats()
+    assert stats["blocks"] == 0 and stats["reserved_blocks"] == 0
+    with pytest.raises(ValueError, match="fractions in 0..1"):
+        ConnectorConfig.from_extra({"fail_saves": 1.5})

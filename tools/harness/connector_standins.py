@@ -16,9 +16,10 @@ def blocks(ids: list[int]):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def sched_output(new=(), cached=(), scheduled=None, resumed=()):
+def sched_output(new=(), cached=(), scheduled=None, resumed=(), preempted=()):
     """new: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids, num_computed)]."""
     return SimpleNamespace(
+        preempted_req_ids=set(preempted),
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
