@@ -1,8 +1,8 @@
 """Chaos run: real vLLM CPU engines with the kvstore connector and one daemon, under preemption, aborts,
 injected load failures and a daemon SIGKILLed and restarted mid-run; then the oracles.
 
-    python tools/bench/chaos_run.py [--requests 96] [--engines plain,ngram_async,plain]
-        [--kill-at 0.3,0.6] [--seed 0] [--control] [--json OUT] [--workdir DIR] [--keep]
+    python tools/bench/chaos_run.py [--requests 96] [--engines plain,ngram_async,async]
+        [--kill-at 0.3,0.6] [--seed 0] [--fail-loads 0.3] [--control] [--json OUT] [--workdir DIR] [--keep]
 
 What runs (all SmolLM2-135M, float32, block size 32, eager, in-process engines
 with one OpenMP thread each; tools/harness/chaos_engine.py):
