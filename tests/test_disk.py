@@ -274,6 +274,15 @@ def test_corruption_is_detected_and_never_served(harness):
     assert store.check() == []
 
 
+def corrupt_on_disk(harness, entry) -> None:
+    """Overwrite the first bytes of a disk-tier block in the data file (its checksum no longer matches)."""
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(entry.location.extents[0][0])
+        f.write(b"garbage!")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def test_corruption_while_running_with_other_pins(harness):
     hashes = chain_hashes(0, 8)
     harness.spill(hashes)
@@ -281,11 +290,7 @@ def test_corruption_while_running_with_other_pins(harness):
     store.flush()
     e = store.entries[(NS.id, hashes[2])]
     assert e.tier == "disk"
-    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
-        f.seek(e.location.extents[0][0])
-        f.write(b"garbage!")
-        f.flush()
-        os.fsync(f.fileno())
+    corrupt_on_disk(harness, e)
     other = store.pin(NS.id, hashes, "other")
     assert all(x is not None for x in other)
     entries = store.pin(NS.id, hashes, "r")
@@ -589,9 +594,7 @@ def test_a_present_block_read_as_a_miss_is_counted_by_reason(harness):
     store.flush()
     victim = store.entries[(NS.id, hashes[1])]
     assert victim.tier == "disk"
-    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
-        f.seek(victim.location.extents[0][0])
-        f.write(b"garbage!")
+    corrupt_on_disk(harness, victim)
     got = harness.get(hashes)
     assert got[0] == payload_bytes(hashes[0], BLOCK) and got[1:] == [None] * 3
     assert present_misses(store) == {"no_room": 4, "checksum_disk": 1, "discarded": 2}
