@@ -45,6 +45,17 @@ COMMON = dict(dtype="float32", block_size=BS, kv_cache_memory_bytes=64 << 20, ma
               max_num_batched_tokens=96)
 
 
+def one(prompt: list[int]) -> dict:
+    """A step list of one prompt, 24 greedy tokens."""
+    return {"prompts": [{"ids": prompt}], "max_tokens": 24}
+
+
+def store_prefixes(model: str, daemon, prompts: list[list[int]], workdir: str) -> None:
+    """Engine A serves `prompts` (2 tokens each) with the connector: their full blocks are stored."""
+    run_engine(engine_spec(model, [{"prompts": [{"ids": x} for x in prompts], "max_tokens": 2}],
+                           kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+
+
 def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
     """Engine A stores the 12-block prefix P; engine B (every load fails at a seeded random block) serves
     R = P + a and R2 = P + b together (R loads P, R2 hits R's blocks locally); engine C loads R2's 13
@@ -55,10 +66,8 @@ def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
     r, r2 = p + ids[2000:2040], p + ids[3000:3050]
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
-    one = lambda prompt: {"prompts": [{"ids": prompt}], "max_tokens": 24}  # noqa: E731
     try:
-        run_engine(engine_spec(model, [{"prompts": [{"ids": p + ids[5000:5010]}], "max_tokens": 2}],
-                               kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+        store_prefixes(model, daemon, [p + ids[5000:5010]], workdir)
         b = run_engine(engine_spec(model, [{"prompts": [{"ids": r}, {"ids": r2}], "max_tokens": 24}],
                                    kv_transfer_config=connector_config(daemon.socket_path, fail_loads=1.0), **COMMON),
                        workdir)
@@ -89,10 +98,8 @@ def test_a_failed_load_whose_request_is_aborted_leaves_no_garbage_in_the_prefix_
     r, r5 = p + ids[2000:2040], p + ids[3000:3050]
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
-    one = lambda prompt: {"prompts": [{"ids": prompt}], "max_tokens": 24}  # noqa: E731
     try:
-        run_engine(engine_spec(model, [{"prompts": [{"ids": p + ids[5000:5010]}], "max_tokens": 2}],
-                               kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+        store_prefixes(model, daemon, [p + ids[5000:5010]], workdir)
         requests = [dict(rid="R", engine=0, ids=r, max_tokens=24, arrive_step=0, abort="admitted"),
                     dict(rid="R5", engine=0, ids=r5, max_tokens=24, arrive_step=2)]
         kvt = connector_config(daemon.socket_path, fail_loads=1.0, fault_seed=0)
@@ -134,9 +141,7 @@ def test_an_asynchronous_load_failed_at_its_first_block_does_not_deadlock_the_sc
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
     try:
-        run_engine(engine_spec(model, [{"prompts": [{"ids": p1 + ids[4000:4010]}, {"ids": p2 + ids[4000:4010]}],
-                                        "max_tokens": 2}],
-                               kv_transfer_config=connector_config(daemon.socket_path), **COMMON), workdir)
+        store_prefixes(model, daemon, [p1 + ids[4000:4010], p2 + ids[4000:4010]], workdir)
         small = dict(COMMON, kv_cache_memory_bytes=21 * block_bytes(model, BS), max_model_len=640,
                      scheduler_reserve_full_isl=False)
         requests = [dict(rid="R1", engine=0, ids=r1, max_tokens=8, arrive_step=0),
