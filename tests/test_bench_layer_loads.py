@@ -19,7 +19,11 @@ def test_a_small_run_loads_every_block_in_both_arms(daemon_factory):
     (row,) = r["runs"]
     for arm in ("whole_step", "layer_wise"):
         assert len(row[f"all_{arm}_step_ms"]) == 2 and row[f"{arm}_step_ms"] > 0
-    assert row["forward_alone_ms"] >= 30 * 0.2  # 30 layers of 0.2 ms
+    # The stand-in forward was calibrated to 30 layers of 0.2 ms and ran them. Calibration takes the best of
+    # five probes, and a later run may go faster (a CPU that boosts, warm caches): half the target is the
+    # bound, which a forward that skipped its work (no rounds) misses by far.
+    assert row["forward_rounds"] >= 1
+    assert row["forward_alone_ms"] >= 0.5 * 30 * 0.2
     assert d.alive()
 
 

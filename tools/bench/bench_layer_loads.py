@@ -161,7 +161,7 @@ def bench(socket_path: str, tokens_n: int, per_layer_ms: list[float], repeats: i
             t0 = time.perf_counter()
             forward(None)
             alone.append(time.perf_counter() - t0)
-        row = {"per_layer_ms": ms, "forward_alone_ms": statistics.median(alone) * 1e3}
+        row = {"per_layer_ms": ms, "forward_rounds": forward.rounds, "forward_alone_ms": statistics.median(alone) * 1e3}
         for arm, layer_loads in (("whole_step", False), ("layer_wise", True)):
             cfg = ConnectorConfig(**base, layer_loads=layer_loads)
             worker = WorkerSide(cfg, ns, LAYER_NAMES, num_blocks)
