@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, GCCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.errors import AuthError, KVStoreError
@@ -243,6 +243,7 @@ def make_app(view: AdminView, admin_host: str = "127.0.0.1") -> web.Application:
     app = web.Application(middlewares=[errors_middleware, guard_middleware])
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StoreCollector(view))
+    GCCollector(registry=registry)  # python_gc_*: the daemon's cyclic collections (server/daemon.py, tune_gc)
     app[VIEW] = view
     app[REGISTRY] = registry
     app[HOSTS] = allowed_hosts(admin_host)

@@ -128,6 +128,18 @@ def test_admin_plane(daemon):
     assert daemon.stats()["blocks"] == 0
 
 
+def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_objects_less_often(daemon):
+    """server/daemon.py's tune_gc ran once the daemon served: its stats and /metrics say so."""
+    from server.daemon import GC_GEN0_THRESHOLD
+
+    gc_stats = daemon.stats()["gc"]
+    assert gc_stats["threshold"][0] == GC_GEN0_THRESHOLD > 700
+    assert gc_stats["frozen"] > 10_000  # modules, classes, functions: everything startup made
+    assert len(gc_stats["collections"]) == 3
+    text = daemon.http("/metrics")[1].decode()
+    assert 'python_gc_collections_total{generation="0"}' in text
+
+
 def test_stats_cli(daemon):
     out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--json", "--socket", daemon.socket_path],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
