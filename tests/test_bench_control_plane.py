@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from tools.bench import bench_control_plane
 from tools.bench.bench_control_plane import GOALS, chains, main, profile_top
 
 
@@ -42,3 +45,11 @@ def test_profile_top_reads_py_spy_raw_stacks(tmp_path):
     top = profile_top(str(raw))
     assert top[0] == (75.0, 75.0, "work (c.py:3)")  # the loop thread's samples only
     assert (25.0, 100.0, "serve (b.py:2)") in top
+
+
+def test_profile_without_py_spy_is_a_usage_error_before_any_daemon_starts(monkeypatch, capsys):
+    monkeypatch.setattr(bench_control_plane, "py_spy", lambda: None)
+    monkeypatch.setattr(bench_control_plane, "bench_batch", lambda *a, **k: pytest.fail("a daemon was started"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_control_plane.main(["--profile", "/nonexistent-dir/prof"])
+    assert exit_.value.code == 2 and "py-spy" in capsys.readouterr().err

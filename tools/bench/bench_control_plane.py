@@ -102,13 +102,19 @@ def chains(n: int, chain: int, seed: int) -> list[tuple[bytes, bytes | None]]:
     return blocks
 
 
+def py_spy() -> str | None:
+    """py-spy's executable: on PATH or beside this Python (a venv's bin/); None if neither."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
+
+
 def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label: str) -> Arm:
     extra = ("--policy", policy)
     kwargs = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False)
     daemon = start_daemon(tmp, *extra, **kwargs)
     spy = None
     if profile:  # sampled while it runs; py-spy writes its stacks when the daemon exits
-        exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        exe = py_spy()
         spy = subprocess.Popen([exe, "record", "--pid", str(daemon.proc.pid), "--rate", "1000", "--format", "raw",
                                 "--function", "--gil", "--nonblocking", "--output", os.path.join(profile, f"{policy}-{label}.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -356,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="sample the daemons with py-spy, stacks into this folder")
     args = ap.parse_args(argv)
     if args.profile:
+        if py_spy() is None:
+            ap.error("--profile needs py-spy (pip install py-spy), found neither on PATH nor beside this Python")
         os.makedirs(args.profile, exist_ok=True)
         args.profile = os.path.abspath(args.profile)
     result: dict = {"blocks": args.blocks, "rounds": args.rounds, "chain": args.chain, "block_bytes": BLOCK_BYTES,
