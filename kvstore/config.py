@@ -243,6 +243,9 @@ class EventsConfig:
         return self.endpoint is not None
 
 
+PUBLISH_POLICIES = ("committed", "evicted", "hit", "none")  # when blocks go to the remote tier (kvstore/sharing.py)
+
+
 @dataclass(frozen=True)
 class RemoteConfig:
     """The remote tier: a Mooncake Store cluster shared by the daemons of many hosts (tiers/remote.py,
@@ -256,7 +259,7 @@ class RemoteConfig:
     device_name: str = ""  # RDMA devices ("" = auto)
     segment_bytes: int = 1 * GiB  # DRAM this host contributes to the cluster's pool
     buffer_bytes: int = 64 * MiB  # Mooncake's own transfer buffer
-    publish: str = "committed"  # committed | evicted | hit | none (kvstore/sharing.py)
+    publish: str = "committed"  # one of PUBLISH_POLICIES
     timeout_s: float = 2.0  # an existence query
     transfer_timeout_s: float = 30.0  # one batch of gets or puts
     connect_timeout_s: float = 2.0  # reaching the master at start
@@ -274,8 +277,6 @@ class RemoteConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _require(self.protocol in ("tcp", "rdma", "efa", "cxl"), f"remote.protocol: unknown {self.protocol!r}")
-        from kvstore.sharing import PUBLISH_POLICIES
-
         _require(self.publish in PUBLISH_POLICIES, f"remote.publish must be one of {PUBLISH_POLICIES}, got {self.publish!r}")
         for name in ("timeout_s", "transfer_timeout_s", "connect_timeout_s"):
             v = getattr(self, name)

@@ -50,6 +50,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from kvstore.config import PUBLISH_POLICIES
 from kvstore.entry import Entry, Key, Shared
 from kvstore.errors import CapacityError
 from kvstore.index import BlockIndex
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUBLISHER = ("kvstore-remote-publisher",)  # the owner of the pins publishing holds
-PUBLISH_POLICIES = ("committed", "evicted", "hit", "none")
 OPS = ("query", "get", "put")
 BAD_VALUE_TTL_S = 60.0  # a value that did not verify is not fetched again for this long (it may be re-published)
 
