@@ -369,9 +369,10 @@ def tune_gc() -> None:
     The store's per-block objects (entries, the policy's values, the index's records) are freed by
     reference counting; the cyclic collector finds nothing among them, yet at the default threshold it
     ran several young collections per 512-block batch and a full one every few thousand blocks over every
-    object the process holds. bench_control_plane, 512-block batches: a write into a full tier 27 -> 22-24 us
-    a block with the default policy, 19 -> 15-16 with LRU (docs/benchmarks.md, "Control plane"). Cyclic
-    garbage (asyncio's exceptions and futures) still goes, at most GC_GEN0_THRESHOLD allocations later."""
+    object the process holds. bench_control_plane, 512-block batches, four runs each way alternating: the
+    daemon's CPU per block written into a full tier 27.3-27.8 -> 22.8-23.7 us with the default policy;
+    reads unchanged (docs/benchmarks.md, "Control plane"). Cyclic garbage (asyncio's exceptions and
+    futures) still goes, at most GC_GEN0_THRESHOLD allocations later."""
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()

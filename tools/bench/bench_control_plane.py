@@ -112,14 +112,18 @@ def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label
     extra = ("--policy", policy)
     kwargs = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False)
     daemon = start_daemon(tmp, *extra, **kwargs)
-    spy = None
-    if profile:  # sampled while it runs; py-spy writes its stacks when the daemon exits
-        exe = py_spy()
-        spy = subprocess.Popen([exe, "record", "--pid", str(daemon.proc.pid), "--rate", "1000", "--format", "raw",
-                                "--function", "--gil", "--nonblocking", "--output", os.path.join(profile, f"{policy}-{label}.txt")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = KVClient(daemon.socket_path, name=f"bench-cp-{policy}-{label}", timeout_s=60)
-    ns = client.register(Namespace(f"bench-cp-{label}", "bf16", 1, 1, 128, 16, BLOCK_BYTES))
+    try:
+        spy = None
+        if profile:  # sampled while it runs; py-spy writes its stacks when the daemon exits
+            spy = subprocess.Popen([py_spy(), "record", "--pid", str(daemon.proc.pid), "--rate", "1000", "--format",
+                                    "raw", "--function", "--gil", "--nonblocking",
+                                    "--output", os.path.join(profile, f"{policy}-{label}.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = KVClient(daemon.socket_path, name=f"bench-cp-{policy}-{label}", timeout_s=60)
+        ns = client.register(Namespace(f"bench-cp-{label}", "bf16", 1, 1, 128, 16, BLOCK_BYTES))
+    except BaseException:
+        daemon.stop()
+        raise
     return Arm(policy, daemon, client, ns, spy)
 
 
@@ -175,8 +179,8 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
     """Every arm at one batch size; the policies alternate round by round."""
     payload = np.ones((chain, BLOCK_BYTES), np.uint8)
     out = np.zeros((n, BLOCK_BYTES), np.uint8)
-    free = [open_arm(tmp, p, 2 * n + 1024, profile, f"free{batch}") for p in policies]
-    full = [open_arm(tmp, p, n // 2, profile, f"full{batch}") for p in policies]
+    free: list[Arm] = []
+    full: list[Arm] = []
     times: dict = {p: {arm: [] for arm in ARMS} for p in policies}
     cpu: dict = {p: {arm: 0.0 for arm in ARMS} for p in policies}
     loop_cpu: dict = {p: {arm: 0.0 for arm in ARMS} for p in policies}
@@ -190,7 +194,11 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
         loop_cpu[p][name] += c1[1] - c0[1]
         return result
 
-    try:
+    try:  # (a daemon that started is stopped, and its arena removed, whatever fails after it)
+        for p in policies:
+            free.append(open_arm(tmp, p, 2 * n + 1024, profile, f"free{batch}"))
+        for p in policies:
+            full.append(open_arm(tmp, p, n // 2, profile, f"full{batch}"))
         for arm in full:  # fill: from now on every batch evicts
             if put_blocks(arm, chains(n, chain, 10_000), batch, payload) != n:
                 raise SystemExit("the filling round did not store every block")
