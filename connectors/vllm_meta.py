@@ -104,6 +104,23 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Full-attention specs whose blocks vLLM keeps for the whole prompt; RSWA drops decode blocks, and a
+# hidden-state cache holds no KV.
+NOT_STORED_SPECS = ("RSWASpec", "HiddenStateCacheSpec")
+
+
+def check_full_attention(spec: Any) -> None:
+    """ValueError unless every layer keeps the KV of every block of the prompt: a sliding-window or
+    chunked-local layer hands vLLM's null block (block 0, shared by every request) in place of the blocks
+    it dropped, which a load would write into and a save would store under real hashes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    kind = type(spec).__name__
+    if not isinstance(spec, FullAttentionSpec) or kind in NOT_STORED_SPECS:
+        raise ValueError(f"KV cache spec {kind}: the connector stores full-attention KV only (sliding-window, "
+                         f"chunked-local and other layers keep some blocks of a prompt, not all)")
+
+
 def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "") -> list[Namespace]:
     """One namespace per TP rank (index = rank) for this engine's KV layout.
 
@@ -114,9 +131,7 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     if len(groups) != 1:
         raise ValueError(f"{len(groups)} KV cache groups (hybrid models are not supported)")
     spec = groups[0].kv_cache_spec
-    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, name):
-            raise ValueError(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    check_full_attention(spec)
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("pipeline parallelism is not supported")
@@ -224,13 +239,15 @@ class StepMeta(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler each step: how many workers finished the loads of each step."""
+    """Worker -> scheduler each step: how many workers finished the loads of each step, and whether a
+    worker disabled its side (its KV could not be mapped: every load it is given fails)."""
 
     loads_done: dict[int, int] = field(default_factory=dict)
+    disabled: bool = False
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "WorkerReport":
         assert isinstance(other, WorkerReport)
         merged = dict(self.loads_done)
         for step, n in other.loads_done.items():
             merged[step] = merged.get(step, 0) + n
-        return WorkerReport(merged)
+        return WorkerReport(merged, self.disabled or other.disabled)

@@ -135,6 +135,7 @@ class SchedulerSide:
         self._done_counts: Counter = Counter()
         self._step = 0
         self.stats = Counter()
+        self.workers_disabled = False  # a worker reported that it cannot map its KV: no more hits offered
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
 
     # -- RPC helpers ------------------------------------------------------------
@@ -185,7 +186,7 @@ class SchedulerSide:
     # -- admission ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)  # a save-only (kv_producer) engine needs the state for its saves too
-        if st is None or not self.config.load:
+        if st is None or not self.config.load or self.workers_disabled:
             return 0, False
         bt = self.block_tokens
         start = num_computed_tokens // bt
@@ -335,6 +336,9 @@ class SchedulerSide:
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
             return stale
+        if report.disabled and not self.workers_disabled:
+            log.warning("kvstore: a worker's side of the connector is disabled (see its log): no more hits offered")
+            self.workers_disabled = True
         for step, n in report.loads_done.items():
             self._done_counts[step] += n
             if self._done_counts[step] >= self.num_ranks:

@@ -62,6 +62,7 @@ class WorkerSide:
         self.waited = WaitedLoads(config, namespace, self.report, self.faults)
         self.saves = Saves(self.link, None, self.faults)
         self._loads_done: dict[int, int] = {}
+        self._registered = False
 
     @property
     def wait_stats(self) -> dict:
@@ -69,6 +70,7 @@ class WorkerSide:
 
     # -- setup ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._registered = True  # from now on, no engine means a disabled worker side
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             log.warning("kvstore connector disabled: KV tensors missing for layers %s", missing[:3])
@@ -104,7 +106,9 @@ class WorkerSide:
             return
         self.report.begin_step(meta.step)
         if self.engine is None:
-            self.report.fail_all(meta.loads)
+            self.report.fail_all(meta.loads, "the connector's worker side is disabled")
+            # vLLM holds a request with an asynchronous (or waited) load until it is reported finished
+            self.report.finished.update(job.req_id for job in meta.loads if job.is_async)
         else:
             waiting = [job for job in meta.loads if job.needs_wait]
             now = [job for job in meta.loads if not job.needs_wait]
@@ -152,9 +156,10 @@ class WorkerSide:
         return self.report.take_failed_blocks()
 
     def build_worker_meta(self) -> WorkerReport | None:
-        if not self._loads_done:
+        disabled = self.engine is None and self._registered  # the scheduler side stops offering hits
+        if not self._loads_done and not disabled:
             return None
-        report, self._loads_done = WorkerReport(self._loads_done), {}
+        report, self._loads_done = WorkerReport(self._loads_done, disabled), {}
         return report
 
     def shutdown(self) -> None:

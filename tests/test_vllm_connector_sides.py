@@ -193,6 +193,39 @@ def test_block_size_mismatch_disables_the_worker(daemon, caplog):
     assert any("disabled" in r.getMessage() for r in caplog.records)
 
 
+def test_a_disabled_worker_finishes_its_asynchronous_loads_and_the_scheduler_stops_offering_hits(sides, daemon):
+    """vLLM holds a request with an asynchronous load until the worker reports it finished: a worker that
+    could not map its KV fails the load and reports it, and tells the scheduler side, which offers no
+    more hits (each would fail and be recomputed)."""
+    sched, make_worker = sides
+    writer, _ = make_worker(12)
+    tokens = list(range(700, 700 + 3 * BT + 5))
+    req = request("w", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+    run_step(sched, writer, sched_output(new=[("w", [0, 1, 2, 3], 0)], scheduled={"w": len(tokens)}))
+    bad = Namespace(model="unit", dtype="float32", num_layers=L, num_kv_heads=H, head_size=D,
+                    block_tokens=BT, block_bytes=123)
+    disabled = WorkerSide(ConnectorConfig(socket=daemon.socket_path), bad, LAYERS, NB)
+    disabled.register_kv_caches(kv_tensors(13))
+    assert disabled.engine is None
+    hashes = hash_blocks(tokens, BT)[:3]
+    meta = StepMeta(step=0, loads=[LoadJob("r", [5, 6, 7], hashes, True), LoadJob("s", [8], hashes[:1], False)])
+    disabled.start_load_kv(meta)
+    disabled.wait_for_save(meta)
+    assert disabled.get_finished() == (None, {"r"})  # the synchronous one is not reported: vLLM never waits for it
+    assert disabled.get_block_ids_with_load_errors() == {5, 6, 7, 8}
+    report = disabled.build_worker_meta()
+    assert report == WorkerReport({0: 1}, disabled=True)
+    assert disabled.build_worker_meta() == WorkerReport({}, disabled=True)  # said every step
+    other = request("o", tokens)
+    assert sched.get_num_new_matched_tokens(other, 0)[0] == 3 * BT  # stored: a hit, before it hears
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=set()))
+    assert sched.workers_disabled and sched.get_num_new_matched_tokens(request("p", tokens), 0) == (0, False)
+    disabled.shutdown()
+    writer.shutdown()
+
+
 @pytest.mark.parametrize("layer_loads", [True, False], ids=["layer-wise", "whole-step"])
 def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(daemon, monkeypatch, layer_loads):
     sched_a, make_worker = make_sides(daemon, layer_loads=layer_loads)
