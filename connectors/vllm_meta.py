@@ -235,6 +235,9 @@ class StepMeta(KVConnectorMetadata):
     step: int
     loads: list[LoadJob] = field(default_factory=list)
     saves: SaveBatch = field(default_factory=SaveBatch)
+    # engine blocks whose failed load the scheduler side read since the previous step's metadata: vLLM
+    # recomputes them from this step on, so the workers' saves need not leave them out any more
+    invalid_seen: set[int] = field(default_factory=set)
 
 
 @dataclass

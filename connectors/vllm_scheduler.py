@@ -136,6 +136,7 @@ class SchedulerSide:
         self._step = 0
         self.stats = Counter()
         self.workers_disabled = False  # a worker reported that it cannot map its KV: no more hits offered
+        self._invalid_seen: set[int] = set()  # failed blocks read since the last metadata (StepMeta.invalid_seen)
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
 
     # -- RPC helpers ------------------------------------------------------------
@@ -194,7 +195,8 @@ class SchedulerSide:
         if limit <= start:
             return 0, False
         key = (start, limit)
-        if st.pin_key != key:  # asked again with other bounds: redo the lookup
+        stale = st.pins is not None and st.pins.generation != self.link.generation  # pinned in a daemon now gone
+        if st.pin_key != key or stale:  # asked again with other bounds (or the daemon restarted): look up again
             self._release(st.pins)
             st.pins, reachable = self._acquire(st.hashes_upto(limit, bt)[start:limit])
             st.pin_key = key
@@ -259,7 +261,8 @@ class SchedulerSide:
 
     # -- per step -----------------------------------------------------------------
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
-        meta = StepMeta(step=self._step, loads=self._pending_loads)
+        meta = StepMeta(step=self._step, loads=self._pending_loads, invalid_seen=self._invalid_seen)
+        self._invalid_seen = set()
         if self._pending_pins:
             self._pins_by_step[self._step] = self._pending_pins
         self._pending_loads, self._pending_pins = [], []
@@ -328,6 +331,8 @@ class SchedulerSide:
         preempted first) would attend to garbage."""
         invalid = getattr(output, "invalid_block_ids", None)
         stale = self._offer_again(invalid) if invalid else set()
+        if invalid:
+            self._invalid_seen |= invalid  # the workers hear it with the next step's metadata
         for req_id in getattr(output, "finished_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:  # its asynchronous load ended: failed if one of its blocks is invalid

@@ -102,9 +102,9 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------------
     def start_load_kv(self, meta: StepMeta) -> None:
         self.loads.finish()  # a step whose end this worker did not see (never expected)
+        self.report.begin_step(meta.step)
         if not meta.loads:
             return
-        self.report.begin_step(meta.step)
         if self.engine is None:
             self.report.fail_all(meta.loads, "the connector's worker side is disabled")
             # vLLM holds a request with an asynchronous (or waited) load until it is reported finished
@@ -130,12 +130,14 @@ class WorkerSide:
         self.saves.commit_done()
         if not len(saves):
             return
-        step, failed = self.report.failed_reqs
-        if step == meta.step and failed:
-            # a failed load left garbage in the request's blocks, and this step's forward attended to it:
+        self.report.acknowledged(meta.invalid_seen, meta.step)
+        failed, bad = self.report.tainted()
+        if failed:
+            # A failed load left garbage in the request's blocks, and this step's forward attended to it:
             # save none of that request's blocks (vLLM recomputes them), nor of a request admitted this step
-            # whose blocks include a failed one (vLLM's prefix cache shared them with it)
-            bad = self.report.failed_step_blocks
+            # whose blocks include a failed one (vLLM's prefix cache shared them with it). Until the
+            # scheduler side has read the failure (StepMeta.invalid_seen), not in later steps either: with
+            # asynchronous scheduling vLLM plans the next step before it reads this one's output.
             sharing = {r for r, ids in saves.admitted.items() if bad.intersection(ids)}
             saves = without_requests(saves, failed | sharing)
         if len(saves):

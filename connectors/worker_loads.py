@@ -39,6 +39,7 @@ from connectors.vllm_meta import ConnectorConfig, LoadJob
 log = logging.getLogger(__name__)
 
 WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
+UNACKED_STEPS = 64  # a failed load the scheduler never acknowledges stops holding saves back after this many steps
 
 
 class LoadReport:
@@ -48,24 +49,44 @@ class LoadReport:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.failed_blocks: set[int] = set()
-        self.failed_reqs: tuple[int, set[str]] = (-1, set())  # (step, requests whose load failed in it)
-        self.failed_step_blocks: set[int] = set()  # the blocks whose load failed in that step
+        self.failed_blocks: set[int] = set()  # to report at the step's end (get_block_ids_with_load_errors)
+        # Failed loads the scheduler side has not acknowledged yet, one per step: (requests, their failed
+        # blocks). Until it has, vLLM may plan further steps on those blocks (with asynchronous scheduling
+        # the next step is planned before this one's output is read), so saves must leave them out.
+        self.unacked: list[tuple[set[str], set[int], int]] = []  # (requests, blocks, step)
+        self._step = -1
         self.finished: set[str] = set()
         self.waited: dict[str, set[int]] = {}  # req id -> its blocks that did not load (wait threads)
         self.stats: dict[str, float] = {"jobs": 0, "blocks_waited": 0, "blocks_failed": 0, "wait_s": 0.0,
                                         "injected_failures": 0, "loaded_blocks": 0}  # loaded: copied, not failed
 
     def begin_step(self, step: int) -> None:
-        self.failed_reqs = (step, set())
-        self.failed_step_blocks = set()
+        self._step = step
 
     def fail(self, job: LoadJob, first: int, why: str) -> None:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first,
                     len(job.block_ids), why)
         self.failed_blocks.update(job.block_ids[first:])
-        self.failed_step_blocks.update(job.block_ids[first:])
-        self.failed_reqs[1].add(job.req_id)
+        if not self.unacked or self.unacked[-1][2] != self._step:
+            self.unacked.append((set(), set(), self._step))
+        reqs, blocks, _ = self.unacked[-1]
+        reqs.add(job.req_id)
+        blocks.update(job.block_ids[first:])
+
+    def acknowledged(self, invalid_seen: set[int], step: int) -> None:
+        """The scheduler side has read the failed blocks `invalid_seen` (vLLM recomputes them from now on):
+        failures all of whose blocks it has read are over. One it never reads (no step should lose it)
+        is over after UNACKED_STEPS steps."""
+        self.unacked = [u for u in self.unacked if not u[1] <= invalid_seen and step - u[2] < UNACKED_STEPS]
+
+    def tainted(self) -> tuple[set[str], set[int]]:
+        """The requests and blocks of the failed loads not acknowledged yet."""
+        reqs: set[str] = set()
+        blocks: set[int] = set()
+        for r, b, _ in self.unacked:
+            reqs |= r
+            blocks |= b
+        return reqs, blocks
 
     def fail_all(self, jobs: Sequence[LoadJob], why: str = "store unavailable") -> None:
         for job in jobs:

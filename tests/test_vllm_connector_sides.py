@@ -254,6 +254,52 @@ def test_failed_load_saves_nothing_of_that_request_and_offers_the_blocks_again(d
     assert sched_b._reqs["b"].num_saved == 1  # vLLM recomputes from block 1: offered again
 
 
+def test_with_asynchronous_scheduling_a_failed_load_holds_saves_back_until_the_scheduler_read_it(daemon, monkeypatch):
+    """vLLM's asynchronous scheduling (the default on GPUs) plans step N+1 before it reads step N's
+    output: a request whose load failed in N goes on with its chunked prefill in N+1, on the garbage. Its
+    blocks of N+1 must not be stored (other engines would load them); once the scheduler side has read
+    the failure (the metadata of N+2 says so) and vLLM recomputes, they are."""
+    sched_a, make_worker = make_sides(daemon)
+    worker_a, _ = make_worker(9)
+    tokens = list(range(500, 500 + 4 * BT + 3))
+    run_step(sched_a, worker_a, _admit(sched_a, "a", tokens, [0, 1, 2, 3, 4], 0))
+    stored = sched_a.link.client().stats()["blocks"]
+
+    sched_b = SchedulerSide(sched_a.config, [namespace()], BT)
+    worker_b, _ = make_worker(10)
+    longer = tokens[: 4 * BT] + list(range(9000, 9000 + 4 * BT + 5))  # 4 shared blocks, then 4 new ones
+    req_b = request("b", longer)
+    num, _ = sched_b.get_num_new_matched_tokens(req_b, 0)
+    assert num == 4 * BT
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    sched_b.update_state_after_alloc(req_b, blocks(ids), num)
+    monkeypatch.setattr(worker_b.faults, "first_failed", lambda num_blocks: 1)
+
+    def step(so):  # a step's worker hooks, its output not read yet
+        meta = sched_b.build_connector_meta(so)
+        worker_b.start_load_kv(meta)
+        for name in LAYERS:
+            worker_b.wait_for_layer_load(name)
+        worker_b.wait_for_save(meta)
+        return meta, SimpleNamespace(invalid_block_ids=worker_b.get_block_ids_with_load_errors(),
+                                     kv_connector_worker_meta=worker_b.build_worker_meta())
+
+    meta_n, out_n = step(sched_output(new=[("b", ids, num)], scheduled={"b": BT // 2}))  # half of block 9
+    assert out_n.invalid_block_ids == {6, 7, 8} and meta_n.saves.block_ids == []
+    meta_n1, out_n1 = step(sched_output(cached=[("b", [], num + BT // 2)], scheduled={"b": 2 * BT}))
+    assert meta_n1.saves.block_ids == [9, 10]  # offered (their parent is stored): the scheduler has not
+    assert sched_b.link.client().stats()["blocks"] == stored  # read step N yet; not stored: computed on garbage
+    sched_b.update_connector_output(out_n)
+    sched_b.update_connector_output(out_n1)
+    # vLLM recomputes from the first failed block (block 1 of the request, engine block 6)
+    meta_n2, _ = step(sched_output(cached=[("b", [], BT)], scheduled={"b": len(longer) - BT}))
+    assert meta_n2.invalid_seen == {6, 7, 8}
+    assert meta_n2.saves.block_ids == [6, 7, 8, 9, 10, 11, 12]  # offered again from the failed block ...
+    assert sched_b.link.client().stats()["blocks"] == stored + 4  # ... and the new ones stored now
+    worker_a.shutdown()
+    worker_b.shutdown()
+
+
 def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_step(daemon, monkeypatch):
     """Found by the chaos run's probe: vLLM caches the blocks of a synchronous load as soon as it
     allocates them, so a request admitted in the same step can hit them in its local prefix cache and
