@@ -108,6 +108,7 @@ class _ReqState:
     announced: list[bytes] = field(default_factory=list)  # hashes this (producer) engine announced
     async_blocks: set[int] = field(default_factory=set)  # engine blocks of its asynchronous load in progress
     async_failed: bool = False  # an asynchronous load of it failed: its next loads are synchronous
+    save_limit: int | None = None  # blocks from this index on are never offered (it shares a failed block)
 
     def hashes_upto(self, num_blocks: int, block_tokens: int) -> list[bytes]:
         have = len(self.hashes)
@@ -308,6 +309,8 @@ class SchedulerSide:
             return
         verified = min(end, st.request.num_tokens)  # never a speculative token
         num_full = min(verified // self.block_tokens, len(st.block_ids))
+        if st.save_limit is not None:
+            num_full = min(num_full, st.save_limit)
         if num_full <= st.num_saved:
             return
         if admitted:
@@ -354,14 +357,26 @@ class SchedulerSide:
 
     def _offer_again(self, invalid_block_ids: set[int]) -> set[int]:
         """Blocks that failed to load get recomputed by vLLM: offer them (and what follows) for saving
-        again. Returns them and what follows them in every request that holds one."""
-        stale = set(invalid_block_ids)
+        again. Returns them and what follows them in every request that holds one.
+
+        A failed block that several requests hold (vLLM's prefix cache shared it) is recomputed by one of
+        them only; the others keep it as computed and attend to it. If that one is aborted or preempted
+        first, they attend to garbage (vLLM's own failure mode). So a request holding a failed block that
+        another request holds too offers nothing from that block on, ever; a sole holder offers again."""
+        holders: Counter = Counter()
+        first: list[tuple[_ReqState, int]] = []
         for st in self._reqs.values():
-            for i, block_id in enumerate(st.block_ids):
-                if block_id in invalid_block_ids:
-                    st.num_saved = min(st.num_saved, i)
-                    stale.update(st.block_ids[i:])
-                    break
+            bad = [i for i, block_id in enumerate(st.block_ids) if block_id in invalid_block_ids]
+            if bad:
+                first.append((st, bad[0]))
+                holders.update({st.block_ids[i] for i in bad})
+        stale = set(invalid_block_ids)
+        for st, i in first:
+            stale.update(st.block_ids[i:])
+            if all(holders[b] == 1 for b in st.block_ids[i:] if b in invalid_block_ids):
+                st.num_saved = min(st.num_saved, i)
+            else:
+                st.save_limit = i if st.save_limit is None else min(st.save_limit, i)
         return stale
 
     def _expire_pins(self) -> None:

@@ -328,7 +328,13 @@ def test_a_request_sharing_a_failed_load_by_prefix_cache_saves_nothing_in_that_s
     assert meta.invalid == {7, 8}
     assert set(meta.saves.req_ids) == {"l", "s"}  # both offered blocks ...
     assert sched_b.link.client().stats()["blocks"] == stored  # ... and neither stored one
-    assert sched_b._reqs["s"].num_saved == 2  # offered again from the first failed block
+    # Both hold the failed blocks: vLLM recomputes them in one of them, and the other attends to them as
+    # they are until then (to garbage, if that one is aborted first): neither offers them, or what
+    # follows them, again.
+    assert sched_b._reqs["s"].save_limit == 2 and sched_b._reqs["l"].save_limit == 2
+    sched_b._reqs["s"].request = request("s", sharer + list(range(100, 100 + 2 * BT)))  # it decodes on
+    meta = run_step(sched_b, worker_b, sched_output(cached=[("s", [13, 14], len(sharer))], scheduled={"s": 2 * BT}))
+    assert "s" not in meta.saves.req_ids  # its new full blocks come after the failed ones: never offered
 
 
 def test_a_failed_load_names_the_blocks_to_evict_from_the_prefix_cache(daemon, monkeypatch):
