@@ -13,12 +13,14 @@ tier's capacity it demotes until `high` is free, one batch at a time:
    as every demotion does: host victims go on to disk);
 2. in a thread: one batched copy gpu -> host per pool (`GpuTier.read_many`:
    one stream synchronization per pool, never the device's);
-3. on the loop: each victim that is still a leaf of the tier moves to host (its
-   GPU pages are given back), and every pin is dropped. A victim that gained a
-   child in the GPU tier meanwhile stays where it is (its host pages go back).
+3. on the loop: each victim that is still a leaf of the tier and that no reader
+   pinned meanwhile moves to host (its GPU pages are given back), and every pin
+   is dropped. A victim that gained a child in the GPU tier, or that a reader
+   acquired (it copies from those GPU pages), stays where it is (its host pages
+   go back).
 
-Readers keep reading a victim's GPU bytes until step 3 re-tiers it: they stay
-valid until then. Counters: `gpu_demotions`, `gpu_demotion_batches`,
+A reader that acquired a victim during the copy keeps its GPU extents valid
+until it releases them. Counters: `gpu_demotions`, `gpu_demotion_batches`,
 `gpu_demotion_failures`.
 """
 
@@ -114,11 +116,12 @@ class GpuDemoter:
             self.counters["gpu_demotion_ms"] += int((time.monotonic() - t0) * 1e3)
             moved = 0
             for e, alloc in moves:
-                if index.get(e.key) is e and e.tier == "gpu" and is_leaf_in(e, "gpu"):
+                # Pinned by a reader meanwhile (only our own pin allowed): it copies from these GPU pages.
+                if index.get(e.key) is e and e.tier == "gpu" and is_leaf_in(e, "gpu") and e.pins == 1:
                     placement.move(e, "host", alloc)
                     placement.tier_stats["gpu"].evictions += 1
                     moved += 1
-                else:  # gained a child in the gpu tier meanwhile: it stays (a later batch may take it)
+                else:  # a reader pinned it, or it gained a child in the gpu tier: it stays (a later batch may take it)
                     host.free(alloc)
             moves = []
             self.counters["gpu_demotions"] += moved

@@ -150,3 +150,49 @@ def test_a_configured_gpu_tier_on_a_host_without_cuda_is_absent_and_imports_no_t
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True)
     assert "absent" in out.stdout
+
+
+def test_a_block_acquired_while_the_demoter_copies_it_stays_in_the_gpu_tier(tmp_path):
+    """The demoter copies its victims gpu -> host in a thread while the loop serves; an engine that
+    acquires a victim meanwhile gets its GPU extents and copies from them. Moving the block then would
+    free those pages under the engine (a later save could overwrite them): it stays where it is."""
+    import asyncio
+    import threading
+
+    from kvstore.keys import Namespace
+    from kvstore.store import TieredStore
+    from tests.helpers import chain_hashes
+
+    async def scenario() -> None:
+        gtier = gpu.GpuTier([gpu.GpuPool("cpu", 10 * 4096, 4096)])
+        host = HostArena(str(tmp_path / "arena"), 64 * 4096, 4096, prefault=False)
+        store = TieredStore([gtier, host], policy="lru")
+        ns = store.register_namespace(Namespace("demote-race", "bf16", 1, 1, 1, 16, 4096))
+        copying, go = threading.Event(), threading.Event()
+        real = gtier.read_many
+
+        def slow_read_many(blocks):
+            copying.set()
+            go.wait(10)
+            return real(blocks)
+
+        gtier.read_many = slow_read_many
+        hashes = chain_hashes(5, 10)
+        roots = [(h, None) for h in hashes]  # ten leaves: the oldest are the demoter's victims
+        got = store.reserve(ns, roots, "writer", prefer="gpu")
+        assert all(e is not None and e.tier == "gpu" for e in got)
+        store.commit(ns, hashes, "writer")  # 0 of 10 pages free: the demoter starts
+        await asyncio.get_running_loop().run_in_executor(None, copying.wait, 10)
+        entries, found = await store.acquire(ns, hashes, "engine", prefix=False, tier="gpu", lift=False)
+        where = {e.key: list(map(list, e.location)) for e in entries}
+        go.set()
+        await store.demoter.stop()
+        assert all(e.tier == "gpu" and list(map(list, e.location)) == where[e.key] for e in entries)
+        assert store.check() == []
+        store.release(ns, hashes, "engine")
+        store.demoter.kick()  # unpinned now: they may go
+        await store.demoter.stop()
+        assert sum(e.tier == "host" for e in entries) >= 2 and store.check() == []
+        store.close(persist=False)
+
+    asyncio.run(scenario())
