@@ -50,37 +50,44 @@ class CpuExecutor:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._regions: dict[str, list[np.ndarray]] = {}
-        self._bases = np.zeros(0, np.int64)
+        # (arrays, their base addresses, their ends), replaced as a whole: a plan prepared on one map is
+        # executed on that map even if another thread registers new regions in between (a reconnect)
+        self._map: tuple[list[np.ndarray], np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         if regions:
             self.set_regions("default", regions)
 
     def set_regions(self, key: str, arrays: Sequence[np.ndarray]) -> None:
         """Register (or replace) a group of regions, e.g. "kv" or "arena" after a reconnect."""
-        self._regions[key] = [np.asarray(a).reshape(-1).view(np.uint8) for a in arrays]
-        arrays = sorted((a for group in self._regions.values() for a in group), key=lambda a: a.ctypes.data)
-        self._arrays = arrays
-        self._bases = np.array([a.ctypes.data for a in arrays], np.int64)
-        self._ends = self._bases + np.array([a.size for a in arrays], np.int64)
+        regions = dict(self._regions)
+        regions[key] = [np.asarray(a).reshape(-1).view(np.uint8) for a in arrays]
+        self._regions = regions
+        arrays = sorted((a for group in regions.values() for a in group), key=lambda a: a.ctypes.data)
+        bases = np.array([a.ctypes.data for a in arrays], np.int64)
+        self._map = (arrays, bases, bases + np.array([a.size for a in arrays], np.int64))
 
-    def _resolve(self, addr: np.ndarray, size: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _resolve(bases: np.ndarray, ends: np.ndarray, addr: np.ndarray, size: np.ndarray,
+                 what: str) -> tuple[np.ndarray, np.ndarray]:
         addr = addr.astype(np.int64)
-        index = np.searchsorted(self._bases, addr, side="right") - 1
-        ok = (index >= 0) & (addr + size <= self._ends[np.maximum(index, 0)])
+        index = np.searchsorted(bases, addr, side="right") - 1
+        ok = (index >= 0) & (addr + size <= ends[np.maximum(index, 0)])
         if not ok.all():
             bad = int(np.nonzero(~ok)[0][0])
             raise ValueError(f"piece {bad}: {what} [{int(addr[bad]):#x}, +{int(size[bad])}) is outside the "
                              f"registered memory")
-        return index, addr - self._bases[index]
+        return index, addr - bases[index]
 
     def prepare(self, plan: CopyPlan) -> list[tuple]:
         """The plan as copy operations: each a run of equal pieces at constant strides on both sides
-        (one strided NumPy call; a layer's pieces of consecutive blocks form one), or a single piece.
-        Every address is checked against the registered regions first."""
+        (one strided NumPy call; a layer's pieces of consecutive blocks form one), or a single piece,
+        holding the source and destination arrays themselves. Every address is checked against the
+        registered regions first."""
         if not len(plan):
             return []
+        arrays, bases, ends = self._map  # one map for the whole plan (see __init__)
         n = plan.size.astype(np.int64)
-        si, so = self._resolve(plan.src, n, "source")
-        di, do = self._resolve(plan.dst, n, "destination")
+        si, so = self._resolve(bases, ends, plan.src, n, "source")
+        di, do = self._resolve(bases, ends, plan.dst, n, "destination")
         # piece k continues piece k-1's run when both sit in the same regions, have the same size, and
         # follow at the same (positive, non-overlapping) strides as k-1 followed k-2
         step_s, step_d = np.diff(so), np.diff(do)
@@ -92,8 +99,9 @@ class CpuExecutor:
         follow = np.minimum(heads, n.size - 2)  # the step of a run of one piece is never used
         steps_s = np.where(counts > 1, step_s[follow] if n.size > 1 else 0, 0)
         steps_d = np.where(counts > 1, step_d[follow] if n.size > 1 else 0, 0)
-        return list(zip(si[heads].tolist(), so[heads].tolist(), steps_s.tolist(), di[heads].tolist(),
-                        do[heads].tolist(), steps_d.tolist(), n[heads].tolist(), counts.tolist()))
+        return list(zip([arrays[i] for i in si[heads].tolist()], so[heads].tolist(), steps_s.tolist(),
+                        [arrays[i] for i in di[heads].tolist()], do[heads].tolist(), steps_d.tolist(),
+                        n[heads].tolist(), counts.tolist()))
 
     def run(self, plan: CopyPlan) -> None:
         """Copy every piece of the plan; returns when all bytes are in place."""
@@ -118,9 +126,7 @@ class CpuExecutor:
         """Run prepared operations. One NumPy call per operation: a thread copying beside a Python-heavy
         forward takes the GIL once per call, so fewer calls cost the forward less (each hand-over of the
         GIL stalls it)."""
-        arrays = self._arrays
-        for si, so, ss, di, do, sd, n, count in ops:
-            src, dst = arrays[si], arrays[di]
+        for src, so, ss, dst, do, sd, n, count in ops:  # (the arrays themselves: see prepare)
             if count == 1:
                 copy_bytes(dst[do : do + n], src[so : so + n])
                 continue
@@ -227,6 +233,10 @@ class CpuTransfers:
         except Exception as exc:
             return Ticket(exc)
         return Ticket()
+
+    def drain(self) -> None:
+        """Host copies are over when their ticket is finished; a layer-wise load still running keeps the
+        arrays it was prepared on (CpuExecutor.prepare): nothing to wait for."""
 
     def close(self) -> None:
         if self._layer_thread is not None:

@@ -147,6 +147,7 @@ class Chooser:
     kernel: KernelExecutor | None
     choice: str = "auto"
     kernel_piece_bytes: int = 16 << 10
+    host_mapped: bool = True  # the arena is registered (mapped for the device): the kernel may read it
 
     def __post_init__(self) -> None:
         if self.choice not in EXECUTOR_CHOICES:
@@ -155,9 +156,11 @@ class Chooser:
     def pick(self, plan: CopyPlan):
         small = len(plan) and plan.nbytes / len(plan) < self.kernel_piece_bytes
         want_kernel = self.choice == "kernel" or (self.choice == "auto" and small)
-        if want_kernel and self.kernel is not None and not _misaligned(plan):
+        if want_kernel and self.kernel is not None and self.host_mapped and not _misaligned(plan):
             return self.kernel
-        return self.dma if self.dma is not None else self.kernel
+        if self.dma is None:  # the kernel cannot take this plan (unaligned, or host memory it cannot address)
+            self.dma = DmaExecutor()
+        return self.dma
 
 
 def _misaligned(plan: CopyPlan) -> bool:
@@ -260,9 +263,16 @@ class CudaTransfers:
         if self.ordered:
             streams.wait(self.side, streams.record(forward))
         events = {}
-        for key, plan in zip(keys, plans):
-            self._run(plan, load)
-            events[key] = streams.record(self.side)
+        try:
+            for key, plan in zip(keys, plans):
+                self._run(plan, load)
+                events[key] = streams.record(self.side)
+        except BaseException:
+            # Some plans are queued already: the forward's later work waits for them, so a late copy never
+            # lands on blocks that are recomputed (a load) or reused (a save) after this failure.
+            if self.ordered:
+                streams.wait(forward, streams.record(self.side))
+            raise
         done = events[keys[-1]] if events else streams.record(self.side)
         if forward_waits and self.ordered:
             streams.wait(forward, done)
@@ -297,5 +307,9 @@ class CudaTransfers:
             ticket.error = exc
             return ticket
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far has run (before the memory they touch goes away)."""
+        self.streams.synchronize(self.streams.record(self.side))
+
     def close(self) -> None:
-        pass
+        self.drain()

@@ -151,9 +151,11 @@ class EngineKV:
             from tiers.gpu import pin_host
 
             mem.pinned = pin_host(arena)
+            # the copy kernel reads and writes the arena through unified addressing: registered memory only
+            self.transfers.chooser.host_mapped = bool(mem.pinned.pinned)
             if not mem.pinned.pinned:
-                log.warning("kvstore: the arena is not pinned (%s): copies to and from it are slower",
-                            mem.pinned.reason)
+                log.warning("kvstore: the arena is not pinned (%s): copies to and from it are slower, and all "
+                            "of them go to the copy engines", mem.pinned.reason)
         if pools is not None:
             mem.pools = pools
             mem.pool_bases = [int(p.ctypes.data) if isinstance(p, np.ndarray) else int(p.data_ptr()) for p in pools]
@@ -177,6 +179,7 @@ class EngineKV:
         mem = self._memory.pop(key, None)
         if mem is None:
             return
+        self.transfers.drain()  # copies still running from or into that memory finish before it goes
         if self._cpu is not None:
             self._cpu.set_regions("store", [])
         elif mem.pinned is not None:

@@ -102,6 +102,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         return required_layout(current_platform.device_type)
 
+    # requires_piecewise_for_cudagraph stays False: on GPUs the connector asks for a block-outermost
+    # layout, where loads are whole-step (one copy per block) and full CUDA graphs are safe. Where vLLM
+    # keeps a layer-outer layout and a graph skips wait_for_layer_load, the worker sees it (the step's
+    # loads count as failed and are recomputed) and copies whole steps from then on.
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss

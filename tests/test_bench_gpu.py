@@ -22,20 +22,30 @@ def test_a_cpu_run_covers_every_case_and_checks_the_bytes(capsys):
     assert by[(16, "LBHNC")] > by[(16, "BLHNC")]  # layer-outer: a piece per block and layer
     assert set(r["step_load"]) == {f"{tier}_{t}tok_{lay}" for tier in ("pool", "arena") for t in (16, 128)
                                    for lay in ("BLHNC", "LBHNC")}
-    assert all(c["gbps"] > 0 and c["vs_limit"] > 0 for c in r["cases"])
+    assert all(c["gbps"] > 0 and c["vs_limit"] > 0 for c in r["cases"]) and r["errors"] == 0
 
 
-def test_a_copy_that_drops_a_piece_stops_the_run(monkeypatch):
+@pytest.mark.parametrize("fault", ["drops a piece", "does nothing", "raises"])
+def test_a_copy_that_goes_wrong_fails_every_case_it_touches_and_the_run_goes_on(monkeypatch, capsys, tmp_path, fault):
+    """The destination is filled with a constant before the verified run, so a copy that does nothing is
+    caught too (an earlier case left the right bytes there); a failed transfer is not timed as a fast one."""
     from connectors.cpu_copy import CpuExecutor
 
     real = CpuExecutor.run
 
-    def lossy(self, plan):
-        real(self, plan.take(plan.size.astype(bool) & (plan.src != plan.src[0])))  # the first piece is lost
+    def broken(self, plan):
+        if fault == "drops a piece":
+            real(self, plan.take(plan.size.astype(bool) & (plan.src != plan.src[0])))
+        elif fault == "raises":
+            raise RuntimeError("injected copy failure")
 
-    monkeypatch.setattr(CpuExecutor, "run", lossy)
-    with pytest.raises(SystemExit, match="differs"):
-        bench_gpu.main(["--device", "cpu", "--quick", "--iters", "1"])
+    monkeypatch.setattr(CpuExecutor, "run", broken)
+    out = tmp_path / "bench.json"
+    assert bench_gpu.main(["--device", "cpu", "--quick", "--json", "--iters", "1", "--out", str(out)]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["errors"] == len(r["cases"]) == 16 and json.loads(out.read_text()) == r
+    reason = "injected copy failure" if fault == "raises" else "differs"
+    assert all(reason in c["error"] and "gbps" not in c for c in r["cases"])
 
 
 def test_without_cuda_it_says_why_and_exits_2(capsys):

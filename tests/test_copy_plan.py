@@ -308,3 +308,24 @@ def test_a_layers_pieces_of_consecutive_blocks_are_one_strided_copy():
     scattered = cp.build_plan(geom, [5, 1, 9, 3], [[[i * bb, bb]] for i in (3, 0, 7, 1)], store.data_ptr(),
                               to_kv=True, merge_layers=False)
     assert len(ex.prepare(scattered.by_layer([0])[0])) == 4
+
+
+def test_a_prepared_plan_runs_on_the_regions_it_was_prepared_on():
+    """A wait thread may register a restarted daemon's arena (new regions) while another thread is between
+    preparing and executing a plan: the operations hold the arrays they were resolved against, never an
+    index into a list that changed meanwhile."""
+    from connectors.cpu_copy import CpuExecutor
+
+    kv, store = np.zeros(4096, np.uint8), np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    ex = CpuExecutor(threads=1)
+    ex.set_regions("kv", [kv])
+    ex.set_regions("store", [store])
+    plan = cp.CopyPlan(np.array([store.ctypes.data], np.uint64), np.array([kv.ctypes.data], np.uint64),
+                       np.array([4096], np.uint64), np.zeros(1, np.int32))
+    ops = ex.prepare(plan)
+    other = np.full(1 << 20, 7, np.uint8)  # sorts before or after: it moves the others' indices
+    ex.set_regions("store", [other, np.full(8192, 9, np.uint8)])
+    ex.execute(ops)
+    assert np.array_equal(kv, store) and (other == 7).all()
+    with pytest.raises(ValueError, match="outside the registered memory"):
+        ex.prepare(plan)  # the old arena is no longer registered

@@ -124,6 +124,39 @@ def test_layer_wise_load_has_an_event_per_layer_and_the_forward_waits_per_layer(
         assert torch.equal(ref_payload(kind, dst, b), ref_payload(kind, src, i))
 
 
+def test_a_layer_wise_load_that_fails_halfway_makes_the_forward_wait_for_what_was_queued(world, monkeypatch):
+    """Layers queued before the failure still copy: the forward's later work waits for them, so a late copy
+    never lands on blocks vLLM recomputes after the failure."""
+    kind, src, dst, geom, store, streams, transfers = world
+    extents = scattered_extents(2, geom.block_bytes, 256, seed=56)
+    plan = cp.build_plan(geom, [2, 6], extents, store.data_ptr(), to_kv=True, merge_layers=False)
+    dma = transfers.chooser.dma
+    real, calls = dma.run, []
+
+    def fails_at_the_second(plan, stream, stable_source):
+        calls.append(len(plan))
+        if len(calls) == 2:
+            raise RuntimeError("injected submission failure")
+        real(plan, stream, stable_source)
+
+    monkeypatch.setattr(dma, "run", fails_at_the_second)
+    ticket = transfers.load_layers(plan.by_layer(list(range(L))), list(range(L)))
+    assert isinstance(ticket.outcome(), RuntimeError) and len(calls) == 2
+    side_events = [x[1] for x in streams.log if x[0] == "record" and x[1].endswith("@side")]
+    assert streams.log[-1] == ("wait", "forward", side_events[-1])  # after the first layer's copy
+
+
+def test_the_kernel_never_takes_a_plan_while_the_arena_is_not_registered():
+    """The copy kernel reaches the arena through unified addressing, which needs it registered with the
+    device; an arena that could not be pinned goes to the copy engines (an unregistered address would be
+    an illegal access in the engine's context)."""
+    dma, kernel = object.__new__(DmaExecutor), object()
+    chooser = Chooser(dma, kernel, "kernel")
+    assert chooser.pick(_plan([4096] * 64)) is kernel
+    chooser.host_mapped = False
+    assert chooser.pick(_plan([4096] * 64)) is dma
+
+
 def test_save_reads_after_the_forward_and_fences_later_forward_work(world):
     kind, src, dst, geom, store, streams, transfers = world
     extents = scattered_extents(2, geom.block_bytes, 256, seed=55)

@@ -231,7 +231,7 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
             kv[3].fill_(value)
             ticket = transfers.save(cp.build_plan(geom, [3], store, 0, to_kv=False))
             kv[3].fill_(other)  # the next forward reuses the freed block
-            ticket.finish()
+            assert (error := ticket.finish()) is None, f"the save failed: {error!r}"
             torch.cuda.synchronize()
             bad_saves += int((torch.from_numpy(arena[:block]) != value).any())
             # load-then-read: the forward reads block 5 (old bytes) behind matmuls; a load into it is submitted
@@ -242,7 +242,7 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
                 a = (a @ a).clamp_(-1, 1)
             seen.copy_(kv[5])  # the forward's read, queued behind the matmuls
             ticket = transfers.load(cp.build_plan(geom, [5], store, 0, to_kv=True))
-            ticket.finish()
+            assert (error := ticket.finish()) is None, f"the load failed: {error!r}"
             torch.cuda.synchronize()
             bad_loads += int((seen != value).any())
             assert bool((kv[5] == other).all()), "the load did not land"

@@ -125,7 +125,9 @@ class GpuPool:
             self.buf = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
             self.host = self.buf.numpy() if self.device.type == "cpu" else None
         self.pages = PageAllocator(num_pages, page_bytes, label=f"gpu {self.device}")
-        self._stream = None
+        # The pool's own stream, made here: the demoter's thread and the event loop both copy on it, and
+        # one made lazily by each could leave a copy on a stream the other never waits for.
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     @property
     def free_bytes(self) -> int:
@@ -146,8 +148,6 @@ class GpuPool:
                 host = [np.asarray(h).reshape(-1) for h in segments]
                 _copy_pairs(pool, host) if into_pool else _copy_pairs(host, pool)
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
         with torch.cuda.stream(self._stream):
             for extents, segments in blocks:
                 pool = [self.buf[o : o + n] for o, n in extents]

@@ -24,11 +24,14 @@ Results (`--json` prints one object):
 - `interference`: a bf16 8192^3 GEMM loop's slowdown on the forward stream while
   ~10 GB of loads from the arena run beside it, per executor (goal <= 5% for the
   default executor, "dma");
-- every transfer's bytes are checked against the source after its timed runs.
+- every transfer's bytes are checked: its destination is filled with a constant, one transfer runs, the
+  bytes are compared with the source (`verify`), then it is timed; a transfer that fails or moves other
+  bytes gives its row an `error` and the run goes on (`errors` counts them). The default executor's
+  cases run first. `--out PATH` writes the JSON after every case.
 
 `--device cpu` runs the same code with the host executor and no IPC (a smoke test
 of this script on machines without CUDA); without CUDA and without it, the script
-prints why and exits 2.
+prints why and exits 2. It exits 1 when a case failed.
 
     python tools/bench/bench_gpu.py [--json] [--quick] [--device cuda:0]
 """
@@ -184,34 +187,65 @@ def timed(device: str, fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def verify(kv, geom, stores, tier: str, ids: list, extents: list, to_kv: bool) -> None:
-    """Engine blocks hold exactly the bytes of their extents: the first and last block of the transfer and
-    six others at random (every block would move gigabytes off the GPU per case)."""
-    import torch
+class CaseFailed(Exception):
+    """A case's transfer failed or moved other bytes: recorded in its row, the other cases go on."""
 
+
+SCRAMBLE = 0x5A  # what a checked block's destination holds before the verified run
+
+
+def checked_blocks(ids: list) -> list[int]:
+    """The blocks a case checks: the first and last of the transfer and six others at random (every block
+    would move gigabytes off the GPU per case)."""
+    return sorted({0, len(ids) - 1} | set(random.Random(len(ids)).sample(range(len(ids)), min(6, len(ids)))))
+
+
+def block_parts(kv, geom, stores, tier: str, ids: list, extents: list, i: int) -> tuple[list, list]:
+    """Block i of a transfer as (its store extents, its pieces of KV memory): tensor slices, in one order."""
     from connectors.copy_plan import build_plan
 
     flat = stores.pool if tier == "pool" else stores.host_tensor()
-    sample = {0, len(ids) - 1} | set(random.Random(len(ids)).sample(range(len(ids)), min(6, len(ids))))
-    for i in sorted(sample):
-        one = build_plan(geom, [ids[i]], [extents[i]], 0, to_kv=True)
-        store_bytes = torch.cat([flat[o:o + n].cpu() for o, n in extents[i]])
-        kv_bytes = torch.cat([_read_kv(kv, int(a), int(n)) for a, n in zip(one.dst, one.size)])
-        if not torch.equal(store_bytes, kv_bytes):
-            raise SystemExit(f"bench_gpu: block {ids[i]} differs from its {tier} extents after a "
-                             f"{'load' if to_kv else 'save'}")
+    one = build_plan(geom, [ids[i]], [extents[i]], 0, to_kv=True)
+    base = kv[0].untyped_storage().data_ptr()
+    memory = _kv_bytes(kv)
+    return ([flat[o:o + n] for o, n in extents[i]],
+            [memory[int(a) - base:int(a) - base + int(n)] for a, n in zip(one.dst, one.size)])
 
 
-def _read_kv(kv, addr: int, n: int):
-    """n bytes of KV memory at `addr` (inside one of the views' allocation)."""
+def scramble(kv, geom, stores, tier: str, ids: list, extents: list, to_kv: bool) -> None:
+    """Before the verified run: the checked blocks' source gets fresh random bytes and their destination
+    SCRAMBLE, so a transfer that did not run, ran short or read the wrong place fails `verify` (the
+    bytes an earlier case left cannot pass for this one's)."""
+    for i in checked_blocks(ids):
+        store_parts, kv_parts = block_parts(kv, geom, stores, tier, ids, extents, i)
+        source, destination = (store_parts, kv_parts) if to_kv else (kv_parts, store_parts)
+        for part in source:
+            part.random_(0, 256)
+        for part in destination:
+            part.fill_(SCRAMBLE)
+
+
+def verify(kv, geom, stores, tier: str, ids: list, extents: list, to_kv: bool) -> None:
+    """The checked blocks hold the same bytes in the engine's KV and in their extents (after `scramble`
+    and one transfer)."""
     import torch
 
-    base = kv[0].untyped_storage().data_ptr()
-    storage = torch.empty(0, dtype=torch.uint8, device=kv[0].device).set_(kv[0].untyped_storage())
-    return storage[addr - base: addr - base + n].cpu()
+    for i in checked_blocks(ids):
+        store_parts, kv_parts = block_parts(kv, geom, stores, tier, ids, extents, i)
+        if not torch.equal(torch.cat([p.cpu() for p in store_parts]), torch.cat([p.cpu() for p in kv_parts])):
+            raise CaseFailed(f"block {ids[i]} differs from its {tier} extents after a {'load' if to_kv else 'save'}")
 
 
-def bench_case(args, stores, block_tokens: int, layout: str, executors: list[str]) -> tuple[list, dict]:
+def _kv_bytes(kv):
+    """The whole KV allocation as one uint8 tensor."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=kv[0].device).set_(kv[0].untyped_storage())
+
+
+def bench_case(args, stores, block_tokens: int, layout: str, executor: str, step_loads: bool) -> tuple[list, dict]:
+    """Every (tier, direction) of one shape with one executor: a row each, with `error` where the transfer
+    failed or moved other bytes (the other rows go on). `step_loads`: record the loads as step loads."""
     import torch
 
     from connectors.copy_plan import build_plan, kv_geometry
@@ -229,20 +263,34 @@ def bench_case(args, stores, block_tokens: int, layout: str, executors: list[str
         extents = scattered_pages(stores.nbytes // stores.page, stores.page, n, bb, rng)
         base = stores.base(tier)
         regions = [stores.arena.buf, stores.pool.numpy(), _storage_array(kv)] if device == "cpu" else []
-        for executor in executors:
-            transfers = transfers_for(device, executor, regions)
+        transfers = transfers_for(device, executor, regions)
+        try:
             for to_kv in (True, False):
                 plan = build_plan(geom, ids, extents, base, to_kv=to_kv)
-                run = (lambda p=plan: transfers.load(p).finish()) if to_kv else (lambda p=plan: transfers.save(p).finish())
-                seconds = timed(device, run, args.iters)
-                verify(kv, geom, stores, tier, ids, extents, to_kv)
-                limit = limits[(tier, "load" if to_kv else "save")]
                 row = {"block_tokens": block_tokens, "layout": layout, "direction": "load" if to_kv else "save",
-                       "tier": tier, "executor": executor, "blocks": n, "pieces": len(plan),
-                       "gbps": n * bb / seconds / 1e9, "limit_gbps": n * bb / limit / 1e9, "vs_limit": limit / seconds}
+                       "tier": tier, "executor": executor, "blocks": n, "pieces": len(plan)}
                 out.append(row)
-                if to_kv and executor == executors[0]:
+
+                def run(p=plan, load=to_kv) -> None:
+                    error = (transfers.load(p) if load else transfers.save(p)).finish()
+                    if error is not None:
+                        raise CaseFailed(f"the transfer failed: {error!r}") from error
+
+                try:
+                    scramble(kv, geom, stores, tier, ids, extents, to_kv)
+                    sync(device)
+                    run()
+                    sync(device)
+                    verify(kv, geom, stores, tier, ids, extents, to_kv)
+                    seconds = timed(device, run, args.iters)
+                except Exception as exc:  # recorded; a CUDA error may leave the context unusable: later rows say so
+                    row["error"] = repr(exc)
+                    continue
+                limit = limits[(tier, "load" if to_kv else "save")]
+                row.update(gbps=n * bb / seconds / 1e9, limit_gbps=n * bb / limit / 1e9, vs_limit=limit / seconds)
+                if to_kv and step_loads:
                     step[f"{tier}_{block_tokens}tok_{layout}"] = {"ms": seconds * 1e3, "x_plain_copy": seconds / limit}
+        finally:
             transfers.close()
     del kv
     if device != "cpu":
@@ -304,14 +352,19 @@ def interference(args, stores, executors: list[str]) -> dict:
     for executor in executors:
         transfers = transfers_for(device, executor, [])
         beside = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            tickets = [transfers.load_layers([plan], [0]) for _ in range(loads)]  # the forward does not wait
-            beside.append(gemms())
-            for t in tickets:
-                t.finish()
-        out[f"{executor}_slowdown"] = statistics.median(beside) / alone - 1
-        transfers.close()
+        try:
+            for _ in range(5):
+                torch.cuda.synchronize()
+                tickets = [transfers.load_layers([plan], [0]) for _ in range(loads)]  # the forward does not wait
+                beside.append(gemms())
+                errors = [e for e in (t.finish() for t in tickets) if e is not None]
+                if errors:
+                    raise CaseFailed(f"{len(errors)} of {len(tickets)} loads failed: {errors[0]!r}")
+            out[f"{executor}_slowdown"] = statistics.median(beside) / alone - 1
+        except Exception as exc:
+            out[f"{executor}_error"] = repr(exc)
+        finally:
+            transfers.close()
     return out
 
 
@@ -322,11 +375,15 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--stream-gb", type=float, default=10.0, help="loads beside the GEMM loop")
+    p.add_argument("--out", default=None, help="also write the JSON here, after every case")
     args = p.parse_args(argv)
     if args.device != "cpu":
         ok, reason = gpu.cuda_available()
         if not ok:
             print(json.dumps({"skipped": reason}) if args.json else f"bench_gpu: skipped, no CUDA: {reason}")
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"skipped": reason}, f)
             return 2
     args.blocks_bytes = (64 << 20) if args.quick else (1 << 30)
     if args.quick:
@@ -336,31 +393,47 @@ def main(argv=None) -> int:
     executors = ["dma", "kernel"] if args.device != "cpu" else ["cpu"]
     stores = Stores(args.device, 3 * args.blocks_bytes)
     result = {"device": torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu",
-              "goals": GOALS, "cases": [], "step_load": {}}
+              "goals": GOALS, "cases": [], "step_load": {}, "interference": {}}
+
+    def written() -> None:  # after every case: a run cut short by its time limit still leaves its results
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(args.out + ".tmp", args.out)
+
     try:
-        for block_tokens in (16, 128):
-            for layout in ("BLHNC", "LBHNC"):
-                rows, step = bench_case(args, stores, block_tokens, layout, executors)
-                result["cases"] += rows
-                result["step_load"].update(step)
-        if args.device != "cpu":
-            result["interference"] = interference(args, stores, executors)
+        # The default executor's cases first, then the kernel's: a fault in one (a CUDA error can leave the
+        # context unusable) does not take the default's figures with it.
+        for executor in executors:
+            for block_tokens in (16, 128):
+                for layout in ("BLHNC", "LBHNC"):
+                    rows, step = bench_case(args, stores, block_tokens, layout, executor, executor == executors[0])
+                    result["cases"] += rows
+                    result["step_load"].update(step)
+                    written()
+            if args.device != "cpu":
+                result["interference"].update(interference(args, stores, [executor]))
+                written()
     finally:
         stores.close()
     default = [r for r in result["cases"] if r["executor"] == executors[0]]
-    result["worst_default_vs_limit"] = min(r["vs_limit"] for r in default)
+    result["errors"] = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
+    result["worst_default_vs_limit"] = min((r.get("vs_limit", 0.0) for r in default), default=0.0)
+    written()
     if args.json:
         print(json.dumps(result))
     else:
         print(f"device: {result['device']}")
         for r in result["cases"]:
+            what = (f"{r['gbps']:8.2f} GB/s  limit {r['limit_gbps']:8.2f}  x{r['vs_limit']:.3f}" if "error" not in r
+                    else f"FAILED: {r['error']}")
             print(f"{r['block_tokens']:>4} tok {r['layout']} {r['direction']:<4} {r['tier']:<5} {r['executor']:<6} "
-                  f"{r['pieces']:>6} pieces {r['gbps']:8.2f} GB/s  limit {r['limit_gbps']:8.2f}  x{r['vs_limit']:.3f}")
+                  f"{r['pieces']:>6} pieces {what}")
         for k, v in result["step_load"].items():
             print(f"step load {k}: {v['ms']:.2f} ms, {v['x_plain_copy']:.3f}x the plain copy")
         for k, v in result.get("interference", {}).items():
-            print(f"interference {k}: {v:.3f}")
-    return 0
+            print(f"interference {k}: {v:.3f}" if isinstance(v, float) else f"interference {k}: {v}")
+    return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -42,20 +42,27 @@ def goals(bench: dict | None, anchor: dict | None) -> list[dict]:
     if bench and "cases" in bench:
         g = bench["goals"]
         for c in bench["cases"]:
-            if c["executor"] != "dma":
-                continue
-            rows.append({"goal": f"{c['direction']} {c['tier']} {c['block_tokens']}tok {c['layout']} vs plain copy",
-                         "value": c["vs_limit"], "want": f">= {g['vs_limit']}", "met": c["vs_limit"] >= g["vs_limit"]})
+            name = f"{c['direction']} {c['tier']} {c['block_tokens']}tok {c['layout']}"
+            if "error" in c:  # any executor's failed case is a failure of the run
+                rows.append({"goal": f"{name} ({c['executor']}) moves the right bytes", "value": None,
+                             "want": "no error", "met": False, "error": c["error"]})
+            elif c["executor"] == "dma":
+                rows.append({"goal": f"{name} vs plain copy", "value": c["vs_limit"], "want": f">= {g['vs_limit']}",
+                             "met": c["vs_limit"] >= g["vs_limit"]})
         for key, v in bench["step_load"].items():
             rows.append({"goal": f"8k step load {key} x plain copy", "value": v["x_plain_copy"],
                          "want": f"<= {g['step_load_x_plain_copy']}", "met": v["x_plain_copy"] <= g["step_load_x_plain_copy"]})
         inter = bench.get("interference", {})
+        for key in [k for k in inter if k.endswith("_error")]:
+            rows.append({"goal": f"loads beside the GEMM loop ({key[:-6]})", "value": None, "want": "no error",
+                         "met": False, "error": inter[key]})
         if "dma_slowdown" in inter:
             rows.append({"goal": "GEMM slowdown beside loads (dma)", "value": inter["dma_slowdown"],
                          "want": f"<= {g['interference_slowdown']}", "met": inter["dma_slowdown"] <= g["interference_slowdown"]})
     if bench and anchor:  # the same machine state: our limits against the anchor's
         for ours, theirs in (("limit_gbps", "h2d_limit_gbps"),):
-            arena_loads = [c[ours] for c in bench.get("cases", []) if c["tier"] == "arena" and c["direction"] == "load"]
+            arena_loads = [c[ours] for c in bench.get("cases", [])
+                           if c["tier"] == "arena" and c["direction"] == "load" and ours in c]
             if arena_loads and theirs in anchor:
                 rows.append({"goal": "bench_gpu's pinned H2D limit vs the anchor's (same run)",
                              "value": max(arena_loads) / anchor[theirs], "want": "~1", "met": None})
