@@ -53,3 +53,12 @@ def test_profile_without_py_spy_is_a_usage_error_before_any_daemon_starts(monkey
     with pytest.raises(SystemExit) as exit_:
         bench_control_plane.main(["--profile", "/nonexistent-dir/prof"])
     assert exit_.value.code == 2 and "py-spy" in capsys.readouterr().err
+
+
+def test_the_store_core_alone_is_measured_with_and_without_the_kept_arenas_index_and_leaves_nothing():
+    import glob
+
+    before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
+    r = bench_control_plane.in_process(["lru"], n=256, batch=64, chain=64, rounds=1)
+    assert set(r) == {"lru_plain_write_full_us", "lru_kept_write_full_us"} and all(v > 0 for v in r.values())
+    assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before

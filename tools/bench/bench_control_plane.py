@@ -108,8 +108,8 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
 
 
-def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label: str) -> Arm:
-    extra = ("--policy", policy)
+def open_arm(tmp: str, policy: str, host_blocks: int, profile: str | None, label: str, kept: bool = True) -> Arm:
+    extra = ("--policy", policy) + (() if kept else ("--no-persistent-host",))
     kwargs = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False)
     daemon = start_daemon(tmp, *extra, **kwargs)
     try:
@@ -175,7 +175,7 @@ ARMS = ("write_free", "lookup", "get", "write_full")
 
 
 def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, rounds: int,
-                profile: str | None) -> dict:
+                profile: str | None, kept: bool = True) -> dict:
     """Every arm at one batch size; the policies alternate round by round."""
     payload = np.ones((chain, BLOCK_BYTES), np.uint8)
     out = np.zeros((n, BLOCK_BYTES), np.uint8)
@@ -196,9 +196,9 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
 
     try:  # (a daemon that started is stopped, and its arena removed, whatever fails after it)
         for p in policies:
-            free.append(open_arm(tmp, p, 2 * n + 1024, profile, f"free{batch}"))
+            free.append(open_arm(tmp, p, 2 * n + 1024, profile, f"free{batch}", kept))
         for p in policies:
-            full.append(open_arm(tmp, p, n // 2, profile, f"full{batch}"))
+            full.append(open_arm(tmp, p, n // 2, profile, f"full{batch}", kept))
         for arm in full:  # fill: from now on every batch evicts
             if put_blocks(arm, chains(n, chain, 10_000), batch, payload) != n:
                 raise SystemExit("the filling round did not store every block")
@@ -233,6 +233,68 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
         row["all_us"] = {k: [round(x / n * 1e6, 2) for x in v] for k, v in times[p].items()}
         rows[p] = row
     return rows
+
+
+def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int) -> dict:
+    """The store core alone: full-tier writes (reserve + commit, no bytes) through a `TieredStore` in this
+    process on an event loop (the host index writes a turn at a time, as in the daemon), with and without
+    the kept arena's placement index; no client, socket or RPC; the daemon's collector settings (undone
+    after). CPU microseconds per block, median of the rounds. Set against the daemon's figures, it says
+    where a write's time goes."""
+    import asyncio
+    import gc
+
+    from server.daemon import tune_gc
+
+    threshold = gc.get_threshold()
+    tune_gc()
+    out: dict = {}
+    try:
+        for policy in policies:
+            for kept in (False, True):
+                times = asyncio.run(_store_writes(policy, kept, n, batch, chain, rounds))
+                out[f"{policy}_{'kept' if kept else 'plain'}_write_full_us"] = statistics.median(times)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    return out
+
+
+async def _store_writes(policy: str, kept: bool, n: int, batch: int, chain: int, rounds: int) -> list[float]:
+    """`in_process`'s rounds for one policy and arena: CPU microseconds per block of each round."""
+    import asyncio
+
+    from kvstore.store import TieredStore
+    from tiers.host import HostArena
+    from tiers.host_index import index_path, remove_index
+
+    host = HostArena(f"/dev/shm/kvstore-bench-cp-{os.getpid()}-{policy}", n // 2 * BLOCK_BYTES, BLOCK_BYTES,
+                     prefault=True, persistent=kept)
+    store = TieredStore(host, policy=policy)
+    try:
+        ns = store.register_namespace(Namespace("bench-cp-inproc", "bf16", 1, 1, 128, 16, BLOCK_BYTES))
+
+        async def write(blocks: list) -> None:
+            for i in range(0, len(blocks), batch):
+                part = blocks[i : i + batch]
+                got = store.reserve(ns, part, "bench")
+                await asyncio.sleep(0)  # the turn ends, as between two requests
+                store.commit(ns, [h for (h, _), e in zip(part, got) if e is not None], "bench")
+                await asyncio.sleep(0)
+
+        await write(chains(n, chain, 10_000))  # fill: from now on every batch evicts
+        times = []
+        for r in range(rounds):
+            blocks = chains(n, chain, 30_000 + r)
+            t0 = time.process_time()
+            await write(blocks)
+            times.append((time.process_time() - t0) / n * 1e6)
+        return times
+    finally:
+        store.close(persist=False)  # (a kept arena stays: removed here)
+        if os.path.exists(host.path):
+            os.unlink(host.path)
+        remove_index(index_path(host.path))
 
 
 def mooncake_anchor(tmp: str, iters: int) -> dict:
@@ -368,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-mib", type=int, default=256, help="bytes per round of bench_store's arms (0: none)")
     ap.add_argument("--bandwidth-rounds", type=int, default=5)
     ap.add_argument("--profile", default=None, help="sample the daemons with py-spy, stacks into this folder")
+    ap.add_argument("--no-persistent-host", dest="kept", action="store_false",
+                    help="daemons without the kept arena's placement index (what it costs a write)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also the store core alone in this process, with and without the kept arena's index")
     args = ap.parse_args(argv)
     if args.profile:
         if py_spy() is None:
@@ -379,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batch:
             result["batches"][str(batch)] = bench_batch(tmp, args.policies, args.blocks, batch, args.chain,
-                                                        args.rounds, args.profile)
+                                                        args.rounds, args.profile, args.kept)
+        if args.in_process:
+            result["in_process"] = in_process(args.policies, args.blocks, max(args.batch), args.chain, args.rounds)
         if args.lookup_iters:
             result["lookup"] = mooncake_anchor(tmp, args.lookup_iters)
         if args.bandwidth_mib:
@@ -399,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch:>4} {p:<10} write (free pages) {row['write_free_us']:6.2f} {cpu('write_free')} "
                   f"| read {row['read_us']:6.2f} {cpu('read')} = lookup {row['lookup_us']:5.2f} + get "
                   f"{row['get_us']:5.2f} | write (full tier) {row['write_full_us']:6.2f} {cpu('write_full')}")
+    for key, us in (result.get("in_process") or {}).items():
+        print(f"in process, store core alone: {key} {us:.2f} us per block (CPU)")
     anchor = result.get("lookup")
     if anchor is not None:
         if "skipped" in anchor:
