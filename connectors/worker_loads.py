@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from connectors.cpu_copy import Ticket
 from connectors.engine_kv import EngineKV, FaultInjector
 from connectors.store_link import StoreLink
 from connectors.vllm_meta import ConnectorConfig, LoadJob
@@ -211,7 +212,14 @@ class StepLoads:
         if pinned is None:
             return
         pins, ids, extents = pinned
-        plan = engine.plan(ids, extents, 0, to_kv=True, merge_layers=not layer_wise)
+        try:
+            plan = engine.plan(ids, extents, 0, to_kv=True, merge_layers=not layer_wise)
+        except Exception as exc:  # a plan that cannot be built fails these loads, not the engine's step
+            for index, present in pins.work:
+                if present:
+                    self.report.fail(jobs[index], 0, f"no copy plan: {exc!r}")
+            pins.release()
+            return
         if layer_wise:
             ticket = engine.transfers.load_layers(plan.by_layer(self.layer_order), self.layer_order)
         else:
@@ -367,7 +375,10 @@ class WaitedLoads:
                         if item in self._ready:  # not taken: nobody copies it now
                             self._ready.remove(item)
                             return set(job.block_ids)
-            item.ticket.finish()  # the engine thread reported the request; unpin once the bytes moved
+            try:  # the engine thread reported the request already: whatever happens now, never again
+                item.ticket.finish()  # unpin once the bytes moved
+            except Exception as exc:
+                log.warning("kvstore: waiting for the copy of %s failed (%r)", job.req_id, exc)
             return None
         finally:
             pins.release()
@@ -377,7 +388,10 @@ class WaitedLoads:
         with self.report.lock:
             items, self._ready = self._ready, []
         for item in items:
-            item.ticket = engine.transfers.load(engine.plan(item.ids, item.extents, 0, to_kv=True))
+            try:
+                item.ticket = engine.transfers.load(engine.plan(item.ids, item.extents, 0, to_kv=True))
+            except Exception as exc:  # a plan that cannot be built fails this load, not the engine's step
+                item.ticket = Ticket(exc)
             failed = set(item.job.block_ids[len(item.ids):])
             if item.ticket.error is not None:
                 log.warning("kvstore: copy of a waited load of %s failed (%r)", item.job.req_id, item.ticket.error)

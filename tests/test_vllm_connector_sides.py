@@ -164,6 +164,23 @@ def test_missing_block_is_reported_as_a_load_error(sides):
         assert torch.equal(kv[n], before[n])
 
 
+def test_a_load_whose_copy_plan_cannot_be_built_fails_and_releases_its_pins(sides, daemon):
+    """A plan the engine refuses (here: one engine block named twice) fails that load, reported for
+    recompute, its pins released; the engine's step goes on."""
+    sched, make_worker = sides
+    writer, _ = make_worker(14)
+    tokens = list(range(800, 800 + 3 * BT + 5))
+    run_step(sched, writer, _admit(sched, "w", tokens, [0, 1, 2, 3], 0))
+    worker, _ = make_worker(15)
+    meta = StepMeta(step=0, loads=[LoadJob("r", [3, 3], hash_blocks(tokens, BT)[:2], False)])
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {3}
+    assert daemon.stats()["pinned_blocks"] == 0 and daemon.check() == []
+    worker.shutdown()
+    writer.shutdown()
+
+
 def test_daemon_down_means_misses_and_load_errors_never_exceptions(tmp_path, caplog):
     cfg = ConnectorConfig(socket=str(tmp_path / "absent.sock"), retry_s=0.0, timeout_s=0.5)
     ns = namespace()
