@@ -6,7 +6,10 @@ instead of starting empty. It is an LMDB environment in a private folder next
 to the arena (`<arena>.index/`, 0700: nobody else can plant files in it), on
 the same tmpfs, so arena and index share their fate (a reboot clears both).
 LMDB commits without fsync here: tmpfs has nothing to sync to, and a commit
-survives the death of the process that made it.
+survives the death of the process that made it. It writes through its map
+(`writemap`: no copy of each dirty page out of LMDB's buffers at commit, ~2.5 us
+less per block written into a full tier); the data file is then as long as the
+map size but sparse, holding only the pages written.
 
 Sub-databases: `meta` (format version, geometry, the arena file's inode),
 `namespaces` (id -> fields), `blocks` (msgpack [namespace id, hash] -> record
@@ -133,7 +136,8 @@ class HostIndex:
         self.path = path
         self.arena = arena
         _private_dir(path)
-        self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True)
+        self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
+                             writemap=True)
         try:
             self._db_blocks = self.env.open_db(b"blocks")
             self._db_ns = self.env.open_db(b"namespaces")
