@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from connectors.cpu_copy import Ticket
 from connectors.engine_kv import EngineKV, FaultInjector
@@ -41,6 +41,14 @@ log = logging.getLogger(__name__)
 
 WAIT_THREADS = 4  # concurrent waiting loads (one daemon connection each)
 UNACKED_STEPS = 64  # a failed load the scheduler never acknowledges stops holding saves back after this many steps
+
+
+class _Unacked(NamedTuple):
+    """A step's failed loads: the requests and their blocks that failed."""
+
+    reqs: set[str]
+    blocks: set[int]
+    step: int
 
 
 class LoadReport:
@@ -54,7 +62,7 @@ class LoadReport:
         # Failed loads the scheduler side has not acknowledged yet, one per step: (requests, their failed
         # blocks). Until it has, vLLM may plan further steps on those blocks (with asynchronous scheduling
         # the next step is planned before this one's output is read), so saves must leave them out.
-        self.unacked: list[tuple[set[str], set[int], int]] = []  # (requests, blocks, step)
+        self.unacked: list[_Unacked] = []
         self._step = -1
         self.finished: set[str] = set()
         self.waited: dict[str, set[int]] = {}  # req id -> its blocks that did not load (wait threads)
@@ -68,30 +76,35 @@ class LoadReport:
         log.warning("kvstore: load of %s failed at block %d/%d (%s); vLLM recomputes", job.req_id, first,
                     len(job.block_ids), why)
         self.failed_blocks.update(job.block_ids[first:])
-        if not self.unacked or self.unacked[-1][2] != self._step:
-            self.unacked.append((set(), set(), self._step))
-        reqs, blocks, _ = self.unacked[-1]
-        reqs.add(job.req_id)
-        blocks.update(job.block_ids[first:])
+        if not self.unacked or self.unacked[-1].step != self._step:
+            self.unacked.append(_Unacked(set(), set(), self._step))
+        self.unacked[-1].reqs.add(job.req_id)
+        self.unacked[-1].blocks.update(job.block_ids[first:])
 
     def acknowledged(self, invalid_seen: set[int], step: int) -> None:
         """The scheduler side has read the failed blocks `invalid_seen` (vLLM recomputes them from now on):
         failures all of whose blocks it has read are over. One it never reads (no step should lose it)
         is over after UNACKED_STEPS steps."""
-        self.unacked = [u for u in self.unacked if not u[1] <= invalid_seen and step - u[2] < UNACKED_STEPS]
+        self.unacked = [u for u in self.unacked if not u.blocks <= invalid_seen and step - u.step < UNACKED_STEPS]
 
     def tainted(self) -> tuple[set[str], set[int]]:
         """The requests and blocks of the failed loads not acknowledged yet."""
         reqs: set[str] = set()
         blocks: set[int] = set()
-        for r, b, _ in self.unacked:
-            reqs |= r
-            blocks |= b
+        for u in self.unacked:
+            reqs |= u.reqs
+            blocks |= u.blocks
         return reqs, blocks
 
     def fail_all(self, jobs: Sequence[LoadJob], why: str = "store unavailable") -> None:
         for job in jobs:
             self.fail(job, 0, why)
+
+    def fail_pinned(self, jobs: Sequence[LoadJob], pinned: "_Pinned", why: str) -> None:
+        """A transfer of pinned blocks failed: every job that had blocks in it failed from its first."""
+        for index, present in pinned.work:
+            if present:
+                self.fail(jobs[index], 0, why)
 
     def waited_done(self, req_id: str, failed: set[int]) -> None:
         """(Under the lock.) A waited request goes out at the next get_finished, its failed blocks with it."""
@@ -215,9 +228,7 @@ class StepLoads:
         try:
             plan = engine.plan(ids, extents, 0, to_kv=True, merge_layers=not layer_wise)
         except Exception as exc:  # a plan that cannot be built fails these loads, not the engine's step
-            for index, present in pins.work:
-                if present:
-                    self.report.fail(jobs[index], 0, f"no copy plan: {exc!r}")
+            self.report.fail_pinned(jobs, pins, f"no copy plan: {exc!r}")
             pins.release()
             return
         if layer_wise:
@@ -244,9 +255,7 @@ class StepLoads:
             error = step.ticket.outcome()
             if error is not None:
                 log.warning("kvstore: a step's load copy failed (%r)", error)
-                for index, present in step.pinned.work:
-                    if present:
-                        self.report.fail(step.jobs[index], 0, f"copy failed: {error!r}")
+                self.report.fail_pinned(step.jobs, step.pinned, f"copy failed: {error!r}")
             elif waited:  # the blocks before an injected failure loaded too
                 self.report.stats["loaded_blocks"] += sum(present for _, present in step.pinned.work)
             self._releasing.append(step)
@@ -279,9 +288,7 @@ class StepLoads:
                         "reported as load errors and later loads are copied before the forward",
                         len(awaited), len(self.layer_names))
             self.layer_wise = False
-            for index, present in step.pinned.work:
-                if present:
-                    self.report.fail(step.jobs[index], 0, "the forward did not wait for its layers")
+            self.report.fail_pinned(step.jobs, step.pinned, "the forward did not wait for its layers")
             return False
         self._hooked |= awaited
         seen = list(dict.fromkeys(step_awaited))
