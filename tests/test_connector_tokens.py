@@ -23,7 +23,7 @@ from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from server.event_wire import decode_batch  # noqa: E402
 from tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
-from tests.test_vllm_connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
+from tests.connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
 
 
 def save(daemon, req_id: str, tokens: list[int], salt: str | None, block_ids: list[int]):

@@ -16,7 +16,7 @@ from connectors.vllm_meta import ConnectorConfig  # noqa: E402
 from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from connectors.vllm_worker import WorkerSide  # noqa: E402
 from tools.harness.connector_standins import blocks, sched_output  # noqa: E402
-from tests.test_vllm_connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
+from tests.connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
 
 TOKENS = list(range(5000, 5000 + 5 * BT + 7))  # 5 full blocks + 7 tokens
 PRODUCER_IDS = [3, 4, 5, 6, 7, 8]
