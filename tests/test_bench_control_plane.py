@@ -62,3 +62,43 @@ def test_the_store_core_alone_is_measured_with_and_without_the_kept_arenas_index
     r = bench_control_plane.in_process(["lru"], n=256, batch=64, chain=64, rounds=1)
     assert set(r) == {"lru_plain_write_full_us", "lru_kept_write_full_us"} and all(v > 0 for v in r.values())
     assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before
+
+
+def test_instructions_without_the_in_process_arms_is_a_usage_error_before_any_daemon_starts(monkeypatch, capsys):
+    monkeypatch.setattr(bench_control_plane, "bench_batch", lambda *a, **k: pytest.fail("a daemon was started"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_control_plane.main(["--instructions"])
+    assert exit_.value.code == 2 and "--in-process" in capsys.readouterr().err
+
+
+def test_instructions_per_block_are_the_difference_of_two_counted_store_runs(monkeypatch):
+    from tools.bench import callgrind
+
+    seen = []
+
+    def count(commands, jobs=2):  # a made-up cost: 1,000 per run, 7 (kept: 9) per block written
+        out = []
+        for argv in commands:
+            assert argv[2] == "--store-run"
+            policy, kept, rounds, n = argv[3], argv[4] == "1", int(argv[5]), int(argv[6])
+            seen.append((policy, kept, rounds))
+            out.append(1000 + (9 if kept else 7) * n * (1 + rounds))  # the fill and the rounds
+        return out
+
+    monkeypatch.setattr(callgrind, "instructions_many", count)
+    r = bench_control_plane.in_process_instructions(["lru"], n=256, batch=64, chain=64)
+    assert r == {"lru_plain_write_full_instructions": 7.0, "lru_kept_write_full_instructions": 9.0}
+    assert sorted(seen) == [("lru", False, 1), ("lru", False, 3), ("lru", True, 1), ("lru", True, 3)]
+
+
+def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
+    import glob
+
+    import subprocess
+    import sys
+
+    before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
+    # its own process, as under callgrind: it turns the index's checksums off and tunes the collector
+    subprocess.run([sys.executable, bench_control_plane.__file__, "--store-run", "attention", "1", "1", "256", "64",
+                    "64"], check=True, timeout=120)
+    assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before

@@ -42,8 +42,14 @@ into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and prints the top
 functions by own samples of each; the sampler takes some CPU of
 the two cores, so timings of a profiled run are not the figures.
 
+`--in-process` adds the store core alone: full-tier writes through a `TieredStore` on an event
+loop in this process, with and without the kept arena's index (no client, socket or RPC), CPU
+microseconds per block; with `--instructions` also their instructions per block under callgrind
+(valgrind; ~1 min per 1,000 blocks per arm on two cores), which stay put on a loaded VM.
+
     python tools/bench/bench_control_plane.py [--json] [--blocks 8192] [--rounds 5] [--batch 512 32]
         [--policies attention lru] [--lookup-iters 3000] [--bandwidth-mib 256] [--profile DIR]
+        [--in-process [--instructions]] [--no-persistent-host]
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from tools.bench import callgrind  # noqa: E402
 from tools.harness.daemon_proc import DaemonProc, proc_stat_cpu, start_daemon  # noqa: E402
 
 BLOCK_BYTES = 4096
@@ -260,6 +267,33 @@ def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int)
     return out
 
 
+def in_process_instructions(policies: list[str], n: int, batch: int, chain: int) -> dict:
+    """`in_process`'s arms counted in instructions per block under callgrind (tools/bench/callgrind.py):
+    runs of 1 and 3 rounds after the fill, the difference over 2 rounds. Unlike times on a shared VM,
+    these do not move between runs, so a change's effect shows even when it is a few percent. The
+    index's background checksums are left out (they run once the store is quiet); its records and
+    deletions are in."""
+    arms = [(p, kept) for p in policies for kept in (False, True)]
+    runs = [(p, kept, rounds) for p, kept in arms for rounds in (1, 3)]
+    totals = dict(zip(runs, callgrind.instructions_many(
+        [[sys.executable, os.path.abspath(__file__), "--store-run", p, str(int(kept)), str(rounds), str(n), str(batch),
+          str(chain)] for p, kept, rounds in runs])))
+    return {f"{p}_{'kept' if kept else 'plain'}_write_full_instructions":
+            (totals[p, kept, 3] - totals[p, kept, 1]) / (2 * n) for p, kept in arms}
+
+
+def _store_run(policy: str, kept: bool, rounds: int, n: int, batch: int, chain: int) -> None:
+    """One run counted by `in_process_instructions`: the daemon's collector settings, no checksums."""
+    import asyncio
+
+    from server.daemon import tune_gc
+    from tiers import host_index
+
+    host_index.QUIET_S = host_index.CHECK_LAG_S = float("inf")
+    tune_gc()
+    asyncio.run(_store_writes(policy, kept, n, batch, chain, rounds))
+
+
 async def _store_writes(policy: str, kept: bool, n: int, batch: int, chain: int, rounds: int) -> list[float]:
     """`in_process`'s rounds for one policy and arena: CPU microseconds per block of each round."""
     import asyncio
@@ -434,7 +468,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="daemons without the kept arena's placement index (what it costs a write)")
     ap.add_argument("--in-process", action="store_true",
                     help="also the store core alone in this process, with and without the kept arena's index")
+    ap.add_argument("--instructions", action="store_true",
+                    help="with --in-process: count its arms' instructions per block under callgrind too (valgrind)")
+    ap.add_argument("--store-run", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.store_run:
+        p, kept, *ints = args.store_run
+        _store_run(p, kept == "1", *map(int, ints))
+        return 0
+    if args.instructions and not (args.in_process and callgrind.available()):
+        ap.error("--instructions counts the --in-process arms under valgrind: give --in-process, install valgrind")
     if args.profile:
         if py_spy() is None:
             ap.error("--profile needs py-spy (pip install py-spy), found neither on PATH nor beside this Python")
@@ -448,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         args.rounds, args.profile, args.kept)
         if args.in_process:
             result["in_process"] = in_process(args.policies, args.blocks, max(args.batch), args.chain, args.rounds)
+            if args.instructions:
+                result["in_process"].update(in_process_instructions(args.policies, args.blocks, max(args.batch),
+                                                                    args.chain))
         if args.lookup_iters:
             result["lookup"] = mooncake_anchor(tmp, args.lookup_iters)
         if args.bandwidth_mib:
@@ -467,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch:>4} {p:<10} write (free pages) {row['write_free_us']:6.2f} {cpu('write_free')} "
                   f"| read {row['read_us']:6.2f} {cpu('read')} = lookup {row['lookup_us']:5.2f} + get "
                   f"{row['get_us']:5.2f} | write (full tier) {row['write_full_us']:6.2f} {cpu('write_full')}")
-    for key, us in (result.get("in_process") or {}).items():
-        print(f"in process, store core alone: {key} {us:.2f} us per block (CPU)")
+    for key, v in (result.get("in_process") or {}).items():
+        unit = "instructions" if key.endswith("_instructions") else "us (CPU)"
+        print(f"in process, store core alone: {key} {v:,.{0 if unit == 'instructions' else 2}f} {unit} per block")
     anchor = result.get("lookup")
     if anchor is not None:
         if "skipped" in anchor:

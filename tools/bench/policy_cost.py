@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import re
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from eviction.base import BlockInfo, make_policy, policy_names  # noqa: E402
+from tools.bench import callgrind  # noqa: E402
 
 BLOCKS, CHAIN, COMMIT = 2048, 64, 32
 PHASES = ("insert", "access", "remove")
@@ -109,15 +106,8 @@ def run_rounds(spec: str, rounds: int, stop: int = len(PHASES)) -> list[list[flo
 
 def instructions(spec: str) -> list[float]:
     """Instructions per block of each phase, from callgrind runs stopping after each phase."""
-    def total(stop: int) -> int:
-        env = dict(os.environ, PYTHONHASHSEED="0")
-        cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
-               "--phase-run", spec, str(stop)]
-        err = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stderr
-        return int(re.search(r"Collected : (\d+)", err).group(1))
-
-    with ThreadPoolExecutor(2) as pool:
-        totals = list(pool.map(total, range(len(PHASES) + 1)))
+    totals = callgrind.instructions_many([[sys.executable, __file__, "--phase-run", spec, str(stop)]
+                                          for stop in range(len(PHASES) + 1)])
     return [(totals[i + 1] - totals[i]) / (3 * BLOCKS) for i in range(len(PHASES))]
 
 
