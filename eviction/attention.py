@@ -358,14 +358,20 @@ class AttentionPolicy(EvictionPolicy):
         lead = self._lead
         leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
         tracked, reprioritise, prio, inner = leaves.queue, leaves.reprioritise, leaves.prio, leaves.children
-        # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away
+        # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away.
+        # Blocks committed together share one F list (`_first_freq`), and so do the blocks a hit credited
+        # together: a list credited once here is reused for the next block holding that same list.
         lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
+        was = now = None  # the last F list credited, and what it became
         for key in reversed(keys):  # tail first, carrying the max up the chain
             if key not in tracked:
                 continue
-            freq = freqs[key] = [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
-                                 for f, tau in zip(freqs[key], taus)]
+            freq = freqs[key]
+            if freq is not was:
+                was, now = freq, [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
+                                  for f, tau in zip(freq, taus)]
+            freq = freqs[key] = now
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)

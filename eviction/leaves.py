@@ -77,7 +77,7 @@ class LeafQueues:
         self.bytes[queue] += nbytes
         children = self.children
         if parent is not None:
-            children[parent] += 1
+            children[parent] = children.get(parent, 0) + 1  # (`+= 1` would call Counter.__missing__ first)
             self._token.pop(parent, None)  # no longer a leaf
         if leaf and key not in children:  # a leaf (the Counter holds no zero counts)
             self._push(key, queue, prio)

@@ -60,7 +60,8 @@ def test_the_store_core_alone_is_measured_with_and_without_the_kept_arenas_index
 
     before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
     r = bench_control_plane.in_process(["lru"], n=256, batch=64, chain=64, rounds=1)
-    assert set(r) == {"lru_plain_write_full_us", "lru_kept_write_full_us"} and all(v > 0 for v in r.values())
+    assert set(r) == {f"lru_{arena}_{op}_us" for arena in ("plain", "kept") for op in ("write_full", "read")}
+    assert all(v > 0 for v in r.values())
     assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before
 
 
@@ -80,15 +81,18 @@ def test_instructions_per_block_are_the_difference_of_two_counted_store_runs(mon
         out = []
         for argv in commands:
             assert argv[2] == "--store-run"
-            policy, kept, rounds, n = argv[3], argv[4] == "1", int(argv[5]), int(argv[6])
-            seen.append((policy, kept, rounds))
-            out.append(1000 + (9 if kept else 7) * n * (1 + rounds))  # the fill and the rounds
+            policy, kept, op, rounds, n = argv[3], argv[4] == "1", argv[5], int(argv[6]), int(argv[7])
+            seen.append((policy, kept, op, rounds))
+            per_block = (9 if kept else 7) * (1 if op == "read" else 2)
+            out.append(1000 + per_block * n * (1 + rounds))  # the fill and the rounds
         return out
 
     monkeypatch.setattr(callgrind, "instructions_many", count)
     r = bench_control_plane.in_process_instructions(["lru"], n=256, batch=64, chain=64)
-    assert r == {"lru_plain_write_full_instructions": 7.0, "lru_kept_write_full_instructions": 9.0}
-    assert sorted(seen) == [("lru", False, 1), ("lru", False, 3), ("lru", True, 1), ("lru", True, 3)]
+    assert r == {"lru_plain_write_full_instructions": 14.0, "lru_kept_write_full_instructions": 18.0,
+                 "lru_plain_read_instructions": 7.0, "lru_kept_read_instructions": 9.0}
+    assert sorted(seen) == sorted((p, kept, op, rounds) for p in ["lru"] for kept in (False, True)
+                                  for op in ("write_full", "read") for rounds in (1, 3))
 
 
 def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
@@ -99,6 +103,7 @@ def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
 
     before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
     # its own process, as under callgrind: it turns the index's checksums off and tunes the collector
-    subprocess.run([sys.executable, bench_control_plane.__file__, "--store-run", "attention", "1", "1", "256", "64",
-                    "64"], check=True, timeout=120)
+    for op in ("write_full", "read"):
+        subprocess.run([sys.executable, bench_control_plane.__file__, "--store-run", "attention", "1", op, "1", "256",
+                        "64", "64"], check=True, timeout=120)
     assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before

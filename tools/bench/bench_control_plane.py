@@ -242,12 +242,16 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
     return rows
 
 
+OPS = ("write_full", "read")  # the store core's arms: full-tier writes; reads (lookup, acquire, release)
+
+
 def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int) -> dict:
-    """The store core alone: full-tier writes (reserve + commit, no bytes) through a `TieredStore` in this
-    process on an event loop (the host index writes a turn at a time, as in the daemon), with and without
-    the kept arena's placement index; no client, socket or RPC; the daemon's collector settings (undone
-    after). CPU microseconds per block, median of the rounds. Set against the daemon's figures, it says
-    where a write's time goes."""
+    """The store core alone, through a `TieredStore` in this process on an event loop (the host index
+    writes a turn at a time, as in the daemon), with and without the kept arena's placement index; no
+    client, socket, RPC or bytes; the daemon's collector settings (undone after). Two arms: full-tier
+    writes (reserve + commit, every batch evicts) and reads (lookup + acquire + release of chains the
+    store holds, every block a hit). CPU microseconds per block, median of the rounds. Set against the
+    daemon's figures, it says where a request's time goes."""
     import asyncio
     import gc
 
@@ -259,8 +263,9 @@ def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int)
     try:
         for policy in policies:
             for kept in (False, True):
-                times = asyncio.run(_store_writes(policy, kept, n, batch, chain, rounds))
-                out[f"{policy}_{'kept' if kept else 'plain'}_write_full_us"] = statistics.median(times)
+                for op in OPS:
+                    times = asyncio.run(_store_ops(policy, kept, op, n, batch, chain, rounds))
+                    out[f"{policy}_{'kept' if kept else 'plain'}_{op}_us"] = statistics.median(times)
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
@@ -273,16 +278,16 @@ def in_process_instructions(policies: list[str], n: int, batch: int, chain: int)
     these do not move between runs, so a change's effect shows even when it is a few percent. The
     index's background checksums are left out (they run once the store is quiet); its records and
     deletions are in."""
-    arms = [(p, kept) for p in policies for kept in (False, True)]
-    runs = [(p, kept, rounds) for p, kept in arms for rounds in (1, 3)]
+    arms = [(p, kept, op) for p in policies for kept in (False, True) for op in OPS]
+    runs = [(*arm, rounds) for arm in arms for rounds in (1, 3)]
     totals = dict(zip(runs, callgrind.instructions_many(
-        [[sys.executable, os.path.abspath(__file__), "--store-run", p, str(int(kept)), str(rounds), str(n), str(batch),
-          str(chain)] for p, kept, rounds in runs])))
-    return {f"{p}_{'kept' if kept else 'plain'}_write_full_instructions":
-            (totals[p, kept, 3] - totals[p, kept, 1]) / (2 * n) for p, kept in arms}
+        [[sys.executable, os.path.abspath(__file__), "--store-run", p, str(int(kept)), op, str(rounds), str(n),
+          str(batch), str(chain)] for p, kept, op, rounds in runs])))
+    return {f"{p}_{'kept' if kept else 'plain'}_{op}_instructions":
+            (totals[p, kept, op, 3] - totals[p, kept, op, 1]) / (2 * n) for p, kept, op in arms}
 
 
-def _store_run(policy: str, kept: bool, rounds: int, n: int, batch: int, chain: int) -> None:
+def _store_run(policy: str, kept: bool, op: str, rounds: int, n: int, batch: int, chain: int) -> None:
     """One run counted by `in_process_instructions`: the daemon's collector settings, no checksums."""
     import asyncio
 
@@ -291,18 +296,20 @@ def _store_run(policy: str, kept: bool, rounds: int, n: int, batch: int, chain: 
 
     host_index.QUIET_S = host_index.CHECK_LAG_S = float("inf")
     tune_gc()
-    asyncio.run(_store_writes(policy, kept, n, batch, chain, rounds))
+    asyncio.run(_store_ops(policy, kept, op, n, batch, chain, rounds))
 
 
-async def _store_writes(policy: str, kept: bool, n: int, batch: int, chain: int, rounds: int) -> list[float]:
-    """`in_process`'s rounds for one policy and arena: CPU microseconds per block of each round."""
+async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain: int, rounds: int) -> list[float]:
+    """`in_process`'s rounds of `op` (OPS) for one policy and arena: CPU microseconds per block of each
+    round. Writes go into a host tier of n / 2 blocks, filled first; reads read n blocks written first."""
     import asyncio
 
     from kvstore.store import TieredStore
     from tiers.host import HostArena
     from tiers.host_index import index_path, remove_index
 
-    host = HostArena(f"/dev/shm/kvstore-bench-cp-{os.getpid()}-{policy}", n // 2 * BLOCK_BYTES, BLOCK_BYTES,
+    capacity = n // 2 if op == "write_full" else n + batch
+    host = HostArena(f"/dev/shm/kvstore-bench-cp-{os.getpid()}-{policy}", capacity * BLOCK_BYTES, BLOCK_BYTES,
                      prefault=True, persistent=kept)
     store = TieredStore(host, policy=policy)
     try:
@@ -316,12 +323,25 @@ async def _store_writes(policy: str, kept: bool, n: int, batch: int, chain: int,
                 store.commit(ns, [h for (h, _), e in zip(part, got) if e is not None], "bench")
                 await asyncio.sleep(0)
 
-        await write(chains(n, chain, 10_000))  # fill: from now on every batch evicts
+        async def read(blocks: list) -> None:
+            hashes = [h for h, _ in blocks]
+            for i in range(0, len(hashes), batch):
+                part = hashes[i : i + batch]
+                if store.lookup(ns, part).hits != len(part):
+                    raise RuntimeError("a block written for the reads is missing")
+                await asyncio.sleep(0)
+                await store.acquire(ns, part, "bench", prefix=False)
+                await asyncio.sleep(0)
+                store.release(ns, part, "bench")
+                await asyncio.sleep(0)
+
+        held = chains(n, chain, 10_000)
+        await write(held)  # writes: from now on every batch evicts; reads: what they read
         times = []
         for r in range(rounds):
-            blocks = chains(n, chain, 30_000 + r)
+            blocks = chains(n, chain, 30_000 + r) if op == "write_full" else held
             t0 = time.process_time()
-            await write(blocks)
+            await (write(blocks) if op == "write_full" else read(blocks))
             times.append((time.process_time() - t0) / n * 1e6)
         return times
     finally:
@@ -470,11 +490,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also the store core alone in this process, with and without the kept arena's index")
     ap.add_argument("--instructions", action="store_true",
                     help="with --in-process: count its arms' instructions per block under callgrind too (valgrind)")
-    ap.add_argument("--store-run", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--store-run", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.store_run:
-        p, kept, *ints = args.store_run
-        _store_run(p, kept == "1", *map(int, ints))
+        p, kept, op, *ints = args.store_run
+        _store_run(p, kept == "1", op, *map(int, ints))
         return 0
     if args.instructions and not (args.in_process and callgrind.available()):
         ap.error("--instructions counts the --in-process arms under valgrind: give --in-process, install valgrind")
