@@ -4,7 +4,8 @@ the machine's load, for before/after comparisons on a shared VM (where wall and 
 
 A benchmark counts a command run twice, doing k1 and k2 units of work, and divides the difference
 by k2 - k1: start-up (imports, allocating the arena) cancels out. PYTHONHASHSEED=0, so dict and set
-orders, and with them the instructions, are the same in every run. valgrind must be installed
+orders, and with them the instructions, are the same in every run; a figure still moves by ~1-2% with
+where objects land in memory (identity hashes), more where idle threads wake by the clock. valgrind must be installed
 (`apt-get install valgrind`); `available()` says whether it is.
 """
 
@@ -24,7 +25,8 @@ def available() -> bool:
 
 def instructions(argv: Sequence[str]) -> int:
     """Instructions executed by the command `argv` (all its threads), under callgrind."""
-    env = dict(os.environ, PYTHONHASHSEED="0")
+    # OpenBLAS's idle threads spin for a while: their instructions would grow with the run's wall time
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     found = re.search(r"Collected : (\d+)", done.stderr)
