@@ -378,7 +378,7 @@ class AttentionPolicy(EvictionPolicy):
                     self.gate.hit[att[key] >= 0.5] += 1
                 own = self._own(key, freq)
             else:
-                own = [*map(_add, freq, costs[key])]
+                own = map(_add, freq, costs[key])  # (consumed once, below: no list of its own)
             top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
             vals[key] = top
             if key in inner:  # (`reprioritise` of a block with children: no heap entry)
