@@ -97,7 +97,6 @@ def test_instructions_per_block_are_the_difference_of_two_counted_store_runs(mon
 
 def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
     import glob
-
     import subprocess
     import sys
 

@@ -42,10 +42,11 @@ into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and prints the top
 functions by own samples of each; the sampler takes some CPU of
 the two cores, so timings of a profiled run are not the figures.
 
-`--in-process` adds the store core alone: full-tier writes through a `TieredStore` on an event
-loop in this process, with and without the kept arena's index (no client, socket or RPC), CPU
-microseconds per block; with `--instructions` also their instructions per block under callgrind
-(valgrind; ~1 min per 1,000 blocks per arm on two cores), which stay put on a loaded VM.
+`--in-process` adds the store core alone: full-tier writes and reads (lookup, acquire, release)
+through a `TieredStore` on an event loop in this process, with and without the kept arena's index
+(no client, socket or RPC), CPU microseconds per block; with `--instructions` also their
+instructions per block under callgrind (valgrind; ~1 min per 1,000 blocks per write arm on two
+cores), which stay put on a loaded VM.
 
     python tools/bench/bench_control_plane.py [--json] [--blocks 8192] [--rounds 5] [--batch 512 32]
         [--policies attention lru] [--lookup-iters 3000] [--bandwidth-mib 256] [--profile DIR]
@@ -308,6 +309,8 @@ async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain
     from tiers.host import HostArena
     from tiers.host_index import index_path, remove_index
 
+    if op not in OPS:
+        raise ValueError(f"unknown arm {op!r}: one of {OPS}")
     capacity = n // 2 if op == "write_full" else n + batch
     host = HostArena(f"/dev/shm/kvstore-bench-cp-{os.getpid()}-{policy}", capacity * BLOCK_BYTES, BLOCK_BYTES,
                      prefault=True, persistent=kept)

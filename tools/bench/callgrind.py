@@ -4,9 +4,9 @@ the machine's load, for before/after comparisons on a shared VM (where wall and 
 
 A benchmark counts a command run twice, doing k1 and k2 units of work, and divides the difference
 by k2 - k1: start-up (imports, allocating the arena) cancels out. PYTHONHASHSEED=0, so dict and set
-orders, and with them the instructions, are the same in every run; a figure still moves by ~1-2% with
-where objects land in memory (identity hashes), more where idle threads wake by the clock. valgrind must be installed
-(`apt-get install valgrind`); `available()` says whether it is.
+orders, and with them the instructions, are the same in every run; a figure still moves by ~1-2%
+between builds of the same code (where objects land in memory: identity hashes). valgrind must be
+installed (`apt-get install valgrind`); `available()` says whether it is.
 """
 
 from __future__ import annotations
