@@ -2,7 +2,7 @@
 executors to.
 
 `CpuExecutor` copies each piece of a plan with the arena's copy loop
-(`tiers.host.copy_bytes`, through kvstore.client: no slow `rep movsb` on AMD)
+(`kvstore.tiers.host.copy_bytes`, through kvstore.client: no slow `rep movsb` on AMD)
 between NumPy views of known memory regions — the mapped arena and the engine's
 KV storages. Every address of a plan is resolved against those regions before
 the first byte moves, so a plan that points anywhere else is refused with a
@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from connectors.copy_plan import CopyPlan
+from kvstore.connectors.copy_plan import CopyPlan
 from kvstore.client import copy_bytes
 
 # A plan of at least SPLIT_BYTES is split over this many threads (the caller and helpers). The engine's

@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from connectors.copy_plan import CopyPlan
+from kvstore.connectors.copy_plan import CopyPlan
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class KernelExecutor:
     def __init__(self, device) -> None:
         import torch
 
-        from connectors import triton_copy
+        from kvstore.connectors import triton_copy
 
         self._torch, self._tc, self.device = torch, triton_copy, torch.device(device)
 

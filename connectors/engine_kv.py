@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from connectors.copy_plan import EMPTY_PLAN, CopyPlan, KVGeometry, build_plan, kv_geometry
+from kvstore.connectors.copy_plan import EMPTY_PLAN, CopyPlan, KVGeometry, build_plan, kv_geometry
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class StoreMemory:
     arena: np.ndarray
     arena_base: int
     pool_bases: list[int] | None  # per gpu device slot; None: this engine reads and writes the arena only
-    pinned: object = None  # tiers.gpu.PinnedHost on CUDA
+    pinned: object = None  # kvstore.tiers.gpu.PinnedHost on CUDA
     pools: list | None = None  # keeps the mappings alive
 
     @property
@@ -52,7 +52,7 @@ class StoreMemory:
             return [[self.arena_base + o, n] for o, n in extents]
         if self.pool_bases is None:
             raise ValueError("a gpu extent for an engine that did not map the pools")
-        from tiers.gpu import SLOT
+        from kvstore.tiers.gpu import SLOT
 
         return [[self.pool_bases[o // SLOT] + o % SLOT, n] for o, n in extents]
 
@@ -108,14 +108,14 @@ class EngineKV:
         self.device = self.geometry.device
         self._memory: dict[str, StoreMemory] = {}  # the daemon's arena id -> the store memory it hands out
         if self.device == "cpu":
-            from connectors.cpu_copy import COPY_THREADS, CpuExecutor, CpuTransfers, storage_bytes
+            from kvstore.connectors.cpu_copy import COPY_THREADS, CpuExecutor, CpuTransfers, storage_bytes
 
             storages = {t.untyped_storage().data_ptr(): t for t in tensors}
             self._cpu = CpuExecutor(threads=threads or COPY_THREADS)
             self._cpu.set_regions("kv", [storage_bytes(t) for t in storages.values()])
             self.transfers = CpuTransfers(self._cpu)
         else:
-            from connectors.cuda_copy import make_transfers
+            from kvstore.connectors.cuda_copy import make_transfers
 
             self._cpu = None
             self.transfers = make_transfers(self.device, executor, kernel_piece_bytes)
@@ -148,7 +148,7 @@ class EngineKV:
         if self._cpu is not None:
             self._cpu.set_regions("store", [arena] + (pools or []))
         else:
-            from tiers.gpu import pin_host
+            from kvstore.tiers.gpu import pin_host
 
             mem.pinned = pin_host(arena)
             # the copy kernel reads and writes the arena through unified addressing: registered memory only

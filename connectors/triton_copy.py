@@ -24,7 +24,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from connectors.copy_plan import CopyPlan
+from kvstore.connectors.copy_plan import CopyPlan
 
 ALIGN = 16
 CHUNK_BYTES = 64 << 10  # the most one program copies

@@ -3,13 +3,13 @@
 Load it with
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_connector_module_path": "kvstore.connectors.vllm",
                            "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"socket": "/path/kvstore.sock"}}'
 
 or the same dict as `vllm.LLM(kv_transfer_config=...)`. The extra config keys
-are `connectors.vllm_meta.ConnectorConfig`. "recompute" is the right failure
+are `kvstore.connectors.vllm_meta.ConnectorConfig`. "recompute" is the right failure
 policy for a cache (a failed load is recomputed, never an error); the
 connector sets it when the config says "fail" (vLLM's default), with a log line.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.vllm_meta import ConnectorConfig, StepMeta, engine_namespaces, layer_order, required_layout
+from kvstore.connectors.vllm_meta import ConnectorConfig, StepMeta, engine_namespaces, layer_order, required_layout
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -73,7 +73,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore connector disabled: %s", exc)
             return
         if role == KVConnectorRole.SCHEDULER:
-            from connectors.vllm_scheduler import SchedulerSide
+            from kvstore.connectors.vllm_scheduler import SchedulerSide
 
             self._prefer_recompute()
             from vllm.platforms import current_platform
@@ -81,7 +81,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(self.config, namespaces, namespaces[0].block_tokens,
                                            device=current_platform.device_type)
         else:
-            from connectors.vllm_worker import WorkerSide
+            from kvstore.connectors.vllm_worker import WorkerSide
 
             rank = _tp_rank()
             self.worker = WorkerSide(self.config, namespaces[rank], layer_order(kv_cache_config), kv_cache_config.num_blocks)

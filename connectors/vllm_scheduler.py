@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connectors.engine_kv import reader_tier
-from connectors.store_link import StoreLink
-from connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
+from kvstore.connectors.engine_kv import reader_tier
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
 from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks, lora_key
 from kvstore.wire import RANK
 

@@ -34,12 +34,12 @@ import logging
 
 import torch
 
-from connectors.attention_score import KeyNormScorer
-from connectors.engine_kv import EngineKV, FaultInjector
-from connectors.store_link import StoreLink
-from connectors.vllm_meta import ConnectorConfig, StepMeta, WorkerReport
-from connectors.worker_loads import LoadReport, StepLoads, WaitedLoads, run_guarded
-from connectors.worker_saves import Saves, without_requests
+from kvstore.connectors.attention_score import KeyNormScorer
+from kvstore.connectors.engine_kv import EngineKV, FaultInjector
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm_meta import ConnectorConfig, StepMeta, WorkerReport
+from kvstore.connectors.worker_loads import LoadReport, StepLoads, WaitedLoads, run_guarded
+from kvstore.connectors.worker_saves import Saves, without_requests
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)

@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
-from connectors.cpu_copy import Ticket
-from connectors.engine_kv import EngineKV, FaultInjector
-from connectors.store_link import StoreLink
-from connectors.vllm_meta import ConnectorConfig, LoadJob
+from kvstore.connectors.cpu_copy import Ticket
+from kvstore.connectors.engine_kv import EngineKV, FaultInjector
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm_meta import ConnectorConfig, LoadJob
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from connectors.attention_score import KeyNormScorer
-from connectors.engine_kv import EngineKV, FaultInjector
-from connectors.store_link import StoreLink
-from connectors.vllm_meta import SaveBatch
+from kvstore.connectors.attention_score import KeyNormScorer
+from kvstore.connectors.engine_kv import EngineKV, FaultInjector
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm_meta import SaveBatch
 from kvstore.protocol import metadata_frame_bytes
 
 log = logging.getLogger(__name__)

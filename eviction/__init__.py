@@ -5,6 +5,6 @@ tree, pins and refcounts; it tells a policy which keys are evictable right now
 through the `evictable` predicate passed to `victims`.
 """
 
-from eviction.base import BlockInfo, EvictionPolicy, make_policy, register_policy
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, make_policy, register_policy
 
 __all__ = ["BlockInfo", "EvictionPolicy", "make_policy", "register_policy"]

@@ -24,8 +24,8 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.leaves import LeafQueues
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from kvstore.eviction.leaves import LeafQueues
 
 
 class ARCPolicy(EvictionPolicy):

@@ -78,10 +78,10 @@ from operator import add as _add
 from typing import Callable, Sequence
 
 
-from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
                                check_early_fraction, sampled)
-from eviction.leaves import GhostTable, LeafQueues
+from kvstore.eviction.leaves import GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5

@@ -149,7 +149,7 @@ def _load_builtin() -> None:
     # (not yet written) simply contributes nothing.
     import importlib
 
-    for module in ("eviction.lru", "eviction.lfu", "eviction.arc", "eviction.s3fifo", "eviction.attention"):
+    for module in ("kvstore.eviction.lru", "kvstore.eviction.lfu", "kvstore.eviction.arc", "kvstore.eviction.s3fifo", "kvstore.eviction.attention"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -20,8 +20,8 @@ import bisect
 import math
 from typing import Callable, Mapping, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, Key
-from eviction.leaves import LeafQueues
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key
+from kvstore.eviction.leaves import LeafQueues
 
 
 class BeladyPolicy(EvictionPolicy):

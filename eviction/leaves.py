@@ -37,7 +37,7 @@ import itertools
 from collections import Counter, OrderedDict
 from typing import Callable
 
-from eviction.base import Key
+from kvstore.eviction.base import Key
 
 
 class LeafQueues:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.leaves import GhostTable, LeafQueues
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from kvstore.eviction.leaves import GhostTable, LeafQueues
 
 
 class LFUPolicy(EvictionPolicy):

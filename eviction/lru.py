@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 
 
 class LRUPolicy(EvictionPolicy):

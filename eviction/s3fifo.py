@@ -23,8 +23,8 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from eviction.leaves import LeafQueues
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+from kvstore.eviction.leaves import LeafQueues
 
 SMALL_FRACTION = 0.10
 MAX_FREQ = 3

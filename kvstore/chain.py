@@ -16,8 +16,8 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError, OwnershipError
 from kvstore.sharing import SharingOptions
 from kvstore.store import TieredStore
-from tiers.base import Tier
-from tiers.host import ArenaRefused, HostArena
+from kvstore.tiers.base import Tier
+from kvstore.tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def gpu_tier(config: Config) -> tuple[Tier | None, str]:
     if not gc.enabled:
         return None, "disabled in the config ([gpu] enabled = false)"
     try:
-        from tiers.gpu import CudaUnavailable, GpuPool, GpuTier
+        from kvstore.tiers.gpu import CudaUnavailable, GpuPool, GpuTier
     except ImportError as exc:  # pragma: no cover - the module itself imports nothing heavy
         return None, f"the gpu tier cannot be imported: {exc}"
     pools: list = []
@@ -63,13 +63,13 @@ def open_store(config: Config) -> TieredStore:
     chain.append(host)
     try:
         if gpu is not None and gpu.device.type == "cuda":
-            from tiers.gpu import pin_host
+            from kvstore.tiers.gpu import pin_host
 
             pinned = pin_host(host.buf)  # gpu <-> host copies become asynchronous DMA; pageable if it fails
             if not pinned.pinned:
                 log.warning("host arena not pinned for the gpu tier: %s", pinned.reason)
         if config.disk.enabled:
-            from tiers.disk import DiskTier  # lmdb: only where the disk tier is used
+            from kvstore.tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
             chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
         else:
@@ -110,7 +110,7 @@ def remote_tier(config: Config, host: HostArena) -> tuple[Tier | None, str]:
     rc = config.remote
     if not rc.enabled:
         return None, "not configured"
-    from tiers.remote import MooncakeTier, RemoteUnavailable
+    from kvstore.tiers.remote import MooncakeTier, RemoteUnavailable
 
     try:
         return MooncakeTier(rc.master, host, metadata_server=rc.metadata_server, local_hostname=rc.local_hostname,

@@ -36,7 +36,7 @@ from kvstore.keys import Namespace
 from kvstore.protocol import HEADER, pack_frame, unpack_body
 from kvstore.transports import ArenaTransport, Block, InlineTransport
 from kvstore.wire import Extents, LookupResult, WaitResult
-from tiers.arena import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
+from kvstore.tiers.arena import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
 
 
 class KVClient:
@@ -269,7 +269,7 @@ class KVClient:
 
     @property
     def gpu_pools(self) -> list[dict] | None:
-        """The daemon's GPU pools as this connection may map them (`tiers.gpu.open_pool`), one per device
+        """The daemon's GPU pools as this connection may map them (`kvstore.tiers.gpu.open_pool`), one per device
         slot; None where the daemon has no gpu tier (or is reached over TCP)."""
         gpu = self.server_info.get("gpu") or {}
         return gpu.get("pools") if gpu.get("available") else None
@@ -277,7 +277,7 @@ class KVClient:
     def gpu_pool_buffers(self) -> list | None:
         """The GPU pools mapped into this process, per device slot (mapped once per daemon): CUDA tensors
         opened by IPC, or NumPy arrays over the emulated tier's shared memory. A block at global offset
-        `o` of the gpu tier is at `o % SLOT` of buffer `o // SLOT` (tiers.gpu.SLOT)."""
+        `o` of the gpu tier is at `o % SLOT` of buffer `o // SLOT` (kvstore.tiers.gpu.SLOT)."""
         handles = self.gpu_pools
         if handles is None or not isinstance(self.transport, ArenaTransport):
             return None

@@ -269,7 +269,7 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         _require(self.kind in ("", "mooncake"), f'remote.kind must be "mooncake" (or absent), got {self.kind!r}')
         if self.kind:
-            from tiers.remote import parse_master
+            from kvstore.tiers.remote import parse_master
 
             _require(isinstance(self.master, str) and self.master != "", "remote.master (host:port) is required")
             try:
@@ -308,7 +308,7 @@ class Config:
         _require(isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name) is not None,
                  f"name must be 1-64 of [A-Za-z0-9_.-], got {self.name!r}")
         _require(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), f"log_level: bad value {self.log_level!r}")
-        from eviction.base import policy_names
+        from kvstore.eviction.base import policy_names
 
         _require(self.policy in policy_names(), f"policy must be one of {policy_names()}, got {self.policy!r}")
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from eviction.base import BlockInfo, EvictionPolicy, PolicyError
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, PolicyError
 from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.keys import Namespace
-from tiers.base import BlockMeta, Tier
+from kvstore.tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
 

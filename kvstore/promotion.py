@@ -48,7 +48,7 @@ from kvstore.entry import RANK, Entry, Key, Owner, Shared
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
-from tiers.base import Tier
+from kvstore.tiers.base import Tier
 
 if TYPE_CHECKING:
     from kvstore.sharing import RemoteSharing

@@ -24,7 +24,7 @@ from kvstore.errors import NamespaceError
 from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
-from tiers.base import RecoveredBlock, Tier
+from kvstore.tiers.base import RecoveredBlock, Tier
 
 log = logging.getLogger(__name__)
 

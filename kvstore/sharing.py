@@ -55,12 +55,12 @@ from kvstore.entry import Entry, Key, Shared
 from kvstore.errors import CapacityError
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
-from tiers.host import copy_segments
-from tiers.pages import PageAllocator
-from tiers.remote import ALREADY_EXISTS, RemoteRef, RemoteUnavailable, object_key
+from kvstore.tiers.host import copy_segments
+from kvstore.tiers.pages import PageAllocator
+from kvstore.tiers.remote import ALREADY_EXISTS, RemoteRef, RemoteUnavailable, object_key
 
 if TYPE_CHECKING:
-    from tiers.remote import MooncakeTier
+    from kvstore.tiers.remote import MooncakeTier
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
 
-from eviction.base import make_policy
+from kvstore.eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.gpu_demoter import GpuDemoter
@@ -54,7 +54,7 @@ from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, namespace_rows, tier_rows
 from kvstore.waits import InflightWaits
 from kvstore.wire import LookupResult, WaitResult
-from tiers.base import Tier
+from kvstore.tiers.base import Tier
 
 __all__ = ["RANK", "TIERS", "Entry", "LookupResult", "TieredStore"]  # (RANK, TIERS, Entry: older import paths)
 

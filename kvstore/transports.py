@@ -41,7 +41,7 @@ import numpy as np
 
 from kvstore.errors import KVStoreError, OwnershipError, ProtocolError
 from kvstore.protocol import inline_blocks_per_frame
-from tiers.arena import ArenaRefused, copy_in_many, copy_out, copy_out_many, map_arena
+from kvstore.tiers.arena import ArenaRefused, copy_in_many, copy_out, copy_out_many, map_arena
 
 Block = tuple  # (hash, parent hash or None, payload buffer)
 PARALLEL_COPY_MIN_BYTES = 4 << 20
@@ -134,10 +134,10 @@ class ArenaTransport:
         return self._arena
 
     def pools(self, handles: list[dict]) -> list:
-        """The daemon's GPU pools mapped here, once per daemon (tiers.gpu.open_pool: a CUDA tensor by IPC, or
+        """The daemon's GPU pools mapped here, once per daemon (kvstore.tiers.gpu.open_pool: a CUDA tensor by IPC, or
         the emulated pool's shared memory, mapped only if the daemon's user owns it)."""
         if self._pools is None:
-            from tiers.gpu import open_pool  # imports torch only for CUDA handles
+            from kvstore.tiers.gpu import open_pool  # imports torch only for CUDA handles
 
             try:
                 self._pools = [open_pool(h, self._daemon_uid) for h in handles]

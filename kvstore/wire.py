@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiers import TIER_ORDER
+from kvstore.tiers import TIER_ORDER
 
 TIERS = TIER_ORDER  # ("gpu", "host", "disk", "remote"), fastest first: where a block can sit
 RANK = {name: i for i, name in enumerate(TIERS)}

@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.errors import AuthError, KVStoreError
 from kvstore.store import TieredStore
-from server.metrics import daemon_families, namespace_families
+from kvstore.server.metrics import daemon_families, namespace_families
 
 
 @dataclass(frozen=True, slots=True)

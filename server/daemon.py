@@ -61,11 +61,11 @@ from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.promotion import PRESENT_MISS
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
-from server.admin import AdminView, start_admin
-from server.events import FLUSH_S, EventPublisher
-from server.frames import Oversize, discard, read_frame
-from server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
-from server.rpc import Handlers, Session, error_reply
+from kvstore.server.admin import AdminView, start_admin
+from kvstore.server.events import FLUSH_S, EventPublisher
+from kvstore.server.frames import Oversize, discard, read_frame
+from kvstore.server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
+from kvstore.server.rpc import Handlers, Session, error_reply
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def gpu_info(store: TieredStore) -> dict:
     """The gpu tier as clients and stats see it now (the per-connection pool handles are added at hello)."""
     if store.gpu is None:
         return {"available": False, "reason": store.absent.get("gpu", "not configured")}
-    from tiers.gpu import tier_status
+    from kvstore.tiers.gpu import tier_status
 
     return tier_status(store.gpu)  # type: ignore[arg-type]
 

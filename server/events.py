@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable
 from kvstore.config import EventsConfig
 from kvstore.entry import Entry
 from kvstore.keys import Namespace
-from server.event_wire import CLEARED, REMOVED, STORED, RawEvent, encode_batch, group_by_topic
+from kvstore.server.event_wire import CLEARED, REMOVED, STORED, RawEvent, encode_batch, group_by_topic
 
 if TYPE_CHECKING:
     from kvstore.store import TieredStore

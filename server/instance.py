@@ -28,7 +28,7 @@ import secrets
 import stat
 
 from kvstore.errors import OwnershipError
-from tiers.host import remove_stale_arena
+from kvstore.tiers.host import remove_stale_arena
 
 PRIVATE_FILE_MODE = 0o600
 

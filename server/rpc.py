@@ -31,7 +31,7 @@ from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, w
                               want_hashes, want_token_blocks)
 from kvstore.store import TieredStore
 from kvstore.tokens import TokenScope
-from server.auth import Grant, authenticate, unix_grant
+from kvstore.server.auth import Grant, authenticate, unix_grant
 
 log = logging.getLogger(__name__)
 

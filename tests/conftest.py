@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tools.harness.daemon_proc import ROOT, DaemonProc, start_daemon  # noqa: F401  (start_daemon: used by tests)
+from kvstore.tools.harness.daemon_proc import ROOT, DaemonProc, start_daemon  # noqa: F401  (start_daemon: used by tests)
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.vllm_meta import ConnectorConfig, StepMeta
-from connectors.vllm_scheduler import SchedulerSide
-from connectors.vllm_worker import WorkerSide
+from kvstore.connectors.vllm_meta import ConnectorConfig, StepMeta
+from kvstore.connectors.vllm_scheduler import SchedulerSide
+from kvstore.connectors.vllm_worker import WorkerSide
 from kvstore.keys import Namespace
-from tools.harness.connector_standins import blocks, report_step, request, sched_output
+from kvstore.tools.harness.connector_standins import blocks, report_step, request, sched_output
 
 BT, NB, H, D, L = 32, 16, 2, 8, 3  # block tokens, blocks, kv heads, head size, layers
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]

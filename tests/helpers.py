@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from kvstore.keys import Namespace, hash_blocks
-from tools.harness.remote_env import free_port  # noqa: F401  (a test helper too)
+from kvstore.tools.harness.remote_env import free_port  # noqa: F401  (a test helper too)
 
 KiB = 1024
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from connectors.attention_score import KeyNormScorer, block_key_norm_score
+from kvstore.connectors.attention_score import KeyNormScorer, block_key_norm_score
 
 
 def test_key_norm_score_prefers_low_norm_blocks():

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tools.bench import bench_control_plane
-from tools.bench.bench_control_plane import GOALS, chains, main, profile_top
+from kvstore.tools.bench import bench_control_plane
+from kvstore.tools.bench.bench_control_plane import GOALS, chains, main, profile_top
 
 
 def test_chains_are_distinct_and_linked():
@@ -73,7 +73,7 @@ def test_instructions_without_the_in_process_arms_is_a_usage_error_before_any_da
 
 
 def test_instructions_per_block_are_the_difference_of_two_counted_store_runs(monkeypatch):
-    from tools.bench import callgrind
+    from kvstore.tools.bench import callgrind
 
     seen = []
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tools.bench import bench_gpu  # noqa: E402
+from kvstore.tools.bench import bench_gpu  # noqa: E402
 
 
 def test_a_cpu_run_covers_every_case_and_checks_the_bytes(capsys):
@@ -29,7 +29,7 @@ def test_a_cpu_run_covers_every_case_and_checks_the_bytes(capsys):
 def test_a_copy_that_goes_wrong_fails_every_case_it_touches_and_the_run_goes_on(monkeypatch, capsys, tmp_path, fault):
     """The destination is filled with a constant before the verified run, so a copy that does nothing is
     caught too (an earlier case left the right bytes there); a failed transfer is not timed as a fast one."""
-    from connectors.cpu_copy import CpuExecutor
+    from kvstore.connectors.cpu_copy import CpuExecutor
 
     real = CpuExecutor.run
 
@@ -49,7 +49,7 @@ def test_a_copy_that_goes_wrong_fails_every_case_it_touches_and_the_run_goes_on(
 
 
 def test_without_cuda_it_says_why_and_exits_2(capsys):
-    from tiers import gpu
+    from kvstore.tiers import gpu
 
     if gpu.cuda_available()[0]:
         pytest.skip("this machine has CUDA")

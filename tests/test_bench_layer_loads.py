@@ -9,7 +9,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 pytest.importorskip("torch")
 
-from tools.bench import bench_layer_loads  # noqa: E402
+from kvstore.tools.bench import bench_layer_loads  # noqa: E402
 
 
 def test_a_small_run_loads_every_block_in_both_arms(daemon_factory):
@@ -28,7 +28,7 @@ def test_a_small_run_loads_every_block_in_both_arms(daemon_factory):
 
 
 def test_a_block_that_fails_to_load_stops_the_run(daemon_factory, monkeypatch):
-    from connectors.cpu_copy import CpuExecutor
+    from kvstore.connectors.cpu_copy import CpuExecutor
 
     real = CpuExecutor.run
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tools.bench.bench_serving import parse_metrics
-from tools.bench.serving_workload import TRACE, build_workload, load_trace, session_of, workload_stats
+from kvstore.tools.bench.bench_serving import parse_metrics
+from kvstore.tools.bench.serving_workload import TRACE, build_workload, load_trace, session_of, workload_stats
 
 ROWS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 2]},
@@ -111,7 +111,7 @@ def test_parse_metrics_sums_labelled_series():
 
 
 def test_simulated_hit_accounting_orders_the_arms():
-    from tools.bench.serving_workload import simulate
+    from kvstore.tools.bench.serving_workload import simulate
 
     rows = load_trace(TRACE, limit=3000) if TRACE.exists() else None
     if rows is None:

@@ -6,8 +6,8 @@ import os
 import time
 
 from kvstore.client import KVClient
-from tools.bench.bench_store import bench_size
-from tools.harness.daemon_proc import proc_stat_cpu
+from kvstore.tools.bench.bench_store import bench_size
+from kvstore.tools.harness.daemon_proc import proc_stat_cpu
 
 
 def test_cpu_seconds_of_a_process_grow_with_its_work():
@@ -33,7 +33,7 @@ def test_a_small_run_moves_every_block_and_reports_both_sides_cpu(daemon_factory
 def test_puts_into_a_full_tier_evict_and_store_every_block(daemon_factory):
     """--full-tier: the daemon's host tier holds half of what each round puts, so every round evicts
     and still stores every block it is given (bench_full_tier exits otherwise)."""
-    from tools.bench.bench_store import bench_full_tier
+    from kvstore.tools.bench.bench_store import bench_full_tier
 
     d = daemon_factory(host_bytes="8MiB", page_bytes="256KiB", admin=False)  # 32 blocks
     with KVClient(d.socket_path, name="bench") as client:

@@ -19,9 +19,9 @@ import json
 
 import pytest
 
-from tools.bench.chaos_run import ChaosConfig, run_chaos
-from tools.bench.chaos_workload import WorkloadConfig
-from tools.harness.vllm_helpers import vllm_available
+from kvstore.tools.bench.chaos_run import ChaosConfig, run_chaos
+from kvstore.tools.bench.chaos_workload import WorkloadConfig
+from kvstore.tools.harness.vllm_helpers import vllm_available
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]

@@ -5,11 +5,11 @@ import json
 import subprocess
 import sys
 
-from tools.harness.daemon_proc import ROOT
+from kvstore.tools.harness.daemon_proc import ROOT
 
 DAEMON_ONLY = ("kvstore.store", "kvstore.index", "kvstore.placement", "kvstore.promotion", "kvstore.recovery",
-               "kvstore.sharing", "kvstore.waits", "kvstore.chain", "eviction", "tiers.base", "tiers.host",
-               "tiers.host_index", "tiers.disk", "tiers.remote", "tiers.gpu", "server", "lmdb", "torch")
+               "kvstore.sharing", "kvstore.waits", "kvstore.chain", "eviction", "kvstore.tiers.base", "kvstore.tiers.host",
+               "kvstore.tiers.host_index", "kvstore.tiers.disk", "kvstore.tiers.remote", "kvstore.tiers.gpu", "server", "lmdb", "torch")
 
 
 def test_the_client_loads_no_daemon_module():

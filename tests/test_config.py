@@ -61,9 +61,9 @@ def test_sizes():
 
 
 def test_serve_rejects_bad_config_without_starting(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--socket", str(tmp_path / "s.sock"),
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "serve", "--socket", str(tmp_path / "s.sock"),
                           "--host-bytes", "12 apples"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "bad configuration" in out.stderr and "--host-bytes" in out.stderr
-    missing = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--config", str(tmp_path / "nope.toml")],
+    missing = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(tmp_path / "nope.toml")],
                              cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert missing.returncode == 2 and "config file not found" in missing.stderr

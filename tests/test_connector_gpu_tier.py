@@ -11,13 +11,13 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 from tests.connector_sides import run_step  # noqa: E402
-from tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
 
 BT, NB, H, D, L = 32, 24, 2, 16, 4  # one block = 4 layers x 2 heads x 32 tokens x 32 x 4 B = 32 KiB
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]

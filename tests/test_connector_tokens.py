@@ -18,11 +18,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("torch")
 zmq = pytest.importorskip("zmq")
 
-from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
-from server.event_wire import decode_batch  # noqa: E402
-from tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.server.event_wire import decode_batch  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
 from tests.connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
 
 

@@ -19,9 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="KV tensors are torch tensors")
 
-from connectors import copy_plan as cp  # noqa: E402
-from connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
-from tools.bench.bench_gpu import scattered_pages  # noqa: E402
+from kvstore.connectors import copy_plan as cp  # noqa: E402
+from kvstore.connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
+from kvstore.tools.bench.bench_gpu import scattered_pages  # noqa: E402
 from tests.kv_layouts import BLOCK_OUTERMOST, KINDS, NB, L, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
 
 STORE_BYTES = 1 << 20
@@ -190,7 +190,7 @@ def test_a_large_plan_split_over_threads_copies_every_piece():
     write_payloads(store, extents, [ref_payload(kind, src, b) for b in range(NB)])
     ex = executor_for(store, dst)
     ex.threads = 3
-    import connectors.cpu_copy as cpu_copy
+    import kvstore.connectors.cpu_copy as cpu_copy
 
     old, cpu_copy.SPLIT_BYTES = cpu_copy.SPLIT_BYTES, 0
     try:
@@ -205,11 +205,11 @@ def test_a_large_plan_split_over_threads_copies_every_piece():
 # -- the Triton kernel ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def interpreted():
-    """connectors.triton_copy with its kernel in Triton's interpreter (CPU tensors, NumPy)."""
+    """kvstore.connectors.triton_copy with its kernel in Triton's interpreter (CPU tensors, NumPy)."""
     pytest.importorskip("triton", reason="the copy kernel is Triton (the test extra installs it)")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    import connectors.triton_copy as tc
+    import kvstore.connectors.triton_copy as tc
 
     tc = importlib.reload(tc)
     yield tc
@@ -269,7 +269,7 @@ def test_kernel_ptx_for_sm90_moves_16_byte_words(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import connectors.triton_copy as tc
+    import kvstore.connectors.triton_copy as tc
 
     sig = {"src_table": "*i64", "dst_table": "*i64", "words_table": "*i64", "WORDS_PER_STEP": "constexpr"}
     with monkeypatch.context() as m:  # a compiled kernel, whatever the interpreter tests set
@@ -314,7 +314,7 @@ def test_a_prepared_plan_runs_on_the_regions_it_was_prepared_on():
     """A wait thread may register a restarted daemon's arena (new regions) while another thread is between
     preparing and executing a plan: the operations hold the arrays they were resolved against, never an
     index into a list that changed meanwhile."""
-    from connectors.cpu_copy import CpuExecutor
+    from kvstore.connectors.cpu_copy import CpuExecutor
 
     kv, store = np.zeros(4096, np.uint8), np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
     ex = CpuExecutor(threads=1)

@@ -19,9 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="KV tensors are torch tensors")
 
-from connectors import copy_plan as cp  # noqa: E402
-from connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
-from connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, _Attrs  # noqa: E402
+from kvstore.connectors import copy_plan as cp  # noqa: E402
+from kvstore.connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
+from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, _Attrs  # noqa: E402
 from tests.kv_layouts import NB, L, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
 from tests.test_copy_plan import STORE_BYTES, scattered_extents, write_payloads  # noqa: E402
 

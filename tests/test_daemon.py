@@ -15,7 +15,7 @@ from kvstore.errors import AuthError, DaemonUnavailable, NamespaceError
 from kvstore.keys import Namespace
 
 from tests.conftest import ROOT
-from tiers.gpu import cuda_available
+from kvstore.tiers.gpu import cuda_available
 from tests.helpers import chain, namespace
 
 NS = namespace(block_bytes=256 * 1024)
@@ -130,7 +130,7 @@ def test_admin_plane(daemon):
 
 def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_objects_less_often(daemon):
     """server/daemon.py's tune_gc ran once the daemon served: its stats and /metrics say so."""
-    from server.daemon import GC_GEN0_THRESHOLD
+    from kvstore.server.daemon import GC_GEN0_THRESHOLD
 
     gc_stats = daemon.stats()["gc"]
     assert gc_stats["threshold"][0] == GC_GEN0_THRESHOLD > 700
@@ -141,20 +141,20 @@ def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_obje
 
 
 def test_stats_cli(daemon):
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--json", "--socket", daemon.socket_path],
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--json", "--socket", daemon.socket_path],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert stats["tiers"]["host"]["capacity_bytes"] == 64 << 20
     assert stats["policy"] == "attention"  # the default; the half-life it runs with now (eviction/halflife.py):
     assert stats["tiers"]["host"]["policy_half_life_s"] in (30.0, 240.0, 2000.0)
-    human = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", daemon.socket_path],
+    human = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", daemon.socket_path],
                            cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert "host" in human.stdout and "capacity 64.0 MiB" in human.stdout
 
 
 def test_stats_cli_reports_a_daemon_that_is_down(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", str(tmp_path / "none.sock")],
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", str(tmp_path / "none.sock")],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "cannot reach the kvstore daemon" in out.stderr
 
@@ -174,7 +174,7 @@ def test_sigterm_drains_and_cleans_up(daemon):
 
 
 def test_second_daemon_with_the_same_name_refuses_to_start(daemon, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--name", daemon.name, "--socket",
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "serve", "--name", daemon.name, "--socket",
                           str(tmp_path / "other.sock"), "--host-bytes", "16MiB", "--no-admin", "--no-disk"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "another kvstore daemon" in out.stderr
@@ -205,7 +205,7 @@ def test_ls_and_evict_cli(daemon):
     with KVClient(daemon.socket_path) as c:
         ns = c.register(NS)
         c.put(ns, [(h, p, np.ones(NS.block_bytes, np.uint8)) for h, p in zip(hs, ps)])
-    cli = lambda *a: subprocess.run([sys.executable, "-m", "tools.cli", *a, "--socket", daemon.socket_path],  # noqa: E731
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kvstore.tools.cli", *a, "--socket", daemon.socket_path],  # noqa: E731
                                     cwd=ROOT, capture_output=True, text=True, timeout=30)
     listing = json.loads(cli("ls", "--json", "--ns", ns).stdout)
     assert listing["total"] == 3
@@ -299,7 +299,7 @@ def test_the_chain_comes_from_the_config_and_stats_say_why_a_tier_is_absent(daem
         assert c.lookup(ns, hs).tiers == ("host",) * 4
         assert all(np.array_equal(a, b) for a, b in zip(c.get(ns, hs), payloads))
     assert d.http("/check")[0] == 200 and json.loads(d.http("/check")[1])["ok"] is True
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "stats", "--socket", d.socket_path],
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", d.socket_path],
                          capture_output=True, text=True, check=True).stdout
     assert "chain gpu -> host -> disk" in out and "remote absent: not configured" in out
     assert d.stop() == 0

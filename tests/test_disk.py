@@ -22,9 +22,9 @@ from kvstore.store import TieredStore
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_bytes
-from tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
-from tiers.disk_alloc import PageAllocator
-from tiers.host import HostArena
+from kvstore.tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
+from kvstore.tiers.disk_alloc import PageAllocator
+from kvstore.tiers.host import HostArena
 
 BLOCK = 64 * 1024
 PAGE = 64 * 1024
@@ -126,7 +126,7 @@ def test_buffered_fallback_logs_its_reason(tmp_path, monkeypatch, caplog):
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    with caplog.at_level(logging.WARNING, logger="tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
         h = Harness(tmp_path / "disk", host_blocks=4, disk_blocks=16)
     try:
         assert not h.store.disk.direct
@@ -554,7 +554,7 @@ def test_tier_on_tmpfs_works_with_whatever_io_the_kernel_allows(caplog):
     """/dev/shm is tmpfs: O_DIRECT where the kernel supports it there (>= 6.6), else buffered + reason."""
     folder = f"/dev/shm/kvstore-test-disk-{uuid.uuid4().hex}"
     try:
-        with caplog.at_level(logging.WARNING, logger="tiers.disk"):
+        with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
             h = Harness(folder, host_blocks=4, disk_blocks=16)
         try:
             disk = h.store.disk

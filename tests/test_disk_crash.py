@@ -28,7 +28,7 @@ import pytest
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
 from tests.helpers import chain_hashes, namespace, payload_for, poll
-from tools.harness.daemon_proc import start_daemon
+from kvstore.tools.harness.daemon_proc import start_daemon
 
 BLOCK = 64 * 1024
 NS = namespace("crash-model", BLOCK, dtype="bf16")

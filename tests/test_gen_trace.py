@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from tools import cli
-from tools.gen_trace import BLOCK, SHAPES, generate, requests_for
+from kvstore.tools import cli
+from kvstore.tools.gen_trace import BLOCK, SHAPES, generate, requests_for
 
 
 @pytest.fixture(scope="module")

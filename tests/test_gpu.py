@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from tests.helpers import wait_for
-from tiers import gpu
-from tools.harness.daemon_proc import ROOT
+from kvstore.tiers import gpu
+from kvstore.tools.harness.daemon_proc import ROOT
 
 CUDA_OK, CUDA_REASON = gpu.cuda_available()
 N = 16  # tokens per block (tools/harness/kv_engine.py)
@@ -39,10 +39,9 @@ class EngineProc:
     """A `kv_engine` process; `ask` sends one request and returns its reply."""
 
     def __init__(self, socket: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
-        args = [sys.executable, "-m", "tools.harness.kv_engine", socket, "--device", device, "--layout", layout,
+        args = [sys.executable, "-m", "kvstore.tools.harness.kv_engine", socket, "--device", device, "--layout", layout,
                 "--seed", str(seed)] + (["--whole-step"] if whole_step else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         hello = self._reply()
         assert hello.get("ready"), hello
         self.block_outermost = hello["block_outermost"]
@@ -140,7 +139,7 @@ def test_a_killed_engine_leaks_no_pool_page(daemon_factory, device, tmp_path):
     script.write_text(
         "import sys, time\n"
         "from kvstore.client import KVClient\n"
-        "from tools.harness.kv_engine import namespace\n"
+        "from kvstore.tools.harness.kv_engine import namespace\n"
         "import xxhash\n"
         "c = KVClient(sys.argv[1])\n"
         "ns = c.register(namespace(sys.argv[2], 'LBHNC'))\n"
@@ -148,9 +147,7 @@ def test_a_killed_engine_leaks_no_pool_page(daemon_factory, device, tmp_path):
         "ext, at = c.reserve_at(ns, [(h, p) for h, p in zip(hs, [None] + hs[:-1])], 'gpu')\n"
         "print(at.count('gpu'), flush=True)\n"
         "time.sleep(120)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), d.socket_path, device], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(script), d.socket_path, device], stdout=subprocess.PIPE, text=True)
     try:
         assert int(proc.stdout.readline()) == 4
         assert d.stats()["tiers"]["gpu"]["used_bytes"] == 4 * BLOCK
@@ -205,9 +202,9 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
     the matmuls and the test shows mismatches: the waits are what keeps the bytes right."""
     import torch
 
-    from connectors import copy_plan as cp
-    from connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, KernelExecutor
-    from tiers.gpu import pin_host
+    from kvstore.connectors import copy_plan as cp
+    from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, KernelExecutor
+    from kvstore.tiers.gpu import pin_host
 
     dev = torch.device("cuda:0")
     nb, block = 8, BLOCK

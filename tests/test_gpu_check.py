@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import gpu_summary
+from kvstore.tools.bench import gpu_summary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,12 +38,12 @@ def test_summary_reports_each_goal_and_fails_on_a_miss(tmp_path):
 
 
 def _out(folder: Path) -> str:
-    return subprocess.run([sys.executable, "-m", "tools.bench.gpu_summary", str(folder)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.bench.gpu_summary", str(folder)], capture_output=True,
                           text=True, cwd=REPO).stdout
 
 
 def test_gpu_check_on_a_machine_without_cuda_runs_every_part_and_says_why(tmp_path):
-    from tiers import gpu
+    from kvstore.tiers import gpu
 
     if gpu.cuda_available()[0]:
         pytest.skip("this machine has CUDA: gpu_check measures for real there")

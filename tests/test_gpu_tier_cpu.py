@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the GPU tier's copies are torch code")
 
-from tiers import gpu  # noqa: E402
-from tiers.host import HostArena  # noqa: E402
+from kvstore.tiers import gpu  # noqa: E402
+from kvstore.tiers.host import HostArena  # noqa: E402
 
 
 @pytest.fixture
@@ -41,12 +41,12 @@ def test_copy_runs_between_flat_tensors():
     assert not dst[10:100].any()
 
 
-# -- the CPU face of tiers.gpu ----------------------------------------------------
+# -- the CPU face of kvstore.tiers.gpu ----------------------------------------------------
 def test_import_does_not_pull_in_torch():
     code = (
-        "import sys, tiers.gpu\n"
+        "import sys, kvstore.tiers.gpu\n"
         "assert 'torch' not in sys.modules, 'torch imported eagerly'\n"
-        "ok, reason = tiers.gpu.cuda_available()\n"
+        "ok, reason = kvstore.tiers.gpu.cuda_available()\n"
         "assert ok or reason, 'no reason given'\n"
         "assert ok or 'NVIDIA driver' not in reason or 'torch' not in sys.modules\n"
     )

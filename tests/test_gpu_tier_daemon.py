@@ -16,8 +16,8 @@ import pytest
 
 from kvstore.keys import Namespace
 from tests.helpers import wait_for
-from tiers.gpu import SLOT, open_pool
-from tools.harness.daemon_proc import ROOT
+from kvstore.tiers.gpu import SLOT, open_pool
+from kvstore.tools.harness.daemon_proc import ROOT
 
 PAGE = 64 << 10
 BLOCK = 4 * PAGE  # one page of the gpu tier (gpu.page_size 256KiB), four of the arena

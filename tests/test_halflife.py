@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from eviction.attention import AttentionParams, AttentionPolicy
-from eviction.base import BlockInfo
-from eviction.halflife import HALF_LIVES_S, HalfLifeExperts, sampled
-from tools.bench.policy_sim import load, simulate
+from kvstore.eviction.attention import AttentionParams, AttentionPolicy
+from kvstore.eviction.base import BlockInfo
+from kvstore.eviction.halflife import HALF_LIVES_S, HalfLifeExperts, sampled
+from kvstore.tools.bench.policy_sim import load, simulate
 
 KEYS = [b"\x00" * 8, b"block-hash-0123", ("ns", b"\x17" * 32), "a", 12345, ("ns", "k7")]
 
@@ -25,7 +25,7 @@ def test_the_sample_is_about_one_key_in_eight_and_the_same_in_every_process():
     assert sum(sampled(("ns", k)) for k in keys[:2000]) == sum(map(sampled, keys[:2000]))  # store keys: the hash
     assert len({i % 8 for i in range(8000) if sampled(i)}) == 8  # sequential trace ids are mixed, not taken modulo 8
     here = [sampled(k) for k in KEYS]
-    code = ("import sys; sys.path.insert(0, '.'); from eviction.halflife import sampled; "
+    code = ("import sys; sys.path.insert(0, '.'); from kvstore.eviction.halflife import sampled; "
             f"print([sampled(k) for k in {KEYS!r}])")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -143,7 +143,7 @@ def test_only_sampled_keys_cost_expert_state_and_the_miniatures_hold_what_the_ti
 def test_a_miniature_scores_a_hit_only_for_a_key_it_still_holds():
     """The expert's score is its miniature's hits: a key re-referenced within the expert's capacity hits,
     beyond it misses; a key back from the ghost table resumes its count (a longer memory keeps it)."""
-    from eviction.halflife import MiniCache
+    from kvstore.eviction.halflife import MiniCache
 
     m = MiniCache(30.0, (0.5, 1.0, 1.0), ghost_factor=4.0)
     assert m.reference("a", 2, 1.0) is False and m.reference("b", 2, 1.0) is False
@@ -160,7 +160,7 @@ def test_the_early_miniatures_are_heard_only_while_the_full_size_ones_have_no_ev
     """The same experts at half the tier's size evict before the tier does. A clear lead among them
     (2.5 sd) moves the lead while the full-size miniatures have fewer than EARLY_EVIDENCE disagreements
     with the leader; with more, only the full-size ones decide. early_fraction=0: no early miniatures."""
-    from eviction.halflife import EARLY_EVIDENCE
+    from kvstore.eviction.halflife import EARLY_EVIDENCE
 
     ex = HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)
     lead, other = ex.lead, HALF_LIVES_S.index(30.0)

@@ -1,11 +1,11 @@
-"""tiers.host copy routines: byte-exact on every path (word loop, unaligned, odd sizes, small)."""
+"""kvstore.tiers.host copy routines: byte-exact on every path (word loop, unaligned, odd sizes, small)."""
 
 import uuid
 
 import numpy as np
 import pytest
 
-from tiers.host import HostArena, copy_bytes, copy_in, copy_out
+from kvstore.tiers.host import HostArena, copy_bytes, copy_in, copy_out
 
 
 @pytest.mark.parametrize("offset, size", [(0, 1 << 20), (8, 65536 + 8), (3, 65536), (0, 65536 + 5), (0, 100), (5, 4095)])

@@ -34,9 +34,9 @@ import pytest
 from kvstore.client import KVClient
 from tests.helpers import chain_hashes, payload_for, poll
 from tests.test_disk_crash import NS, Storm, acknowledged
-from tiers.host import copy_in
-from tiers.host_index import index_path
-from tools.harness.daemon_proc import DaemonProc, start_daemon
+from kvstore.tiers.host import copy_in
+from kvstore.tiers.host_index import index_path
+from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon
 
 BLOCK = NS.block_bytes  # 64 KiB
 
@@ -299,10 +299,10 @@ def test_a_mismatched_arena_starts_empty_with_a_log_line(tmp_path, change):
 def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
     """A kill before the store was quiet leaves records without checksums: they are adopted (written
     only after commit, deleted before reuse) and checked in the background once the store is quiet."""
-    import tiers.host_index as host_index
+    import kvstore.tiers.host_index as host_index
     from kvstore.keys import hash_blocks
     from kvstore.store import TieredStore
-    from tiers.host import HostArena, remove_stale_arena
+    from kvstore.tiers.host import HostArena, remove_stale_arena
 
     monkeypatch.setattr(host_index, "QUIET_S", 3600.0)  # never quiet: no checksum is taken
     path = f"/dev/shm/kvtest-{os.urandom(8).hex()}"
@@ -337,7 +337,7 @@ def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_tu
 
     from kvstore.keys import hash_blocks
     from kvstore.store import TieredStore
-    from tiers.host import HostArena, remove_stale_arena
+    from kvstore.tiers.host import HostArena, remove_stale_arena
 
     path = f"/dev/shm/kvtest-{os.urandom(8).hex()}"
     ns_small = type(NS)("turns", "bf16", 1, 1, 8, 16, 8192)

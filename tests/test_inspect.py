@@ -33,7 +33,7 @@ def put(client: KVClient, ns_id: str, hashes: list[bytes]) -> None:
 
 
 def inspect(sock: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "inspect", "--socket", sock, *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "inspect", "--socket", sock, *args], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
 
 

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.harness.vllm_helpers import REPO, build_model, connector_config, corpus_text, engine_spec, run_engine, start_daemon
-from tools.harness.vllm_helpers import vllm_available
+from kvstore.tools.harness.vllm_helpers import REPO, build_model, connector_config, corpus_text, engine_spec, run_engine, start_daemon
+from kvstore.tools.harness.vllm_helpers import vllm_available
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
@@ -32,13 +32,13 @@ BS = 32
 
 def inspect(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "tools.cli", "inspect", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "inspect", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def connector_hashes(token_ids: list[int]) -> list[bytes]:
     """The hashes the connector's scheduler side computes for a request with these tokens."""
-    from connectors.vllm_scheduler import _ReqState, request_extra_keys
+    from kvstore.connectors.vllm_scheduler import _ReqState, request_extra_keys
 
     request = SimpleNamespace(request_id="r", all_token_ids=token_ids, prompt_embeds=None, lora_request=None,
                               mm_features=None, cache_salt=None)

@@ -35,7 +35,7 @@ def test_continuation_equals_full_hash():
 
 def test_hashes_do_not_depend_on_pythonhashseed():
     code = "from kvstore.keys import hash_blocks, ExtraKeys; print(hash_blocks(list(range(64)), 16, ExtraKeys(lora='x', cache_salt='y'))[-1].hex())"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     outs = set()
     for seed in ("0", "123", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}

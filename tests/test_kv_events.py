@@ -26,10 +26,10 @@ import pytest
 from kvstore.client import KVClient
 from kvstore.config import EventsConfig
 from kvstore.store import TieredStore
-from server.event_wire import MEDIUM, RawEvent, decode_batch, encode_batch, group_by_topic
-from server.events import EventPublisher
+from kvstore.server.event_wire import MEDIUM, RawEvent, decode_batch, encode_batch, group_by_topic
+from kvstore.server.events import EventPublisher
 from tests.conftest import ROOT
-from tiers.host import HostArena
+from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes, namespace
 
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (the tools extra)")
@@ -306,7 +306,7 @@ def test_a_publisher_that_falls_behind_drops_then_resyncs_the_whole_state(tmp_pa
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -2,8 +2,10 @@
 level or inside a function; `if TYPE_CHECKING:` blocks are types only and left out) points down.
 
 Between packages: `tools -> server -> kvstore -> tiers, eviction`, `connectors -> kvstore, tiers`;
-`tiers` and `eviction` import nothing of each other. Inside kvstore/, each module has a layer and
-imports only from lower ones; the client side (client.py, transports.py) imports none of the store core.
+`tiers` and `eviction` import nothing of each other. The packages are `kvstore.tiers`, ... (the folders
+linked from kvstore/): an import by the folder's own top-level name is wrong too, since a wheel has none.
+Inside kvstore/, each module has a layer and imports only from lower ones; the client side (client.py,
+transports.py) imports none of the store core. `kvstore/__main__.py` is the command's entry point.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tools.harness.daemon_proc import ROOT
+from kvstore.tools.harness.daemon_proc import ROOT
 
+LINKED = ("tiers", "eviction", "server", "connectors", "tools")  # kvstore/<name> -> ../<name>
 PACKAGES = {  # package -> the project packages it may import (besides itself)
     "tiers": set(),
     "eviction": set(),
@@ -35,7 +38,16 @@ BASE = {m for m, layer in LAYERS.items() if layer <= 2}  # what both sides may i
 
 def runtime_imports(path: Path) -> list[str]:
     """The modules `path` imports outside `if TYPE_CHECKING:` blocks (relative imports resolved)."""
-    return imports_of(path.read_text(), ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1]))
+    folder = path.relative_to(ROOT).parts[0]
+    return imports_of(path.read_text(), "kvstore" if folder == "kvstore" else f"kvstore.{folder}")
+
+
+def package_of(name: str) -> str | None:
+    """The project package a module name belongs to (None: not the project's)."""
+    parts = name.split(".")
+    if parts[0] != "kvstore":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in LINKED else "kvstore"
 
 
 def imports_of(source: str, package: str) -> list[str]:
@@ -63,28 +75,41 @@ def imports_of(source: str, package: str) -> list[str]:
 
 
 def kvstore_module(name: str) -> str | None:
+    """The core module (kvstore/<module>.py) a name imports, if it is one."""
     parts = name.split(".")
-    return parts[1] if parts[0] == "kvstore" and len(parts) > 1 else None
+    return parts[1] if package_of(name) == "kvstore" and len(parts) > 1 else None
 
 
 def test_packages_import_only_downward():
     wrong = []
     for package, allowed in PACKAGES.items():
         for path in sorted((Path(ROOT) / package).glob("*.py")):
+            if path.name == "__main__.py":  # the command's entry point, above every package
+                continue
             for name in runtime_imports(path):
-                top = name.split(".")[0]
-                if top in PACKAGES.keys() | {"tools", "tests"} and top != package and top not in allowed:
+                dep = package_of(name)
+                if name.split(".")[0] in LINKED + ("tests",):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name} (not an installed name)")
+                elif dep is not None and dep != package and dep not in allowed:
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == []
+
+
+def test_nothing_imports_a_folder_by_its_top_level_name():
+    """tools/, tests/ and the packages alike: a wheel installs `kvstore` alone."""
+    wrong = [f"{path.relative_to(ROOT)} imports {name}"
+             for folder in (*PACKAGES, "tools", "tests") for path in sorted((Path(ROOT) / folder).rglob("*.py"))
+             for name in runtime_imports(path) if name.split(".")[0] in LINKED]
     assert wrong == []
 
 
 def test_kvstore_modules_import_only_lower_layers():
     paths = sorted((Path(ROOT) / "kvstore").glob("*.py"))
-    assert {p.stem for p in paths} - {"__init__"} == set(LAYERS), "every kvstore module needs a layer here"
+    assert {p.stem for p in paths} - {"__init__", "__main__"} == set(LAYERS), "every kvstore module needs a layer here"
     wrong = []
     for path in paths:
         me = path.stem
-        if me == "__init__":
+        if me in ("__init__", "__main__"):
             continue
         for name in runtime_imports(path):
             dep = kvstore_module(name)
@@ -102,3 +127,6 @@ def test_the_check_sees_imports_inside_functions_and_skips_type_only_ones():
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvstore.store import TieredStore\n"
               "def f():\n    from kvstore.placement import Placement\n    from . import index\n")
     assert imports_of(source, "kvstore") == ["typing", "kvstore.placement", "kvstore.index"]
+    assert imports_of("from . import disk\nimport tiers.host\n", "kvstore.tiers") == ["kvstore.tiers.disk", "tiers.host"]
+    assert package_of("kvstore.tiers.disk") == "tiers" and package_of("kvstore.store") == "kvstore"
+    assert package_of("tiers.disk") is None

@@ -21,7 +21,7 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.keys import hash_blocks
-from tools.harness.daemon_proc import ROOT, start_daemon
+from kvstore.tools.harness.daemon_proc import ROOT, start_daemon
 from tests.helpers import namespace
 
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVClient
 from kvstore.keys import hash_blocks
-from server.metrics import MAX_MODEL_LABELS, OTHER_MODEL
+from kvstore.server.metrics import MAX_MODEL_LABELS, OTHER_MODEL
 from tests.conftest import ROOT
 from tests.helpers import namespace
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from server.pd_proxy import AFFINITY_HEADER, PREFILL_ERROR_HEADER, POOLS, ProxyConfig, check_engines, make_app
+from kvstore.server.pd_proxy import AFFINITY_HEADER, PREFILL_ERROR_HEADER, POOLS, ProxyConfig, check_engines, make_app
 
 
 @pytest.fixture
@@ -266,7 +266,7 @@ def test_router_config_refuses_mixing_modes():
 def test_affinity_with_bounded_loads_spreads_a_hot_session_and_keeps_it_home_when_idle():
     from contextlib import ExitStack
 
-    from server.pd_proxy import Pool
+    from kvstore.server.pd_proxy import Pool
 
     urls = ("http://a:1", "http://b:1", "http://c:1")
     pure, bounded = Pool("engine", urls, 0.0), Pool("engine", urls, 1.25)

@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from eviction.attention import AttentionParams, AttentionPolicy
-from eviction.base import BlockInfo, make_policy, policy_names
-from eviction.belady import BeladyPolicy
+from kvstore.eviction.attention import AttentionParams, AttentionPolicy
+from kvstore.eviction.base import BlockInfo, make_policy, policy_names
+from kvstore.eviction.belady import BeladyPolicy
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
-from tiers.host import HostArena
+from kvstore.tiers.host import HostArena
 
 POLICIES = ["lru", "lfu", "arc", "s3fifo", "attention", "belady"]
 
@@ -405,7 +405,7 @@ def test_lfu_resumes_an_evicted_blocks_count_from_its_ghost(ghost_factor, first_
     """x is hit twice, evicted, and comes back: with the ghost table it resumes count 4 and
     outranks y, a newer block with count 1; without (ghost_factor 0) it starts over at 1 and,
     older than y, goes first."""
-    from eviction.lfu import LFUPolicy
+    from kvstore.eviction.lfu import LFUPolicy
 
     p = LFUPolicy(clock=lambda: 0.0, ghost_factor=ghost_factor)
     p.on_insert(BlockInfo("x", None, 0, 1))
@@ -439,7 +439,7 @@ def test_victims_the_store_did_not_take_are_named_again(name):
 
 
 def test_leaf_queues_rekey_reorders_every_leaf_at_once():
-    from eviction.leaves import LeafQueues
+    from kvstore.eviction.leaves import LeafQueues
 
     q = LeafQueues()
     for i, (key, parent) in enumerate([("a", None), ("b", "a"), ("c", None), ("d", None)]):

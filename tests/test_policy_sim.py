@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from eviction.base import policy_names
-from tools.bench.policy_sim import load, main, simulate
-from tools.replay import replay
+from kvstore.eviction.base import policy_names
+from kvstore.tools.bench.policy_sim import load, main, simulate
+from kvstore.tools.replay import replay
 
 
 @pytest.mark.parametrize("trace,capacity", [("gen:agentic", 120), ("gen:mixed", 200), ("gen:scan", 90)])
@@ -52,7 +52,7 @@ def test_full_blocks_in_both_replays(capsys):
 
 
 def test_a_policy_naming_a_pinned_victim_is_an_error():
-    from eviction.lru import LRUPolicy
+    from kvstore.eviction.lru import LRUPolicy
 
     class Bad(LRUPolicy):
         def victims(self, n_bytes, evictable):
@@ -63,7 +63,7 @@ def test_a_policy_naming_a_pinned_victim_is_an_error():
 
 
 def test_variants_and_the_summary_against_the_best_baseline(capsys):
-    from tools.bench.policy_sim import summary, variant
+    from kvstore.tools.bench.policy_sim import summary, variant
 
     label, factory = variant("h30:half_life_s=30,gate=false,adapt=false")
     pol = factory(lambda: 0.0)
@@ -107,7 +107,7 @@ def test_an_unknown_policy_is_refused_before_any_replay(capsys):
 
 
 def test_draws_of_a_shape_are_summarised_per_shape_and_jobs_change_nothing(capsys):
-    from tools.bench.policy_sim import by_shape, shape_of
+    from kvstore.tools.bench.policy_sim import by_shape, shape_of
 
     assert shape_of("gen:tenants:7") == "gen:tenants" == shape_of("gen:tenants")
     assert shape_of("../traces/a.jsonl") == "../traces/a.jsonl"
@@ -130,8 +130,8 @@ def test_draws_of_a_shape_are_summarised_per_shape_and_jobs_change_nothing(capsy
 
 
 def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
-    from eviction.replay import expand
-    from tools.bench.policy_sim import segments
+    from kvstore.eviction.replay import expand
+    from kvstore.tools.bench.policy_sim import segments
 
     reqs = load("gen:shift", 400)
     hits: list[int] = []
@@ -154,7 +154,7 @@ def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
 
 
 def test_policy_cost_drives_every_phase_and_refuses_unknown_policies(capsys):
-    from tools.bench import policy_cost
+    from kvstore.tools.bench import policy_cost
 
     for spec in ("lru", "attention", "attention/1"):
         times = policy_cost.run_rounds(spec, 1)  # raises if a removal left a block tracked

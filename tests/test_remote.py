@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from kvstore.keys import Namespace
-from tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
-from tools.harness.daemon_proc import ROOT, start_daemon
+from kvstore.tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from kvstore.tools.harness.daemon_proc import ROOT, start_daemon
 from tests.helpers import chain, namespace
 
 NS = namespace("remote-test-model", 256 * 1024)
@@ -131,7 +131,7 @@ def test_a_corrupt_or_foreign_remote_value_is_a_miss_never_a_wrong_block(tmp_pat
     code = f"""
 import numpy as np, pickle, sys
 sys.path.insert(0, {str(ROOT)!r})
-from tiers import remote as r
+from kvstore.tiers import remote as r
 hs, parents, payloads = pickle.loads(sys.stdin.buffer.read())
 class Arena: buf = np.zeros(1 << 20, dtype=np.uint8)
 t = r.MooncakeTier({master.url!r}, Arena(), segment_bytes=64 << 20, buffer_bytes=16 << 20)
@@ -241,14 +241,14 @@ def test_a_killed_peer_is_a_clean_miss_on_the_other_host(tmp_path, two_hosts, st
 
 
 def test_bad_remote_config_is_a_clear_error_or_a_warning_when_not_required(tmp_path, mooncake):
-    from tools.harness.remote_env import free_port
+    from kvstore.tools.harness.remote_env import free_port
 
-    from tiers.host import remove_stale_arena
+    from kvstore.tiers.host import remove_stale_arena
 
     dead = f"mooncake://127.0.0.1:{free_port()}"
     arena = Path(f"/dev/shm/kvstore-{os.getuid()}-badremote")
     remove_stale_arena(str(arena))  # one left by an earlier version of this test would be adopted
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--name", "badremote", "--socket", str(tmp_path / "s.sock"),
+    cmd = [sys.executable, "-m", "kvstore.tools.cli", "serve", "--name", "badremote", "--socket", str(tmp_path / "s.sock"),
            "--host-bytes", "16MiB", "--page-bytes", "64KiB", "--no-disk", "--no-admin"]
     t0 = time.monotonic()
     r = subprocess.run(cmd + ["--remote", dead], cwd=ROOT, capture_output=True, text=True, timeout=60)

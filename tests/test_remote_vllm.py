@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
+from kvstore.tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
 from tests.test_vllm_e2e import BS, COMMON, DOC, EXPECTED_HIT, one
-from tools.harness.vllm_helpers import (base_env, build_model, connector_config, corpus_text, engine_spec, run_engine,
+from kvstore.tools.harness.vllm_helpers import (base_env, build_model, connector_config, corpus_text, engine_spec, run_engine,
                                 tokenize, vllm_available)
-from tools.harness.daemon_proc import ROOT, start_daemon
+from kvstore.tools.harness.daemon_proc import ROOT, start_daemon
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
@@ -32,7 +32,7 @@ CORRUPT = """
 import sys
 sys.path.insert(0, {root!r})
 from kvstore.client import KVClient
-from tiers import remote as r
+from kvstore.tiers import remote as r
 import numpy as np
 class Arena: buf = np.zeros(1 << 16, dtype=np.uint8)
 t = r.MooncakeTier({master!r}, Arena(), segment_bytes=512 << 20, buffer_bytes=16 << 20)

@@ -1,6 +1,6 @@
 """`kvstore replay` end to end on an excerpt of the Mooncake conversation trace.
 
-The excerpt (the first 300 requests) is read from tools/bench/traces at test
+The excerpt (the first 300 requests) is read from tools/traces at test
 time; the test skips, saying why, when the trace is absent.
 """
 
@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from eviction.replay import expand, full_blocks, next_use_index, read_trace, Request
-from tools import cli
-from tools.replay import ALL_POLICIES
+from kvstore.eviction.replay import expand, full_blocks, next_use_index, read_trace, Request
+from kvstore.tools import cli
+from kvstore.tools.replay import ALL_POLICIES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "tools", "bench", "traces", "mooncake_conversation_trace.jsonl")
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+TRACE = os.path.join(ROOT, "tools", "traces", "mooncake_conversation_trace.jsonl")
 needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
 
 
@@ -89,7 +89,7 @@ def test_replay_single_run_has_top_level_keys_and_random_attention(capsys):
 def test_replay_subprocess_text_output():
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "replay", TRACE, "--limit", "100", "--policy", "lru,belady",
+        [sys.executable, "-m", "kvstore.tools.cli", "replay", TRACE, "--limit", "100", "--policy", "lru,belady",
          "--capacity-blocks", "100"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
     )

@@ -34,12 +34,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvstore.placement
-from eviction.base import policy_names
+from kvstore.eviction.base import policy_names
 from kvstore.entry import RANK, is_leaf_in
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
-from tiers.host import HostArena, remove_stale_arena
+from kvstore.tiers.host import HostArena, remove_stale_arena
 
 PAGE = 4096
 BLOCK = 6000  # two pages, the second partly used
@@ -66,14 +66,14 @@ def child_hash(parent: bytes | None, token: int) -> bytes:
 def make_tiers(pages: dict[str, int], folder: str, kept_arena: str | None = None) -> list:
     tiers = []
     if "gpu" in pages:
-        from tiers.gpu import GpuPool, GpuTier
+        from kvstore.tiers.gpu import GpuPool, GpuTier
 
         n = pages.get("gpu_pools", 1)
         tiers.append(GpuTier([GpuPool("cpu", pages["gpu"] // n * PAGE, PAGE) for _ in range(n)]))
     path = kept_arena or f"/dev/shm/kvtest-{uuid.uuid4().hex}"
     tiers.append(HostArena(path, pages["host"] * PAGE, PAGE, prefault=False, persistent=kept_arena is not None))
     if "disk" in pages:
-        from tiers.disk import DiskTier
+        from kvstore.tiers.disk import DiskTier
 
         tiers.append(DiskTier(folder, pages["disk"] * PAGE, page_bytes=PAGE, staging_bytes=4 * 2 * PAGE))
     return tiers

@@ -209,8 +209,8 @@ def test_two_scopes_may_not_share_a_token(tmp_path):
 
 def test_every_op_has_a_class():
     """Fail closed: an op with no class is refused to every token, so a new op must be classified."""
-    from server.auth import OP_CLASS
-    from server.rpc import Handlers
+    from kvstore.server.auth import OP_CLASS
+    from kvstore.server.rpc import Handlers
 
     assert set(Handlers(None, (), 1, 1 << 20, {}).ops) == set(OP_CLASS)  # type: ignore[arg-type]
 

@@ -72,7 +72,7 @@ def writer(sock: str, stop: threading.Event) -> None:
 
 
 def top_args(daemon, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tools.cli", "top", "--url", f"http://127.0.0.1:{daemon.admin_port}",
+    return [sys.executable, "-m", "kvstore.tools.cli", "top", "--url", f"http://127.0.0.1:{daemon.admin_port}",
             "--token-file", daemon.admin_token_path, *extra]
 
 
@@ -119,7 +119,7 @@ def test_top_bad_input_is_one_line_and_exit_1(daemon_factory, tmp_path):
         (["--url", f"http://127.0.0.1:{d.admin_port}", "--token-file", str(tmp_path / "none")], "admin token"),
     ]
     for args, why in cases:
-        r = subprocess.run([sys.executable, "-m", "tools.cli", "top", *args], cwd=ROOT, env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "top", *args], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run(top_args(d, "--once", "--interval", "0.2"), cwd=ROOT, env=env, capture_output=True, text=True,

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from connectors.vllm_meta import ConnectorConfig, LoadJob, StepMeta, WorkerReport  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig, LoadJob, StepMeta, WorkerReport  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tests.connector_sides import BT, LAYERS, NB, H, D, L, admit, kv_tensors, make_sides, namespace  # noqa: E402
 from tests.connector_sides import run_step, sides  # noqa: E402,F401  (sides: a fixture)
-from tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, request, sched_output  # noqa: E402
 
 
 def test_missing_block_is_reported_as_a_load_error(sides):

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import ExtraKeys, hash_blocks  # noqa: E402
 from tests.connector_sides import BT, LAYERS, NB, L, kv_tensors, make_sides, namespace, run_step  # noqa: E402
 from tests.connector_sides import sides, whole_step_sides  # noqa: E402,F401  (fixtures)
-from tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
 
 
 def test_save_then_load_in_another_engine_copies_the_bytes(sides):
@@ -106,7 +106,7 @@ def test_speculative_tokens_are_never_saved(sides):
 def test_split_copies_move_every_block_and_a_failed_copy_fails_the_whole_load(whole_step_sides, monkeypatch):
     """Copies split over the engine thread and copy threads (big steps): saves and loads are byte-exact;
     a copy that fails fails every block of the step's load (vLLM recomputes them all)."""
-    from connectors import cpu_copy
+    from kvstore.connectors import cpu_copy
 
     monkeypatch.setattr(cpu_copy, "SPLIT_BYTES", 0)
     sched_a, make_worker = whole_step_sides
@@ -170,7 +170,7 @@ def test_hits_are_reported_by_the_tier_that_held_them(daemon_factory, tmp_path):
     reported as DISK (the daemon promotes them for the load), the one after that as HOST."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    from connectors.vllm import KVStoreConnector
+    from kvstore.connectors.vllm import KVStoreConnector
 
     # Not persistent: the host tier goes down to the disk at SIGTERM (a kept arena would report HOST).
     disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", "--no-persistent-host"]

@@ -1,6 +1,6 @@
 """End-to-end: real vLLM engines in separate processes share prefix KV through a real daemon.
 
-Model: SmolLM2-135M-Instruct (bf16, built locally by tools/build_models.py),
+Model: SmolLM2-135M-Instruct (bf16, built locally by tools/harness/build_models.py),
 block size 32. Prompt A = D + tail_a, prompt B = D + tail_b with |D| = 700
 tokens, so B can reuse 21 blocks (672 tokens) that engine A stored.
 
@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from tools.harness.vllm_helpers import (
+from kvstore.tools.harness.vllm_helpers import (
     build_model,
     connector_config,
     corpus_text,

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from connectors import copy_plan as cp  # noqa: E402
+from kvstore.connectors import copy_plan as cp  # noqa: E402
 from tests.kv_layouts import physical_bytes, random_ids  # noqa: E402
 from tests.test_copy_plan import STORE_BYTES, executor_for, read_payload, scattered_extents, write_payloads  # noqa: E402
 
@@ -37,7 +37,7 @@ GPU_BACKEND = [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]]  # FlashA
 
 
 def config():
-    kvt = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm",
+    kvt = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
                            kv_role="kv_both")
     return SimpleNamespace(cache_config=CacheConfig(), kv_transfer_config=kvt)
 
@@ -128,7 +128,7 @@ def test_only_full_attention_specs_are_stored():
     saving it under real hashes. Full attention and MLA are stored."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    from connectors.vllm_meta import check_full_attention
+    from kvstore.connectors.vllm_meta import check_full_attention
 
     common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     check_full_attention(FullAttentionSpec(**common))

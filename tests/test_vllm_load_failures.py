@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.harness.vllm_helpers import (
+from kvstore.tools.harness.vllm_helpers import (
     build_model,
     connector_config,
     corpus_text,
@@ -92,7 +92,7 @@ def test_a_failed_load_whose_request_is_aborted_leaves_no_garbage_in_the_prefix_
     prefix cache. Engine C then loads R5's stored chain."""
     from pathlib import Path
 
-    from tools.harness.chaos_procs import EngineProc, wait_all
+    from kvstore.tools.harness.chaos_procs import EngineProc, wait_all
 
     model = build_model("smollm2")
     ids = tokenize(model, corpus_text(20000))
@@ -133,8 +133,8 @@ def test_an_asynchronous_load_failed_at_its_first_block_does_not_deadlock_the_sc
     request whose asynchronous load failed is answered with a synchronous load."""
     from pathlib import Path
 
-    from tools.bench.chaos_run import block_bytes
-    from tools.harness.chaos_procs import EngineProc, wait_all
+    from kvstore.tools.bench.chaos_run import block_bytes
+    from kvstore.tools.harness.chaos_procs import EngineProc, wait_all
 
     model = build_model("smollm2")
     ids = tokenize(model, corpus_text(20000))

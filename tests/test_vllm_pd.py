@@ -32,7 +32,7 @@ import pytest
 
 from kvstore.client import KVClient
 from tests.helpers import free_port
-from tools.harness.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
+from kvstore.tools.harness.vllm_helpers import (REPO, base_env, build_model, connector_config, corpus_text, engine_spec,
                                 run_engine, start_daemon, tokenize, vllm_available)
 
 ok, why = vllm_available()
@@ -122,7 +122,7 @@ class World:
         self.producer.wait_http(self.p_url + "/v1/models")
         self.consumer.wait_http(self.c_url + "/v1/models")
         port = free_port()
-        self.proxy = Proc([sys.executable, "-m", "tools.cli", "proxy", "--prefill", self.p_url, "--decode", self.c_url,
+        self.proxy = Proc([sys.executable, "-m", "kvstore.tools.cli", "proxy", "--prefill", self.p_url, "--decode", self.c_url,
                            "--port", str(port), "--health-interval-s", "0.5"], workdir, "proxy")
         self.x_url = f"http://127.0.0.1:{port}"
         self.proxy.wait_http(self.x_url + "/health", timeout_s=60)

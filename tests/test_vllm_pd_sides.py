@@ -12,10 +12,10 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
-from tools.harness.connector_standins import blocks, sched_output  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, sched_output  # noqa: E402
 from tests.connector_sides import BT, LAYERS, NB, kv_tensors, namespace, run_step  # noqa: E402
 
 TOKENS = list(range(5000, 5000 + 5 * BT + 7))  # 5 full blocks + 7 tokens

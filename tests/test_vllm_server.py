@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import free_port
-from tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize, vllm_available
+from kvstore.tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize, vllm_available
 
 ok, why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tiers.pages import pair_runs
+from kvstore.tiers.pages import pair_runs
 
 
 class ArenaRefused(PermissionError):

@@ -46,8 +46,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tiers import TIER_ORDER  # noqa: F401  (also this module's name)
-from tiers.pages import PageAllocator, allocate_each
+from kvstore.tiers import TIER_ORDER  # noqa: F401  (also this module's name)
+from kvstore.tiers.pages import PageAllocator, allocate_each
 
 Key = tuple  # (namespace id, block hash)
 

@@ -72,10 +72,10 @@ import msgpack
 import numpy as np
 import xxhash
 
-from tiers.base import BlockMeta, RecoveredBlock, Tier
-from tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
-from tiers.disk_writer import DiskWrite, DiskWriter
-from tiers.host import copy_segments
+from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
+from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
+from kvstore.tiers.disk_writer import DiskWrite, DiskWriter
+from kvstore.tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import mmap
 import threading
 from collections import defaultdict
 
-from tiers.pages import PageAllocator  # noqa: F401  (re-exported for tiers.disk)
+from kvstore.tiers.pages import PageAllocator  # noqa: F401  (re-exported for kvstore.tiers.disk)
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
 

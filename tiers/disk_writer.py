@@ -1,4 +1,4 @@
-"""The disk tier's writer thread (a part of `tiers.disk.DiskTier`, apart for the reader).
+"""The disk tier's writer thread (a part of `kvstore.tiers.disk.DiskTier`, apart for the reader).
 
 The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
@@ -26,9 +26,9 @@ import msgpack
 import numpy as np
 import xxhash
 
-from tiers.disk_alloc import round_up
+from kvstore.tiers.disk_alloc import round_up
 
-log = logging.getLogger("tiers.disk")
+log = logging.getLogger("kvstore.tiers.disk")
 
 
 @dataclass(slots=True, eq=False)

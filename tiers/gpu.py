@@ -2,14 +2,14 @@
 
 This module and the connector's CUDA copy module (connectors/cuda_copy.py) are
 the only ones that touch CUDA; every CUDA call is made lazily, so `import
-tiers.gpu` is safe on a host without CUDA or without torch, and
+kvstore.tiers.gpu` is safe on a host without CUDA or without torch, and
 `cuda_available()` says why the tier is absent (without importing torch where
 no NVIDIA driver exists).
 
 What it owns
 ------------
 - `GpuPool`: one device's pool, allocated once for the daemon's life and never
-  moved (so engines' mappings stay valid), cut into pages (`tiers.pages`). On
+  moved (so engines' mappings stay valid), cut into pages (`kvstore.tiers.pages`). On
   CUDA its buffer is a `torch.empty(capacity, uint8, device)`; on the "cpu"
   device (tests, CPU-only CI) it is a shared-memory file, so the whole path —
   the handshake, engines mapping the pool, reads and writes into it — runs on
@@ -46,8 +46,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from tiers.base import Tier
-from tiers.pages import Extents, PageAllocator, pair_runs
+from kvstore.tiers.base import Tier
+from kvstore.tiers.pages import Extents, PageAllocator, pair_runs
 
 Run = tuple  # (dst_offset, src_offset, length)
 SLOT = 1 << 40  # device slot k's pages sit at global offsets [k * SLOT, k * SLOT + capacity)
@@ -197,7 +197,7 @@ class GpuPool:
 
 
 def _copy_pairs(dst: list, src: list) -> None:
-    from tiers.arena import copy_segments
+    from kvstore.tiers.arena import copy_segments
 
     copy_segments(dst, src)
 
@@ -373,7 +373,7 @@ def open_pool(h: "IpcHandle | dict", owner_uid: int | None = None):
     """Engine side: a pool as a flat uint8 buffer — a CUDA tensor on `h.device` for an IPC handle, a NumPy
     array for an emulated pool's shared memory (refused, like the arena, unless `owner_uid` owns it)."""
     if isinstance(h, dict) and h.get("kind") == "shm":
-        from tiers.arena import map_arena
+        from kvstore.tiers.arena import map_arena
 
         return map_arena(str(h["path"]), int(h["nbytes"]), owner_uid)
     if isinstance(h, dict):

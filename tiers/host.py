@@ -47,7 +47,7 @@ from typing import Sequence
 import lmdb
 import numpy as np
 
-from tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this module's names)
+from kvstore.tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this module's names)
     ArenaRefused,
     _advise_hugepages,
     _describe,
@@ -57,9 +57,9 @@ from tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this module's 
     copy_segments,
     map_arena,
 )
-from tiers.base import BlockMeta, RecoveredBlock, Tier
-from tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
-from tiers.pages import Extents, PageAllocator
+from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
+from kvstore.tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
+from kvstore.tiers.pages import Extents, PageAllocator
 
 log = logging.getLogger(__name__)
 

@@ -258,7 +258,7 @@ class HostIndex:
 
     def record_many(self, blocks: Sequence[tuple[list, Any]]) -> None:
         """`record` for several blocks (one commit), in order: (extents, meta) where meta is a
-        tiers.base.BlockMeta (key, parent, depth, attention, stamp)."""
+        kvstore.tiers.base.BlockMeta (key, parent, depth, attention, stamp)."""
         self._add([_Pending(m[0], x, x[0][1] if len(x) == 1 else sum(n for _, n in x), m[1:]) for x, m in blocks])
 
     def _add(self, items: list[_Pending]) -> None:

@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import xxhash
 
-from tiers.base import Tier
+from kvstore.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
-from server.event_wire import WireError, decode_batch
+from kvstore.server.event_wire import WireError, decode_batch
 
 END_SEQ = -1
 

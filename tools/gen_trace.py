@@ -3,7 +3,7 @@
 Each shape is a workload the eviction policies must handle without being tuned
 for it. Every request is one JSON line, `timestamp` (ms), `input_length`,
 `output_length`, `hash_ids` (prefix-chained ids of 512-token blocks), exactly
-as in `tools/bench/traces/`: `len(hash_ids) == ceil(input_length / 512)` and every id
+as in `tools/traces/`: `len(hash_ids) == ceil(input_length / 512)` and every id
 always has the same parent. Only the request's last block may be partial, and a
 partial block gets a fresh id in every request that ends in it (its tokens
 differ once the context grows), so the ids stay a prefix tree.
@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from eviction.replay import TRACE_BLOCK_TOKENS, Request
+from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request
 
 BLOCK = TRACE_BLOCK_TOKENS
 DEFAULT_SEEDS = {"tenants": 16, "agentic": 17, "scan": 18, "shift": 19, "mixed": 20}

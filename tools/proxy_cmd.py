@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from server.pd_proxy import ProxyConfig, serve
+from kvstore.server.pd_proxy import ProxyConfig, serve
 
 log = logging.getLogger(__name__)
 

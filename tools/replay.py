@@ -14,7 +14,7 @@ knows whether the trace uses the block again (evaluation only, like Belady).
 becomes 512/T chained blocks), which multiplies the work by 512/T.
 `--full-blocks` cuts every request to its full blocks first, as an engine
 hands them to the store (the traces' last block is partial and almost never
-reused; `eviction.replay.full_blocks`).
+reused; `kvstore.eviction.replay.full_blocks`).
 `--disk-blocks N` adds the real disk tier below the host tier (a
 [host, disk] TieredStore over a fresh data file with O_DIRECT and an LMDB index in a
 temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
@@ -45,16 +45,17 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Callable, Sequence
 
-from eviction.base import EvictionPolicy
-from eviction.belady import BeladyPolicy
-from eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
+from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.belady import BeladyPolicy
+from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
 from kvstore.keys import Namespace
-from tools.gen_trace import requests_for
+from kvstore.tools.gen_trace import requests_for
 from kvstore.store import TIERS, TieredStore
-from tiers.disk import DiskTier
-from tiers.host import HostArena
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostArena
 
 ALL_POLICIES = ("lru", "lfu", "arc", "s3fifo", "attention", "belady")
 PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
@@ -210,9 +211,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+# The two Mooncake FAST'25 traces installed with kvstore (tools/traces/README.md): `trace:conversation`.
+TRACES_DIR = Path(__file__).resolve().parent / "traces"
+PACKAGED_TRACES = ("conversation", "synthetic")
+
+
+def packaged_trace(spec: str) -> Path:
+    """`trace:NAME` -> the installed trace's file."""
+    name = spec.partition(":")[2]
+    if name not in PACKAGED_TRACES:
+        raise ValueError(f"unknown trace {spec!r}; installed: " + ", ".join(f"trace:{n}" for n in PACKAGED_TRACES))
+    return TRACES_DIR / f"mooncake_{name}_trace.jsonl"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, hash_ids), or "
-                                 "gen:SHAPE[:SEED] for a generated one (see `kvstore gen-trace`)")
+    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, hash_ids), "
+                                 "trace:NAME for one installed with kvstore (" + ", ".join(PACKAGED_TRACES) + "), "
+                                 "or gen:SHAPE[:SEED] for a generated one (see `kvstore gen-trace`)")
     p.add_argument("--capacity-blocks", nargs="+", default=["1000,4000,16000"],
                    help="host capacity in blocks; several values or comma lists (default 1000,4000,16000)")
     p.add_argument("--policy", nargs="+", default=["attention"],
@@ -254,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown policy {sorted(unknown)}; known: {', '.join(ALL_POLICIES)}")
         if args.trace.startswith("gen:"):
             requests = requests_for(args.trace)[: args.limit]
+        elif args.trace.startswith("trace:"):
+            requests = read_trace(str(packaged_trace(args.trace)), args.limit)
         else:
             requests = read_trace(args.trace, args.limit)
         if args.full_blocks:
@@ -339,7 +356,7 @@ def _plot(runs: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvstore.tools.replay", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("--tcp-token puts the secret in this process's command line (/proc/%d/cmdline), which every "
                     "local user can read; use --tcp-token-file or [[server.tcp_tokens]] token_file instead",
                     os.getpid())
-    from server.daemon import serve
+    from kvstore.server.daemon import serve
 
     try:
         return serve(config)

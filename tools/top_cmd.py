@@ -22,7 +22,7 @@ import urllib.request
 from collections import deque
 
 from kvstore.config import default_socket_path, instance_file
-from server.instance import read_admin_token
+from kvstore.server.instance import read_admin_token
 
 WINDOW_S = 10.0
 TOP_NAMESPACES = 5

@@ -1,12 +1,12 @@
 """How well does a save-time attention signal predict the attention a block gets from LATER prompts?
 
-A small study on a real model (SmolLM2-135M, built by tools/build_models.py into
+A small study on a real model (SmolLM2-135M, built by tools/harness/build_models.py into
 .cache/models/smollm2-135m). For each shared document (offline text: licenses
 in /usr/share/common-licenses) the model prefills the document once, as an
 engine would before saving its KV. From that save-time state we compute the
 candidate per-block signals:
 
-- `keynorm`: `connectors.attention_score.block_key_norm_score` over all layers'
+- `keynorm`: `kvstore.connectors.attention_score.block_key_norm_score` over all layers'
   post-RoPE keys (what the connector can compute in `save_kv_layer`);
   `keynorm_late` the same over the second half of the layers only;
   `keynorm_2layers` over layers L/2 and L-1, what connectors/vllm_worker.py samples;
@@ -27,7 +27,7 @@ Metrics: Spearman rank correlation between signal and truth, and recall@k
 k = 20% of blocks), each with and without block 0 (the attention sink, which
 dominates raw mass). Everything runs on CPU in about a minute.
 
-    PYTHONPATH=. .venv/bin/python -m tools.bench.attention_signal [--json]
+    PYTHONPATH=. .venv/bin/python -m kvstore.tools.bench.attention_signal [--json]
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import sys
 
 import numpy as np
 
-from connectors.attention_score import block_key_norm_score
+from kvstore.connectors.attention_score import block_key_norm_score
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "models",
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), ".cache", "models",
                              "smollm2-135m")
 DOCUMENTS = ("/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/MPL-2.0",
              "/usr/share/common-licenses/Artistic")
@@ -151,7 +151,7 @@ def study_document(model, tokenizer, text: str, block_tokens: int, max_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.attention_signal", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvstore.tools.bench.attention_signal", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="HF folder of a causal LM (default: SmolLM2-135M)")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=1024, help="document prefix length in tokens")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model):
-        print(f"attention_signal: no model at {args.model}; run tools/build_models.py first", file=sys.stderr)
+        print(f"attention_signal: no model at {args.model}; run tools/harness/build_models.py first", file=sys.stderr)
         return 2
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -68,12 +68,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tools.bench import callgrind  # noqa: E402
-from tools.harness.daemon_proc import DaemonProc, proc_stat_cpu, start_daemon  # noqa: E402
+from kvstore.tools.bench import callgrind  # noqa: E402
+from kvstore.tools.harness.daemon_proc import DaemonProc, proc_stat_cpu, start_daemon  # noqa: E402
 
 BLOCK_BYTES = 4096
 KiB, MiB = 1 << 10, 1 << 20
@@ -256,7 +256,7 @@ def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int)
     import asyncio
     import gc
 
-    from server.daemon import tune_gc
+    from kvstore.server.daemon import tune_gc
 
     threshold = gc.get_threshold()
     tune_gc()
@@ -282,7 +282,7 @@ def in_process_instructions(policies: list[str], n: int, batch: int, chain: int)
     arms = [(p, kept, op) for p in policies for kept in (False, True) for op in OPS]
     runs = [(*arm, rounds) for arm in arms for rounds in (1, 3)]
     totals = dict(zip(runs, callgrind.instructions_many(
-        [[sys.executable, os.path.abspath(__file__), "--store-run", p, str(int(kept)), op, str(rounds), str(n),
+        [[sys.executable, os.path.realpath(__file__), "--store-run", p, str(int(kept)), op, str(rounds), str(n),
           str(batch), str(chain)] for p, kept, op, rounds in runs])))
     return {f"{p}_{'kept' if kept else 'plain'}_{op}_instructions":
             (totals[p, kept, op, 3] - totals[p, kept, op, 1]) / (2 * n) for p, kept, op in arms}
@@ -292,8 +292,8 @@ def _store_run(policy: str, kept: bool, op: str, rounds: int, n: int, batch: int
     """One run counted by `in_process_instructions`: the daemon's collector settings, no checksums."""
     import asyncio
 
-    from server.daemon import tune_gc
-    from tiers import host_index
+    from kvstore.server.daemon import tune_gc
+    from kvstore.tiers import host_index
 
     host_index.QUIET_S = host_index.CHECK_LAG_S = float("inf")
     tune_gc()
@@ -306,8 +306,8 @@ async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain
     import asyncio
 
     from kvstore.store import TieredStore
-    from tiers.host import HostArena
-    from tiers.host_index import index_path, remove_index
+    from kvstore.tiers.host import HostArena
+    from kvstore.tiers.host_index import index_path, remove_index
 
     if op not in OPS:
         raise ValueError(f"unknown arm {op!r}: one of {OPS}")
@@ -357,13 +357,13 @@ async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain
 def mooncake_anchor(tmp: str, iters: int) -> dict:
     """Single-client 32-block lookups: the daemon against mooncake_master, interleaved one by one."""
     try:
-        from tiers.remote import RemoteUnavailable, load_mooncake, master_binary
+        from kvstore.tiers.remote import RemoteUnavailable, load_mooncake, master_binary
 
         mc = load_mooncake()
         master_binary()
     except (ImportError, RemoteUnavailable) as exc:
         return {"skipped": f"no Mooncake client here: {exc}"}
-    from tools.harness.remote_env import Master
+    from kvstore.tools.harness.remote_env import Master
 
     master = Master(log_path=os.path.join(tmp, "master.log")).start()
     daemon = start_daemon(tmp, host_bytes=str(64 * MiB), page_bytes=str(BLOCK_BYTES), admin=False)
@@ -417,7 +417,7 @@ def mooncake_anchor(tmp: str, iters: int) -> dict:
 
 def bandwidth(tmp: str, total_mib: int, rounds: int) -> dict:
     """bench_store's 256 KiB and 2 MiB puts and gets against memcpy, into free pages and a full tier."""
-    from tools.bench.bench_store import bench_full_tier, bench_size
+    from kvstore.tools.bench.bench_store import bench_full_tier, bench_size
 
     total = total_mib * MiB
     # bench_store's requests of 32 blocks in chains of 64; fewer where a round is small (a full tier's

@@ -1,6 +1,6 @@
 """Disk-tier bandwidth: demotion (host -> disk) and promotion (disk -> host) vs `dd` O_DIRECT.
 
-    python -m tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3] [--json]
+    python -m kvstore.tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3] [--json]
 
 In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
@@ -32,8 +32,8 @@ import numpy as np
 from kvstore.config import parse_size
 from kvstore.store import TieredStore
 from kvstore.keys import Namespace
-from tiers.disk import DiskTier
-from tiers.host import HostArena
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostArena
 
 
 def dd(args: list[str], nbytes: int) -> float:

@@ -47,11 +47,8 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from tiers import gpu  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+from kvstore.tiers import gpu  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 PROMPT_TOKENS = 8192
@@ -60,7 +57,7 @@ GOALS = {"vs_limit": 0.9, "step_load_x_plain_copy": 1.1, "interference_slowdown"
 OWNER = r"""
 import json, sys
 import msgpack, torch
-from tiers import gpu
+from kvstore.tiers import gpu
 pool = gpu.GpuPool(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 pool.buf.random_(0, 256)
 torch.cuda.synchronize()
@@ -115,7 +112,7 @@ class Stores:
     def __init__(self, device: str, nbytes: int) -> None:
         import torch
 
-        from tiers.host import HostArena
+        from kvstore.tiers.host import HostArena
 
         self.device, self.owner = device, None
         self.page = 256 << 10
@@ -126,9 +123,8 @@ class Stores:
         if device == "cpu":
             self.pool = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
             return
-        env = {**os.environ, "PYTHONPATH": REPO}
         self.owner = subprocess.Popen([sys.executable, "-c", OWNER, device, str(nbytes), str(self.page)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         import msgpack
 
         hello = json.loads(self.owner.stdout.readline())
@@ -156,12 +152,12 @@ class Stores:
 def transfers_for(device: str, executor: str, regions: list):
     """CudaTransfers with one executor forced, or on CPU the host transfers over `regions`."""
     if device == "cpu":
-        from connectors.cpu_copy import CpuExecutor, CpuTransfers
+        from kvstore.connectors.cpu_copy import CpuExecutor, CpuTransfers
 
         cpu = CpuExecutor(threads=1)
         cpu.set_regions("all", regions)
         return CpuTransfers(cpu)
-    from connectors.cuda_copy import make_transfers
+    from kvstore.connectors.cuda_copy import make_transfers
 
     return make_transfers(device, executor)
 
@@ -202,7 +198,7 @@ def checked_blocks(ids: list) -> list[int]:
 
 def block_parts(kv, geom, stores, tier: str, ids: list, extents: list, i: int) -> tuple[list, list]:
     """Block i of a transfer as (its store extents, its pieces of KV memory): tensor slices, in one order."""
-    from connectors.copy_plan import build_plan
+    from kvstore.connectors.copy_plan import build_plan
 
     flat = stores.pool if tier == "pool" else stores.host_tensor()
     one = build_plan(geom, [ids[i]], [extents[i]], 0, to_kv=True)
@@ -248,7 +244,7 @@ def bench_case(args, stores, block_tokens: int, layout: str, executor: str, step
     failed or moved other bytes (the other rows go on). `step_loads`: record the loads as step loads."""
     import torch
 
-    from connectors.copy_plan import build_plan, kv_geometry
+    from kvstore.connectors.copy_plan import build_plan, kv_geometry
 
     device, bb = args.device, block_bytes(block_tokens)
     n = max(2, min(args.blocks_bytes // bb, PROMPT_TOKENS // block_tokens))
@@ -300,7 +296,7 @@ def bench_case(args, stores, block_tokens: int, layout: str, executor: str, step
 
 def _storage_array(kv):
     """The host executor's view of the KV allocation (`--device cpu`)."""
-    from connectors.cpu_copy import storage_bytes
+    from kvstore.connectors.cpu_copy import storage_bytes
 
     return storage_bytes(kv[0])
 
@@ -322,7 +318,7 @@ def interference(args, stores, executors: list[str]) -> dict:
     """A bf16 GEMM loop on the forward stream, alone and with ~10 GB of arena loads on the side stream."""
     import torch
 
-    from connectors.copy_plan import build_plan, kv_geometry
+    from kvstore.connectors.copy_plan import build_plan, kv_geometry
 
     device = args.device
     size = 8192 if not args.quick else 2048

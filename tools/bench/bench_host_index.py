@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
+from kvstore.tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 

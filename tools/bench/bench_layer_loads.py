@@ -46,12 +46,12 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from connectors.vllm_meta import ConnectorConfig  # noqa: E402
-from connectors.vllm_scheduler import SchedulerSide  # noqa: E402
-from connectors.vllm_worker import WorkerSide  # noqa: E402
+from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
+from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
+from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
-from tools.harness.vllm_helpers import start_daemon  # noqa: E402
+from kvstore.tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
+from kvstore.tools.harness.vllm_helpers import start_daemon  # noqa: E402
 
 BLOCK_TOKENS, KV_HEADS, HEAD_SIZE, LAYERS = 128, 3, 64, 30  # SmolLM2-135M
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

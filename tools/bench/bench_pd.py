@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize  # noqa: E402
+from kvstore.tools.harness.vllm_helpers import base_env, build_model, connector_config, corpus_text, start_daemon, tokenize  # noqa: E402
 
 BS = 128
 
@@ -59,7 +59,7 @@ class Trace(logging.Handler):
     def emit(self, record):
         if hasattr(record, "kvstore_trace"):
             traces.append(record.kvstore_trace)
-conn_log = logging.getLogger("connectors.vllm_worker")
+conn_log = logging.getLogger("kvstore.connectors.vllm_worker")
 conn_log.setLevel(logging.DEBUG)
 conn_log.addHandler(Trace())
 spec = json.loads(sys.argv[2])

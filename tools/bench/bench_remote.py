@@ -46,14 +46,14 @@ import numpy as np  # noqa: E402
 
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from tools.harness.remote_env import Master, make_hosts, remote_config, remove_hosts  # noqa: E402
-from tools.harness.daemon_proc import start_daemon  # noqa: E402
+from kvstore.tools.harness.remote_env import Master, make_hosts, remote_config, remove_hosts  # noqa: E402
+from kvstore.tools.harness.daemon_proc import start_daemon  # noqa: E402
 
 PEER = r"""
 import json, sys, time, mmap, ctypes
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from tiers.remote import load_mooncake
+from kvstore.tiers.remote import load_mooncake
 mc = load_mooncake()
 role, master, n, size = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 s = mc.MooncakeDistributedStore()
@@ -164,8 +164,8 @@ def transfers(args, a, b, master, da, db) -> dict:
 
 
 def vllm_ttft(args, work: str, da, db) -> dict:
-    from tools.harness.vllm_helpers import build_model, connector_config, corpus_text, engine_spec, run_engine, tokenize
-    from tools.bench.bench_vllm import BLOCK, TAIL
+    from kvstore.tools.harness.vllm_helpers import build_model, connector_config, corpus_text, engine_spec, run_engine, tokenize
+    from kvstore.tools.bench.bench_vllm import BLOCK, TAIL
 
     model = build_model("smollm2")
     ids = tokenize(model, corpus_text(80000))

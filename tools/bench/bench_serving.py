@@ -1,5 +1,5 @@
 """Benchmark: a fleet of vLLM OpenAI servers behind a router, with and without kvstore, on a multi-turn,
-multi-tenant workload derived from the Mooncake conversation trace (tools/bench/traces/).
+multi-tenant workload derived from the Mooncake conversation trace (tools/traces/).
 
 Per arm, from cold: N vLLM OpenAI servers (SmolLM2-135M, float32 by default, CPU, eager
 engine, 1 OpenMP thread each, block size = --block-tokens), a fresh kvstore
@@ -68,8 +68,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.bench.serving_report import compare_outputs, hit_ratio, pct, report  # noqa: E402
-from tools.bench.serving_workload import (  # noqa: E402
+from kvstore.tools.bench.serving_report import compare_outputs, hit_ratio, pct, report  # noqa: E402
+from kvstore.tools.bench.serving_workload import (  # noqa: E402
     TRACE, Request, affinity_split, build_workload, kv_bytes_per_token, load_trace, simulate, workload_stats)
 
 AFFINITY_HEADER = "x-session-affinity"
@@ -106,7 +106,7 @@ class Server:
     EngineCore process too)."""
 
     def __init__(self, args, model: str, kvt: dict | None, workdir: str, name: str, port: int) -> None:
-        from tools.harness.vllm_helpers import base_env
+        from kvstore.tools.harness.vllm_helpers import base_env
 
         self.args, self.model, self.kvt, self.workdir, self.name, self.port = args, model, kvt, workdir, name, port
         self.base_env = base_env
@@ -178,10 +178,10 @@ class Server:
 class Router:
     def __init__(self, urls: list[str], workdir: str, health_interval_s: float = 0.5,
                  health_timeout_s: float = 3.0, load_bound: float = 0.0) -> None:
-        from tools.harness.vllm_helpers import base_env
+        from kvstore.tools.harness.vllm_helpers import base_env
 
         self.port = free_port()
-        cmd = [sys.executable, "-m", "tools.cli", "proxy", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvstore.tools.cli", "proxy", "--port", str(self.port),
                "--health-interval-s", str(health_interval_s), "--connect-timeout-s", str(health_timeout_s),
                "--load-bound", str(load_bound)]
         for u in urls:
@@ -298,7 +298,7 @@ ARMS = {
 
 
 def run_arm(arm: str, reqs: list[Request], args, model: str, root: str) -> dict:
-    from tools.harness.vllm_helpers import connector_config, start_daemon
+    from kvstore.tools.harness.vllm_helpers import connector_config, start_daemon
 
     label, affinity, kvstore, restart = ARMS[arm]
     workdir = tempfile.mkdtemp(prefix=f"arm-{arm}-", dir=root)
@@ -447,7 +447,7 @@ def main() -> None:
         return
     if not args.max_model_len:
         args.max_model_len = int(math.ceil((stats["max_prompt"] + args.max_tokens + 1) / 256) * 256)
-    from tools.harness.vllm_helpers import build_model
+    from kvstore.tools.harness.vllm_helpers import build_model
 
     model = build_model("smollm2")
     root = tempfile.mkdtemp(prefix="bench-serving-")

@@ -8,7 +8,7 @@ model: 32 layers x 8 KV heads x 128 head dim x 2 (K,V) x 2 B x 16 tokens; and
 - memcpy: numpy copy of the same blocks between prefaulted private buffers,
   on one thread (the project's yardstick) and, for reference, on as many
   threads as the client copies with (`--copy-threads`, default 2), and
-  with the store's own copy routine (`tiers.host.copy_bytes`, a vectorised
+  with the store's own copy routine (`kvstore.tiers.host.copy_bytes`, a vectorised
   loop that avoids glibc's slow `rep movsb` range on AMD), single-threaded;
 - put: `KVClient.put`: reserve a batch (one RPC) -> copy into the shared arena ->
   commit (one RPC), pipelined so the next reserve is in flight during the copy;
@@ -46,13 +46,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
-from eviction.base import policy_names  # noqa: E402
+from kvstore.eviction.base import policy_names  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from tiers.host import copy_bytes  # noqa: E402
-from tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
+from kvstore.tiers.host import copy_bytes  # noqa: E402
+from kvstore.tools.harness.daemon_proc import proc_stat_cpu, start_daemon  # noqa: E402
 
 MiB = 1 << 20
 

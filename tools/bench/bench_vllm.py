@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.harness.vllm_helpers import (  # noqa: E402
+from kvstore.tools.harness.vllm_helpers import (  # noqa: E402
     build_model,
     connector_config,
     corpus_text,

@@ -54,10 +54,10 @@ if str(REPO) not in sys.path:
 
 from kvstore.client import KVClient  # noqa: E402
 from kvstore.keys import ExtraKeys, hash_blocks  # noqa: E402
-from tools.bench import chaos_oracles as oracles  # noqa: E402
-from tools.bench.chaos_workload import WorkloadConfig, build_workload  # noqa: E402
-from tools.harness.chaos_procs import Daemon, EngineProc, anon_rss, wait_all  # noqa: E402
-from tools.harness.vllm_helpers import build_model, connector_config, corpus_text, tokenize  # noqa: E402
+from kvstore.tools.bench import chaos_oracles as oracles  # noqa: E402
+from kvstore.tools.bench.chaos_workload import WorkloadConfig, build_workload  # noqa: E402
+from kvstore.tools.harness.chaos_procs import Daemon, EngineProc, anon_rss, wait_all  # noqa: E402
+from kvstore.tools.harness.vllm_helpers import build_model, connector_config, corpus_text, tokenize  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 PROFILES = {  # engine profile -> (speculative config, load_async)

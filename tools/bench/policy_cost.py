@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from eviction.base import BlockInfo, make_policy, policy_names  # noqa: E402
-from tools.bench import callgrind  # noqa: E402
+from kvstore.eviction.base import BlockInfo, make_policy, policy_names  # noqa: E402
+from kvstore.tools.bench import callgrind  # noqa: E402
 
 BLOCKS, CHAIN, COMMIT = 2048, 64, 32
 PHASES = ("insert", "access", "remove")

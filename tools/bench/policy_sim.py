@@ -23,7 +23,7 @@ same hit count per request here as through `tools/replay.py` on generated
 traces, so a change to the store's eviction rules that this file does not
 follow fails there.
 
-    python tools/bench/policy_sim.py gen:agentic tools/bench/traces/mooncake_synthetic_trace.jsonl \
+    python tools/bench/policy_sim.py gen:agentic tools/traces/mooncake_synthetic_trace.jsonl \
         --policy lru arc attention --capacity-blocks 1000,4000,16000
     python tools/bench/policy_sim.py TRACE --factory mymodule:make   # make(clock) -> EvictionPolicy
     python tools/bench/policy_sim.py TRACE --policy lru lfu arc s3fifo \
@@ -47,7 +47,7 @@ the best baseline in and its mean difference: a cell lost in most draws is a
 systematic loss, one lost in a few by a few 1e-4 is the spread between draws.
 `--full-blocks` replays every request cut to its full blocks (what an engine
 hands the store: its block hashes cover full blocks only), without the
-traces' one-off partial tails (`eviction.replay.full_blocks`; `kvstore
+traces' one-off partial tails (`kvstore.eviction.replay.full_blocks`; `kvstore
 replay` takes the same flag). `--jobs N` runs the (trace, subject,
 capacity) cells in N processes (the printed rows and the summary are the
 same as with one).
@@ -72,10 +72,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
-from eviction.base import BlockInfo, EvictionPolicy, make_policy, policy_names  # noqa: E402
-from eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
-from tools.gen_trace import requests_for  # noqa: E402
+from kvstore.eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, make_policy, policy_names  # noqa: E402
+from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
+from kvstore.tools.gen_trace import requests_for  # noqa: E402
 
 PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
 PAGE = 4096
@@ -157,7 +157,7 @@ def simulate(requests: Sequence[Request], policy: str | PolicyFactory, capacity_
 
 def load(spec: str, limit: int | None = None, full: int | None = None) -> list[Request]:
     """The first `limit` requests of a trace file or `gen:SHAPE[:SEED]`; with `full` (tokens per block),
-    cut to their full blocks (`eviction.replay.full_blocks`)."""
+    cut to their full blocks (`kvstore.eviction.replay.full_blocks`)."""
     reqs = requests_for(spec) if spec.startswith("gen:") else read_trace(spec)
     reqs = reqs[:limit] if limit is not None else reqs
     return full_blocks(reqs, full) if full else reqs

@@ -20,7 +20,7 @@ The evidence behind the eviction goal's 4k-block gap (docs/benchmarks.md,
    continuation, depth, request size, last block of the request) predicts
    that the block is used again within `--horizon` seconds.
 
-    PYTHONPATH=. .venv/bin/python -m tools.bench.reuse_study tools/bench/traces/mooncake_conversation_trace.jsonl
+    PYTHONPATH=. .venv/bin/python -m kvstore.tools.bench.reuse_study tools/traces/mooncake_conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from eviction.base import BlockInfo, EvictionPolicy, Key
-from eviction.replay import Request, read_trace
-from tools.replay import replay
+from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key
+from kvstore.eviction.replay import Request, read_trace
+from kvstore.tools.replay import replay
 
 BASELINES = ("lru", "lfu", "arc", "s3fifo")
 GAP_EDGES_S = (60.0, 180.0, 600.0)
@@ -342,7 +342,7 @@ def _print(doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.reuse_study", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvstore.tools.bench.reuse_study", description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--capacity-blocks", type=int, default=4000)
     p.add_argument("--policy", nargs="+", default=[*BASELINES, "attention", "belady"])

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_trace.jsonl"
 TRACE_BLOCK = 512
 TOKEN_LO, TOKEN_HI = 1000, 48000  # SmolLM2's vocabulary is 49152; stay clear of its special tokens
 

@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -285,7 +285,7 @@ def wait_for(path: str, timeout_s: float) -> None:
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    from tools.harness.chaos_plants import plant
+    from kvstore.tools.harness.chaos_plants import plant
 
     for name in spec.get("plant", []):
         plant(name)

@@ -30,7 +30,7 @@ _kept: list = []  # what rss_leak holds on to
 
 
 def _stale_block_ids_on_resume() -> None:
-    from connectors.vllm_scheduler import SchedulerSide
+    from kvstore.connectors.vllm_scheduler import SchedulerSide
 
     original = SchedulerSide.build_connector_meta
 
@@ -45,7 +45,7 @@ def _stale_block_ids_on_resume() -> None:
 
 
 def _silent_load_failure() -> None:
-    from connectors.worker_loads import LoadReport
+    from kvstore.connectors.worker_loads import LoadReport
 
     original = LoadReport.fail
 
@@ -57,7 +57,7 @@ def _silent_load_failure() -> None:
 
 
 def _leak_pins() -> None:
-    from connectors.vllm_scheduler import SchedulerSide
+    from kvstore.connectors.vllm_scheduler import SchedulerSide
 
     original = SchedulerSide.update_state_after_alloc
 
@@ -76,7 +76,7 @@ def _leak_pins() -> None:
 
 
 def _drop_commits() -> None:
-    from connectors.worker_saves import Saves
+    from kvstore.connectors.worker_saves import Saves
 
     original = Saves._commit
     calls = [0]
@@ -90,7 +90,7 @@ def _drop_commits() -> None:
 
 
 def _rss_leak() -> None:
-    from connectors.vllm_worker import WorkerSide
+    from kvstore.connectors.vllm_worker import WorkerSide
 
     original = WorkerSide.wait_for_save
 
@@ -102,13 +102,13 @@ def _rss_leak() -> None:
 
 
 def _no_hits() -> None:
-    from connectors.vllm_scheduler import SchedulerSide
+    from kvstore.connectors.vllm_scheduler import SchedulerSide
 
     SchedulerSide.get_num_new_matched_tokens = lambda self, request, num_computed_tokens: (0, False)
 
 
 def _no_reconnect() -> None:
-    from connectors.store_link import StoreLink
+    from kvstore.connectors.store_link import StoreLink
 
     original = StoreLink._failed
 

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.harness.daemon_proc import DaemonProc, start_daemon
-from tools.harness.vllm_helpers import base_env
+from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon
+from kvstore.tools.harness.vllm_helpers import base_env
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).resolve().parent / "chaos_engine.py"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.config import instance_file
-from server.instance import read_admin_token, remove_stale_instance
+from kvstore.server.instance import read_admin_token, remove_stale_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ def start_daemon(
     """
     name = name or f"t-{uuid.uuid4().hex[:10]}"
     sock = socket_path or str(Path(folder) / f"{name}.sock")
-    args = [*prefix, python, "-m", "tools.cli", "serve", "--name", name, "--socket", sock,
+    args = [*prefix, python, "-m", "kvstore.tools.cli", "serve", "--name", name, "--socket", sock,
             "--host-bytes", str(host_bytes), "--page-bytes", str(page_bytes), "--log-level", "WARNING"]
     args += ["--admin-port", "0"] if admin else ["--no-admin"]
     if not disk:

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -59,7 +59,7 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
 def _inject_load_failure() -> None:
     """In-process engines only: every load's copy into the paged KV fails (whole-step, layer-wise and
     waited loads alike); saves are untouched."""
-    from connectors.cpu_copy import CpuTransfers, Ticket
+    from kvstore.connectors.cpu_copy import CpuTransfers, Ticket
 
     def failing_load(self, *args, **kwargs):
         return Ticket(RuntimeError("injected load failure (test)"))

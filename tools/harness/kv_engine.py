@@ -2,7 +2,7 @@
 vLLM calls — by JSON lines on stdin, one reply line each on stdout. No vLLM is needed (the GPU machines
 carry none): requests, block lists and scheduler outputs are the stand-ins of connector_standins.
 
-    python -m tools.harness.kv_engine SOCKET --device cuda:0|cpu --layout LBHNC|BLHNC --seed N
+    python -m kvstore.tools.harness.kv_engine SOCKET --device cuda:0|cpu --layout LBHNC|BLHNC --seed N
 
 Requests (each answered with {"ok": true, ...} or {"ok": false, "error": ...}):
 - {"op": "save", "tokens": [...], "ids": [...]}: a cold prefill of `tokens` into blocks `ids`; its full
@@ -21,12 +21,12 @@ import hashlib
 import json
 import sys
 
-from connectors.copy_plan import kv_geometry
-from connectors.vllm_meta import ConnectorConfig
-from connectors.vllm_scheduler import SchedulerSide
-from connectors.vllm_worker import WorkerSide
+from kvstore.connectors.copy_plan import kv_geometry
+from kvstore.connectors.vllm_meta import ConnectorConfig
+from kvstore.connectors.vllm_scheduler import SchedulerSide
+from kvstore.connectors.vllm_worker import WorkerSide
 from kvstore.keys import Namespace
-from tools.harness.connector_standins import blocks, report_step, request, sched_output
+from kvstore.tools.harness.connector_standins import blocks, report_step, request, sched_output
 
 L, H, N, D = 8, 4, 16, 64  # a 16-token block: 8 layers x 4 KV heads x 16 tokens x 2 x 64 x bf16 = 128 KiB
 NB = 64

@@ -26,7 +26,7 @@ import pytest
 def mooncake_or_skip() -> None:
     """Skip (with the reason) where the Mooncake client cannot be loaded here."""
     try:
-        from tiers.remote import RemoteUnavailable, load_mooncake, master_binary
+        from kvstore.tiers.remote import RemoteUnavailable, load_mooncake, master_binary
 
         load_mooncake()
         master_binary()
@@ -110,7 +110,7 @@ class Master:
         return f"mooncake://{self.host}:{self.port}"
 
     def start(self) -> "Master":
-        from tiers.remote import master_binary, subprocess_env
+        from kvstore.tiers.remote import master_binary, subprocess_env
 
         log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         args = [*self.prefix, master_binary(), f"--rpc_port={self.port}", f"--metrics_port={free_port()}"]

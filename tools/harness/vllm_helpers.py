@@ -19,13 +19,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.harness.daemon_proc import DaemonProc
-from tools.harness.daemon_proc import start_daemon as launch_daemon
+from kvstore.tools.harness.daemon_proc import DaemonProc
+from kvstore.tools.harness.daemon_proc import start_daemon as launch_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
 CONNECTOR_CLASS = "KVStoreConnector"
-CONNECTOR_MODULE = "connectors.vllm"
+CONNECTOR_MODULE = "kvstore.connectors.vllm"
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -41,7 +41,7 @@ def vllm_available() -> tuple[bool, str]:
 
 def build_model(which: str) -> str:
     """Path of a test model folder (built once into .cache/models)."""
-    from tools.build_models import build
+    from kvstore.tools.harness.build_models import build
 
     return str(build(which)[0])
 

@@ -1,0 +1,7 @@
+"""`python -m kvstore`: the `kvstore` command."""
+
+import sys
+
+from kvstore.tools.cli import main
+
+sys.exit(main())
