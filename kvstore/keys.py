@@ -22,6 +22,14 @@ daemon stamps it from the session's authenticated tenant (kvstore/tokens.py says
 why a cache_salt alone cannot). An empty tenant is the shared partition and is
 left out of the id and of `to_dict`, so namespaces made before the field existed
 keep their ids (and their blocks on disk).
+
+`Namespace.anchor` ties a namespace's blocks to another's: the parent hash of a
+block of an anchored namespace names a block of the anchor namespace, not its
+own. A hybrid model's attachments use it (the sliding windows and recurrent
+state at a prefix boundary hang under the full-attention block that ends
+there, kvstore/connectors/hybrid.py), so the prefix tree holds a hybrid prefix
+as one thing: an attachment is a leaf, evicted before the block it hangs under,
+and never outlives it. Empty (no anchor) is left out of the id like `tenant`.
 """
 
 from __future__ import annotations
@@ -137,6 +145,7 @@ class Namespace:
     tp_size: int = 1
     revision: str = ""
     tenant: str = ""  # "" = the shared partition; else a TCP tenant's own (see the module docstring)
+    anchor: str = ""  # "" = parents are in this namespace; else the id of the namespace they are in
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_tokens", "block_bytes", "tp_size"):
@@ -145,7 +154,7 @@ class Namespace:
                 raise ValueError(f"namespace field {name} must be a positive int, got {value!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"namespace tp_rank must be in [0, tp_size), got {self.tp_rank!r}")
-        for name in ("model", "dtype", "layout", "revision", "tenant"):
+        for name in ("model", "dtype", "layout", "revision", "tenant", "anchor"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"namespace field {name} must be a string")
         if not self.model or not self.dtype:
@@ -158,8 +167,9 @@ class Namespace:
 
     def to_dict(self) -> dict:
         fields = dataclasses.asdict(self)
-        if not self.tenant:
-            del fields["tenant"]  # ids and persisted records of untenanted namespaces stay as they were
+        for name in ("tenant", "anchor"):
+            if not fields[name]:
+                del fields[name]  # ids and persisted records of namespaces without it stay as they were
         return fields
 
     @classmethod

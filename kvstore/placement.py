@@ -137,7 +137,8 @@ class Placement:
         need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
             return len(new)
-        protect = {(ns_id, p) for _, p in new if p is not None and (ns_id, p) in entries}
+        parent_ns = self.shared.namespaces[ns_id].anchor or ns_id
+        protect = {(parent_ns, p) for _, p in new if p is not None and (parent_ns, p) in entries}
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:

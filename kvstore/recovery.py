@@ -5,7 +5,9 @@ Each persistent tier, fastest first, reports its namespaces and block records
 breadth-first from the roots, so a record whose parent is missing (an orphan,
 e.g. a block whose ancestors lived only in host RAM before a kill -9) is never
 adopted and its pages are freed; a record that does not match its namespace
-is dropped the same way. Adopted blocks enter their tier's policy in the order
+is dropped the same way (a block of an anchored namespace hangs under its anchor
+namespace's block, so an attachment whose block is gone is an orphan too).
+Adopted blocks enter their tier's policy in the order
 they reached the tier. A key already adopted from a faster persistent tier
 (the re-adopted host arena) stays there; its record in a slower tier that keeps
 copies (disk) becomes the block's copy (`Entry.copies`, inclusive tiers), as
@@ -39,7 +41,8 @@ def recover(index: BlockIndex, placement: Placement, register: Callable[[Namespa
 
 def _recover_tier(index: BlockIndex, placement: Placement, register: Callable[[Namespace], str], tier: Tier) -> None:
     namespaces, blocks = tier.recover()
-    for ns_id, fields in namespaces:
+    # anchors before the namespaces anchored to them (registering one needs its anchor)
+    for ns_id, fields in sorted(namespaces, key=lambda item: bool(isinstance(item[1], dict) and item[1].get("anchor"))):
         try:
             ns = Namespace.from_dict(fields)
             if ns.id != ns_id:
@@ -62,7 +65,7 @@ def _recover_tier(index: BlockIndex, placement: Placement, register: Callable[[N
             if tier.name in index.copies and RANK[e.tier] < RANK[tier.name]:
                 copies.append((b.stamp, e, b.location))
             continue
-        parent = None if b.parent in (None, b"", ROOT_HASH) else (b.key[0], b.parent)
+        parent = None if b.parent in (None, b"", ROOT_HASH) else (ns.anchor or b.key[0], b.parent)
         records[b.key] = (b, parent)
         children[parent].append(b.key)
     adopted: list[tuple[float, Entry]] = []

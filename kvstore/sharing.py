@@ -236,12 +236,14 @@ class RemoteSharing:
         """Add remote entries for hashes[k:k+n] under the (re-checked) local prefix."""
         entries = self.index.entries
         ns = self.namespaces[ns_id]
-        parent: Key | None = (ns_id, hashes[k - 1]) if k else None
+        parent: Key | None = (ns_id, hashes[k - 1]) if k and not ns.anchor else None
         if parent is not None and (parent not in entries or not entries[parent].committed):
             return 0  # the prefix changed while the cluster answered
         added = 0
         for h in hashes[k : k + n]:
             key = (ns_id, h)
+            if ns.anchor:  # an attachment hangs under its anchor's block of the same hash, not under hashes[k-1]
+                parent = (ns.anchor, h)
             e = entries.get(key)
             if e is not None:
                 if not e.committed:
@@ -253,7 +255,7 @@ class RemoteSharing:
             except CapacityError:
                 break
             pe = entries.get(parent) if parent is not None else None
-            if parent is not None and pe is None:
+            if parent is not None and (pe is None or not pe.committed):
                 self.tier.free(None)
                 break
             ref = RemoteRef(object_key(ns_id, h), ns_id, h, parent[1] if parent is not None else None)

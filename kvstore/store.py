@@ -137,6 +137,11 @@ class TieredStore:
             raise NamespaceError(
                 f"block_bytes {ns.block_bytes} exceeds the host tier capacity {self.host.capacity_bytes}"
             )
+        if ns.anchor:
+            anchor = self.namespaces.get(ns.anchor)
+            if anchor is None or anchor.anchor or (anchor.model, anchor.tenant) != (ns.model, ns.tenant):
+                raise NamespaceError(f"anchor {ns.anchor!r} must be a registered namespace of the same model and "
+                                     f"tenant, without an anchor of its own; register it first")
         self.namespaces[ns.id] = ns
         if ns.id not in self._persisted_ns:
             self.placement.prepare_namespace(ns)
@@ -287,11 +292,13 @@ class TieredStore:
         (allocations made for the batch) while it lasts."""
         placement, entries = self.placement, self.index.entries
         out: list[Entry | None] = []
-        nbytes, counters, reserve = self.namespaces[ns_id].block_bytes, self.counters, self.index.reserve
+        ns = self.namespaces[ns_id]
+        nbytes, counters, reserve = ns.block_bytes, self.counters, self.index.reserve
+        parent_ns = ns.anchor or ns_id  # an anchored namespace's blocks hang under the anchor's
         rank = RANK[tier]
         for h, parent_hash in blocks:
             key = (ns_id, h)
-            parent = None if parent_hash in (None, b"", ROOT_HASH) else (ns_id, parent_hash)
+            parent = None if parent_hash in (None, b"", ROOT_HASH) else (parent_ns, parent_hash)
             if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
                                                                                  parent, owner):
                 alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted

@@ -107,6 +107,9 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
             problems.append(f"negative refcount on {key}")
         if e.parent is not None:
             parent = entries.get(e.parent)
+            ns = placement.shared.namespaces.get(key[0])
+            if ns is not None and e.parent[0] != (ns.anchor or key[0]):
+                problems.append(f"{key}'s parent {e.parent} is not in its namespace's parent namespace")
             if parent is None:
                 problems.append(f"orphan: parent of {key} is absent")
             elif RANK[e.tier] < RANK[parent.tier]:
