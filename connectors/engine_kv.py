@@ -103,8 +103,10 @@ def reader_tier(handles: list | None, device: str) -> str:
 
 class EngineKV:
     def __init__(self, tensors: Sequence, num_blocks: int, executor: str = "auto", kernel_piece_bytes: int = 16 << 10,
-                 threads: int | None = None) -> None:
-        self.geometry: KVGeometry = kv_geometry(tensors, num_blocks)
+                 threads: int | None = None, geometry: KVGeometry | None = None) -> None:
+        """`tensors`: every KV tensor a plan may touch; `geometry`: where a block's payload lives, if not
+        all of `tensors` in order (a hybrid model's plans use one geometry per KV cache group)."""
+        self.geometry: KVGeometry = geometry or kv_geometry(tensors, num_blocks)
         self.device = self.geometry.device
         self._memory: dict[str, StoreMemory] = {}  # the daemon's arena id -> the store memory it hands out
         if self.device == "cpu":

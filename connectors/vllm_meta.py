@@ -47,6 +47,7 @@ class ConnectorConfig:
     save: bool = True  # store newly computed blocks
     load: bool = True  # look up and load hits
     model_id: str = ""  # namespace model name; default: the engine's model path/name
+    boundary_interval: int = 0  # hybrid models: tokens between kept attachments (0: four windows, >= 16 blocks)
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
     layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
     copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
@@ -74,6 +75,8 @@ class ConnectorConfig:
             raise ValueError("wait_s must be in 0..600 seconds")
         if cfg.copy_executor not in ("auto", "dma", "kernel"):
             raise ValueError(f"copy_executor must be auto, dma or kernel, got {cfg.copy_executor!r}")
+        if cfg.boundary_interval < 0:
+            raise ValueError("boundary_interval must be >= 0 tokens")
         if cfg.kernel_piece_bytes < 0:
             raise ValueError("kernel_piece_bytes must be >= 0")
         if not (0 <= cfg.fail_loads <= 1 and 0 <= cfg.fail_saves <= 1):
@@ -104,41 +107,9 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Full-attention specs whose blocks vLLM keeps for the whole prompt; RSWA drops decode blocks, and a
-# hidden-state cache holds no KV.
-NOT_STORED_SPECS = ("RSWASpec", "HiddenStateCacheSpec")
-
-
-def check_full_attention(spec: Any) -> None:
-    """ValueError unless every layer keeps the KV of every block of the prompt: a sliding-window or
-    chunked-local layer hands vLLM's null block (block 0, shared by every request) in place of the blocks
-    it dropped, which a load would write into and a save would store under real hashes."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    kind = type(spec).__name__
-    if not isinstance(spec, FullAttentionSpec) or kind in NOT_STORED_SPECS:
-        raise ValueError(f"KV cache spec {kind}: the connector stores full-attention KV only (sliding-window, "
-                         f"chunked-local and other layers keep some blocks of a prompt, not all)")
-
-
-def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "") -> list[Namespace]:
-    """One namespace per TP rank (index = rank) for this engine's KV layout.
-
-    Raises ValueError for layouts the connector does not handle (several KV
-    cache groups, non-attention specs, pipeline parallelism).
-    """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"{len(groups)} KV cache groups (hybrid models are not supported)")
-    spec = groups[0].kv_cache_spec
-    check_full_attention(spec)
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError("pipeline parallelism is not supported")
-    num_layers = len(groups[0].layer_names)
-    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-    elt = torch.empty(0, dtype=spec.dtype).element_size()
-    layer_block_bytes = spec.block_size * spec.num_kv_heads * (spec.head_size + head_size_v) * elt
+def model_name(vllm_config: "VllmConfig", model_id: str = "") -> str:
+    """The namespaces' model name: the config's model_id or the engine's model, with what changes its KV
+    for the same weights (quantization; a draft model, whose layers are in the engine's KV too)."""
     model = vllm_config.model_config
     name = model_id or str(model.model)
     if getattr(model, "quantization", None):
@@ -147,28 +118,113 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     draft = getattr(getattr(spec_cfg, "draft_model_config", None), "model", None) if spec_cfg else None
     if draft and spec_cfg.method not in ("ngram", "suffix"):
         name += f"|draft={spec_cfg.method}:{draft}"
+    return name
+
+
+def _base_layout(kv_cache_config: "KVCacheConfig") -> str:
     from vllm.platforms import current_platform
 
-    layout = f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
-    if getattr(spec, "use_mla", False):
+    return f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
+
+
+def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", boundary_interval: int = 0):
+    """None for a dense model (one full-attention or MLA group: the connector's dense path), else the
+    hybrid layout of its KV cache groups (connectors/hybrid.py). Raises ValueError, with the reason, for
+    an engine whose KV the store cannot key (then the connector offers no hits and stores nothing)."""
+    from kvstore.connectors.hybrid import FULL, layout_from_groups
+
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ValueError("pipeline parallelism is not supported")
+    groups = kv_cache_config.kv_cache_groups
+    drafters = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)]
+    if drafters:
+        raise ValueError(f"KV cache groups {drafters} hold a drafter's (EAGLE/MTP) layers, whose last block is "
+                         f"volatile: not kept yet")
+    not_kept = [i for i, g in enumerate(groups) if not getattr(g, "enable_kv_transfer", True)]
+    layout = layout_from_groups([(i, g.kv_cache_spec, g.layer_names) for i, g in enumerate(groups) if i not in not_kept],
+                                boundary_interval)
+    if len(groups) == 1 and layout.groups[0].kind == FULL:
+        return None
+    return layout
+
+
+def _replicated(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> bool:
+    """Every TP rank holds the same KV (MLA: one latent per token, not split across heads): one namespace,
+    written by rank 0 and read by all. Not with decode context parallelism, which splits tokens."""
+    parallel = vllm_config.parallel_config
+    tp = parallel.tensor_parallel_size
+    return (tp > 1 and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp
+            and getattr(parallel, "decode_context_parallel_size", 1) == 1)
+
+
+def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "") -> list[Namespace]:
+    """A dense engine's namespace per TP rank (index = rank): one for all ranks where they hold the same KV
+    (MLA at TP > 1, see `_replicated`)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"{len(groups)} KV cache groups: a hybrid model (connectors/hybrid.py)")
+    spec = groups[0].kv_cache_spec
+    num_layers = len(groups[0].layer_names)
+    layout = _base_layout(kv_cache_config)
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if isinstance(spec, MLAAttentionSpec):
         layout += "/mla"
-    tp_size = parallel.tensor_parallel_size
-    return [
+    replicated = _replicated(vllm_config, kv_cache_config)
+    tp_size = 1 if replicated else vllm_config.parallel_config.tensor_parallel_size
+    names = [
         Namespace(
-            model=name,
+            model=model_name(vllm_config, model_id),
             dtype=_dtype_name(spec.dtype),
             num_layers=num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             block_tokens=spec.block_size,
-            block_bytes=num_layers * layer_block_bytes,
-            layout=layout,
+            block_bytes=num_layers * spec.real_page_size_bytes,  # (MLA: one latent row per token, no V)
+            layout=layout + ("/replicated" if replicated else ""),
             tp_rank=rank,
             tp_size=tp_size,
-            revision=str(model.revision or ""),
+            revision=str(vllm_config.model_config.revision or ""),
         )
         for rank in range(tp_size)
     ]
+    return names * vllm_config.parallel_config.tensor_parallel_size if replicated else names
+
+
+def hybrid_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layout, model_id: str = "") -> list[list[Namespace]]:
+    """A hybrid engine's namespaces per TP rank: [spine] or [spine, attachment] (anchored to the spine);
+    their layout string carries a digest of `layout.describe()`, so engines share only identical layouts."""
+    import dataclasses
+
+    import xxhash
+
+    groups = kv_cache_config.kv_cache_groups
+    first = groups[layout.groups[layout.spine[0].group].group].kv_cache_spec
+    digest = xxhash.xxh3_64_hexdigest(layout.describe().encode())
+    base = _base_layout(kv_cache_config) + f"/hybrid-{digest}"
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    out = []
+    for rank in range(tp_size):
+        spine = Namespace(
+            model=model_name(vllm_config, model_id),
+            dtype=_dtype_name(first.dtype),
+            num_layers=sum(len(layout.groups[s.group].layers) for s in layout.spine),
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            block_tokens=layout.block_tokens,
+            block_bytes=layout.spine_bytes,
+            layout=base + f"/spine-{layout.spine_kind}",
+            tp_rank=rank,
+            tp_size=tp_size,
+            revision=str(vllm_config.model_config.revision or ""),
+        )
+        names = [spine]
+        if layout.attachment:
+            names.append(dataclasses.replace(spine, block_bytes=layout.attachment_bytes, layout=base + "/attachment",
+                                             num_layers=len({layout.groups[s.group].group for s in layout.attachment}),
+                                             anchor=spine.id))
+        out.append(names)
+    return out
 
 
 # On GPU backends the connector asks vLLM for a block-outermost KV layout: one engine block then holds all
@@ -238,6 +294,34 @@ class StepMeta(KVConnectorMetadata):
     # engine blocks whose failed load the scheduler side read since the previous step's metadata: vLLM
     # recomputes them from this step on, so the workers' saves need not leave them out any more
     invalid_seen: set[int] = field(default_factory=set)
+
+
+@dataclass
+class HybridLoad:
+    """Copy one hit of a hybrid model into a request's blocks (connectors/hybrid.py): spine blocks and the
+    attachment at the hit's end, each with the engine block of each of its segments (-1: not copied)."""
+
+    req_id: str
+    spine: list[tuple[bytes, list[int] | None]]
+    attachment: tuple[bytes, list[int] | None] | None
+    broken: str = ""  # why the plan cannot be loaded (vLLM's allocation lacks a page): reported as failed
+
+
+@dataclass
+class HybridSave:
+    """A request's spine blocks (hash, parent, engine block per segment) and attachments (hash, engine
+    block per segment, -1: a page not saved) completed by a step."""
+
+    req_id: str
+    spine: list[tuple[bytes, bytes | None, list[int]]] = field(default_factory=list)
+    attachments: list[tuple[bytes, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class HybridStepMeta(KVConnectorMetadata):
+    step: int
+    loads: list[HybridLoad] = field(default_factory=list)
+    saves: list[HybridSave] = field(default_factory=list)
 
 
 @dataclass

@@ -121,13 +121,15 @@ class _ReqState:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, namespaces: list[Namespace], block_tokens: int,
-                 device: str = "cpu") -> None:
-        """`device`: the platform's device type ("cpu", "cuda"): the scheduler pins blocks for a reader of
+                 device: str = "cpu", num_workers: int | None = None) -> None:
+        """`namespaces`: one per TP rank, or one for all where the ranks hold the same KV (MLA);
+        `num_workers`: the workers that report each step's loads (default: one per namespace).
+        `device`: the platform's device type ("cpu", "cuda"): the scheduler pins blocks for a reader of
         the tier its workers read (`engine_kv.reader_tier`), so a block in the GPU tier is a hit there."""
         self.config = config
         self.device = device
         self.block_tokens = block_tokens
-        self.num_ranks = len(namespaces)
+        self.num_ranks = num_workers or len(namespaces)
         self.link = StoreLink(config.socket_path, namespaces, config.timeout_s, config.retry_s, "vllm-scheduler")
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []

@@ -120,20 +120,3 @@ def test_kernel_block_split_keeps_a_manager_block_together():
     for b, runs in zip([4, 7], extents):
         want = torch.cat([physical_bytes(v[2 * b : 2 * b + 2]) for v in views])
         assert torch.equal(read_payload(store, runs), want)
-
-
-def test_only_full_attention_specs_are_stored():
-    """A sliding-window or chunked-local layer hands vLLM's shared null block in place of the blocks it
-    dropped: the connector refuses such models (it disables itself) instead of loading into that block or
-    saving it under real hashes. Full attention and MLA are stored."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    from kvstore.connectors.vllm_meta import check_full_attention
-
-    common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    check_full_attention(FullAttentionSpec(**common))
-    check_full_attention(MLAAttentionSpec(**{**common, "num_kv_heads": 1}))
-    for spec in (SlidingWindowSpec(**common, sliding_window=128),
-                 ChunkedLocalAttentionSpec(**common, attention_chunk_size=256)):
-        with pytest.raises(ValueError, match="full-attention KV only"):
-            check_full_attention(spec)

@@ -9,11 +9,17 @@
   heads, head_dim 64, vocab 4096, initializer_range 0.1, float32) with a
   byte-level BPE tokenizer trained on /usr/share/common-licenses/*; seeded, so
   two builds give the same weights.
+* Hybrid architectures, random weights from transformers configs with tiny-llama's
+  tokenizer (built first), each with the layer kinds vLLM puts in KV cache groups of
+  their own: `tiny-gemma3` (5 sliding-window layers : 1 full, window 64), `tiny-gptoss`
+  (sliding with sinks : full alternating, 4 experts, bf16), `tiny-mistral-swa` (a window
+  on every layer), `tiny-qwen3next` (3 Gated DeltaNet layers : 1 full, bf16, linear head
+  dims 128) and `tiny-mla` (DeepSeek-V2 MLA, kv_lora_rank 512 + rope 64, bf16).
 
 A folder counts as built when its `.complete` marker exists; a half-built folder
 is rebuilt. Usage:
 
-    python tools/build_models.py [--out .cache/models] [smollm2|tiny|all]
+    python tools/harness/build_models.py [--out .cache/models] [smollm2|tiny|hybrid|all]
 
 prints one built folder path per line.
 """
@@ -150,14 +156,68 @@ def build_tiny(out: Path) -> Path:
     return _finish(tmp, folder)
 
 
-BUILDERS = {"smollm2": build_smollm2, "tiny": build_tiny}
+def _hybrid_configs(bos: int, eos: int) -> dict:
+    """name -> (transformers config class name, model class name, config kwargs, dtype)."""
+    common = dict(vocab_size=4096, bos_token_id=bos, eos_token_id=eos, max_position_embeddings=4096,
+                  tie_word_embeddings=False, initializer_range=0.1, hidden_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64)
+    return {
+        "tiny-gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+            common, intermediate_size=512, num_hidden_layers=6, sliding_window=64,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"]), "float32"),
+        "tiny-gptoss": ("GptOssConfig", "GptOssForCausalLM", dict(
+            common, intermediate_size=256, num_hidden_layers=4, sliding_window=64, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2), "bfloat16"),
+        "tiny-mistral-swa": ("MistralConfig", "MistralForCausalLM", dict(
+            common, intermediate_size=512, num_hidden_layers=4, sliding_window=64), "float32"),
+        "tiny-qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+            common, intermediate_size=512, num_hidden_layers=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=1, linear_num_value_heads=1, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+            layer_types=["linear_attention"] * 3 + ["full_attention"]), "bfloat16"),
+        "tiny-mla": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+            common, num_key_value_heads=4, intermediate_size=512, num_hidden_layers=2, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=None, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=2), "bfloat16"),
+    }
+
+
+def build_hybrid(out: Path) -> list[Path]:
+    """The hybrid-architecture test models (module docstring), seeded like tiny-llama."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tiny(out)))
+    built = []
+    for name, (config_cls, model_cls, kwargs, dtype) in _hybrid_configs(tok.bos_token_id, tok.eos_token_id).items():
+        folder = out / name
+        if not _is_built(folder):
+            tmp = out / f"{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            torch.manual_seed(TINY_SEED)
+            model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+            model = model.to(getattr(torch, dtype))
+            model.config.dtype = getattr(torch, dtype)
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+            _finish(tmp, folder)
+        built.append(folder)
+    return built
+
+
+BUILDERS = {"smollm2": build_smollm2, "tiny": build_tiny, "hybrid": build_hybrid}
 
 
 def build(which: str = "all", out: Path | str = DEFAULT_OUT) -> list[Path]:
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = list(BUILDERS) if which == "all" else [which]
-    return [BUILDERS[name](out) for name in names]
+    built = []
+    for name in names:
+        folder = BUILDERS[name](out)
+        built += folder if isinstance(folder, list) else [folder]
+    return built
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,14 +5,16 @@
 SPEC keys: model, dtype, block_size, kv_cache_memory_bytes, max_model_len,
 max_num_batched_tokens (optional), enable_prefix_caching (default true),
 inject_load_failure (test only, in-process engines: every connector block load fails),
-kv_transfer_config (optional dict), speculative_config (optional dict), and
+kv_transfer_config (optional dict), speculative_config (optional dict),
+attention_backend (optional, e.g. "CPU_MLA"), and
 runs: a list of {"prompts": [{"ids": [...]} | {"text": "..."}, optional
 "cache_salt"], "max_tokens": N, optional "wait_for_path": P, optional
-"signal_path": P, optional "reset_prefix_cache": true}. Runs are generated one after another in the same engine;
+"signal_path": P, optional "reset_prefix_cache": true, optional "logprobs": true}. Runs are generated one after another in the same engine;
 before a run, `signal_path` is created and the runner waits (60 s at most)
 until `wait_for_path` exists. The last stdout line is
-`ENGINE_RESULT {json}`: per run the outputs (token ids, prompt length and
-token ids, num_cached_tokens) and its wall time, and the engine's counters (prefix-cache,
+`ENGINE_RESULT {json}`: per run the outputs (token ids, their logprobs with
+"logprobs", prompt length and token ids, num_cached_tokens) and its wall time, the engine's
+KV capacity in blocks (num_blocks), and the engine's counters (prefix-cache,
 external-hit and speculative-decoding metrics) after each run.
 """
 
@@ -83,6 +85,8 @@ def _llm_kwargs(spec: dict) -> dict:
     for key in ("max_num_batched_tokens", "kv_transfer_config", "speculative_config", "max_num_seqs"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
+    if spec.get("attention_backend"):  # e.g. CPU_MLA, so that hosts with and without AMX pick the same one
+        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
     return kwargs
 
 
@@ -95,7 +99,8 @@ def _run(llm, run: dict) -> dict:
         _wait_for(run["wait_for_path"])
     if run.get("reset_prefix_cache"):
         llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=run.get("max_tokens", 16), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=run.get("max_tokens", 16), ignore_eos=True,
+                            logprobs=1 if run.get("logprobs") else None)
     t0 = time.perf_counter()
     outs = llm.generate([_prompt(p) for p in run["prompts"]], params, use_tqdm=False)
     wall_s = time.perf_counter() - t0
@@ -106,6 +111,10 @@ def _run(llm, run: dict) -> dict:
             "prompt_len": len(o.prompt_token_ids or []),
             "prompt_token_ids": list(o.prompt_token_ids or []),
             "num_cached_tokens": o.num_cached_tokens,
+            # the logprob of each generated token (with "logprobs" in the run): outputs that match token for
+            # token can still differ in their numbers
+            "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            if o.outputs[0].logprobs else None,
         }
         for o in outs
     ]
@@ -123,7 +132,8 @@ def main(spec_path: str) -> None:
     llm = LLM(**_llm_kwargs(spec))
     startup_s = time.perf_counter() - t0
     results = [_run(llm, run) for run in spec["runs"]]
-    print("ENGINE_RESULT " + json.dumps({"startup_s": startup_s, "runs": results}), flush=True)
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks  # the KV capacity vLLM settled on
+    print("ENGINE_RESULT " + json.dumps({"startup_s": startup_s, "runs": results, "num_blocks": blocks}), flush=True)
 
 
 if __name__ == "__main__":

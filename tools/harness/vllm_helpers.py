@@ -40,9 +40,12 @@ def vllm_available() -> tuple[bool, str]:
 
 
 def build_model(which: str) -> str:
-    """Path of a test model folder (built once into .cache/models)."""
+    """Path of a test model folder (built once into .cache/models): smollm2, tiny, or a hybrid one by its
+    folder name (tiny-gemma3, tiny-gptoss, tiny-mistral-swa, tiny-qwen3next, tiny-mla)."""
     from kvstore.tools.harness.build_models import build
 
+    if which.startswith("tiny-"):
+        return str(next(p for p in build("hybrid") if p.name == which))
     return str(build(which)[0])
 
 
@@ -95,6 +98,7 @@ class EngineResult:
     startup_s: float
     stderr: str
     stdout: str = ""  # vLLM's own log lines go to stdout
+    num_blocks: int | None = None  # the KV capacity vLLM settled on
 
     @property
     def log(self) -> str:
@@ -130,7 +134,7 @@ def run_engine(spec: dict, workdir: str, multiprocess: bool = False, timeout_s: 
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
     data = json.loads(lines[-1][len("ENGINE_RESULT "):])
-    return EngineResult(data["runs"], data["startup_s"], proc.stderr, proc.stdout)
+    return EngineResult(data["runs"], data["startup_s"], proc.stderr, proc.stdout, data.get("num_blocks"))
 
 
 def engine_spec(model: str, runs: list[dict], **kw) -> dict:
