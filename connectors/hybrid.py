@@ -195,8 +195,7 @@ def build_layout(groups: tuple[GroupPlan, ...], block_tokens: int, boundary_inte
     if not boundary_interval:  # four windows apart (a window's bytes per four blocks' worth), at least 16 blocks
         widest = max((groups[i].window_blocks(block_tokens) for i in windows), default=1)
         boundary_interval = max(4 * widest, 16) * block_tokens
-    if boundary_interval % block_tokens:
-        raise ValueError(f"boundary_interval {boundary_interval} is not a multiple of the block size {block_tokens}")
+    boundary_interval = -(-boundary_interval // block_tokens) * block_tokens  # whole blocks (vLLM may pick the size)
     return HybridLayout(block_tokens, groups, tuple(spine), tuple(attachment), boundary_interval)
 
 
