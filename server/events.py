@@ -19,9 +19,10 @@ Two halves, so publishing never blocks the store:
   `[identity, b"", b"", seq -1, b""]` (vLLM's ZmqEventPublisher does the same).
 
 Which namespaces are published: TP rank 0 only (a block of a TP engine
-exists once per rank; rank 0 stands for them), and TCP tenants' only with
-`[events] tenants = true`: the events carry token ids, and anyone who can
-reach the endpoint reads them.
+exists once per rank; rank 0 stands for them), not a hybrid model's attachments
+(an anchored namespace: a router matches prefixes on the spine blocks, whose
+hashes the attachments share), and TCP tenants' only with `[events] tenants =
+true`: the events carry token ids, and anyone who can reach the endpoint reads them.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class EventPublisher:
         except KeyError:
             ns = self._namespaces.get(ns_id)
             topic = None
-            if ns is not None and ns.tp_rank == 0 and (not ns.tenant or self.config.tenants):
+            if ns is not None and ns.tp_rank == 0 and not ns.anchor and (not ns.tenant or self.config.tenants):
                 topic = self.config.topic.format(host=self._host, model=ns.model, ns=ns_id).encode()
             if ns is not None:
                 self._topics[ns_id] = topic

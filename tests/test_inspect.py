@@ -98,3 +98,24 @@ def test_several_namespaces_are_listed_and_bad_input_is_one_line(daemon, tmp_pat
     r = inspect(str(tmp_path / "no-daemon.sock"), "--tokens", "[1]", "--ns", a)
     assert r.returncode == 1 and "cannot reach the kvstore daemon" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_hybrid_prefix_is_reusable_up_to_its_deepest_attachment(daemon):
+    """A hybrid model's spine and its anchored attachments (connectors/hybrid.py) are one engine: the spine
+    holds 4 blocks, an attachment follows blocks 1 and 3 (index 0, 2), so 64 tokens would be reused."""
+    import dataclasses
+
+    hashes = hash_blocks(TOKENS, BT)
+    with KVClient(daemon.socket_path) as c:
+        spine = ns(model="hybrid", layout="cpu/default/hybrid-x/spine-full")
+        spine_id = c.register(spine)
+        att_id = c.register(dataclasses.replace(spine, layout="cpu/default/hybrid-x/attachment", anchor=spine_id))
+        put(c, spine_id, hashes[:4])
+        payload = np.zeros(64 * 1024, np.uint8)
+        assert c.put(att_id, [(h, h, payload) for h in (hashes[1], hashes[3])]) == 2
+    r = report(daemon.socket_path, "--model-name", "hybrid")  # the attachments' namespace is not a second engine
+    assert r["namespace"] == spine_id and r["hybrid"] and r["cached_blocks"] == 4
+    assert [b["attachment"] for b in r["blocks"]] == [False, True, False, True, False]
+    assert r["reusable_tokens"] == 4 * BT
+    text = inspect(daemon.socket_path, "--tokens", json.dumps(TOKENS[: 3 * BT + 1]), "--model-name", "hybrid")
+    assert text.returncode == 0 and "32 of 49 tokens would be reused" in text.stdout  # not 48: no attachment after block 2

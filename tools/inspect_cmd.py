@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.client import KVClient
 from kvstore.entry import RANK
@@ -104,6 +104,7 @@ class Target:
 
     ns_ids: list[str]
     info: dict
+    attachments: list[str] = field(default_factory=list)  # a hybrid model's, anchored to ns_ids (rank order)
 
 
 def _engine(info: dict) -> tuple:
@@ -134,7 +135,7 @@ def resolve(by_ns: dict[str, dict], ns: str | None, name: str | None) -> Target:
                 raise InspectError(f"say which model (--model or --model-name); the daemon has: "
                                    f"{', '.join(models) or 'no namespaces yet'}")
             name = models[0]
-        picked = {k: i for k, i in by_ns.items() if _matches(i["model"], name)}
+        picked = {k: i for k, i in by_ns.items() if _matches(i["model"], name) and not i.get("anchor")}
         if not picked:
             models = sorted({i["model"] for i in by_ns.values()})
             raise InspectError(f"no namespace for model {name!r}; the daemon's models: {', '.join(models) or 'none'}")
@@ -146,7 +147,9 @@ def resolve(by_ns: dict[str, dict], ns: str | None, name: str | None) -> Target:
         raise InspectError(f"model {name!r} has {len(picked)} namespaces here; pick one with --ns:\n{listing}")
     [ns_ids] = engines.values()
     ns_ids.sort(key=lambda k: picked[k]["tp_rank"])
-    return Target(ns_ids, picked[ns_ids[0]])
+    by_anchor = {i.get("anchor"): k for k, i in by_ns.items() if i.get("anchor")}
+    attachments = [by_anchor[k] for k in ns_ids if k in by_anchor]
+    return Target(ns_ids, picked[ns_ids[0]], attachments if len(attachments) == len(ns_ids) else [])
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -176,9 +179,13 @@ def _combine(per_rank: list[dict | None]) -> dict | None:
     return out
 
 
-def build_report(tokens: list[int], target: Target, described: list[list[dict | None]], tok) -> dict:
+def build_report(tokens: list[int], target: Target, described: list[list[dict | None]], tok,
+                 attached: list[list[dict | None]] | None = None) -> dict:
+    """`attached`: per rank, each block's attachment (a hybrid model: what the other KV cache groups need to
+    resume after that block); a hit can end only after a block that has one."""
     bt = target.info["block_tokens"]
     blocks, cached, leading = [], Counter(), True
+    ends = [_combine(list(a)) is not None for a in zip(*attached)] if attached else None
     for i, per_rank in enumerate(zip(*described)):
         d = _combine(list(per_rank))
         leading = leading and d is not None
@@ -189,14 +196,17 @@ def build_report(tokens: list[int], target: Target, described: list[list[dict | 
             "tier": d["tier"] if d else MISSING, "pins": d["pins"] if d else 0, "hits": d["hits"] if d else 0,
             "policy_value": d["policy_value"] if d else None, "idle_s": d["idle_s"] if d else None,
             "copies": d["copies"] if d else [],
+            **({"attachment": ends[i]} if ends is not None else {}),
         })
     num_cached = sum(cached.values())
+    limit = min(num_cached, (len(tokens) - 1) // bt) if tokens else 0  # vLLM computes at least the last token
+    if ends is not None:  # a hybrid hit ends at the deepest block boundary with an attachment
+        limit = max((j for j in range(1, limit + 1) if ends[j - 1]), default=0)
     return {
         "namespace": target.ns_ids[0], "namespaces": target.ns_ids, "model": target.info["model"], "block_tokens": bt,
         "num_tokens": len(tokens), "total_blocks": len(blocks), "cached_blocks": num_cached,
         "cached_tokens": num_cached * bt, "tiers": dict(cached),
-        # the connector never loads the whole prompt: vLLM computes at least its last token
-        "reusable_tokens": min(num_cached, (len(tokens) - 1) // bt) * bt if tokens else 0,
+        "reusable_tokens": limit * bt, "hybrid": ends is not None,
         "blocks": blocks,
     }
 
@@ -214,8 +224,11 @@ def print_table(r: dict, hashes: list[bytes]) -> None:
     print(f"{'#':>4} {'tokens':>11}  {'text':{TEXT_CHARS}}  {'hash':16}  {'tier':7} {'pins':>4} {'hits':>5}  "
           f"{'policy':18} {'last access'}")
     for b, h in zip(r["blocks"], hashes):
+        mark = ("+" if b.get("attachment") else " ") if r["hybrid"] else ""  # +: a hit may end after this block
         print(f"{b['index']:>4} {b['start']:>5}-{b['end']:<5}  {b['text']:{TEXT_CHARS}}  {h.hex()[:16]}  "
-              f"{b['tier']:7} {b['pins']:>4} {b['hits']:>5}  {b['policy_value'] or '-':18} {_age(b['idle_s'])}")
+              f"{b['tier']:7} {b['pins']:>4} {b['hits']:>5}  {b['policy_value'] or '-':18} {_age(b['idle_s'])}{mark}")
+    if r["hybrid"]:
+        print("(a hybrid model: a hit ends after a block marked +, where its sliding windows or states are stored)")
     print(summary(r))
 
 
@@ -229,10 +242,11 @@ def run(args: argparse.Namespace) -> int:
                               cache_salt=args.cache_salt)
             hashes = hash_blocks(tokens, target.info["block_tokens"], extra)
             described = [client.describe(ns_id, hashes) for ns_id in target.ns_ids]
+            attached = [client.describe(ns_id, hashes) for ns_id in target.attachments] or None
     except (InspectError, KVStoreError) as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 1
-    report = build_report(tokens, target, described, tok)
+    report = build_report(tokens, target, described, tok, attached)
     if args.json:
         for b, h in zip(report["blocks"], hashes):
             b["hash"] = h.hex()
