@@ -241,10 +241,14 @@ class HybridWorkerSide:
         self._saving.append(_Saving(ticket, hashes, generation))
         self._commit_done()
 
-    def _abort(self, hashes: dict[int, list[bytes]], generation: int, exc: BaseException) -> None:
-        log.warning("kvstore: save copy failed (%r); aborting its reservations", exc)
+    def _abort(self, hashes: dict[int, list[bytes]], generation: int, exc: BaseException | None) -> None:
+        """Give back reservations: the attachments first (the daemon aborts no block while one is reserved
+        under it)."""
+        if exc is not None:
+            log.warning("kvstore: save copy failed (%r); aborting its reservations", exc)
         if self.link.generation == generation:
-            self.link.run("abort", lambda c: [c.abort(self.link.ns_ids[slot], hs) for slot, hs in hashes.items() if hs])
+            self.link.run("abort", lambda c: [c.abort(self.link.ns_ids[slot], hashes[slot])
+                                              for slot in (ATTACHMENT, SPINE) if hashes.get(slot)])
 
     def _commit_done(self, block: bool = False) -> None:
         keep = []
@@ -255,12 +259,22 @@ class HybridWorkerSide:
             error = item.ticket.finish()
             if error is not None:
                 self._abort(item.hashes, item.generation, error)
-            elif self.link.generation == item.generation:  # spine first: an attachment's parent is committed
-                self.link.run("commit", lambda c: [c.commit(self.link.ns_ids[slot], item.hashes[slot])
-                                                   for slot in (SPINE, ATTACHMENT) if item.hashes.get(slot)])
-                self.stats["saved_blocks"] += len(item.hashes.get(SPINE, ()))
-                self.stats["saved_attachments"] += len(item.hashes.get(ATTACHMENT, ()))
+            elif self.link.generation == item.generation:
+                self._commit(item)
         self._saving = keep
+
+    def _commit(self, item: _Saving) -> None:
+        """Spine first (an attachment's parent is committed before it); what a failed commit leaves
+        reserved is aborted, so that nothing stays reserved under this connection."""
+        link, spine, attachments = self.link, item.hashes.get(SPINE), item.hashes.get(ATTACHMENT)
+        if spine and link.run("commit", lambda c: c.commit(link.ns_ids[SPINE], spine)) is None:
+            self._abort(item.hashes, item.generation, None)
+            return
+        self.stats["saved_blocks"] += len(spine or ())
+        if attachments and link.run("commit", lambda c: c.commit(link.ns_ids[ATTACHMENT], attachments)) is None:
+            self._abort({ATTACHMENT: attachments}, item.generation, None)
+            return
+        self.stats["saved_attachments"] += len(attachments or ())
 
     # -- reports ----------------------------------------------------------------------------------------
     def build_worker_meta(self) -> WorkerReport | None:

@@ -98,3 +98,21 @@ def test_reuse_oracle_fails_when_hits_stop(tmp_path):
     assert not verdict["ok"]
     assert verdict["loaded_blocks"]["1-ngram_async"] == 0
     assert verdict["late"] == ["0-plain"]
+
+
+def test_a_hybrid_model_under_chaos(tmp_path):
+    """A Gemma3-style hybrid (sliding-window and full-attention KV cache groups, vLLM's hybrid manager on):
+    one engine with ngram speculative decoding and asynchronous loads, under preemption, aborts, injected
+    load and save failures and a daemon restart. Its outputs match the baseline's and the daemon's state
+    is clean; it loads spine blocks and attachments (connectors/hybrid.py) from the store."""
+    cfg = ChaosConfig(workload=WorkloadConfig(seed=3, num_requests=16, arrival_steps=16), kill_at=(0.4,),
+                      model="tiny-gemma3", engines=("ngram_async",), oracles=("outputs", "daemon_state"))
+    report = run_chaos(cfg, str(tmp_path))
+    verdicts = report["oracles"]
+    print(json.dumps(verdicts, indent=1, default=str))
+    assert all(v["ok"] for v in verdicts.values()), [k for k, v in verdicts.items() if not v["ok"]]
+    (engine,) = report["engines"].values()
+    assert engine["preemptions"] > 0 and engine["aborted"] > 0 and engine["injected_load_failures"] > 0
+    assert engine["loaded_blocks"] > 0 and engine["external_hit_tokens"] > 0
+    assert verdicts["outputs"]["compared"] >= 8 and verdicts["outputs"]["mismatches"] == 0
+    assert report["leaked_pins"] == 0 and report["leaked_reservations"] == 0

@@ -65,8 +65,12 @@ def connector_stats() -> dict:
     worker = getattr(get_kv_transfer_group(), "worker", None)
     if worker is None:
         return {}
-    with worker.report.lock:
-        stats = dict(worker.report.stats)
+    report = getattr(worker, "report", None)  # (a hybrid model's worker side counts its loads itself)
+    if report is None:
+        stats = dict(worker.stats)
+    else:
+        with report.lock:
+            stats = dict(report.stats)
     return {"injected_load_failures": worker.faults.injected, "injected_save_failures": worker.faults.injected_saves,
             **{f"worker_{k}": v for k, v in stats.items()}}
 
