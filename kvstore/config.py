@@ -90,6 +90,7 @@ class ServerConfig:
     tcp_max_unauthenticated: int = 64  # TCP peers past this many not yet authenticated are closed at once
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 8321  # None: no admin HTTP
+    admin_token_file: str = ""  # the admin plane's bearer token, read from here (a Secret); "": a new one each start
     max_frame_bytes: int = 64 * MiB
     max_batch_blocks: int = 8192
 
@@ -322,7 +323,8 @@ class Config:
 
     @property
     def admin_token_path(self) -> str:
-        return instance_file(self.server.socket_path, self.name, ".admin-token")
+        """Where the admin token is: `server.admin_token_file`, or the file the daemon writes at each start."""
+        return self.server.admin_token_file or instance_file(self.server.socket_path, self.name, ".admin-token")
 
     @property
     def disk_path(self) -> str:
@@ -346,6 +348,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "tcp_max_unauthenticated": ("tcp_max_unauthenticated", None),
         "admin_host": ("admin_host", str),
         "admin_port": ("admin_port", None),
+        "admin_token_file": ("admin_token_file", str),
         "max_frame": ("max_frame_bytes", "size"),
         "max_batch_blocks": ("max_batch_blocks", None),
     },

@@ -65,7 +65,8 @@ def namespace_rows(placement: Placement, committed: list[Entry]) -> dict[str, di
     for ns_id, ns in shared.namespaces.items():
         out[ns_id] = {"model": ns.model, "tenant": ns.tenant, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
                       "dtype": ns.dtype, "block_tokens": ns.block_tokens, "block_bytes": ns.block_bytes,
-                      "layout": ns.layout, "anchor": ns.anchor,  # (anchor: a hybrid model's attachments)
+                      "num_layers": ns.num_layers, "layout": ns.layout,
+                      "anchor": ns.anchor,  # (a hybrid model's attachments: kvstore/connectors/hybrid.py)
                       "blocks": {}, "bytes": {}, "counters": dict(shared.ns_counters.get(ns_id, {}))}
     for e in committed:
         row = out.get(e.key[0])

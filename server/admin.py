@@ -14,9 +14,11 @@ Who may ask (`guard_middleware`, before any handler), since any local user can
 reach a loopback port, and a web page can too through DNS rebinding:
 - a Host header other than 127.0.0.1, localhost or [::1] (any port; or the
   configured admin_host) is refused, 421;
-- every path but /healthz and /metrics (read-only counters, open to loopback
-  peers for scrapers) needs `Authorization: Bearer <token>`, the token the
-  daemon writes to `<socket folder>/<name>.admin-token` (0600) at start, 401;
+- /healthz answers any peer (it says "ok", nothing else: what a Kubernetes
+  probe from the node asks); /metrics (read-only counters) is open to loopback
+  peers, for scrapers; every other path needs `Authorization: Bearer <token>`,
+  the token the daemon writes to `<socket folder>/<name>.admin-token` (0600) at
+  start, or reads from `server.admin_token_file` (a Secret), 401;
 - a POST must be application/json, 415: a cross-site form or text/plain post
   is a "simple request" a browser sends without asking.
 Refusals are JSON like every other error.
@@ -66,6 +68,7 @@ VIEW = web.AppKey("view", AdminView)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 HOSTS = web.AppKey("hosts", frozenset)
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+HEALTH_PATH = "/healthz"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 STATUS = {AuthError: 401, WrongHost: 421, WrongContentType: 415}
 
@@ -192,7 +195,9 @@ async def guard_middleware(request: web.Request, handler):
     """Refuse, before any handler runs, what a local user without the token or a web page could send."""
     if _host_name(request.headers.get("Host", "")) not in request.app[HOSTS]:
         raise WrongHost(f"Host {request.headers.get('Host', '')!r} is not this daemon's loopback address")
-    if not (request.path in OPEN_PATHS and request.method in ("GET", "HEAD") and _from_loopback(request)):
+    if request.method in ("GET", "HEAD") and request.path == HEALTH_PATH:
+        pass  # liveness, for any peer (a Kubernetes probe comes from the node): it says "ok" and nothing else
+    elif not (request.path in OPEN_PATHS and request.method in ("GET", "HEAD") and _from_loopback(request)):
         _check_token(request)
     if request.method == "POST" and request.content_type != "application/json":
         raise WrongContentType(f"POST {request.path} needs Content-Type: application/json, "

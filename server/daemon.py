@@ -64,6 +64,7 @@ from kvstore.store import TieredStore
 from kvstore.server.admin import AdminView, start_admin
 from kvstore.server.events import FLUSH_S, EventPublisher
 from kvstore.server.frames import Oversize, discard, read_frame
+from kvstore.tokens import read_token_file
 from kvstore.server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
 from kvstore.server.rpc import Handlers, Session, error_reply
 
@@ -171,7 +172,9 @@ class Daemon:
         if sc.admin_port is not None:
             events = self.events
             resync = (lambda: events.resync(self.store)) if events is not None else None
-            view = AdminView(self.store, self.full_stats, create_admin_token(self.config.admin_token_path), resync)
+            token = (read_token_file(sc.admin_token_file, "server.admin_token_file") if sc.admin_token_file
+                     else create_admin_token(self.config.admin_token_path))
+            view = AdminView(self.store, self.full_stats, token, resync)
             self._admin_runner, self.admin_port = await start_admin(view, sc.admin_host, sc.admin_port)
         self.store.start()
         loop = asyncio.get_running_loop()
@@ -237,7 +240,8 @@ class Daemon:
                 log.warning("a listener did not close within %s s; stopping anyway", CLOSE_S)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
-            unlink_quietly(self.config.admin_token_path)
+            if not self.config.server.admin_token_file:  # (a token file given to the daemon is not its own)
+                unlink_quietly(self.config.admin_token_path)
         await self.store.stop()  # what is queued for the remote tier is published (bounded)
         if self._flusher is not None:
             self._flusher.cancel()

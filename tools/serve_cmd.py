@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--events-endpoint", help="publish KV events on this ZMQ address, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--events-replay-endpoint", help="ZMQ ROUTER address serving missed KV-event batches")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--check-config", action="store_true",
+                   help="validate the config file and flags, print the effective settings as JSON (secrets left "
+                        "out) and what this host may lack for them, and start nothing (exit 2: a bad configuration)")
     p.set_defaults(run=run)
 
 
@@ -101,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvstore: bad configuration: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        return check_config(config)
     logging.getLogger().setLevel(config.log_level)
     if args.tcp_token is not None:
         log.warning("--tcp-token puts the secret in this process's command line (/proc/%d/cmdline), which every "
@@ -113,3 +118,60 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KVStoreError) as exc:  # KVStoreError: e.g. a socket folder others can write
         print(f"kvstore: cannot start: {exc}", file=sys.stderr)
         return 1
+
+
+def effective_settings(config) -> dict:
+    """The configuration as the daemon would run it, with the paths it derives and no secret in it."""
+    out = config.to_dict()
+    server = out["server"]
+    if server.get("tcp_token"):
+        server["tcp_token"] = "(set)"
+    server["tcp_tokens"] = [{k: v for k, v in scope.items() if k != "token"} for scope in server["tcp_tokens"]]
+    out["derived"] = {"shm_path": config.shm_path, "disk_path": config.disk_path, "lock": config.lock_path,
+                      "admin_token": config.admin_token_path}
+    return out
+
+
+def host_warnings(config) -> list[str]:
+    """What this host lacks for the configuration (the daemon would fail or run short), without changing it."""
+    from kvstore.tokens import read_token_file
+
+    warnings = []
+    folder = os.path.dirname(config.server.socket_path) or "."
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent) or "/"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        warnings.append(f"the socket folder {folder} cannot be created or written here (its nearest existing "
+                        f"parent {parent} is not writable by this user)")
+    shm = os.path.dirname(config.shm_path)
+    if os.path.isdir(shm):
+        free = os.statvfs(shm)
+        if free.f_bavail * free.f_frsize < config.host.capacity_bytes and not os.path.exists(config.shm_path):
+            warnings.append(f"{shm} has {free.f_bavail * free.f_frsize >> 20} MiB free, the host tier needs "
+                            f"{config.host.capacity_bytes >> 20} MiB (a container's /dev/shm: a memory-backed volume)")
+    else:
+        warnings.append(f"{shm} does not exist: the host tier's arena cannot be made there")
+    if config.disk.enabled:
+        parent = config.disk_path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent) or "/"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            warnings.append(f"the disk tier's folder {config.disk_path} cannot be made here ({parent} is not writable)")
+    if config.server.admin_token_file and config.server.admin_port is not None:
+        try:
+            read_token_file(config.server.admin_token_file, "server.admin_token_file")
+        except ConfigError as exc:
+            warnings.append(str(exc))
+    return warnings
+
+
+def check_config(config) -> int:
+    """--check-config: the effective settings on stdout, what the host lacks on stderr; exit 0."""
+    import json
+
+    print(json.dumps(effective_settings(config), indent=1, default=str))
+    for w in host_warnings(config):
+        print(f"kvstore: warning: {w}", file=sys.stderr)
+    return 0
+
