@@ -8,8 +8,8 @@ bf16) and DeepSeek-V2-style MLA (vLLM's CPU_MLA backend). For each, a fresh daem
 prompt, a fresh engine B reads it, and the baseline is an engine without the connector, HMA on too, whose
 prefill of B is split at the token where B's hit ends. B's tokens and their logprobs must equal the
 baseline's, vLLM must keep its hybrid manager on and the KV capacity must not change. The negative control
-corrupts one kind of stored page only (the attachments' windows or states, or a window spine) and must
-change B's output.
+corrupts one kind of stored page only (the attachments' windows or states, or a window spine) once B
+has run, and B's next load of the same prompt (its own prefix cache reset) must give other logprobs.
 
 Window models take prompts A = D + tail_a and B = D + tail_b: B's hit ends at the deepest kept boundary
 within D (the connector's `boundary_interval` is 4 blocks here), and the baseline is a cold prefill
@@ -20,6 +20,10 @@ as long as ours must be.
 """
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,7 +102,12 @@ def test_a_hybrid_hit_restores_every_group(name, tmp_path):
                                           **common), str(tmp_path), env_extra=info)
             want = base.outputs(0)[0]
         engine_a = run_engine(engine_spec(model, [run(a)], kv_transfer_config=kv, **common), str(tmp_path), env_extra=info)
-        engine_b = run_engine(engine_spec(model, [run(b)], kv_transfer_config=kv, **common), str(tmp_path), env_extra=info)
+        runs_b = [run(b)]
+        if control is not None:  # then, in the same engine, B again from a store whose `control` pages were spoiled
+            spoiled, go = str(tmp_path / "b-ran"), str(tmp_path / "store-spoiled")
+            runs_b.append({**run(b), "reset_prefix_cache": True, "signal_path": spoiled, "wait_for_path": go})
+            threading.Thread(target=spoil, args=(daemon, control, spoiled, go), daemon=True).start()
+        engine_b = run_engine(engine_spec(model, runs_b, kv_transfer_config=kv, **common), str(tmp_path), env_extra=info)
         for r in (base, engine_a, engine_b):
             assert not any(line in r.log for line in HMA_OFF), "vLLM turned its hybrid KV cache manager off"
             assert "kvstore connector disabled" not in r.log
@@ -109,14 +118,22 @@ def test_a_hybrid_hit_restores_every_group(name, tmp_path):
         assert engine_b.counter(0, "vllm:external_prefix_cache_hits") == hit
         assert engine_b.tokens(0) == want["token_ids"]
         assert engine_b.outputs(0)[0]["logprobs"] == want["logprobs"]
-        if control is None:
-            return
-        assert corrupt(daemon, control) > 0
-        spoiled = run_engine(engine_spec(model, [run(b)], kv_transfer_config=kv, **common), str(tmp_path))
-        assert spoiled.cached(0) >= hit  # (B's own blocks are stored by now too)
-        assert spoiled.outputs(0)[0]["logprobs"] != want["logprobs"]
+        if control is not None:
+            assert engine_b.cached(1) >= hit  # loaded again (B's own blocks are stored by now too) ...
+            assert engine_b.outputs(1)[0]["logprobs"] != want["logprobs"]  # ... and the spoiled pages were used
     finally:
         daemon.stop()
+
+
+def spoil(daemon, kind: str, ready: str, go: str) -> None:
+    """Once engine B's first run is over (`ready` exists), spoil the store's `kind` pages, then let it go on."""
+    deadline = time.monotonic() + 300
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert corrupt(daemon, kind) > 0
+    finally:
+        open(go, "w").close()
 
 
 def test_mla_on_cpu_stores_its_latents_and_takes_no_hit(tmp_path):
@@ -132,11 +149,10 @@ def test_mla_on_cpu_stores_its_latents_and_takes_no_hit(tmp_path):
         kv = connector_config(daemon.socket_path)
         engine_a = run_engine(engine_spec(model, [run], kv_transfer_config=kv, **common), str(tmp_path))
         engine_b = run_engine(engine_spec(model, [run], kv_transfer_config=kv, **common), str(tmp_path))
-        cold = run_engine(engine_spec(model, [run], **common), str(tmp_path))
         with daemon.client() as c:
             (row,) = c.stats()["by_namespace"].values()
         assert row["block_bytes"] == 2 * 16 * 576 * 2 and row["blocks"]["host"] == 400 // 16  # 2 layers, no V
         assert "computes prompts without a cached context" in engine_b.log
-        assert engine_b.cached(0) == 0 and engine_b.tokens(0) == cold.tokens(0) == engine_a.tokens(0)
+        assert engine_b.cached(0) == 0 and engine_b.tokens(0) == engine_a.tokens(0)  # both cold: no hit taken
     finally:
         daemon.stop()
