@@ -444,8 +444,8 @@ def main(argv=None) -> int:
     finally:
         stores.close()
     default = [r for r in result["cases"] if r["executor"] == "dma" or args.device == "cpu"]
-    result["errors"] = (sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
-                        + (not default))  # no copy engines at all (neither vLLM's op nor cuda.bindings)
+    failed = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
+    result["errors"] = failed + (not default)  # no copy engines at all: neither vLLM's op nor cuda.bindings
     result["worst_default_vs_limit"] = min((r.get("vs_limit", 0.0) for r in default), default=0.0)
     written()
     if args.json:
