@@ -2,7 +2,8 @@
 tensors in vLLM's layouts, through a real daemon with a GPU tier, and a race test of the stream ordering.
 
 Every flow runs twice: on "cuda:0" (marked `gpu`: CUDA KV tensors, the daemon's VRAM pools opened by IPC,
-copies by the copy engines or the Triton kernel; skipped with the reason where there is no CUDA) and on
+copies by vLLM's ops where vLLM is installed, else one cuMemcpyAsync per piece; skipped with the reason
+where there is no CUDA, and the kernel's cases where vLLM's kernel is absent) and on
 "cpu" (the GPU tier emulated in shared memory, host copies: the same handshake, routing, demotion and
 restart logic, in CI). Engines are `tools/harness/kv_engine.py` processes; a block's bytes are compared by
 sha256 of its payload in the saving and the loading engine.
