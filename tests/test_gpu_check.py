@@ -18,20 +18,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_summary_reports_each_goal_and_fails_on_a_miss(tmp_path):
+    fallback = "cuMemcpyAsync per piece (cuda.bindings)"
     cases = [{"block_tokens": 16, "layout": "BLHNC", "direction": d, "tier": t, "executor": e, "vs_limit": v,
-              "limit_gbps": 50.0} for d, t, e, v in (("load", "arena", "dma", 0.95), ("save", "pool", "dma", 0.85),
-                                                       ("load", "arena", "kernel", 0.5))]
+              "limit_gbps": 50.0, "op": fallback if e == "dma" else "vllm swap_blocks_triton"}
+             for d, t, e, v in (("load", "arena", "dma", 0.95), ("save", "pool", "dma", 0.85),
+                                ("load", "arena", "kernel", 0.5))]
+    executors = {"dma": {"op": fallback, "why": "vLLM's ops do not import"}, "kernel": {"op": None, "why": "no vLLM"}}
     bench = {"device": "H100", "goals": {"vs_limit": 0.9, "step_load_x_plain_copy": 1.1, "interference_slowdown": 0.05},
              "cases": cases, "step_load": {"arena_16tok_BLHNC": {"ms": 21.0, "x_plain_copy": 1.05}},
-             "interference": {"dma_slowdown": 0.02, "kernel_slowdown": 0.2}}
+             "interference": {"dma_slowdown": 0.02, "kernel_slowdown": 0.2}, "executors": executors}
     (tmp_path / "bench_gpu.json").write_text(json.dumps(bench))
     (tmp_path / "anchor.json").write_text(json.dumps({"h2d_limit_gbps": 54.0}))
     (tmp_path / "pytest.xml").write_text('<testsuites><testsuite tests="3" failures="0" errors="0" skipped="1">'
                                          '<testcase classname="t" name="a"/><testcase classname="t" name="b">'
                                          '<skipped message="needs two GPUs"/></testcase></testsuite></testsuites>')
     assert gpu_summary.main([str(tmp_path)]) == 1  # the pool save is at 0.85
-    goals = {g["goal"]: g for g in json.loads(_out(tmp_path))["goals"]}
+    summary = json.loads(_out(tmp_path))
+    goals = {g["goal"]: g for g in summary["goals"]}
+    assert summary["executors"] == executors  # what ran: here the fallback, vLLM being absent
     assert goals["save pool 16tok BLHNC vs plain copy"]["met"] is False
+    assert goals["save pool 16tok BLHNC vs plain copy"]["op"] == fallback
     assert goals["load arena 16tok BLHNC vs plain copy"]["met"] is True
     assert not any("kernel" in k for k in goals)  # goals hold for the default executor
     assert goals["GEMM slowdown beside loads (dma)"]["met"] is True

@@ -409,7 +409,11 @@ class PinnedHost:
 
 def pin_host(array: np.ndarray) -> PinnedHost:
     """Register `array` (e.g. the mapped arena) with cudaHostRegister, portable and mapped (so a kernel
-    reads it through unified addressing); never raises for lack of CUDA."""
+    reads it through unified addressing); never raises for lack of CUDA.
+
+    The connector pins the arena with this too rather than vLLM's `host_register`: the daemon needs it
+    without vLLM anyway, it asks for mapped and portable explicitly (vLLM's passes 0, which CUDA makes
+    both only where addressing is unified), and it says why when registration fails."""
     torch = _torch()
     tensor = torch.from_numpy(array.reshape(-1).view(np.uint8))
     ok, reason = cuda_available()

@@ -8,6 +8,12 @@ submission's Python cost counts). The limits are plain `copy_` calls of the same
 number of bytes, contiguous, in the same run: device to device for the GPU pool,
 pinned host to device (and back) for the arena.
 
+The executors are vLLM's: `dma` its `swap_blocks_batch` op, `kernel` its Triton
+batch copy. `executors` in the result says what each runs on this machine: where
+vLLM is not installed, `dma` is the connector's fallback (one `cuMemcpyAsync` per
+piece) and `kernel` is absent (its cases are left out, saying why); each row's
+`op` is what ran its plan.
+
 Shapes: Llama-3-8B blocks (32 layers, 8 KV heads, head size 128, bf16):
 16-token blocks (2 MiB) and 128-token blocks (16 MiB), each in a block-outermost
 layout (BLHNC, what the connector asks vLLM for: one piece per block) and a
@@ -18,7 +24,7 @@ daemon's) and of a shared-memory arena registered with cudaHostRegister.
 
 Results (`--json` prints one object):
 - `cases`: per (block tokens, layout, direction, store tier, executor): GB/s, the
-  limit's GB/s, and `vs_limit` (goal >= 0.9 for the default executor);
+  limit's GB/s, and `vs_limit` (goal >= 0.9 for the default executor, `dma`);
 - `step_load`: an 8k-token prompt's load (512 or 64 blocks) from each tier with the
   default executor: ms and `x_plain_copy` (goal <= 1.1);
 - `interference`: a bf16 8192^3 GEMM loop's slowdown on the forward stream while
@@ -149,8 +155,9 @@ class Stores:
         self.arena.close()
 
 
-def transfers_for(device: str, executor: str, regions: list):
-    """CudaTransfers with one executor forced, or on CPU the host transfers over `regions`."""
+def transfers_for(device: str, executor: str, regions: list, stores=None):
+    """CudaTransfers with one executor forced (the kernel only while the arena is registered, as in the
+    worker), or on CPU the host transfers over `regions`."""
     if device == "cpu":
         from kvstore.connectors.cpu_copy import CpuExecutor, CpuTransfers
 
@@ -159,7 +166,25 @@ def transfers_for(device: str, executor: str, regions: list):
         return CpuTransfers(cpu)
     from kvstore.connectors.cuda_copy import make_transfers
 
-    return make_transfers(device, executor)
+    transfers = make_transfers(device, executor)
+    transfers.chooser.host_mapped = bool(stores is not None and stores.pinned is not None and stores.pinned.pinned)
+    return transfers
+
+
+def copy_ops() -> dict:
+    """What each CUDA executor runs on this machine (vLLM's op, the per-piece fallback), or why none."""
+    from kvstore.connectors.cuda_copy import DmaExecutor, KernelExecutor
+
+    out = {}
+    for name, make in (("dma", DmaExecutor), ("kernel", KernelExecutor)):
+        try:
+            executor = make()
+        except (ImportError, RuntimeError) as exc:
+            out[name] = {"op": None, "why": str(exc)}
+            continue
+        why = getattr(executor, "fallback_reason", "")
+        out[name] = {"op": executor.op_name, **({"why": why} if why else {})}
+    return out
 
 
 def sync(device: str) -> None:
@@ -259,12 +284,14 @@ def bench_case(args, stores, block_tokens: int, layout: str, executor: str, step
         extents = scattered_pages(stores.nbytes // stores.page, stores.page, n, bb, rng)
         base = stores.base(tier)
         regions = [stores.arena.buf, stores.pool.numpy(), _storage_array(kv)] if device == "cpu" else []
-        transfers = transfers_for(device, executor, regions)
+        transfers = transfers_for(device, executor, regions, stores)
         try:
             for to_kv in (True, False):
                 plan = build_plan(geom, ids, extents, base, to_kv=to_kv)
                 row = {"block_tokens": block_tokens, "layout": layout, "direction": "load" if to_kv else "save",
                        "tier": tier, "executor": executor, "blocks": n, "pieces": len(plan)}
+                if device != "cpu":  # what really runs the plan (a forced kernel still refuses what it cannot take)
+                    row["op"] = transfers.chooser.pick(plan, to_kv).op_name
                 out.append(row)
 
                 def run(p=plan, load=to_kv) -> None:
@@ -346,7 +373,7 @@ def interference(args, stores, executors: list[str]) -> dict:
     alone = statistics.median(gemms() for _ in range(5))
     out = {"gemm_alone_ms": alone, "loads_gb": loads * n * bb / 1e9}
     for executor in executors:
-        transfers = transfers_for(device, executor, [])
+        transfers = transfers_for(device, executor, [], stores)
         beside = []
         try:
             for _ in range(5):
@@ -386,10 +413,14 @@ def main(argv=None) -> int:
         args.iters = min(args.iters, 3)
     import torch
 
-    executors = ["dma", "kernel"] if args.device != "cpu" else ["cpu"]
-    stores = Stores(args.device, 3 * args.blocks_bytes)
     result = {"device": torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu",
               "goals": GOALS, "cases": [], "step_load": {}, "interference": {}}
+    if args.device == "cpu":
+        executors = ["cpu"]
+    else:  # the executors this machine has: vLLM's ops where vLLM is installed (see `executors` for which)
+        result["executors"] = copy_ops()
+        executors = [e for e in ("dma", "kernel") if result["executors"][e]["op"]]
+    stores = Stores(args.device, 3 * args.blocks_bytes)
 
     def written() -> None:  # after every case: a run cut short by its time limit still leaves its results
         if args.out:
@@ -403,7 +434,7 @@ def main(argv=None) -> int:
         for executor in executors:
             for block_tokens in (16, 128):
                 for layout in ("BLHNC", "LBHNC"):
-                    rows, step = bench_case(args, stores, block_tokens, layout, executor, executor == executors[0])
+                    rows, step = bench_case(args, stores, block_tokens, layout, executor, executor in ("dma", "cpu"))
                     result["cases"] += rows
                     result["step_load"].update(step)
                     written()
@@ -412,19 +443,22 @@ def main(argv=None) -> int:
                 written()
     finally:
         stores.close()
-    default = [r for r in result["cases"] if r["executor"] == executors[0]]
-    result["errors"] = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
+    default = [r for r in result["cases"] if r["executor"] == "dma" or args.device == "cpu"]
+    failed = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
+    result["errors"] = failed + (not default)  # no copy engines at all: neither vLLM's op nor cuda.bindings
     result["worst_default_vs_limit"] = min((r.get("vs_limit", 0.0) for r in default), default=0.0)
     written()
     if args.json:
         print(json.dumps(result))
     else:
         print(f"device: {result['device']}")
+        for name, what in result.get("executors", {}).items():
+            print(f"{name}: {what['op'] or 'unavailable'}" + (f" ({what['why']})" if "why" in what else ""))
         for r in result["cases"]:
             what = (f"{r['gbps']:8.2f} GB/s  limit {r['limit_gbps']:8.2f}  x{r['vs_limit']:.3f}" if "error" not in r
                     else f"FAILED: {r['error']}")
             print(f"{r['block_tokens']:>4} tok {r['layout']} {r['direction']:<4} {r['tier']:<5} {r['executor']:<6} "
-                  f"{r['pieces']:>6} pieces {what}")
+                  f"{r['pieces']:>6} pieces {what}" + (f"  [{r['op']}]" if "op" in r else ""))
         for k, v in result["step_load"].items():
             print(f"step load {k}: {v['ms']:.2f} ms, {v['x_plain_copy']:.3f}x the plain copy")
         for k, v in result.get("interference", {}).items():

@@ -1,6 +1,7 @@
-"""Summarize a `tools/bench/gpu_check` run: the device, the CUDA tests' counts, and every GPU goal with the
-value measured in the same run and whether it is met. Prints JSON; exits 1 when a test failed or a goal
-is missed, 2 when a part produced nothing.
+"""Summarize a `tools/bench/gpu_check` run: the device, the CUDA tests' counts, what each executor ran
+(vLLM's ops, or the fallback where vLLM is absent), and every GPU goal with the value measured in the same
+run and whether it is met. Prints JSON; exits 1 when a test failed or a goal is missed, 2 when a part
+produced nothing.
 
     python tools/bench/gpu_summary.py OUT
 """
@@ -46,9 +47,9 @@ def goals(bench: dict | None, anchor: dict | None) -> list[dict]:
             if "error" in c:  # any executor's failed case is a failure of the run
                 rows.append({"goal": f"{name} ({c['executor']}) moves the right bytes", "value": None,
                              "want": "no error", "met": False, "error": c["error"]})
-            elif c["executor"] == "dma":
+            elif c["executor"] == "dma":  # `op`: vLLM's swap_blocks_batch, or the fallback where vLLM is absent
                 rows.append({"goal": f"{name} vs plain copy", "value": c["vs_limit"], "want": f">= {g['vs_limit']}",
-                             "met": c["vs_limit"] >= g["vs_limit"]})
+                             "met": c["vs_limit"] >= g["vs_limit"], "op": c.get("op")})
         for key, v in bench["step_load"].items():
             rows.append({"goal": f"8k step load {key} x plain copy", "value": v["x_plain_copy"],
                          "want": f"<= {g['step_load_x_plain_copy']}", "met": v["x_plain_copy"] <= g["step_load_x_plain_copy"]})
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
     t = tests(out)
     rows = goals(bench, anchor)
     summary = {"device": (bench or {}).get("device") or (anchor or {}).get("device"), "tests": t, "goals": rows,
-               "bench_skipped": (bench or {}).get("skipped"), "anchor": anchor}
+               "executors": (bench or {}).get("executors"), "bench_skipped": (bench or {}).get("skipped"),
+               "anchor": anchor}
     print(json.dumps(summary, indent=1))
     if t is None or bench is None or "cases" not in bench:
         return 2
