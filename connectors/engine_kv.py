@@ -102,7 +102,7 @@ def reader_tier(handles: list | None, device: str) -> str:
 
 
 class EngineKV:
-    def __init__(self, tensors: Sequence, num_blocks: int, executor: str = "auto", kernel_piece_bytes: int = 16 << 10,
+    def __init__(self, tensors: Sequence, num_blocks: int, executor: str = "auto", kernel_piece_bytes: int = 28 << 10,
                  threads: int | None = None, geometry: KVGeometry | None = None) -> None:
         """`tensors`: every KV tensor a plan may touch; `geometry`: where a block's payload lives, if not
         all of `tensors` in order (a hybrid model's plans use one geometry per KV cache group)."""

@@ -51,7 +51,7 @@ class ConnectorConfig:
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
     layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
     copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
-    kernel_piece_bytes: int = 16 << 10  # "auto" runs a plan whose mean piece is smaller with the kernel
+    kernel_piece_bytes: int = 28 << 10  # "auto" copies a load whose largest piece is smaller with the kernel (vLLM's bound)
     # fault injection, off by default and for tests only (the worker warns when it is on): this fraction
     # of load jobs fails at a random block (seeded), as if its copy had failed; vLLM recomputes from there
     fail_loads: float = 0.0
