@@ -6,7 +6,8 @@ the spine and the attachments at kept boundaries in time.
 
 * Lookup (`get_num_new_matched_tokens`): the spine's leading blocks after vLLM's local hit s are pinned
   (one `acquire` per TP rank), which bounds N; with attachments, the deepest boundary in (s, N] whose
-  attachment is stored (one `describe`, which pins and moves nothing) is pinned too and becomes N. A
+  attachment is stored is pinned too and becomes N: the spine's end first (where a repeated or extended
+  prompt's hit ends), else the deepest that `describe` (which pins and moves nothing) finds. A
   window spine keeps pins on the blocks its window needs only. The hit is reported as an asynchronous load:
   with several groups vLLM takes load failures per request only (`failed_recving`, which applies to
   asynchronous loads), and a recurrent state's layers never wait for a layer-wise copy.
@@ -138,19 +139,31 @@ class HybridSchedulerSide:
     def _pin_attachment(self, hashes: list[bytes], start: int, end: int) -> tuple[int, bytes | None]:
         """The deepest boundary in (start, end] whose attachment every rank holds, pinned; (start, None) if none."""
         att_ns = self._ns(ATTACHMENT)
-        candidates = list(range(end, start, -1))
+        pinned = self._try_attachment(att_ns, hashes[end - 1])  # the spine's end: most hits end there
+        if pinned is not None:
+            return (end, pinned) if pinned else (start, None)
+        candidates = list(range(end - 1, start, -1))
         found = self.link.run("describe", lambda c: c.describe(att_ns[0], [hashes[j - 1] for j in candidates]))
         for j, info in zip(candidates, found or ()):
             if info is None or not info.get("committed", True):
                 continue
-            h = hashes[j - 1]
-            got = self.link.run("acquire", lambda c: [c.acquire(ns, [h], prefix=False)[0] for ns in att_ns])
-            if got is None:
+            pinned = self._try_attachment(att_ns, hashes[j - 1])
+            if pinned == b"":
                 break
-            if all(e is not None for e in got):
-                return j, h
-            self._unpin(ATTACHMENT, [[h] if e is not None else [] for e in got])  # a rank lost it meanwhile
+            if pinned is not None:
+                return j, pinned  # (else a rank lost it meanwhile: the next one)
         return start, None
+
+    def _try_attachment(self, att_ns: list[str], h: bytes) -> bytes | None:
+        """Pin the attachment `h` in every rank: `h` if every rank holds it, None if not (nothing left
+        pinned), b"" if the daemon is away."""
+        got = self.link.run("acquire", lambda c: [c.acquire(ns, [h], prefix=False)[0] for ns in att_ns])
+        if got is None:
+            return b""
+        if all(e is not None for e in got):
+            return h
+        self._unpin(ATTACHMENT, [[h] if e is not None else [] for e in got])
+        return None
 
     def _unpin(self, slot: int, per_rank: list[list[bytes]]) -> None:
         ns = self._ns(slot)

@@ -46,6 +46,8 @@ def build_model(which: str) -> str:
 
     if which.startswith("tiny-"):
         return str(next(p for p in build("hybrid") if p.name == which))
+    if which == "bench-gemma3":
+        return str(build("bench-hybrid")[0])
     return str(build(which)[0])
 
 
