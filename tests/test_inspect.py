@@ -119,3 +119,14 @@ def test_a_hybrid_prefix_is_reusable_up_to_its_deepest_attachment(daemon):
     assert r["reusable_tokens"] == 4 * BT
     text = inspect(daemon.socket_path, "--tokens", json.dumps(TOKENS[: 3 * BT + 1]), "--model-name", "hybrid")
     assert text.returncode == 0 and "32 of 49 tokens would be reused" in text.stdout  # not 48: no attachment after block 2
+
+
+def test_stats_shows_a_hybrid_model_s_attachments_on_its_spine_s_line():
+    from kvstore.tools.stats_cmd import namespace_lines
+
+    row = lambda **kw: {"model": "h", "tp_rank": 0, "tp_size": 1, "block_tokens": 16, "anchor": "",  # noqa: E731
+                        "blocks": {"host": 4}, "bytes": {"host": 4 << 20}, **kw}
+    lines = namespace_lines({"ns-spine": row(), "ns-att": row(anchor="ns-spine", blocks={"disk": 2},
+                                                                bytes={"disk": 6 << 20}), "ns-dense": row(model="d")})
+    assert len(lines) == 2 and "ns-att" not in "".join(lines)
+    assert "blocks 4" in lines[0] and "+ hybrid attachments 2 (6.0 MiB" in lines[0] and "attachments" not in lines[1]

@@ -45,4 +45,24 @@ def run(args: argparse.Namespace) -> int:
     c = stats["counters"]
     print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
           f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")
+    for line in namespace_lines(stats.get("by_namespace", {})):
+        print(line)
     return 0
+
+
+def namespace_lines(by_ns: dict[str, dict]) -> list[str]:
+    """One line per namespace, a hybrid model's attachments on its spine's line (kvstore/connectors/hybrid.py)."""
+    attached = {row["anchor"]: (ns, row) for ns, row in by_ns.items() if row.get("anchor")}
+    lines = []
+    for ns, row in by_ns.items():
+        if row.get("anchor"):
+            continue
+        blocks, nbytes = sum(row["blocks"].values()), sum(row["bytes"].values())
+        line = (f"  {ns}  {row['model']}  tp {row['tp_rank']}/{row['tp_size']}  {row['block_tokens']} tokens/block  "
+                f"blocks {blocks}  bytes {_mib(nbytes)}")
+        if ns in attached:
+            _, att = attached[ns]
+            line += (f"  + hybrid attachments {sum(att['blocks'].values())} ({_mib(sum(att['bytes'].values()))}: "
+                     f"windows and states at kept boundaries)")
+        lines.append(line)
+    return lines
