@@ -20,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import uuid
 import zipfile
 
 import pytest
@@ -89,8 +90,8 @@ def test_installed_it_runs_from_its_own_files(venv, tmp_path):
     replay = run(venv, f"{bin_}/kvstore", "replay", "trace:conversation", "--limit", "50", "--capacity-blocks", "500",
                  "--json", cwd=str(tmp_path), timeout=120)
     assert replay.returncode == 0 and json.loads(replay.stdout)["runs"][0]["capacity_blocks"] == 500
-    daemon = subprocess.Popen([f"{bin_}/kvstore", "serve", "--name", "wheel", "--socket", sock, "--host-bytes", "64MiB",
-                               "--no-disk", "--no-admin"], cwd=str(tmp_path), env=_outside_env(), stdout=subprocess.PIPE,
+    daemon = subprocess.Popen([f"{bin_}/kvstore", "serve", "--name", f"wheel-{uuid.uuid4().hex[:8]}", "--socket", sock,
+                               "--host-bytes", "64MiB", "--no-disk", "--no-admin", "--no-persistent-host"], cwd=str(tmp_path), env=_outside_env(), stdout=subprocess.PIPE,
                               text=True)
     try:
         assert "ready" in daemon.stdout.readline()
@@ -128,8 +129,8 @@ def test_vllm_finds_the_connector_by_name_through_the_wheel_s_plugin(venv, tmp_p
     ids = tokenize(model, corpus_text(4000))[:200]
     sock = str(tmp_path / "run" / "k.sock")
     bin_ = os.path.join(venv, "bin")
-    daemon = subprocess.Popen([f"{bin_}/kvstore", "serve", "--name", "wheel-vllm", "--socket", sock, "--host-bytes",
-                               "128MiB", "--no-disk", "--no-admin"], cwd=str(tmp_path), env=_outside_env(),
+    daemon = subprocess.Popen([f"{bin_}/kvstore", "serve", "--name", f"wheel-{uuid.uuid4().hex[:8]}", "--socket", sock,
+                               "--host-bytes", "128MiB", "--no-disk", "--no-admin", "--no-persistent-host"], cwd=str(tmp_path), env=_outside_env(),
                               stdout=subprocess.PIPE, text=True)
     try:
         assert "ready" in daemon.stdout.readline()
