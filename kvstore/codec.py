@@ -37,11 +37,13 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from kvstore.keys import Namespace
+if TYPE_CHECKING:
+    from kvstore.keys import Namespace
 
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
@@ -122,7 +124,7 @@ class BlockLayout:
         return H * N * D, N * D, 0, D, N  # KVHND
 
     @classmethod
-    def from_namespace(cls, ns: Namespace) -> "BlockLayout | None":
+    def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
         """The layout of a namespace's blocks, or None when the codec cannot read them (an MLA or unknown
         layout, a dtype it does not store, a block size that does not match the shape)."""
         name = ns.layout.split("/")
@@ -181,7 +183,7 @@ class Budget:
 
 
 # -- sizes and offsets (every decoder uses these) -----------------------------------------
-def _channel_groups(layout: BlockLayout, flags: int) -> np.ndarray:
+def channel_groups(layout: BlockLayout, flags: int) -> np.ndarray:
     """bool [groups]: quantized per channel (keys with FLAG_KEY_CHANNEL)."""
     kv = np.tile(np.array([True, False]), layout.num_layers * layout.num_kv_heads)
     return kv & bool(flags & FLAG_KEY_CHANNEL)
@@ -191,14 +193,14 @@ def group_sizes(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray
     """Stored bytes of each group (index (layer * heads + head) * 2 + kv)."""
     b = bits.reshape(-1).astype(np.int64)
     N, D = layout.block_tokens, layout.head_size
-    rows = np.where(_channel_groups(layout, flags), D, N)
+    rows = np.where(channel_groups(layout, flags), D, N)
     return np.where(b == EXACT, N * D * layout.elt_bytes, rows * META_BYTES + b * (N * D // 8))
 
 
 def group_order(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray:
     """Group indices in stored order: by (bits, channel mode, index)."""
     g = np.arange(layout.num_groups)
-    return np.lexsort((g, _channel_groups(layout, flags), bits.reshape(-1)))
+    return np.lexsort((g, channel_groups(layout, flags), bits.reshape(-1)))
 
 
 def group_offsets(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray:
@@ -290,7 +292,7 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     out[HEADER_BYTES : HEADER_BYTES + layout.num_groups] = bits
     offsets = group_offsets(layout, budget.bits, flags)
     sizes = group_sizes(layout, budget.bits, flags)
-    channel = _channel_groups(layout, flags)
+    channel = channel_groups(layout, flags)
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
@@ -362,7 +364,7 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
         raise ValueError(f"output is {out.size} B, a block is {layout.block_bytes} B")
     bits = bits3.reshape(-1)
     offsets, sizes = group_offsets(layout, bits3, flags), group_sizes(layout, bits3, flags)
-    channel = _channel_groups(layout, flags)
+    channel = channel_groups(layout, flags)
     x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
     for b in np.unique(bits):
         for by_channel in (False, True):
