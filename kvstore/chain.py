@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from kvstore.compression import Compression, decode_into
 from kvstore.config import Config
 from kvstore.errors import ConfigError, OwnershipError
 from kvstore.sharing import SharingOptions
@@ -71,7 +72,7 @@ def open_store(config: Config) -> TieredStore:
         if config.disk.enabled:
             from kvstore.tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
-            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
+            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes, decoder=decode_into))
         else:
             absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
         remote, why = remote_tier(config, host)
@@ -83,7 +84,8 @@ def open_store(config: Config) -> TieredStore:
             log.info("%s tier not in the chain: %s", name, reason)
         rc = config.remote
         sharing = SharingOptions(rc.publish, rc.timeout_s, rc.transfer_timeout_s)
-        return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing)
+        return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing,
+                           compression=Compression(config.compression))
     except BaseException:
         _give_back(chain, host)
         raise

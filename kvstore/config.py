@@ -166,6 +166,21 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class CompressionConfig:
+    """Lossy storage (kvstore/compression.py). Off by default: it changes the KV an engine gets back.
+    Applies only to namespaces whose engine opted in (`Namespace.codec` names a profile)."""
+
+    disk: bool = False  # blocks demoted to the disk tier are stored compressed
+    profile_dir: str = ""  # where `<name>.json` codec profiles are (built-in names need none)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.disk, bool), "compression.disk must be true or false")
+        _require(isinstance(self.profile_dir, str), "compression.profile_dir must be a path")
+        _require(not self.profile_dir or os.path.isdir(self.profile_dir),
+                 f"compression.profile_dir {self.profile_dir!r} is not a folder")
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     """The VRAM tier above the host arena. Off by default: it takes `capacity` of each device's memory
     beside the engines. `devices` lists the CUDA devices that get a pool (default: `device`'s);
@@ -304,6 +319,7 @@ class Config:
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name) is not None,
@@ -387,6 +403,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "index_blocks": ("index_blocks", None),
         "required": ("required", None),
     },
+    "compression": {"disk": ("disk", None), "profile_dir": ("profile_dir", str)},
     "events": {key: (key, None) for key in (
         "endpoint", "bind", "replay_endpoint", "topic", "encoding", "token_ids", "tenants", "buffer_batches",
         "max_queue_events", "hwm")},
@@ -448,6 +465,7 @@ def _build(raw: dict[str, Any]) -> Config:
             disk=DiskConfig(**sections["disk"]),
             remote=RemoteConfig(**sections["remote"]),
             events=EventsConfig(**sections["events"]),
+            compression=CompressionConfig(**sections["compression"]),
             **top,
         )
     except TypeError as exc:

@@ -30,11 +30,19 @@ state at a prefix boundary hang under the full-attention block that ends
 there, kvstore/connectors/hybrid.py), so the prefix tree holds a hybrid prefix
 as one thing: an attachment is a leaf, evicted before the block it hangs under,
 and never outlives it. Empty (no anchor) is left out of the id like `tenant`.
+
+`Namespace.codec` is an engine's opt-in to lossy storage: it names the codec
+profile (kvstore/codec_profile.py) whose compressed blocks the engine accepts.
+Its blocks may be stored compressed in the tiers that compress
+(`[compression]`); being in the id, they are never the blocks of the exact
+namespace, so an engine that did not opt in never receives a lossy block.
+Empty (exact only) is left out of the id like `tenant`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import NewType, Sequence
 
@@ -146,6 +154,7 @@ class Namespace:
     revision: str = ""
     tenant: str = ""  # "" = the shared partition; else a TCP tenant's own (see the module docstring)
     anchor: str = ""  # "" = parents are in this namespace; else the id of the namespace they are in
+    codec: str = ""  # "" = exact bytes only; else the codec profile whose lossy blocks the engine accepts
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_tokens", "block_bytes", "tp_size"):
@@ -154,11 +163,13 @@ class Namespace:
                 raise ValueError(f"namespace field {name} must be a positive int, got {value!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"namespace tp_rank must be in [0, tp_size), got {self.tp_rank!r}")
-        for name in ("model", "dtype", "layout", "revision", "tenant", "anchor"):
+        for name in ("model", "dtype", "layout", "revision", "tenant", "anchor", "codec"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"namespace field {name} must be a string")
         if not self.model or not self.dtype:
             raise ValueError("namespace model and dtype must be non-empty")
+        if self.codec and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.codec):
+            raise ValueError(f"namespace codec must name a codec profile ([A-Za-z0-9._-], 64 at most), got {self.codec!r}")
 
     @property
     def id(self) -> str:
@@ -167,7 +178,7 @@ class Namespace:
 
     def to_dict(self) -> dict:
         fields = dataclasses.asdict(self)
-        for name in ("tenant", "anchor"):
+        for name in ("tenant", "anchor", "codec"):
             if not fields[name]:
                 del fields[name]  # ids and persisted records of namespaces without it stay as they were
         return fields

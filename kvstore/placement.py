@@ -25,12 +25,16 @@ result. The rules it keeps, for every pair of tiers:
 - A block whose bytes a tier lost (a write that failed after the tier took
   them) or that fails to verify is *discarded* with its subtree whatever its
   pins; the pins become ghost pins.
+- A demotion into a tier that compresses the block's namespace
+  (kvstore/compression.py) allocates the encoded size and hands the tier the
+  codec; everything else about the block (its entry, `nbytes`, its policy) is
+  unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, PolicyError
 from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
@@ -38,6 +42,9 @@ from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.keys import Namespace
 from kvstore.tiers.base import BlockMeta, Tier
+
+if TYPE_CHECKING:
+    from kvstore.compression import Compression, StoredCodec
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +64,9 @@ def _by_tier(entries: Sequence[Entry]) -> dict[str, Sequence[Entry]]:
 
 class Placement:
     def __init__(self, chain: Sequence[Tier], index: BlockIndex, policies: dict[str, EvictionPolicy],
-                 shared: Shared) -> None:
+                 shared: Shared, compression: Compression | None = None) -> None:
         self.chain = list(chain)
+        self.compression = compression  # which demotions store a block compressed (None: none do)
         self.tiers: dict[str, Tier] = {t.name: t for t in self.chain}
         self.index = index
         self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
@@ -208,31 +216,42 @@ class Placement:
             self.move(e, below.name, self.index.take_copy(e, below.name), from_copy=True)
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
-        if not below.fits(e.nbytes):
+        codec = self.codec_for(e, below)
+        nbytes = e.nbytes if codec is None else codec.stored_bytes
+        if not below.fits(nbytes):
             return False
         try:
-            self.make_room(below.name, lambda: below.shortfall(e.nbytes))
+            self.make_room(below.name, lambda: below.shortfall(nbytes))
         except CapacityError:
             self.counters[f"demotions_dropped_{below.name}_full"] += 1
             return False
-        alloc = below.allocate(e.nbytes)
+        alloc = below.allocate(nbytes)
         assert alloc is not None
-        location, ok = self.copy_block(e, below, alloc)
+        location, ok = self.copy_block(e, below, alloc, codec)
         if not ok:  # the source did not verify: nothing worth keeping
             below.free(alloc)
             return False
         self.move(e, below.name, location)
         return True
 
-    def copy_block(self, e: Entry, dst: Tier, alloc: object) -> tuple[object, bool]:
-        """Copy `e`'s bytes into `alloc` of `dst`, through host memory on one side (no staging pass).
-        Returns (the block's location in dst, whether the source verified). Synchronous."""
+    def codec_for(self, e: Entry, dst: Tier) -> StoredCodec | None:
+        """How `dst` stores `e` when it is demoted there: compressed (kvstore/compression.py) or None."""
+        if self.compression is None:
+            return None
+        return self.compression.for_block(self.shared.namespaces[e.key[0]], e.depth, dst.name)
+
+    def copy_block(self, e: Entry, dst: Tier, alloc: object, codec: StoredCodec | None = None) -> tuple[object, bool]:
+        """Copy `e`'s bytes into `alloc` of `dst`, through host memory on one side (no staging pass);
+        `dst` encodes them with `codec` where given. Returns (the block's location in dst, whether the
+        source verified). Synchronous."""
         src = self.tiers[e.tier]
         if dst.host_memory:
             return alloc, src.read_into(e.location, dst.segments(alloc))
         if not src.host_memory:
             raise KVStoreError(f"internal: no copy path {src.name} -> {dst.name} (the host tier sits between)")
-        return dst.write_from(alloc, src.segments(e.location), self.block_meta(e)), True
+        if codec is None:
+            return dst.write_from(alloc, src.segments(e.location), self.block_meta(e)), True
+        return dst.write_from(alloc, src.segments(e.location), self.block_meta(e), codec=codec), True
 
     def move(self, e: Entry, tier: str, location: object, keep_copy: bool = False, from_copy: bool = False) -> None:
         """Re-tier a committed block whose bytes are at `location` in `tier` now: give its old pages

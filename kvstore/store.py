@@ -41,6 +41,7 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
 
+from kvstore.compression import Compression
 from kvstore.eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
@@ -69,9 +70,11 @@ class TieredStore:
         read_threads: int = 4,
         absent: dict[str, str] | None = None,
         sharing: SharingOptions | None = None,
+        compression: Compression | None = None,
     ) -> None:
         """`absent`: tier name -> why it is not in the chain (for stats); `sharing`: how a remote tier
-        in the chain is used (defaults where None)."""
+        in the chain is used (defaults where None); `compression`: which tiers store the blocks of
+        opted-in namespaces compressed (None: none)."""
         chain = [tiers] if isinstance(tiers, Tier) else list(tiers)
         names = [t.name for t in chain]
         if names != sorted(names, key=lambda n: RANK.get(n, len(TIERS))) or len(set(names)) != len(names) \
@@ -89,8 +92,9 @@ class TieredStore:
             self.shared.ns_counters
         self.listeners = self.shared.listeners
         self.index = BlockIndex([t.name for t in chain if t.persistent], self.listeners)
+        self.compression = compression
         self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=clock) for t in chain},
-                                   self.shared)
+                                   self.shared, compression)
         self.policies = self.placement.policies
         self.waits = InflightWaits(self.index, self.counters)
         self.listeners.add(self.waits)
@@ -142,6 +146,8 @@ class TieredStore:
             if anchor is None or anchor.anchor or (anchor.model, anchor.tenant) != (ns.model, ns.tenant):
                 raise NamespaceError(f"anchor {ns.anchor!r} must be a registered namespace of the same model and "
                                      f"tenant, without an anchor of its own; register it first")
+        if self.compression is not None:
+            self.compression.check_namespace(ns)  # an opt-in to a profile this daemon cannot apply is refused
         self.namespaces[ns.id] = ns
         if ns.id not in self._persisted_ns:
             self.placement.prepare_namespace(ns)

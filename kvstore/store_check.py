@@ -90,6 +90,7 @@ def describe_blocks(placement: Placement, ns_id: str, hashes: Sequence[bytes]) -
         "tier": e.tier, "committed": e.committed, "pins": e.pins, "hits": e.hits, "depth": e.depth,
         "idle_s": now - e.last_access if e.last_access else None, "policy_value": values.get(e.key),
         "copies": sorted(e.copies or ()), "nbytes": e.nbytes, "attention": e.attention,
+        "codec": getattr(e.location, "codec", None),  # the tag of a block stored compressed (disk), else None
     } for e in found]
 
 

@@ -98,6 +98,19 @@ class StoreCollector:
             yield CounterMetricFamily("kvstore_disk_checksum_failures", "Disk blocks whose checksum did not verify (dropped)",
                                       value=disk["checksum_failures"])
             yield GaugeMetricFamily("kvstore_disk_pending_writes", "Demotions not yet durable", value=disk["pending_writes"])
+        compressed = [(tier, tag, row) for tier, t in s["tiers"].items() for tag, row in t.get("compressed", {}).items()]
+        if compressed:  # lossy storage is on and holds blocks
+            logical = GaugeMetricFamily("kvstore_compressed_logical_bytes",
+                                        "Decoded size of the compressed blocks a tier holds", labels=["tier", "codec"])
+            stored = GaugeMetricFamily("kvstore_compressed_stored_bytes",
+                                       "Stored size of the compressed blocks a tier holds", labels=["tier", "codec"])
+            count = GaugeMetricFamily("kvstore_compressed_blocks", "Compressed blocks a tier holds",
+                                      labels=["tier", "codec"])
+            for tier, tag, row in compressed:
+                logical.add_metric([tier, tag], row["logical_bytes"])
+                stored.add_metric([tier, tag], row["stored_bytes"])
+                count.add_metric([tier, tag], row["blocks"])
+            yield from (logical, stored, count)
         host = s["tiers"].get("host", {})
         if "pending_records" in host:  # the arena is kept across restarts
             yield GaugeMetricFamily("kvstore_host_pending_records",

@@ -30,7 +30,10 @@ Moving bytes (one block at a time; the store batches nothing through here)
 - `write_from(alloc, src, meta) -> location`: take the block's bytes from the
   host-memory views `src` into the pages `alloc`. The bytes are taken by the
   time it returns (a persistent tier may make them durable later: until then
-  `read_into` still serves them and `failed_writes` reports a loss).
+  `read_into` still serves them and `failed_writes` reports a loss). A tier
+  that compresses (the disk tier) also takes `codec=` (kvstore/compression.py):
+  `alloc` then has `codec.stored_bytes`, the tier stores `codec.encode(bytes)`,
+  encoding off the event loop, and `read_into` gives the decoded block.
 - `read_into(location, out) -> bool`: copy the block into the host-memory views
   `out`; False when the bytes do not verify (checksum), and the store then
   drops the block. `read_blocks(location)` says whether that call waits on

@@ -20,6 +20,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import lmdb
 import msgpack
@@ -43,6 +44,8 @@ class DiskWrite:
     checksum: int | None = None
     done: bool = False
     error: str | None = None
+    encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (writer thread)
+    stored: int | None = None  # bytes written when encoded (the extents' total)
 
     def view(self) -> np.ndarray:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
@@ -143,7 +146,8 @@ class DiskWriter:
             self.counters.fsyncs += 1
             with self.env.begin(write=True, db=self._db_blocks) as txn:
                 for job in written:
-                    rec = dict(job.record, e=job.extents, n=job.nbytes, x=job.checksum)
+                    rec = dict(job.record, e=job.extents, n=job.nbytes if job.stored is None else job.stored,
+                               x=job.checksum)
                     txn.put(job.key, msgpack.packb(rec))
         self.counters.batches += 1
         for nbytes in warm:  # after the writes: they do not wait for it
@@ -186,8 +190,20 @@ class DiskWriter:
                 self._cv.wait()
 
     def _write_job(self, job: DiskWrite) -> None:
-        job.checksum = xxhash.xxh3_64_intdigest(job.view())
         mv = memoryview(job.buf)
+        data = job.view()
+        if job.encode is not None:  # the staging buffer holds the exact block: store it encoded
+            try:
+                blob = job.encode(data)
+            except Exception as exc:  # noqa: BLE001 - this block fails, not the batch
+                raise OSError(errno.EIO, f"encoding failed: {exc}") from None
+            if blob.size != sum(n for _, n in job.extents):
+                raise OSError(errno.EIO, f"encoded {blob.size} B for {sum(n for _, n in job.extents)} B of pages")
+            buf = self._encode_buffer(round_up(blob.size))
+            data = np.frombuffer(buf, dtype=np.uint8, count=blob.size)
+            data[:] = blob
+            mv, job.stored = memoryview(buf), blob.size
+        job.checksum = xxhash.xxh3_64_intdigest(data)
         pos = 0
         for offset, length in job.extents:
             span = round_up(length) if self.direct else length
@@ -195,7 +211,14 @@ class DiskWriter:
             self._written[offset // self.page_bytes : (offset + span - 1) // self.page_bytes + 1] = True
             pos += length
         self.counters.writes += 1
-        self.counters.bytes_written += job.nbytes
+        self.counters.bytes_written += job.nbytes if job.stored is None else job.stored
+
+    def _encode_buffer(self, size: int) -> mmap.mmap:
+        """The writer thread's page-aligned buffer for encoded blocks (O_DIRECT writes from it)."""
+        buf = getattr(self, "_enc_buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._enc_buf = mmap.mmap(-1, size)
+        return buf
 
     def _pwrite_all(self, mv: memoryview, offset: int) -> None:
         while len(mv):

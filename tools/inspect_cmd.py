@@ -195,7 +195,7 @@ def build_report(tokens: list[int], target: Target, described: list[list[dict | 
             "index": i, "start": i * bt, "end": (i + 1) * bt, "text": _block_text(tok, tokens[i * bt:(i + 1) * bt]),
             "tier": d["tier"] if d else MISSING, "pins": d["pins"] if d else 0, "hits": d["hits"] if d else 0,
             "policy_value": d["policy_value"] if d else None, "idle_s": d["idle_s"] if d else None,
-            "copies": d["copies"] if d else [],
+            "copies": d["copies"] if d else [], "codec": d.get("codec") if d else None,
             **({"attachment": ends[i]} if ends is not None else {}),
         })
     num_cached = sum(cached.values())

@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
         if "capacity_bytes" in t:
             line += f"  capacity {_mib(t['capacity_bytes'])}"
         print(line)
+        for codec, row in t.get("compressed", {}).items():
+            print(f"         compressed {codec}: {row['blocks']} blocks, {_mib(row['stored_bytes'])} stored for "
+                  f"{_mib(row['logical_bytes'])} of KV ({row['ratio']}x)")
     c = stats["counters"]
     print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
           f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")

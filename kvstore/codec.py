@@ -1,0 +1,393 @@
+"""A lossy codec for stored KV blocks: per (layer, KV head, K/V) bit widths, a full block back.
+
+vLLM's paged cache needs every position of a block, so no token is ever dropped:
+a group that matters less gets fewer bits instead. A *group* is the block's
+`block_tokens x head_size` slice of one layer's keys or values for one KV head.
+Each group has its own width (`Budget.bits[layer, head, 0 = K | 1 = V]`):
+
+- 2..8 bits: uniform asymmetric quantization, a float16 scale and minimum per
+  token (row) of the group, or per channel (column) for keys with
+  `key_mode="channel"` (KIVI's keys-per-channel); codes packed as bit planes
+  (plane j holds bit j of every code, little-endian bit order), so every width
+  packs the same way and a decoder reads it the same way.
+- 16: exact, the group's elements in the block's own dtype.
+- `rotate`: each token's vector is multiplied by the normalized Walsh-Hadamard
+  matrix before quantizing (and again after, it is its own inverse): channel
+  outliers are spread over all channels. The butterflies run in a fixed order
+  so that every decoder (this one, the Triton kernel) rounds the same way.
+
+A block's layout (`BlockLayout`) says where each (layer, head, K/V, token,
+channel) element sits in the payload: the codec reads and writes the payload in
+the engine's own layout, the one its namespace declares.
+
+An encoded block decodes alone: a 32-byte header (magic, version, flags, the
+layout, the body's length and xxh3_64) is followed by the bits table and the
+groups. Groups are stored sorted by (bits, quantization mode, group index), so
+the groups of one kind are contiguous; `group_offsets` gives every decoder the
+same offsets. A blob whose header, length, layout or checksum does not match
+raises `CorruptBlock` and nothing is written.
+
+Invariants: keys never get fewer bits than the values of the same head; the
+encoded size depends on the layout and the budget only (`encoded_bytes`), never
+on the data, so a tier can allocate before it encodes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+if TYPE_CHECKING:
+    from kvstore.keys import Namespace
+
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
+ORDERS = ("HNC", "NHC", "KVNHD", "KVHND")  # a layer's slice of a block, outermost dim first (C = K|V halves)
+WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: exact
+EXACT = 16
+MAGIC, VERSION = b"KVQ1", 1
+HEADER = struct.Struct("<4sBBHHHHBBHxxIQ")  # magic version flags L H N D dtype order splits (pad) body_len xxh3
+HEADER_BYTES = HEADER.size
+assert HEADER_BYTES == 32
+FLAG_ROTATE, FLAG_KEY_CHANNEL = 1, 2
+META_BYTES = 4  # a float16 scale and a float16 minimum per row (or column)
+
+
+class CorruptBlock(ValueError):
+    """An encoded block that is not what its reader expects: torn, foreign, or damaged."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each element of a block sits in its payload.
+
+    Per layer, layer after layer, the block's slice in memory order: `HNC`
+    (vLLM >= 0.32: heads, tokens, then K and V halves of the last dim), `NHC`,
+    or the older K/V planes `KVNHD` / `KVHND`. `splits` > 1: the attention
+    kernel cut the block into that many kernel blocks, each laid out alone
+    (`HNC` only).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    block_tokens: int
+    head_size: int
+    dtype: str = "bfloat16"
+    order: str = "HNC"
+    splits: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "block_tokens", "head_size", "splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value >= 1 << 16:
+                raise ValueError(f"layout {name} must be an int in [1, 65535], got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"the codec stores {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"layout order must be one of {ORDERS}, got {self.order!r}")
+        if self.splits > 1 and (self.order != "HNC" or self.block_tokens % self.splits):
+            raise ValueError("a split block needs the HNC order and block_tokens divisible by splits")
+        if self.head_size & (self.head_size - 1) or (self.block_tokens * self.head_size) % 8:
+            raise ValueError("head_size must be a power of two and block_tokens * head_size a multiple of 8")
+
+    @property
+    def elt_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def layer_elems(self) -> int:
+        return self.num_kv_heads * self.block_tokens * 2 * self.head_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_elems * self.elt_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_layers * self.num_kv_heads * 2
+
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Element strides inside a layer: (K/V, head, token outer, token inner, tokens per inner run)."""
+        H, N, D = self.num_kv_heads, self.block_tokens, self.head_size
+        if self.order == "HNC":
+            n_in = N // self.splits
+            return D, n_in * 2 * D, H * n_in * 2 * D, 2 * D, n_in
+        if self.order == "NHC":
+            return D, 2 * D, 0, H * 2 * D, N
+        if self.order == "KVNHD":
+            return N * H * D, D, 0, H * D, N
+        return H * N * D, N * D, 0, D, N  # KVHND
+
+    @classmethod
+    def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
+        """The layout of a namespace's blocks, or None when the codec cannot read them (an MLA or unknown
+        layout, a dtype it does not store, a block size that does not match the shape)."""
+        name = ns.layout.split("/")
+        kind = name[1] if len(name) > 1 else name[0]
+        if "mla" in name[2:] or ns.dtype not in DTYPES:
+            return None
+        order = {"default": "HNC", "LBHNC": "HNC", "BLHNC": "HNC", "LHBNC": "HNC", "BHLNC": "HNC",
+                 "LBNHC": "NHC", "BLNHC": "NHC", "NHD": "KVNHD", "HND": "KVHND"}.get(kind)
+        if order is None:
+            return None
+        try:
+            layout = cls(ns.num_layers, ns.num_kv_heads, ns.block_tokens, ns.head_size, ns.dtype, order)
+        except ValueError:
+            return None
+        return layout if layout.block_bytes == ns.block_bytes else None
+
+
+@dataclass(frozen=True, eq=False)
+class Budget:
+    """Bits per (layer, KV head, K/V), and how groups are quantized."""
+
+    bits: np.ndarray  # uint8 [layers, kv heads, 2]
+    rotate: bool = True
+    key_mode: str = "token"  # "token" | "channel"
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        bits = np.asarray(self.bits)
+        if bits.ndim != 3 or bits.shape[2] != 2:
+            raise ValueError(f"bits must be [layers, kv heads, 2], got shape {bits.shape}")
+        if not np.isin(bits, WIDTHS).all():
+            raise ValueError(f"bit widths must be in {WIDTHS}")
+        if (bits[..., 0] < bits[..., 1]).any():
+            raise ValueError("keys must get at least the bits of the values of the same head")
+        if self.key_mode not in ("token", "channel"):
+            raise ValueError(f"key_mode must be token or channel, got {self.key_mode!r}")
+        object.__setattr__(self, "bits", bits.astype(np.uint8))
+
+    @classmethod
+    def uniform(cls, layout: BlockLayout, key_bits: int, value_bits: int | None = None, **kw) -> "Budget":
+        bits = np.empty((layout.num_layers, layout.num_kv_heads, 2), np.uint8)
+        bits[..., 0], bits[..., 1] = key_bits, key_bits if value_bits is None else value_bits
+        return cls(bits, **kw)
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_ROTATE if self.rotate else 0) | (FLAG_KEY_CHANNEL if self.key_mode == "channel" else 0)
+
+    def mean_bits(self) -> float:
+        return float(self.bits.mean())
+
+    def check_fits(self, layout: BlockLayout) -> None:
+        if self.bits.shape != (layout.num_layers, layout.num_kv_heads, 2):
+            raise ValueError(f"budget for {self.bits.shape[:2]} (layers, heads), block has "
+                             f"({layout.num_layers}, {layout.num_kv_heads})")
+
+
+# -- sizes and offsets (every decoder uses these) -----------------------------------------
+def channel_groups(layout: BlockLayout, flags: int) -> np.ndarray:
+    """bool [groups]: quantized per channel (keys with FLAG_KEY_CHANNEL)."""
+    kv = np.tile(np.array([True, False]), layout.num_layers * layout.num_kv_heads)
+    return kv & bool(flags & FLAG_KEY_CHANNEL)
+
+
+def group_sizes(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray:
+    """Stored bytes of each group (index (layer * heads + head) * 2 + kv)."""
+    b = bits.reshape(-1).astype(np.int64)
+    N, D = layout.block_tokens, layout.head_size
+    rows = np.where(channel_groups(layout, flags), D, N)
+    return np.where(b == EXACT, N * D * layout.elt_bytes, rows * META_BYTES + b * (N * D // 8))
+
+
+def group_order(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray:
+    """Group indices in stored order: by (bits, channel mode, index)."""
+    g = np.arange(layout.num_groups)
+    return np.lexsort((g, channel_groups(layout, flags), bits.reshape(-1)))
+
+
+def group_offsets(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarray:
+    """Byte offset of each group's data from the start of the blob, int64 [groups]."""
+    sizes = group_sizes(layout, bits, flags)
+    order = group_order(layout, bits, flags)
+    offsets = np.empty_like(sizes)
+    ordered = sizes[order]
+    offsets[order] = np.cumsum(ordered) - ordered
+    return offsets + HEADER_BYTES + layout.num_groups
+
+
+def encoded_bytes(layout: BlockLayout, budget: Budget) -> int:
+    budget.check_fits(layout)
+    return HEADER_BYTES + layout.num_groups + int(group_sizes(layout, budget.bits, budget.flags).sum())
+
+
+# -- element conversions --------------------------------------------------------------------
+def to_float32(payload: np.ndarray, dtype: str) -> np.ndarray:
+    """A payload's elements as float32 (exact for every stored dtype)."""
+    if dtype == "bfloat16":
+        return (payload.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return payload.view(np.float16 if dtype == "float16" else np.float32).astype(np.float32)
+
+
+def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 elements in `dtype`, round to nearest even (bfloat16 by integer arithmetic, as the
+    Triton kernel does), as raw uint8 bytes."""
+    if dtype == "bfloat16":
+        u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+        out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+        return out.view(np.uint8)
+    return np.ascontiguousarray(x, np.float16 if dtype == "float16" else np.float32).view(np.uint8)
+
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """Normalized Walsh-Hadamard transform of the last axis (a power of two), in float32. Stage h
+    pairs element i with i + h inside runs of 2h: (a + b, a - b); then one scaling by 1/sqrt(D)."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    y = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1, d).T)  # channel-major: long inner runs
+    tmp = np.empty(y.size // 2, np.float32)
+    h = 1
+    while h < d:
+        pairs = y.reshape(d // (2 * h), 2, -1)  # [run, a | b, h channels x vectors]
+        a, b = pairs[:, 0], pairs[:, 1]
+        diff = tmp.reshape(a.shape)
+        np.subtract(a, b, out=diff)
+        a += b
+        b[...] = diff
+        h *= 2
+    y *= np.float32(1.0 / math.sqrt(d))
+    return np.ascontiguousarray(y.T).reshape(*lead, d)
+
+
+def _canonical_view(flat: np.ndarray, layout: BlockLayout) -> np.ndarray:
+    """A strided view of a block's elements as [layers, heads, K/V, token outer, token inner, channel]."""
+    s_kv, s_h, s_to, s_ti, n_in = layout.strides()
+    e = flat.itemsize
+    shape = (layout.num_layers, layout.num_kv_heads, 2, layout.block_tokens // n_in, n_in, layout.head_size)
+    strides = (layout.layer_elems * e, s_h * e, s_kv * e, s_to * e, s_ti * e, e)
+    return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=flat.flags.writeable)
+
+
+def to_canonical(payload: np.ndarray, layout: BlockLayout) -> np.ndarray:
+    """float32 [groups, tokens, channels] of a payload (uint8, block_bytes long)."""
+    x = to_float32(np.ascontiguousarray(payload).view(np.uint8), layout.dtype)
+    view = _canonical_view(x, layout)
+    return view.reshape(layout.num_groups, layout.block_tokens, layout.head_size)
+
+
+def from_canonical(x: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
+    """Write float32 [groups, tokens, channels] into `out` (uint8, block_bytes) in the block's layout."""
+    raw = from_float32(x, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
+    target = _canonical_view(out.view(raw.dtype), layout)
+    target[...] = raw.reshape(target.shape)
+
+
+# -- encode / decode -------------------------------------------------------------------------
+def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarray:
+    """The encoded block (uint8) of a payload (uint8, `layout.block_bytes`) under `budget`."""
+    budget.check_fits(layout)
+    payload = np.asarray(payload).reshape(-1).view(np.uint8)
+    if payload.size != layout.block_bytes:
+        raise ValueError(f"payload is {payload.size} B, the layout's block is {layout.block_bytes} B")
+    x = to_canonical(payload, layout)
+    flags, bits = budget.flags, budget.bits.reshape(-1)
+    out = np.empty(encoded_bytes(layout, budget), np.uint8)
+    out[HEADER_BYTES : HEADER_BYTES + layout.num_groups] = bits
+    offsets = group_offsets(layout, budget.bits, flags)
+    sizes = group_sizes(layout, budget.bits, flags)
+    channel = channel_groups(layout, flags)
+    for b in np.unique(bits):
+        for by_channel in (False, True):
+            idx = np.flatnonzero((bits == b) & (channel == by_channel))
+            if idx.size == 0:
+                continue
+            data = _encode_groups(x[idx], int(b), by_channel, budget.rotate, layout)
+            start = int(offsets[idx[0]])  # a kind's groups are contiguous, in index order
+            out[start : start + idx.size * int(sizes[idx[0]])] = data.reshape(-1)
+    body = out[HEADER_BYTES:]
+    HEADER.pack_into(out, 0, MAGIC, VERSION, flags, layout.num_layers, layout.num_kv_heads, layout.block_tokens,
+                     layout.head_size, DTYPE_CODES[layout.dtype], ORDERS.index(layout.order), layout.splits,
+                     body.size, xxhash.xxh3_64_intdigest(body))
+    return out
+
+
+def _encode_groups(x: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
+    """uint8 [n, group bytes]: meta (float16 scales then minimums) and bit planes of n groups."""
+    n = x.shape[0]
+    if b == EXACT:
+        return from_float32(x, layout.dtype).reshape(n, -1)
+    y = fwht(x) if rotate else x
+    axis = 1 if by_channel else 2
+    lo, hi = y.min(axis=axis, keepdims=True), y.max(axis=axis, keepdims=True)
+    levels = (1 << b) - 1
+    scale = ((hi - lo) / np.float32(levels)).astype(np.float16)
+    low = lo.astype(np.float16)
+    s32 = scale.astype(np.float32)
+    inv = np.divide(np.float32(1), s32, out=np.zeros_like(s32), where=s32 > 0)
+    q = np.clip(np.rint((y - low.astype(np.float32)) * inv), 0, levels).astype(np.uint8).reshape(n, -1)
+    planes = np.packbits(((q[:, None, :] >> np.arange(b, dtype=np.uint8)[None, :, None]) & 1).astype(bool),
+                         axis=-1, bitorder="little").reshape(n, -1)
+    meta = np.concatenate((scale.reshape(n, -1), low.reshape(n, -1)), axis=1).view(np.uint8)
+    return np.concatenate((meta, planes), axis=1)
+
+
+def read_header(blob: np.ndarray, layout: BlockLayout | None = None) -> tuple[BlockLayout, np.ndarray, int]:
+    """(layout, bits [L, H, 2], flags) of an encoded block, its checksum verified; CorruptBlock when the
+    blob is not a whole, intact block (of `layout`, when given)."""
+    blob = np.asarray(blob).reshape(-1).view(np.uint8)
+    if blob.size < HEADER_BYTES:
+        raise CorruptBlock(f"{blob.size} B is shorter than a header")
+    magic, version, flags, L, H, N, D, dt, order, splits, body_len, checksum = HEADER.unpack_from(blob, 0)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlock("not an encoded KV block (magic or version)")
+    if body_len != blob.size - HEADER_BYTES or xxhash.xxh3_64_intdigest(blob[HEADER_BYTES:]) != checksum:
+        raise CorruptBlock("encoded block's length or checksum does not match")
+    dtypes = {v: k for k, v in DTYPE_CODES.items()}
+    try:
+        got = BlockLayout(L, H, N, D, dtypes[dt], ORDERS[order], splits)
+        bits = blob[HEADER_BYTES : HEADER_BYTES + got.num_groups].reshape(L, H, 2).copy()
+        Budget(bits, bool(flags & FLAG_ROTATE), "channel" if flags & FLAG_KEY_CHANNEL else "token")
+    except (ValueError, KeyError, IndexError) as exc:
+        raise CorruptBlock(f"encoded block's header is inconsistent: {exc}") from None
+    if layout is not None and got != layout:
+        raise CorruptBlock(f"encoded block is laid out as {got}, expected {layout}")
+    if HEADER_BYTES + got.num_groups + int(group_sizes(got, bits, flags).sum()) != blob.size:
+        raise CorruptBlock("encoded block's size does not match its bits table")
+    return got, bits, flags
+
+
+def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """The payload (uint8, in the block's layout) of an encoded block, written into `out` when given.
+    Raises CorruptBlock (nothing written) when the blob does not verify."""
+    blob = np.asarray(blob).reshape(-1).view(np.uint8)
+    layout, bits3, flags = read_header(blob, layout)
+    if out is None:
+        out = np.empty(layout.block_bytes, np.uint8)
+    elif out.size != layout.block_bytes:
+        raise ValueError(f"output is {out.size} B, a block is {layout.block_bytes} B")
+    bits = bits3.reshape(-1)
+    offsets, sizes = group_offsets(layout, bits3, flags), group_sizes(layout, bits3, flags)
+    channel = channel_groups(layout, flags)
+    x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
+    for b in np.unique(bits):
+        for by_channel in (False, True):
+            idx = np.flatnonzero((bits == b) & (channel == by_channel))
+            if idx.size:
+                start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
+                data = blob[start : start + idx.size * size].reshape(idx.size, size)
+                x[idx] = _decode_groups(data, int(b), by_channel, bool(flags & FLAG_ROTATE), layout)
+    from_canonical(x, layout, out)
+    return out
+
+
+def _decode_groups(data: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
+    n, N, D = data.shape[0], layout.block_tokens, layout.head_size
+    if b == EXACT:
+        return to_float32(np.ascontiguousarray(data), layout.dtype).reshape(n, N, D)
+    rows = D if by_channel else N
+    meta = np.ascontiguousarray(data[:, : rows * META_BYTES]).view(np.float16).astype(np.float32)
+    scale, low = meta[:, :rows], meta[:, rows:]
+    planes = data[:, rows * META_BYTES :].reshape(n, b, -1)
+    bitsets = np.unpackbits(planes, axis=-1, bitorder="little")  # [n, b, N * D]
+    q = (bitsets << np.arange(b, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    q = q.reshape(n, N, D).astype(np.float32)
+    shape = (n, 1, D) if by_channel else (n, N, 1)
+    y = q * scale.reshape(shape) + low.reshape(shape)
+    return fwht(y) if rotate else y

@@ -1,0 +1,233 @@
+"""Compressed blocks in the store (kvstore/compression.py): demoted to disk encoded, promoted decoded,
+kept apart from exact blocks, refused when damaged, recovered after a restart. Real shared memory, real
+files with O_DIRECT, LMDB; `check()` after every scenario."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore.codec import BlockLayout, Budget, decode, encode, encoded_bytes, from_float32
+from kvstore.compression import Compression, decode_into
+from kvstore.config import CompressionConfig
+from kvstore.errors import NamespaceError
+from kvstore.keys import Namespace
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.host import HostArena
+from tests.helpers import chain_hashes
+
+PAGE = 4096
+LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HNC")
+EXACT_NS = Namespace("m", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cpu/LBHNC")
+LOSSY_NS = dataclasses.replace(EXACT_NS, codec="k4v2")
+BLOCK = LAYOUT.block_bytes  # 16 KiB: 4 pages exact, 1 page at k4v2
+
+
+def payload(h: bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+    return from_float32(rng.standard_normal(BLOCK // 2).astype(np.float32), "bfloat16").tobytes()
+
+
+class Harness:
+    def __init__(self, folder, compress=True, profile_dir="", decoder=decode_into, host_blocks=4):
+        self.folder, self.compress, self.profile_dir, self.decoder = str(folder), compress, profile_dir, decoder
+        self.host_blocks = host_blocks
+        self.open()
+
+    def open(self) -> None:
+        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
+        disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=self.decoder)
+        self.store = TieredStore([host, disk], compression=Compression(
+            CompressionConfig(disk=self.compress, profile_dir=self.profile_dir)))
+
+    def close(self) -> None:
+        self.store.close()
+        self.store.host.close()
+
+    def put(self, ns: Namespace, hashes) -> None:
+        store = self.store
+        ns_id = store.register_namespace(ns)
+        prev = None
+        for h in hashes:
+            (e,) = store.reserve(ns_id, [(h, prev)], "w")
+            prev = h
+            store.host.write(e.location, payload(h))
+            store.commit(ns_id, [h], "w")
+
+    def spill(self, ns: Namespace, hashes) -> None:
+        """Put `hashes`, then filler chains until all of them sit on disk."""
+        self.put(ns, hashes)
+        for salt in range(1000, 1100):
+            if all(t == "disk" for t in self.store.lookup(ns.id, hashes).tiers):
+                return
+            self.put(ns, chain_hashes(salt, 2))
+        raise AssertionError("never reached the disk")
+
+    def get(self, ns: Namespace, hashes) -> list[bytes | None]:
+        store = self.store
+        entries = asyncio.run(store.prepare_read(store.pin(ns.id, hashes, "r"), "r"))
+        out = [store.host.read(e.location) if e is not None else None for e in entries]
+        store.release(ns.id, [e.key[1] for e in entries if e is not None], "r")
+        return out
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path / "disk")
+    yield h
+    h.close()
+
+
+def lossy(h: bytes, ns: Namespace = LOSSY_NS) -> bytes:
+    budget = Budget.uniform(LAYOUT, 4, 2)
+    return decode(encode(np.frombuffer(payload(h), np.uint8), LAYOUT, budget), LAYOUT).tobytes()
+
+
+def test_an_opted_in_block_is_demoted_encoded_and_promoted_decoded(harness):
+    hashes = chain_hashes(1, 3)
+    harness.spill(LOSSY_NS, hashes)
+    disk = harness.store.disk
+    disk.flush()  # served from disk, not from a pending write's staging buffer
+    stored = encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2))
+    row = disk.stats()["compressed"]
+    (tag,) = row
+    assert tag.startswith("k4v2@") and row[tag]["stored_bytes"] == row[tag]["blocks"] * stored
+    assert row[tag]["logical_bytes"] == row[tag]["blocks"] * BLOCK and row[tag]["ratio"] == round(BLOCK / stored, 3)
+    e = harness.store.entries[(LOSSY_NS.id, hashes[0])]
+    assert e.nbytes == BLOCK and sum(n for _, n in e.location.extents) == stored  # one page, not four
+    got = harness.get(LOSSY_NS, hashes)
+    assert got == [lossy(h) for h in hashes]
+    assert got[0] != payload(hashes[0])  # lossy indeed
+    assert harness.store.check() == []
+
+
+def test_exact_namespaces_stay_exact_and_never_see_lossy_blocks(harness):
+    hashes = chain_hashes(2, 3)
+    harness.spill(LOSSY_NS, hashes)
+    assert harness.store.lookup(harness.store.register_namespace(EXACT_NS), hashes).hits == 0
+    harness.spill(EXACT_NS, hashes)
+    harness.store.disk.flush()  # (a block whose write is pending is served exact, from its staging buffer)
+    assert harness.get(EXACT_NS, hashes) == [payload(h) for h in hashes]
+    assert harness.get(LOSSY_NS, hashes) == [lossy(h) for h in hashes]
+    assert EXACT_NS.id != LOSSY_NS.id
+    assert harness.store.check() == []
+
+
+def test_compression_off_stores_opted_in_blocks_exact(tmp_path):
+    h = Harness(tmp_path / "disk", compress=False)
+    try:
+        hashes = chain_hashes(3, 2)
+        h.spill(LOSSY_NS, hashes)
+        assert h.store.disk.stats()["compressed"] == {}
+        assert h.get(LOSSY_NS, hashes) == [payload(x) for x in hashes]
+        assert h.store.check() == []
+    finally:
+        h.close()
+
+
+def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
+    hashes = chain_hashes(4, 3)
+    harness.spill(LOSSY_NS, hashes)
+    store = harness.store
+    store.disk.flush()
+    slot = store.entries[(LOSSY_NS.id, hashes[1])].location
+    offset = slot.extents[0][0]
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = harness.get(LOSSY_NS, hashes)
+    assert got[0] == lossy(hashes[0]) and got[1] is None and got[2] is None
+    assert store.counters["disk_checksum_failures"] == 1
+    assert store.lookup(LOSSY_NS.id, hashes).hits == 1
+    assert store.check() == []
+
+
+def test_a_decoder_that_refuses_makes_a_miss():
+    """The codec's own checksum: a blob that the tier's checksum passed but that does not decode."""
+    blob = encode(np.frombuffer(payload(b"x" * 16), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2))
+    out = np.zeros(BLOCK, np.uint8)
+    assert decode_into(blob, [out[:PAGE], out[PAGE:]]) and out.tobytes() == lossy(b"x" * 16)
+    bad = blob.copy()
+    bad[-1] ^= 1
+    out[:] = 7
+    assert not decode_into(bad, [out]) and (out == 7).all()
+    assert not decode_into(blob, [out[:100]])
+
+
+def test_compressed_blocks_survive_a_restart(harness):
+    hashes = chain_hashes(5, 3)
+    harness.spill(LOSSY_NS, hashes)
+    harness.close()
+    harness.open()
+    store = harness.store
+    assert store.lookup(LOSSY_NS.id, hashes).tiers == ("disk",) * 3
+    assert sum(r["blocks"] for r in store.disk.stats()["compressed"].values()) >= 3
+    assert harness.get(LOSSY_NS, hashes) == [lossy(h) for h in hashes]
+    assert store.check() == []
+
+
+def test_without_a_decoder_encoded_records_are_dropped_at_open(tmp_path):
+    h = Harness(tmp_path / "disk")
+    hashes = chain_hashes(6, 2)
+    h.spill(LOSSY_NS, hashes)
+    h.close()
+    h2 = Harness(tmp_path / "disk", decoder=None)
+    try:
+        assert h2.store.lookup(LOSSY_NS.id, hashes).hits == 0
+        assert h2.store.disk.counters.dropped_records >= 2
+        assert h2.store.check() == []
+    finally:
+        h2.close()
+
+
+def test_an_unknown_or_misfit_profile_is_refused_at_registration(harness, tmp_path):
+    with pytest.raises(NamespaceError, match="no built-in profile"):
+        harness.store.register_namespace(dataclasses.replace(EXACT_NS, codec="nosuch"))
+    with pytest.raises(NamespaceError, match="cannot read layout"):
+        harness.store.register_namespace(dataclasses.replace(EXACT_NS, codec="k4v2", layout="cuda/BLHNC/mla"))
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    (folder / "wide.json").write_text(json.dumps({"format": "kvstore-codec-profile/1", "name": "wide",
+                                                  "bits": [[[4, 4]] * 3] * 2}))
+    h = Harness(tmp_path / "disk2", profile_dir=str(folder))
+    try:
+        with pytest.raises(NamespaceError, match="is for"):
+            h.store.register_namespace(dataclasses.replace(EXACT_NS, codec="wide"))
+    finally:
+        h.close()
+    off = Harness(tmp_path / "disk3", compress=False)
+    try:
+        assert off.store.register_namespace(dataclasses.replace(EXACT_NS, codec="nosuch"))
+    finally:
+        off.close()
+
+
+def test_a_profile_file_with_sink_blocks_keeps_the_first_block_exact(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    bits = [[[8, 4], [4, 2]], [[3, 2], [4, 3]]]
+    (folder / "mixed.json").write_text(json.dumps({"format": "kvstore-codec-profile/1", "name": "mixed",
+                                                   "bits": bits, "sink_blocks": 1}))
+    h = Harness(tmp_path / "disk", profile_dir=str(folder))
+    ns = dataclasses.replace(EXACT_NS, codec="mixed")
+    try:
+        hashes = chain_hashes(7, 3)
+        h.spill(ns, hashes)
+        h.store.disk.flush()
+        got = h.get(ns, hashes)
+        budget = Budget(np.array(bits))
+        assert got[0] == payload(hashes[0])  # the sink block: exact
+        for x, g in zip(hashes[1:], got[1:]):
+            assert g == decode(encode(np.frombuffer(payload(x), np.uint8), LAYOUT, budget), LAYOUT).tobytes()
+        assert h.store.check() == []
+    finally:
+        h.close()
