@@ -86,8 +86,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError("vLLM passed no kv_cache_config")
             self.layout = engine_layout(vllm_config, kv_cache_config, self.config.boundary_interval)
             if self.layout is None:
-                namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id)
+                namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id,
+                                               self.config.compression)
             else:
+                if self.config.compression:
+                    log.warning("kvstore connector: compression is for dense attention KV; this hybrid model's "
+                                "blocks are stored exact")
                 per_rank = hybrid_namespaces(vllm_config, kv_cache_config, self.layout, self.config.model_id)
         except ValueError as exc:
             log.warning("kvstore connector disabled: %s", exc)

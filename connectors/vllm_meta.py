@@ -13,6 +13,7 @@ only plain values: block ids, hashes, step numbers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,9 @@ class ConnectorConfig:
     load: bool = True  # look up and load hits
     model_id: str = ""  # namespace model name; default: the engine's model path/name
     boundary_interval: int = 0  # hybrid models: tokens between kept attachments (0: four windows, >= 16 blocks)
+    # opt in to lossy storage: the codec profile (a built-in such as "k4v3", or one in the daemon's profile_dir)
+    # whose compressed blocks this engine accepts; its blocks live in a namespace of their own (Namespace.codec)
+    compression: str = ""
     attention_scores: bool = True  # send a key-norm attention estimate with each commit
     layer_loads: bool = True  # copy a step's loads layer by layer beside the forward (layer-outer layouts)
     copy_executor: str = "auto"  # CUDA: "auto" | "dma" (copy engines) | "kernel" (one Triton launch); host KV: copies
@@ -75,6 +79,8 @@ class ConnectorConfig:
             raise ValueError("wait_s must be in 0..600 seconds")
         if cfg.copy_executor not in ("auto", "dma", "kernel"):
             raise ValueError(f"copy_executor must be auto, dma or kernel, got {cfg.copy_executor!r}")
+        if cfg.compression and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cfg.compression):
+            raise ValueError(f"compression must name a codec profile, got {cfg.compression!r}")
         if cfg.boundary_interval < 0:
             raise ValueError("boundary_interval must be >= 0 tokens")
         if cfg.kernel_piece_bytes < 0:
@@ -157,9 +163,10 @@ def _replicated(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> 
             and getattr(parallel, "decode_context_parallel_size", 1) == 1)
 
 
-def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "") -> list[Namespace]:
+def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str = "",
+                      codec: str = "") -> list[Namespace]:
     """A dense engine's namespace per TP rank (index = rank): one for all ranks where they hold the same KV
-    (MLA at TP > 1, see `_replicated`)."""
+    (MLA at TP > 1, see `_replicated`). `codec`: the engine's opt-in to lossy storage (`Namespace.codec`)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"{len(groups)} KV cache groups: a hybrid model (connectors/hybrid.py)")
@@ -185,6 +192,7 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
             tp_rank=rank,
             tp_size=tp_size,
             revision=str(vllm_config.model_config.revision or ""),
+            codec=codec,
         )
         for rank in range(tp_size)
     ]

@@ -185,3 +185,17 @@ def test_hybrid_namespaces_anchor_the_attachment_to_the_spine_per_rank():
     assert [ns.id for r in other for ns in r] == [ns.id for r in per_rank for ns in r]
     windows = [(g, SlidingWindowSpec(**ATT, sliding_window=128), layers) for g, _, layers in groups[:5]] + groups[5:]
     assert hybrid_namespaces(engine, cfg, hybrid.layout_from_groups(windows))[0][0].id != per_rank[0][0].id
+
+
+def test_an_engine_that_opts_in_to_compression_has_namespaces_of_its_own():
+    from kvstore.connectors.vllm_meta import ConnectorConfig
+
+    spec = FullAttentionSpec(**ATT)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a", "b"], spec)])
+    engine = vllm_config(tp=2)
+    engine.model_config.use_mla = False
+    exact, lossy = engine_namespaces(engine, cfg), engine_namespaces(engine, cfg, codec="k4v3")
+    assert [ns.codec for ns in lossy] == ["k4v3", "k4v3"] and {ns.id for ns in exact}.isdisjoint(ns.id for ns in lossy)
+    assert ConnectorConfig.from_extra({"compression": "smollm2-135m-3b"}).compression == "smollm2-135m-3b"
+    with pytest.raises(ValueError, match="codec profile"):
+        ConnectorConfig.from_extra({"compression": "../etc/passwd"})
