@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.hybrid import ATTACHMENT, SPINE, HybridLayout, attachment_ids, spine_ids
 from kvstore.connectors.store_link import StoreLink
-from kvstore.connectors.vllm_meta import ConnectorConfig, HybridLoad, HybridSave, HybridStepMeta, WorkerReport
-from kvstore.connectors.vllm_scheduler import PIN_TTL_STEPS, _ReqState, request_extra_keys
+from kvstore.connectors.step_pins import StepPins
+from kvstore.connectors.vllm_meta import ConnectorConfig, HybridLoad, HybridSave, HybridStepMeta
+from kvstore.connectors.vllm_scheduler import _ReqState, request_extra_keys
 from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
@@ -77,12 +78,9 @@ class HybridSchedulerSide:
                               config.retry_s, "vllm-scheduler")
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[HybridLoad] = []
-        self._pending_pins: list[_Pins] = []
-        self._pins_by_step: dict[int, list[_Pins]] = {}
-        self._done_counts: Counter = Counter()
         self._step = 0
         self.stats = Counter()
-        self.workers_disabled = False
+        self.pins: StepPins[_Pins] = StepPins(self.num_ranks, self._release)  # planned loads' pins
         self.link.client()
 
     def _ns(self, slot: int) -> list[str]:
@@ -101,7 +99,7 @@ class HybridSchedulerSide:
     # -- lookups ------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         r = self._req(request)
-        if r is None or not self.config.load or self.workers_disabled:
+        if r is None or not self.config.load or self.pins.workers_disabled:
             return 0, False
         bt = self.block_tokens
         start, limit = num_computed_tokens // bt, (request.num_tokens - 1) // bt  # vLLM computes >= 1 token
@@ -198,7 +196,7 @@ class HybridSchedulerSide:
             job.broken = "vLLM gave a null block where the hit needs a page"
             self.stats["broken_loads"] += 1
         self._pending_loads.append(job)
-        self._pending_pins.append(pins)
+        self.pins.pending.append(pins)
         self.stats["load_blocks"] += end - start
         r.st.num_saved = max(r.st.num_saved, end)  # the store holds what it loads
 
@@ -208,9 +206,8 @@ class HybridSchedulerSide:
     # -- per step -----------------------------------------------------------------------------------
     def build_connector_meta(self, so: "SchedulerOutput") -> HybridStepMeta:
         meta = HybridStepMeta(step=self._step, loads=self._pending_loads)
-        if self._pending_pins:
-            self._pins_by_step[self._step] = self._pending_pins
-        self._pending_loads, self._pending_pins = [], []
+        self.pins.close_step(self._step)
+        self._pending_loads = []
         state = getattr(so, "kv_connector_block_state", None)
         offers = getattr(state, "boundary_state_offloads", None) or {}
         for req_id in getattr(so, "preempted_req_ids", None) or ():
@@ -236,7 +233,6 @@ class HybridSchedulerSide:
                     r.block_ids[g].extend(ids)
             before = cached.num_computed_tokens[i]
             self._collect(r, before, before + so.num_scheduled_tokens.get(req_id, 0), offers.get(req_id, ()), meta)
-        self._expire_pins()
         self._step += 1
         return meta
 
@@ -278,24 +274,7 @@ class HybridSchedulerSide:
         return [(j, states) for j, states in sorted(by_end.items()) if 0 < j <= full and wanted <= set(states)]
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        report = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(report, WorkerReport):
-            return
-        if report.disabled and not self.workers_disabled:
-            log.warning("kvstore: a worker's side of the connector is disabled (see its log): no more hits offered")
-            self.workers_disabled = True
-        for step, n in report.loads_done.items():
-            self._done_counts[step] += n
-            if self._done_counts[step] >= self.num_ranks:
-                del self._done_counts[step]
-                for pins in self._pins_by_step.pop(step, []):
-                    self._release(pins)
-
-    def _expire_pins(self) -> None:
-        for step in [s for s in self._pins_by_step if s < self._step - PIN_TTL_STEPS]:
-            self._done_counts.pop(step, None)
-            for pins in self._pins_by_step.pop(step):
-                self._release(pins)
+        self.pins.report(getattr(output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         r = self._reqs.pop(request.request_id, None)

@@ -8,7 +8,7 @@ request's block ids. Per step it emits a `StepMeta`:
   blocks after the local prefix-cache hit, capped so that at least one prompt
   token is computed; the hit is reported to vLLM and, once blocks are
   allocated, becomes a LoadJob. The pins are released when the worker reports
-  the load done (or after `PIN_TTL_STEPS` steps at the latest: the worker pins
+  the load done (or `PIN_TTL_STEPS` steps later at the latest, connectors/step_pins.py: the worker pins
   what it copies itself, so an early release costs a possible recompute,
   never wrong bytes).
 * saves: the full blocks of *verified* tokens completed by this step
@@ -58,7 +58,8 @@ import numpy as np
 
 from kvstore.connectors.engine_kv import reader_tier
 from kvstore.connectors.store_link import StoreLink
-from kvstore.connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta, WorkerReport
+from kvstore.connectors.step_pins import StepPins
+from kvstore.connectors.vllm_meta import ConnectorConfig, LoadJob, SaveBatch, StepMeta
 from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks, lora_key
 from kvstore.wire import RANK
 
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIN_TTL_STEPS = 16
 
 
 def request_extra_keys(request: "Request") -> ExtraKeys | None:
@@ -133,12 +133,9 @@ class SchedulerSide:
         self.link = StoreLink(config.socket_path, namespaces, config.timeout_s, config.retry_s, "vllm-scheduler")
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
-        self._pending_pins: list[_Pins] = []
-        self._pins_by_step: dict[int, list[_Pins]] = {}
-        self._done_counts: Counter = Counter()
         self._step = 0
         self.stats = Counter()
-        self.workers_disabled = False  # a worker reported that it cannot map its KV: no more hits offered
+        self.pins: StepPins[_Pins] = StepPins(self.num_ranks, self._release)  # planned loads' pins
         self._invalid_seen: set[int] = set()  # failed blocks read since the last metadata (StepMeta.invalid_seen)
         self.link.client()  # connect now: mapping the arena costs ~0.1 s per GiB, not a first request's TTFT
 
@@ -190,7 +187,7 @@ class SchedulerSide:
     # -- admission ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)  # a save-only (kv_producer) engine needs the state for its saves too
-        if st is None or not self.config.load or self.workers_disabled:
+        if st is None or not self.config.load or self.pins.workers_disabled:
             return 0, False
         bt = self.block_tokens
         start = num_computed_tokens // bt
@@ -249,7 +246,7 @@ class SchedulerSide:
         if job.is_async:
             st.async_blocks = set(job.block_ids)
         self._pending_loads.append(job)
-        self._pending_pins.append(loaded)
+        self.pins.pending.append(loaded)
         self.stats["load_blocks"] += num_load
         if st.num_saved >= start:  # the store holds what it loads: not offered back (a failed load is, below)
             st.num_saved = max(st.num_saved, start + num_load)
@@ -266,9 +263,8 @@ class SchedulerSide:
     def build_connector_meta(self, so: "SchedulerOutput") -> StepMeta:
         meta = StepMeta(step=self._step, loads=self._pending_loads, invalid_seen=self._invalid_seen)
         self._invalid_seen = set()
-        if self._pending_pins:
-            self._pins_by_step[self._step] = self._pending_pins
-        self._pending_loads, self._pending_pins = [], []
+        self.pins.close_step(self._step)
+        self._pending_loads = []
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
@@ -299,7 +295,6 @@ class SchedulerSide:
         if announce:  # before the forward pass that computes them: consumers may wait for these
             self.link.run("expect", lambda c: [c.expect(ns_id, announce) for ns_id in self.link.ns_ids])
             self.stats["announced_blocks"] += len(announce)
-        self._expire_pins()
         self._step += 1
         return meta
 
@@ -343,18 +338,7 @@ class SchedulerSide:
             if st is not None:  # its asynchronous load ended: failed if one of its blocks is invalid
                 st.async_failed |= bool(invalid and st.async_blocks.intersection(invalid))
                 st.async_blocks = set()
-        report = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(report, WorkerReport):
-            return stale
-        if report.disabled and not self.workers_disabled:
-            log.warning("kvstore: a worker's side of the connector is disabled (see its log): no more hits offered")
-            self.workers_disabled = True
-        for step, n in report.loads_done.items():
-            self._done_counts[step] += n
-            if self._done_counts[step] >= self.num_ranks:
-                del self._done_counts[step]
-                for pins in self._pins_by_step.pop(step, []):
-                    self._release(pins)
+        self.pins.report(getattr(output, "kv_connector_worker_meta", None))
         return stale
 
     def _offer_again(self, invalid_block_ids: set[int]) -> set[int]:
@@ -380,12 +364,6 @@ class SchedulerSide:
             else:
                 st.save_limit = i if st.save_limit is None else min(st.save_limit, i)
         return stale
-
-    def _expire_pins(self) -> None:
-        for step in [s for s in self._pins_by_step if s < self._step - PIN_TTL_STEPS]:
-            self._done_counts.pop(step, None)
-            for pins in self._pins_by_step.pop(step):
-                self._release(pins)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

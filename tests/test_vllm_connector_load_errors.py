@@ -111,7 +111,7 @@ def test_a_disabled_worker_finishes_its_asynchronous_loads_and_the_scheduler_sto
     other = request("o", tokens)
     assert sched.get_num_new_matched_tokens(other, 0)[0] == 3 * BT  # stored: a hit, before it hears
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=set()))
-    assert sched.workers_disabled and sched.get_num_new_matched_tokens(request("p", tokens), 0) == (0, False)
+    assert sched.pins.workers_disabled and sched.get_num_new_matched_tokens(request("p", tokens), 0) == (0, False)
     disabled.shutdown()
     writer.shutdown()
 

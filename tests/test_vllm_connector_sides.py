@@ -198,7 +198,7 @@ def test_hits_are_reported_by_the_tier_that_held_them(daemon_factory, tmp_path):
         out = connector.get_external_cache_hit_sources(r, num)
         assert connector.get_external_cache_hit_sources(r, num - BT) == {CacheHitSource.HOST: num - BT}, \
             "a count that is not the planned load falls back to the class default"
-        s._release(s._pending_pins.pop())
+        s._release(s.pins.pending.pop())
         return out
 
     assert hit_sources("b") == {CacheHitSource.DISK: 4 * BT}
