@@ -105,11 +105,11 @@ def test_a_hybrid_model_under_chaos(tmp_path):
     one engine with ngram speculative decoding and asynchronous loads, under preemption, aborts, injected
     load and save failures and a daemon restart. Its outputs match the baseline's and the daemon's state
     is clean; it loads spine blocks and attachments (connectors/hybrid.py) from the store."""
-    cfg = ChaosConfig(workload=WorkloadConfig(seed=3, num_requests=16, arrival_steps=16), kill_at=(0.4,),
+    cfg = ChaosConfig(workload=WorkloadConfig(seed=3, num_requests=32, arrival_steps=24), kill_at=(0.4,),
                       model="tiny-gemma3", engines=("ngram_async",), oracles=("outputs", "daemon_state"))
     report = run_chaos(cfg, str(tmp_path))
     verdicts = report["oracles"]
-    print(json.dumps(verdicts, indent=1, default=str))
+    print(json.dumps({"oracles": verdicts, "engines": report["engines"]}, indent=1, default=str))
     assert all(v["ok"] for v in verdicts.values()), [k for k, v in verdicts.items() if not v["ok"]]
     (engine,) = report["engines"].values()
     assert engine["preemptions"] > 0 and engine["aborted"] > 0 and engine["injected_load_failures"] > 0
