@@ -24,6 +24,7 @@ from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_bytes
 from kvstore.tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
 from kvstore.tiers.disk_alloc import PageAllocator
+from kvstore.tiers.disk_writer import DiskWriter
 from kvstore.tiers.host import HostArena
 
 BLOCK = 64 * 1024
@@ -440,7 +441,7 @@ def test_write_failure_drops_the_block(harness, monkeypatch):
     def broken(job):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(disk, "_write_job", broken)
+    monkeypatch.setattr(disk.writer, "_write_job", broken)
     chains = [chain_hashes(s, 4) for s in range(4)]
     for c in chains:
         harness.put(c)
@@ -528,9 +529,9 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
     def slow_chunk(self):  # a formatter that would need thousands of chunks
         chunks.append(1)
         threading.Event().wait(0.002)
-        self.formatted_bytes += self.page_bytes
+        self.formatted_bytes += self.data.page_bytes
 
-    monkeypatch.setattr(DiskTier, "_format_chunk", slow_chunk)
+    monkeypatch.setattr(DiskWriter, "_format_chunk", slow_chunk)
     host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 4 * BLOCK, PAGE)
     disk = DiskTier(str(tmp_path / "disk"), 4096 * PAGE, page_bytes=PAGE)
     store = TieredStore([host, disk])
@@ -543,8 +544,8 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
         assert store.check() == []
         assert disk.formatted_bytes < disk.capacity_bytes
         formatted = disk.formatted_bytes
-        with disk._cv:  # and formatting resumes afterwards
-            assert disk._cv.wait_for(lambda: disk.formatted_bytes > formatted + 10 * PAGE, timeout=30)
+        # and formatting resumes afterwards
+        assert disk.writer.wait_for(lambda: disk.formatted_bytes > formatted + 10 * PAGE, timeout=30)
     finally:
         store.close()
         host.close()

@@ -41,12 +41,13 @@ sync the index once per block); a deletion lost in a crash only brings back a
 block whose bytes are still intact in its slot (the slot was not reused, since
 its reuse would have committed the deletion first).
 
-Threads: everything but the writer thread (tiers/disk_writer.py) and `read_block` runs on the owner's
-thread (the daemon's event loop). The writer thread takes batches of queued
-operations (namespace puts, record deletes, block writes), collapses them per
-key (the last operation wins), commits deletes, writes data, fdatasyncs once,
-and commits the new records in one transaction (group commit). `read_block`
-is blocking and runs in the caller's executor threads.
+Threads: everything but the writer (`DiskWriter`, tiers/disk_writer.py: its
+own queue, condition and thread) and `read_block` runs on the owner's thread
+(the daemon's event loop). The writer takes batches of queued operations
+(namespace puts, record deletes, block writes), collapses them per key (the
+last operation wins), commits deletes, writes data, fdatasyncs once, and
+commits the new records in one transaction (group commit). `read_block` is
+blocking and runs in the caller's executor threads.
 
 Staging buffers are bounded (`staging_bytes`): when they are all in flight,
 `stage` waits for the writer (backpressure) instead of growing without limit.
@@ -63,7 +64,6 @@ import logging
 import mmap
 import os
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -74,7 +74,7 @@ import xxhash
 
 from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
-from kvstore.tiers.disk_writer import DiskWrite, DiskWriter
+from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
@@ -110,20 +110,17 @@ def record_key(key: tuple) -> bytes:
 
 @dataclass(slots=True)
 class DiskCounters:
-    writes: int = 0
-    bytes_written: int = 0
+    """The owner's counts (the writer keeps its own: `DiskWriter.counters`)."""
+
     reads: int = 0
     bytes_read: int = 0
-    fsyncs: int = 0
-    batches: int = 0
-    write_errors: int = 0
     recovered_records: int = 0
     dropped_records: int = 0
     backpressure_waits: int = 0
 
 
-class DiskTier(DiskWriter, Tier):
-    """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index.
+class DiskTier(Tier):
+    """Owner side of the disk tier: allocation, staging, reads, the index; it owns the writer.
 
     As a store tier (tiers/base.py) a block's location is a `DiskSlot`."""
 
@@ -166,24 +163,12 @@ class DiskTier(DiskWriter, Tier):
         self.recovered: list[tuple[bytes, dict]] = []  # records found at open, for the store to adopt
         used = self._load_records()
         self.alloc = PageAllocator(self.num_pages, self.page_bytes, used, label="disk")
-        self._written = np.zeros(self.num_pages, dtype=bool)  # writer thread only: pages holding block data
-        self._written[used] = True
-        self.formatted_bytes = min(self._meta.get("formatted_bytes", 0), self.capacity_bytes)
         self.staging = StagingPool(staging_bytes)
-        self.batch_bytes = batch_bytes
-        self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite)
-        self._inflight_puts = 0
-        self._num_writes_queued = 0  # queued ops other than "del"
-        self._flushing = 0
-        self.delete_delay_s = 0.2
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closing = False
-        self._finished: list[DiskWrite] = []  # done jobs whose staging buffer is still held
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         self._tls = threading.local()
-        self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
-        self._thread.start()
+        self.writer = DiskWriter(DataFile(self.fd, self.direct, self.page_bytes, self.num_pages),
+                                 RecordStore(self.env, self._db_blocks, self._db_ns, self._db_meta),
+                                 self._meta, used, self.staging, batch_bytes)
 
     # -- opening ----------------------------------------------------------------
     def _load_meta(self, page_bytes: int) -> int:
@@ -276,7 +261,7 @@ class DiskTier(DiskWriter, Tier):
         """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
         self.alloc.free(extents)
         if key is not None:
-            self._submit(("del", key))
+            self.writer.delete(key)
 
     # -- the store's tier interface (tiers/base.py) --------------------------------
     def free(self, location: DiskSlot, key: tuple | None = None) -> None:
@@ -334,7 +319,7 @@ class DiskTier(DiskWriter, Tier):
         return namespaces, blocks
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
-        self.put_namespace(ns_id.encode(), fields)
+        self.writer.put_namespace(ns_id.encode(), fields)
 
     def persisted_namespaces(self) -> set[str]:
         return {k.decode() for k, _ in self.load_namespaces()}
@@ -363,36 +348,20 @@ class DiskTier(DiskWriter, Tier):
         self.reap()
         while (buf := self.staging.take(nbytes)) is None:
             self.counters.backpressure_waits += 1
-            with self._cv:
-                while not self._finished and (self._ops or self._busy):
-                    self._cv.wait()
+            self.writer.wait_progress()
             self.reap()
         return DiskWrite(key, record, extents, nbytes, buf)
 
     def submit(self, job: DiskWrite) -> None:
-        self._submit(("put", job))
-
-    def put_namespace(self, key: bytes, fields: dict) -> None:
-        self._submit(("ns", key, msgpack.packb(fields)))
+        self.writer.put(job)
 
     def prewarm(self, nbytes: int) -> None:
-        """Have the writer thread prefault staging buffers for blocks of `nbytes`, up to the budget."""
-        self._submit(("warm", nbytes))
-
-    def _submit(self, op: tuple) -> None:
-        with self._cv:
-            if self._closing:
-                raise OSError(errno.ESHUTDOWN, "disk tier is closed")
-            self._ops.append(op)
-            if op[0] != "del":
-                self._num_writes_queued += 1
-            self._cv.notify_all()
+        """Have the writer prefault staging buffers for blocks of `nbytes`, up to the budget."""
+        self.writer.prewarm(nbytes)
 
     def reap(self) -> None:
         """Recycle the staging buffers of finished writes; failed ones wait in `take_failed`."""
-        with self._cv:
-            finished, self._finished = self._finished, []
-        for job in finished:
+        for job in self.writer.take_finished():
             self.staging.give(job.buf)
             if job.error is not None:
                 self._failed.append(job)
@@ -405,20 +374,19 @@ class DiskTier(DiskWriter, Tier):
 
     @property
     def pending_writes(self) -> int:
-        with self._cv:
-            return sum(1 for op in self._ops if op[0] == "put") + self._inflight_puts
+        return self.writer.pending_writes
+
+    @property
+    def formatted_bytes(self) -> int:
+        return self.writer.formatted_bytes
+
+    def wait_formatted(self) -> None:
+        """Block until the whole data file has been written once (see Formatting)."""
+        self.writer.wait_formatted()
 
     def flush(self) -> None:
         """Block until every queued operation is on disk and in the index."""
-        with self._cv:
-            self._flushing += 1
-            self._cv.notify_all()
-            try:
-                while self._ops or self._busy:
-                    self._cv.wait()
-            finally:
-                self._flushing -= 1
-                self._cv.notify_all()  # the writer may resume formatting
+        self.writer.flush()
 
     # -- reads (any thread) -----------------------------------------------------
     def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:
@@ -494,7 +462,7 @@ class DiskTier(DiskWriter, Tier):
         return problems
 
     def stats(self) -> dict:
-        c = self.counters
+        c, w = self.counters, self.writer.counters
         return {
             "path": self.path,
             "capacity_bytes": self.capacity_bytes,
@@ -505,12 +473,12 @@ class DiskTier(DiskWriter, Tier):
             "pending_writes": self.pending_writes,
             "formatted_bytes": self.formatted_bytes,
             "staging_bytes": self.staging.used_bytes,
-            "bytes_written": c.bytes_written,
+            "bytes_written": w.bytes_written,
             "bytes_read": c.bytes_read,
-            "writes": c.writes,
+            "writes": w.writes,
             "reads": c.reads,
-            "fsyncs": c.fsyncs,
-            "write_errors": c.write_errors,
+            "fsyncs": w.fsyncs,
+            "write_errors": w.write_errors,
             "backpressure_waits": c.backpressure_waits,
             "recovered_records": c.recovered_records,
             "dropped_records": c.dropped_records,
@@ -518,10 +486,7 @@ class DiskTier(DiskWriter, Tier):
 
     def close(self) -> None:
         """Finish every queued write, stop the writer, close the index and the file."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
+        self.writer.close()
         self.reap()
         self.env.close()
         os.close(self.fd)
