@@ -85,33 +85,26 @@ class Placement:
                 tier.persist_namespace(ns.id, ns.to_dict())
             tier.prewarm(ns.block_bytes)
 
-    # -- blocks entering and being read -------------------------------------------------
-    def placed(self, e: Entry, stamp: float) -> None:
-        """`e` committed where it sits: a persistent tier records it (the host arena's index)."""
-        self.placed_many([e], stamp)
-
-    def placed_many(self, entries: Sequence[Entry], stamp: float) -> None:
-        """`placed` for the blocks of one commit (one call per persistent tier they sit in)."""
+    # -- blocks entering and being read: what the tiers' indexes and the policies hear --------
+    def record_in_tier(self, entries: Sequence[Entry], stamp: float) -> None:
+        """The blocks of one commit sit committed where they are: a persistent tier's own index
+        records them (the host arena's placement index; one call per persistent tier)."""
         for name, group in _by_tier(entries).items():
             tier = self.tiers[name]
             if tier.persistent:
                 tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
                                                          e.attention, stamp)) for e in group])
 
-    def admit(self, entries: Sequence[Entry]) -> None:
-        """Committed or adopted blocks enter their tier's policy, in order (one call per tier)."""
+    def insert_in_policy(self, entries: Sequence[Entry]) -> None:
+        """Committed or adopted blocks enter their tier's policy, in order (one `on_insert_many` per tier)."""
         namespaces = self.shared.namespaces
         for tier, group in _by_tier(entries).items():
             self.policies[tier].on_insert_many([
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
                 for e in group])
 
-    def adopted(self, e: Entry) -> None:
-        """A block adopted where it sits (restart recovery, a remote lookup) enters its tier's policy."""
-        self.policies[e.tier].on_insert(self.info(e))
-
-    def accessed(self, entries: Sequence[Entry]) -> None:
-        """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
+    def hit_in_policy(self, entries: Sequence[Entry]) -> None:
+        """Acquire hit these blocks: each tier's hit count and policy hear it, one call per tier."""
         for tier, group in _by_tier(entries).items():
             self.tier_stats[tier].hits += len(group)
             self.policies[tier].on_access([e.key for e in group])
@@ -196,7 +189,7 @@ class Placement:
         below = self._below[entry.tier]
         if below is not None and self.move_down(entry, below):
             return
-        if not any(entry.children):
+        if not any(entry.child_counts):
             self.drop(entry)
         elif self.drop_subtree(entry) is None:  # its children sit in slower tiers and go with it
             raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
@@ -255,7 +248,7 @@ class Placement:
     # -- dropping --------------------------------------------------------------------------
     def drop(self, e: Entry) -> None:
         """Give back the pages of a block without children (its copies' too) and remove it."""
-        if any(e.children):
+        if any(e.child_counts):
             raise KVStoreError("internal: dropping a block that still has children")
         if e.copies:
             for tier in list(e.copies):

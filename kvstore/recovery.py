@@ -84,8 +84,7 @@ def _recover_tier(index: BlockIndex, placement: Placement, register: Callable[[N
     for b, _ in records.values():  # unreachable from a root: orphans
         tier.free(b.location, b.key)
         counters[f"{tier.name}_orphans_dropped"] += 1
-    for _, e in sorted(adopted, key=lambda t: t[0]):
-        placement.adopted(e)
+    placement.insert_in_policy([e for _, e in sorted(adopted, key=lambda t: t[0])])
     for _, e, location in sorted(copies, key=lambda t: t[0]):  # the copies index is oldest first
         index.add_copy(e, tier.name, location)
     counters[f"{tier.name}_blocks_recovered"] = len(adopted)

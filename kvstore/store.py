@@ -56,7 +56,7 @@ from kvstore.waits import InflightWaits
 from kvstore.wire import LookupResult, WaitResult
 from kvstore.tiers.base import Tier
 
-__all__ = ["RANK", "TIERS", "Entry", "LookupResult", "TieredStore"]  # (RANK, TIERS, Entry: older import paths)
+__all__ = ["TieredStore"]
 
 
 class TieredStore:
@@ -85,39 +85,24 @@ class TieredStore:
         self.absent = dict(absent or {})
         self.policy_name = policy
         self.shared = Shared(clock, wall_clock)
-        self.namespaces, self.counters, self.ns_counters = self.shared.namespaces, self.shared.counters, \
-            self.shared.ns_counters
-        self.listeners = self.shared.listeners
-        self.index = BlockIndex([t.name for t in chain if t.persistent], self.listeners)
+        listeners = self.shared.listeners
+        self.index = BlockIndex([t.name for t in chain if t.persistent], listeners)
         self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=clock) for t in chain},
                                    self.shared)
-        self.policies = self.placement.policies
-        self.waits = InflightWaits(self.index, self.counters)
-        self.listeners.add(self.waits)
+        self.waits = InflightWaits(self.index, self.shared.counters)
+        listeners.add(self.waits)
         self.sharing: RemoteSharing | None = None
         if "remote" in self.tiers:
             self.sharing = RemoteSharing(self.tiers["remote"], self.index, self.placement, self.shared,  # type: ignore[arg-type]
                                          sharing or SharingOptions())
-            self.listeners.add(self.sharing)
+            listeners.add(self.sharing)
         self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing)
         self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop
         if "gpu" in self.tiers:
             self.demoter = GpuDemoter(self.placement, self.index, self.shared)
-            self.listeners.add(self.demoter)
+            listeners.add(self.demoter)
         self._persisted_ns: set[str] = set()
         recover(self.index, self.placement, self.register_namespace)
-
-    @property
-    def entries(self) -> dict[Key, Entry]:
-        return self.index.entries
-
-    @property
-    def tier_stats(self) -> dict:
-        return self.shared.tier_stats
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.shared.clock
 
     @property
     def disk(self) -> Tier | None:
@@ -129,7 +114,7 @@ class TieredStore:
 
     def add_listener(self, listener: object) -> None:
         """Subscribe an observer of blocks (kvstore/block_events.py), e.g. the KV-event publisher."""
-        self.listeners.add(listener)
+        self.shared.listeners.add(listener)
 
     # -- namespaces -----------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> str:
@@ -138,11 +123,11 @@ class TieredStore:
                 f"block_bytes {ns.block_bytes} exceeds the host tier capacity {self.host.capacity_bytes}"
             )
         if ns.anchor:
-            anchor = self.namespaces.get(ns.anchor)
+            anchor = self.shared.namespaces.get(ns.anchor)
             if anchor is None or anchor.anchor or (anchor.model, anchor.tenant) != (ns.model, ns.tenant):
                 raise NamespaceError(f"anchor {ns.anchor!r} must be a registered namespace of the same model and "
                                      f"tenant, without an anchor of its own; register it first")
-        self.namespaces[ns.id] = ns
+        self.shared.namespaces[ns.id] = ns
         if ns.id not in self._persisted_ns:
             self.placement.prepare_namespace(ns)
             self._persisted_ns.add(ns.id)
@@ -150,7 +135,7 @@ class TieredStore:
 
     def namespace(self, ns_id: str) -> Namespace:
         try:
-            return self.namespaces[ns_id]
+            return self.shared.namespaces[ns_id]
         except (KeyError, TypeError):
             raise NamespaceError(f"unknown namespace {ns_id!r}; register it first") from None
 
@@ -178,7 +163,7 @@ class TieredStore:
             if e is None or not e.committed:
                 break
             tiers.append(e.tier)
-        for counts in (self.counters, self.ns_counters[ns_id]):
+        for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
             counts["lookup_blocks"] += len(hashes)
             counts["lookup_hit_blocks"] += len(tiers)
         return LookupResult(len(tiers), tuple(tiers))
@@ -210,7 +195,7 @@ class TieredStore:
             e = get((ns_id, h))
             if e is None or not e.committed or missed:
                 if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
-                    self.counters[PRESENT_MISS + "after_a_miss"] += 1
+                    self.shared.counters[PRESENT_MISS + "after_a_miss"] += 1
                 out.append(None)
                 missed = prefix
                 continue
@@ -219,9 +204,9 @@ class TieredStore:
         if hits:
             self.index.pin(hits, owner, self.shared.clock())  # (and `touch`)
             self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
-            self.placement.accessed(hits)
-            self.listeners.hit(hits)
-        for counts in (self.counters, self.ns_counters[ns_id]):
+            self.placement.hit_in_policy(hits)
+            self.shared.listeners.hit(hits)
+        for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
             counts["hit_blocks"] += len(hits)
             counts["miss_blocks"] += len(hashes) - len(hits)
         return out
@@ -292,8 +277,8 @@ class TieredStore:
         (allocations made for the batch) while it lasts."""
         placement, entries = self.placement, self.index.entries
         out: list[Entry | None] = []
-        ns = self.namespaces[ns_id]
-        nbytes, counters, reserve = ns.block_bytes, self.counters, self.index.reserve
+        ns = self.shared.namespaces[ns_id]
+        nbytes, counters, reserve = ns.block_bytes, self.shared.counters, self.index.reserve
         parent_ns = ns.anchor or ns_id  # an anchored namespace's blocks hang under the anchor's
         rank = RANK[tier]
         for h, parent_hash in blocks:
@@ -354,7 +339,7 @@ class TieredStore:
     def _parent_too_slow(self, parent: Entry | None, tier: str) -> bool:
         """A child put into `tier` would sit faster than its parent: skipped, and counted."""
         if parent is not None and RANK[parent.tier] > RANK[tier]:
-            self.counters[f"put_parent_on_{parent.tier}_blocks"] += 1
+            self.shared.counters[f"put_parent_on_{parent.tier}_blocks"] += 1
             return True
         return False
 
@@ -381,12 +366,12 @@ class TieredStore:
         now, stamp = self.shared.clock(), self.shared.wall_clock()
         index.commit_many(entries, now, attention, tokens)
         try:
-            self.placement.placed_many(entries, stamp)
+            self.placement.record_in_tier(entries, stamp)
         finally:  # every block marked committed reaches its policy, even if a tier's record failed
-            self.placement.admit(entries)
-            self.listeners.committed(entries)
-        self.counters["put_blocks"] += len(hashes)
-        self.ns_counters[ns_id]["put_blocks"] += len(hashes)
+            self.placement.insert_in_policy(entries)
+            self.shared.listeners.committed(entries)
+        self.shared.counters["put_blocks"] += len(hashes)
+        self.shared.ns_counters[ns_id]["put_blocks"] += len(hashes)
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
@@ -405,7 +390,7 @@ class TieredStore:
         for e in reserved:
             self.placement.drop(e)
         if had_pins or reserved:
-            self.counters["leases_expired"] += 1
+            self.shared.counters["leases_expired"] += 1
 
     # -- blocks in flight (kvstore/waits.py) ----------------------------------------
     def expect(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
@@ -446,9 +431,9 @@ class TieredStore:
         for e in self.index.entries.values():
             if e.parent is None:
                 roots[e.key[0]].append(e.key[1])
-        with self.listeners.muted():
+        with self.shared.listeners.muted():
             removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
-        self.listeners.cleared(list(self.namespaces))
+        self.shared.listeners.cleared(list(self.shared.namespaces))
         self.report_all()
         return removed
 
@@ -502,12 +487,12 @@ class TieredStore:
         return {
             "policy": self.policy_name,
             "chain": [t.name for t in self.chain],
-            "namespaces": len(self.namespaces),
+            "namespaces": len(self.shared.namespaces),
             "blocks": len(committed),
             "reserved_blocks": len(entries) - len(committed),
             "pinned_blocks": sum(1 for e in entries.values() if e.pins),
             "tiers": tier_rows(self.placement, committed, self.absent),
-            "counters": dict(self.counters),
+            "counters": dict(self.shared.counters),
             **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
             "by_namespace": namespace_rows(self.placement, committed),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word

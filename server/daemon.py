@@ -128,7 +128,7 @@ class Daemon:
         self._admin_runner = None
         self.tcp_port: int | None = None
         self.admin_port: int | None = None
-        self.events = EventPublisher(config.events, self.store.namespaces) if config.events.enabled else None
+        self.events = EventPublisher(config.events, self.store.shared.namespaces) if config.events.enabled else None
         self._flusher: asyncio.Task | None = None
 
     def full_stats(self) -> dict:
@@ -189,7 +189,7 @@ class Daemon:
         assert self.events is not None
         self.handlers.info["events"] = self.events.start()
         self.store.add_listener(self.events)
-        self.events.cleared(list(self.store.namespaces))
+        self.events.cleared(list(self.store.shared.namespaces))
         self.store.report_all()
         self.events.flush(force=True)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_events())

@@ -321,7 +321,7 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
         assert store.lookup(ns, hs).hits == 5 and store.host.stats()["adopted_unchecked"] == 5
         for h in hs[:5]:
-            assert store.host.read(store.entries[(ns, h)].location) == h * 512
+            assert store.host.read(store.index.entries[(ns, h)].location) == h * 512
         poll(lambda: store.host.index.num_unchecked == 0, 30, "background checksums")
         assert store.check() == []  # every record has its checksum, and the bytes match it
         store.close()
