@@ -71,7 +71,7 @@ def open_store(config: Config) -> TieredStore:
         if config.disk.enabled:
             from kvstore.tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
-            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes))
+            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes, config.disk.page_bytes))
         else:
             absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
         remote, why = remote_tier(config, host)
