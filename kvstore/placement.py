@@ -24,7 +24,10 @@ result. The rules it keeps, for every pair of tiers:
   tiers.
 - A block whose bytes a tier lost (a write that failed after the tier took
   them) or that fails to verify is *discarded* with its subtree whatever its
-  pins; the pins become ghost pins.
+  pins; the pins become ghost pins. A block a tier kept across a restart is
+  verified before its bytes are first read (`verified`: before the store pins
+  it for a reader, before it is demoted), unless the tier verified it in the
+  background already.
 """
 
 from __future__ import annotations
@@ -102,6 +105,26 @@ class Placement:
             self.policies[tier].on_insert_many([
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
                 for e in group])
+
+    @property
+    def verifying(self) -> bool:
+        """Some tier holds blocks kept across a restart that are not verified yet."""
+        return any(t.verifying for t in self.chain)
+
+    def verified(self, e: Entry) -> bool:
+        """Whether `e`'s bytes may be read (its tier verifies a block it kept across a restart before
+        the first read); a block that fails is discarded with its subtree and counted."""
+        tier = self.tiers[e.tier]
+        if not tier.verifying or tier.verify(e.location, e.key):
+            return True
+        self._drop_altered(e)
+        return False
+
+    def _drop_altered(self, e: Entry) -> None:
+        self.counters[f"{e.tier}_checksum_failures"] += 1
+        log.warning("%s tier: kept block %s: checksum mismatch (altered bytes); removed with its subtree", e.tier,
+                    e.key[1].hex()[:16])
+        self.discard(e)
 
     def hit_in_policy(self, entries: Sequence[Entry]) -> None:
         """Acquire hit these blocks: each tier's hit count and policy hear it, one call per tier."""
@@ -184,6 +207,8 @@ class Placement:
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
         one has no room, drop it, and with it its subtree in the slower tiers."""
+        if not self.verified(entry):
+            return  # altered bytes: discarded, not moved
         if entry.tier == "host":
             self.shared.listeners.evicting(entry)  # its bytes leave the arena now
         below = self._below[entry.tier]
@@ -221,6 +246,8 @@ class Placement:
         """Copy `e`'s bytes into `alloc` of `dst`, through host memory on one side (no staging pass).
         Returns (the block's location in dst, whether the source verified). Synchronous."""
         src = self.tiers[e.tier]
+        if src.verifying and not src.verify(e.location, e.key):
+            return alloc, False
         if dst.host_memory:
             return alloc, src.read_into(e.location, dst.segments(alloc))
         if not src.host_memory:
@@ -281,8 +308,13 @@ class Placement:
             self.counters[f"{e.tier}_blocks_discarded"] += 1
 
     def reap(self) -> None:
-        """Discard the blocks whose write to a tier failed after it took their bytes."""
+        """Discard the blocks whose write to a tier failed after it took their bytes, and the kept blocks
+        a tier found altered in the background."""
         for tier in self.chain:
+            for key in tier.failed_checks():
+                e = self.index.get(key)
+                if e is not None and e.tier == tier.name and tier.lost(e.location):
+                    self._drop_altered(e)
             for key in tier.failed_writes():
                 e = self.index.get(key)
                 if e is not None and e.tier == tier.name and tier.lost(e.location):

@@ -17,9 +17,11 @@ store, is not ours to free.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import defaultdict
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from kvstore.entry import RANK, Entry, Key
 from kvstore.errors import NamespaceError
@@ -34,9 +36,24 @@ log = logging.getLogger(__name__)
 def recover(index: BlockIndex, placement: Placement, register: Callable[[Namespace], str]) -> None:
     """Adopt what the persistent tiers of `placement`'s chain kept, fastest first; `register` is the
     store's namespace registration."""
-    for tier in placement.chain:
-        if tier.persistent:
-            _recover_tier(index, placement, register, tier)
+    with _no_cyclic_gc():
+        for tier in placement.chain:
+            if tier.persistent:
+                _recover_tier(index, placement, register, tier)
+
+
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Recovery makes several objects per block and frees none: the cyclic collector, left on, would
+    walk every object made so far again and again (a full collection every few thousand blocks, so
+    recovery time grows with the square of the blocks)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _recover_tier(index: BlockIndex, placement: Placement, register: Callable[[Namespace], str], tier: Tier) -> None:

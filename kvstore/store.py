@@ -188,9 +188,14 @@ class TieredStore:
         miss), wherever they sit: `prepare_read` brings them where a reader reads them."""
         self.namespace(ns_id)
         self.placement.reap()
+        get, missed = self.index.entries.get, False
+        if self.placement.verifying:  # blocks kept across a restart are verified before they are first read
+            for h in hashes:
+                e = get((ns_id, h))
+                if e is not None and e.committed:
+                    self.placement.verified(e)  # (one that fails is discarded: a miss below)
         out: list[Entry | None] = []
         hits: list[Entry] = []
-        get, missed = self.index.entries.get, False
         for h in hashes:
             e = get((ns_id, h))
             if e is None or not e.committed or missed:

@@ -35,6 +35,11 @@ Moving bytes (one block at a time; the store batches nothing through here)
   `out`; False when the bytes do not verify (checksum), and the store then
   drops the block. `read_blocks(location)` says whether that call waits on
   I/O: the store then runs it in an executor thread, off the event loop.
+- `verify(location, key) -> bool`: before the bytes of a block a tier kept
+  across a restart are first read by anyone (a client's acquire, a copy to
+  another tier): False when they do not match their recorded checksum (the
+  store discards the block). `verifying` is true while the tier holds such
+  blocks not verified yet (the host arena serves first and verifies as it goes).
 
 All other methods run on the store's thread.
 """
@@ -166,9 +171,22 @@ class Tier:
     def read_blocks(self, location) -> bool:
         return False
 
+    @property
+    def verifying(self) -> bool:
+        """Some blocks kept across a restart have not been verified yet (`verify`)."""
+        return False
+
+    def verify(self, location, key: Key) -> bool:
+        """Whether a kept block's bytes match their recorded checksum (True for any other block)."""
+        return True
+
     def failed_writes(self) -> list[Key]:
         """Blocks whose write failed after `write_from` since the last call; `lost(location)` then says
         whether the block's current location is the one whose bytes are gone."""
+        return []
+
+    def failed_checks(self) -> list[Key]:
+        """Kept blocks found altered in the background since the last call (`lost` as above)."""
         return []
 
     def lost(self, location) -> bool:

@@ -44,11 +44,18 @@ Rules that make an adopted block safe to serve:
   record is `CHECK_LAG_S` old): hashing reads every byte, and on a
   memory-bound host it would slow the puts and gets it ran beside. A clean
   stop checks every block first (`flush`).
-- At adoption every record is checked (extents inside the arena, no overlap,
-  length) and a record with a checksum is verified against the bytes: an
-  altered block is dropped, never served. A record without one (a kill -9
-  before the store was quiet) is adopted on the two rules above, and checked
-  in the background like a new one.
+- Serve first, verify as you go: at adoption every record is checked (extents
+  inside the arena, no overlap, length) but no byte is read, so a restart
+  serves at once whatever the arena's size. A record with a checksum is
+  *unverified* until its bytes are hashed and compared: by the owner's thread
+  before the block's bytes are first read (`verify`: a client's acquire, a
+  demotion, a copy to another tier), or by the hasher in the background (at
+  nice 19, while the store is quiet or once the adoption is `CHECK_LAG_S`
+  old). A block that fails is answered False by `verify`, or reported by
+  `take_corrupt`; the store discards it either way, so it is a miss, never
+  served. A record without a checksum (a kill -9 before the store was quiet)
+  is adopted on the two rules above, and checked in the background like a new
+  one.
 """
 
 from __future__ import annotations
@@ -61,7 +68,6 @@ import stat
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -98,6 +104,15 @@ def checksum(arena: np.ndarray, extents: Iterable) -> int:
     for offset, length in extents:
         h.update(arena[offset : offset + length])
     return h.intdigest()
+
+
+@dataclass(slots=True, eq=False)
+class _Unverified:
+    """An adopted block whose bytes have not been compared with its recorded checksum yet."""
+
+    extents: list
+    nbytes: int
+    checksum: int
 
 
 @dataclass(slots=True, eq=False)
@@ -151,6 +166,13 @@ class HostIndex:
         self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
+        # Adopted blocks not verified yet (filled by `load` only). The owner's `verify` and `forget` and the
+        # hasher take items out with `pop`, atomic under the GIL: whoever pops an item decides it.
+        self._unverified: dict[tuple, _Unverified] = {}
+        self._corrupt: deque = deque()  # (key, extents) the hasher found altered, for `take_corrupt`
+        self._adopted_at = 0.0  # monotonic time of `load`
+        self.verified_blocks = 0
+        self.corrupt_blocks = 0
         self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
         # For the index thread: batches of [(item, checksum)] from the hasher; `_index_wake` set after.
         self._sums: deque = deque()
@@ -182,48 +204,43 @@ class HostIndex:
             raise ValueError(f"the arena does not match the configuration or its index ({diff})")
 
     # -- loading (at open, before the thread has anything to do) -------------------
-    def load(self, capacity_bytes: int, page_bytes: int) -> tuple[list, list, list[int]]:
-        """(namespaces, [(key, record)], used pages) of the records that verify; the others are deleted.
+    def load(self, capacity_bytes: int, page_bytes: int) -> tuple[list, list, np.ndarray]:
+        """(namespaces, [(key, record)], used pages) of the records kept; the others are deleted.
 
         A record is kept when its key and fields are well formed, its extents lie inside the arena
-        on page boundaries without overlapping another record's, its length matches, and the
-        xxh3_64 of the bytes it points at equals its checksum where it has one.
+        on page boundaries without overlapping another record's and its length matches. No byte is
+        read: a record with a checksum is kept *unverified* (`verify`, and the hasher).
         """
         num_pages = capacity_bytes // page_bytes
         taken = np.zeros(num_pages, dtype=bool)
-        kept, bad, used = [], [], []
+        kept, bad = [], []
         reasons: dict[str, int] = {}
 
         def drop(rkey: bytes, why: str) -> None:
             bad.append(rkey)
             reasons[why] = reasons.get(why, 0) + 1
 
-        parsed = []  # (record key, key, record, pages)
+        parsed = []  # (record key, key, record, page runs)
         with self.env.begin(db=self._db_blocks) as txn:
             for rkey, raw in txn.cursor():
                 rkey = bytes(rkey)
                 try:
                     ns_id, h = msgpack.unpackb(rkey)
                     rec = msgpack.unpackb(raw)
-                    pages = _pages_of(rec["e"], rec["n"], page_bytes, capacity_bytes)
+                    runs = _page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
                     if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
                             rec["x"] is None or isinstance(rec["x"], int)):
                         raise ValueError("malformed record")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
                     drop(rkey, str(exc))
                     continue
-                parsed.append((rkey, (ns_id, h), rec, pages))
-        # xxh3 releases the GIL: a large arena is verified on several cores.
-        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-            sums = list(pool.map(lambda p: None if p[2]["x"] is None else checksum(self.arena, p[2]["e"]), parsed))
-        for (rkey, key, rec, pages), x in zip(parsed, sums):
-            if x != rec["x"]:
-                drop(rkey, "checksum mismatch (altered bytes)")
-            elif taken[pages].any():
+                parsed.append((rkey, (ns_id, h), rec, runs))
+        for rkey, key, rec, runs in parsed:
+            if any(taken[a:b].any() for a, b in runs):
                 drop(rkey, "overlaps another block")
             else:
-                taken[pages] = True
-                used.extend(pages)
+                for a, b in runs:
+                    taken[a:b] = True
                 kept.append((key, rec))
         if bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
@@ -232,19 +249,22 @@ class HostIndex:
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
         self._recorded = {k: record_key(k) for k, _ in kept}
-        now = time.monotonic()
+        now = self._adopted_at = time.monotonic()
         for key, rec in kept:
             if rec["x"] is None:  # checked in the background, like a new record
                 self._unchecked[key] = _Pending(key, rec["e"], rec["n"], (rec.get("p"), rec.get("d"), rec.get("a"),
                                                                           rec.get("t")), now)
+            else:  # verified before its first read, or in the background
+                self._unverified[key] = _Unverified(rec["e"], rec["n"], rec["x"])
         self.adopted_unchecked = len(self._unchecked)
         if self._unchecked:
             log.info("host tier: %d re-adopted blocks had no checksum yet (killed before the store was quiet): "
                      "adopted on their commit records, checked in the background", len(self._unchecked))
+        if self._unchecked or self._unverified:
             self._hash_wake.set()
         with self.env.begin(db=self._db_ns) as txn:
             namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
-        return namespaces, kept, used
+        return namespaces, kept, np.flatnonzero(taken)
 
     def put_namespace(self, ns_id: str, fields: dict) -> None:
         with self._lock, self.env.begin(write=True, db=self._db_ns) as txn:
@@ -281,6 +301,7 @@ class HostIndex:
             if rkey is None:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
+            self._unverified.pop(key, None)  # (before its pages can be reused: see `_verify_some`)
             self._deletes.append(rkey)
         if self._turn is not None and threading.get_ident() == self._turn_thread:
             return  # written with this turn (`_queue`'s first case, inline: one forget per evicted block)
@@ -334,6 +355,38 @@ class HostIndex:
     def pending(self, extents: list) -> bool:
         """Whether the block at `extents` (that very list) waits for its record (only this turn's do)."""
         return any(item.extents is extents for item in list(self._pending.values()))
+
+    @property
+    def has_unverified(self) -> bool:
+        return bool(self._unverified)
+
+    @property
+    def num_unverified(self) -> int:
+        return len(self._unverified)
+
+    def verify(self, key: tuple, extents: list) -> bool:
+        """Before the bytes of the block `key` at `extents` (that very list) are first read: False when
+        it is an adopted block whose bytes do not match its recorded checksum (the caller discards it)."""
+        item = self._unverified.get(key)
+        if item is None or item.extents is not extents:
+            return True
+        ok = checksum(self.arena, extents) == item.checksum
+        if self._unverified.pop(key, None) is item:  # (else the hasher decided it meanwhile, the same way)
+            self._verified(ok)
+        return ok
+
+    def _verified(self, ok: bool) -> None:
+        if ok:
+            self.verified_blocks += 1
+        else:
+            self.corrupt_blocks += 1
+
+    def take_corrupt(self) -> list[tuple[tuple, list]]:
+        """(key, extents) of the adopted blocks the hasher found altered since the last call."""
+        out = []
+        while self._corrupt:
+            out.append(self._corrupt.popleft())
+        return out
 
     @property
     def num_pending(self) -> int:
@@ -413,8 +466,10 @@ class HostIndex:
             if wait > 0:
                 self._stopped.wait(min(wait, 1.0))  # `close` wakes it
                 continue
-            batch, size = [], 0
+            batch, size = [], self._verify_some()
             for item in list(self._unchecked.values()):  # a snapshot (one C-level copy, under the GIL)
+                if size >= BATCH_BYTES:
+                    break
                 if item.hashing:
                     continue
                 if self._busy_for() > 0 or self._closing:
@@ -430,15 +485,33 @@ class HostIndex:
             if batch:
                 self._sums.append(batch)
                 self._index_wake.set()
-            elif not any(not i.hashing for i in list(self._unchecked.values())):
+            elif not self._unverified and not any(not i.hashing for i in list(self._unchecked.values())):
                 self._hash_wake.clear()
                 if any(not i.hashing for i in list(self._unchecked.values())):
                     self._hash_wake.set()  # one arrived meanwhile
 
+    def _verify_some(self) -> int:
+        """Compare adopted blocks with their recorded checksums, up to BATCH_BYTES, while the store stays
+        quiet; returns the bytes read. A block freed meanwhile was popped by `forget` before its pages
+        could be reused, so a pop that succeeds after the hash means the hash is of the block's own bytes."""
+        size = 0
+        for key, item in list(self._unverified.items()):  # a snapshot (one C-level copy, under the GIL)
+            if self._busy_for() > 0 or self._closing:
+                break
+            ok = checksum(self.arena, item.extents) == item.checksum
+            if self._unverified.pop(key, None) is item:
+                self._verified(ok)
+                if not ok:
+                    self._corrupt.append((key, item.extents))
+            size += item.nbytes
+            if size >= BATCH_BYTES:
+                break
+        return size
+
     def _busy_for(self) -> float:
         """Seconds to wait before hashing: 0 once the store is quiet, or the oldest unchecked record is old."""
         quiet_in = self._active_at + QUIET_S - time.monotonic()
-        if quiet_in <= 0:
+        if quiet_in <= 0 or (self._unverified and time.monotonic() - self._adopted_at >= CHECK_LAG_S):
             return 0.0
         try:
             oldest = next(iter(self._unchecked.values()))
@@ -503,13 +576,15 @@ def _private_dir(path: str) -> None:
                          f"mode {stat.S_IMODE(st.st_mode):04o})")
 
 
-def _pages_of(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[int]:
-    pages, total = [], 0
+def _page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
+    """The [first, end) page numbers of each extent; ValueError for one outside the arena or a length
+    that does not match."""
+    runs, total = [], 0
     for offset, length in extents:
         if offset % page_bytes or length <= 0 or offset + length > capacity_bytes:
             raise ValueError("extent outside the arena")
-        pages.extend(range(offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
+        runs.append((offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
         total += length
     if total != nbytes:
         raise ValueError("length does not match the extents")
-    return pages
+    return runs

@@ -37,7 +37,7 @@ class PageAllocator:
         self.page_bytes = page_bytes
         self.label = f"{label} " if label else ""
         taken = np.zeros(num_pages, dtype=bool)
-        taken[list(used)] = True
+        taken[used if isinstance(used, np.ndarray) else np.array(list(used), dtype=np.int64)] = True
         self._free: list[int] = np.flatnonzero(~taken)[::-1].tolist()  # pop() yields ascending pages
 
     @property
