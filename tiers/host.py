@@ -1,9 +1,12 @@
 """The host tier: one POSIX shared-memory arena, cut into fixed-size pages.
 
 The daemon creates the arena file (under /dev/shm, mode 0600), sizes it to the
-byte budget rounded down to whole pages, and prefaults it so that no store pays
-first-touch page faults. Local clients map the same file (`map_arena`) and copy
-payloads directly; payload bytes never cross the socket for them.
+byte budget rounded down to whole pages, and prefaults it (fallocate: every
+page allocated in tmpfs, so that no store pays for a page's first allocation;
+none mapped in the daemon, which maps pages as it touches them and unmaps what
+it only hashed, since what it keeps mapped it unmaps at exit). Local clients
+map the same file (`map_arena`) and copy payloads directly; payload bytes never
+cross the socket for them.
 
 /dev/shm is shared by every user and the arena's name is predictable, so the
 daemon never follows what it finds there: it creates the file with
@@ -112,15 +115,25 @@ class HostArena(Tier):
             raise
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        if prefault:
-            self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
+        if prefault:  # every page allocated in tmpfs now, none mapped here (see `_unmap`)
+            os.posix_fallocate(self._file.fileno(), 0, self.capacity_bytes)
         if self.persistent:
             try:
-                self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+                self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
             except BaseException:
                 self.close(unlink=True)
                 raise
         self.pages = PageAllocator(self.num_pages, self.page_bytes, label="host")
+
+    def _unmap(self, extents) -> None:
+        """Drop this process's mapping of the pages of `extents` (a block it only hashed): the bytes stay
+        in the arena, a later access maps them again. A process unmaps at exit whatever it mapped, page
+        by page (~40 ms per GiB here), so the pages the daemon keeps mapped are what its stop costs."""
+        try:
+            for offset, length in extents:
+                self._mm.madvise(mmap.MADV_DONTNEED, offset, -(-length // _OS_PAGE) * _OS_PAGE)
+        except (ValueError, OSError):  # closed meanwhile (the index's threads outlive nothing else)
+            pass
 
     def _geometry(self) -> dict:
         return {"capacity_bytes": self.capacity_bytes, "page_bytes": self.page_bytes,
@@ -164,7 +177,7 @@ class HostArena(Tier):
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         try:
-            self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+            self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
             namespaces, kept, used = self.index.load(self.capacity_bytes, self.page_bytes)
         except (ValueError, lmdb.Error, OSError) as exc:
             return f"its placement index is unusable: {exc}"

@@ -69,7 +69,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import lmdb
 import msgpack
@@ -145,11 +145,16 @@ def remove_index(path: str) -> None:
 class HostIndex:
     """The LMDB placement index of one arena, and the threads that write it."""
 
-    def __init__(self, path: str, arena: np.ndarray, geometry: dict) -> None:
+    def __init__(self, path: str, arena: np.ndarray, geometry: dict,
+                 unmap: Callable[[Iterable], None] | None = None) -> None:
         """Open the index at `path`, creating it if absent. `geometry` (capacity, page size, the arena
-        file's inode) must equal what the index recorded, else ValueError (the caller starts empty)."""
+        file's inode) must equal what the index recorded, else ValueError (the caller starts empty).
+        `unmap(extents)`: drop the process's mapping of pages it hashed (their bytes stay in the arena):
+        what a process maps it unmaps at exit, page by page, which would make a stop as slow as the
+        arena is large."""
         self.path = path
         self.arena = arena
+        self._unmap = unmap or (lambda extents: None)
         _private_dir(path)
         self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
                              writemap=True)
@@ -370,7 +375,7 @@ class HostIndex:
         item = self._unverified.get(key)
         if item is None or item.extents is not extents:
             return True
-        ok = checksum(self.arena, extents) == item.checksum
+        ok = self._hash(extents) == item.checksum
         if self._unverified.pop(key, None) is item:  # (else the hasher decided it meanwhile, the same way)
             self._verified(ok)
         return ok
@@ -478,7 +483,7 @@ class HostIndex:
                 # the checksum of one still there is of its own bytes (re-checked when written).
                 if self._unchecked.get(item.key) is item:
                     item.hashing = True
-                    batch.append((item, checksum(self.arena, item.extents)))
+                    batch.append((item, self._hash(item.extents)))
                     size += item.nbytes
                     if size >= BATCH_BYTES:
                         break
@@ -498,7 +503,7 @@ class HostIndex:
         for key, item in list(self._unverified.items()):  # a snapshot (one C-level copy, under the GIL)
             if self._busy_for() > 0 or self._closing:
                 break
-            ok = checksum(self.arena, item.extents) == item.checksum
+            ok = self._hash(item.extents) == item.checksum
             if self._unverified.pop(key, None) is item:
                 self._verified(ok)
                 if not ok:
@@ -507,6 +512,12 @@ class HostIndex:
             if size >= BATCH_BYTES:
                 break
         return size
+
+    def _hash(self, extents: list) -> int:
+        """The xxh3_64 of a block's bytes; its pages are unmapped from this process afterwards."""
+        x = checksum(self.arena, extents)
+        self._unmap(extents)
+        return x
 
     def _busy_for(self) -> float:
         """Seconds to wait before hashing: 0 once the store is quiet, or the oldest unchecked record is old."""
@@ -523,8 +534,8 @@ class HostIndex:
         """Write every pending record and checksum now, hashing on the caller's thread."""
         with self._lock:
             pending, unchecked = list(self._pending.values()), list(self._unchecked.values())
-        new = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents)), True) for item in pending]
-        sums = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents))) for item in unchecked]
+        new = [(item, record_key(item.key), _pack(item, self._hash(item.extents)), True) for item in pending]
+        sums = [(item, record_key(item.key), _pack(item, self._hash(item.extents))) for item in unchecked]
         with self._lock:
             self._commit(new, sums)
 
