@@ -83,7 +83,7 @@ def open_store(config: Config) -> TieredStore:
             log.info("%s tier not in the chain: %s", name, reason)
         rc = config.remote
         sharing = SharingOptions(rc.publish, rc.timeout_s, rc.transfer_timeout_s)
-        return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing)
+        return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing, recover_in_background=True)
     except BaseException:
         _give_back(chain, host)
         raise

@@ -228,6 +228,9 @@ class Placement:
             return True
         if not below.fits(e.nbytes):
             return False
+        if below.scanning:  # it knows no free page yet (tiers/disk_scan.py)
+            self.counters[f"demotions_dropped_{below.name}_scanning"] += 1
+            return False
         try:
             self.make_room(below.name, lambda: below.shortfall(e.nbytes))
         except CapacityError:

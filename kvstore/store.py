@@ -24,8 +24,10 @@ The parts, each the only writer of its state:
 - `waits` (kvstore/waits.py): announcements and waits for blocks in flight;
 - `sharing` (kvstore/sharing.py), where the chain ends in a remote tier:
   lookups in the cluster, the remote fetch, publishing;
-- restart recovery (kvstore/recovery.py) and `check()` (kvstore/store_check.py)
-  are functions over them.
+- `recovery` (kvstore/recovery.py): restart recovery, done at construction, or
+  for a tier that reads its records in the background (the disk) while the
+  store serves (`start`); a request adopts what it names first;
+- `check()` (kvstore/store_check.py) is a function over them.
 Observers (KV events: server/events.py) subscribe with `add_listener`
 (kvstore/block_events.py); waits and sharing are listeners too.
 
@@ -37,6 +39,7 @@ after every scenario.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
@@ -49,7 +52,7 @@ from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
-from kvstore.recovery import recover
+from kvstore.recovery import Recovery
 from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, namespace_rows, tier_rows
 from kvstore.waits import InflightWaits
@@ -57,6 +60,10 @@ from kvstore.wire import LookupResult, WaitResult
 from kvstore.tiers.base import Tier
 
 __all__ = ["TieredStore"]
+
+RECOVERY_AT_START_S = 0.25  # `start` recovers this long before it serves (all of a small tier)
+RECOVERY_STEP_BLOCKS = 1000  # records a step of a background recovery adopts (~10-20 ms of the loop)
+RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 
 
 class TieredStore:
@@ -69,9 +76,12 @@ class TieredStore:
         read_threads: int = 4,
         absent: dict[str, str] | None = None,
         sharing: SharingOptions | None = None,
+        recover_in_background: bool = False,
     ) -> None:
         """`absent`: tier name -> why it is not in the chain (for stats); `sharing`: how a remote tier
-        in the chain is used (defaults where None)."""
+        in the chain is used (defaults where None); `recover_in_background`: a tier that reads its
+        records in the background (the disk) is adopted while the store serves, from `start` on (the
+        daemon), instead of before the constructor returns."""
         chain = [tiers] if isinstance(tiers, Tier) else list(tiers)
         names = [t.name for t in chain]
         if names != sorted(names, key=lambda n: RANK.get(n, len(TIERS))) or len(set(names)) != len(names) \
@@ -102,7 +112,10 @@ class TieredStore:
             self.demoter = GpuDemoter(self.placement, self.index, self.shared)
             listeners.add(self.demoter)
         self._persisted_ns: set[str] = set()
-        recover(self.index, self.placement, self.register_namespace)
+        self._recovering: asyncio.Task | None = None
+        self.recovery = Recovery(self.index, self.placement, self.register_namespace)
+        if not recover_in_background:
+            self.recovery.finish()
 
     @property
     def disk(self) -> Tier | None:
@@ -148,6 +161,7 @@ class TieredStore:
 
     async def find(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """`lookup`, after indexing what the remote tier holds past the local prefix."""
+        self._adopt_recovered(ns_id, hashes)
         if self.sharing is not None:
             await self.extend_from_remote(ns_id, hashes)
         return self.lookup(ns_id, hashes)
@@ -156,6 +170,7 @@ class TieredStore:
         """How many leading blocks the index holds committed (in any tier). No pins, no policy events."""
         self.namespace(ns_id)
         self.placement.reap()
+        self._adopt_recovered(ns_id, hashes)
         tiers: list[str] = []
         get = self.index.entries.get
         for h in hashes:
@@ -175,6 +190,7 @@ class TieredStore:
         or a block that could not be brought there, then not pinned) and the tier each block was
         found in. With `prefix` the answer stops at the first miss. Without `lift`, blocks a reader of
         `tier` can already read stay where they are (a GPU engine reads the arena too)."""
+        self._adopt_recovered(ns_id, hashes)
         if self.sharing is not None:
             await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
@@ -188,6 +204,7 @@ class TieredStore:
         miss), wherever they sit: `prepare_read` brings them where a reader reads them."""
         self.namespace(ns_id)
         self.placement.reap()
+        self._adopt_recovered(ns_id, hashes)
         get, missed = self.index.entries.get, False
         if self.placement.verifying:  # blocks kept across a restart are verified before they are first read
             for h in hashes:
@@ -260,6 +277,9 @@ class TieredStore:
                                f"{[t.name for t in self.chain if t.client_readable]}")
         placement = self.placement
         placement.reap()
+        if self.recovery.active:  # the blocks and their parents, where their records wait for adoption
+            parent_ns = ns.anchor or ns_id
+            self.recovery.adopt_now([(ns_id, h) for h, _ in blocks] + [(parent_ns, p) for _, p in blocks if p])
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
         # so each parent's tier is looked at just before its child's room is made. (So too with a
         # preferred tier: room is made only for the blocks that do not go there.)
@@ -447,15 +467,33 @@ class TieredStore:
         daemon's start, or a resync)."""
         self.index.report_all([t.name for t in self.chain])
 
+    def _adopt_recovered(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        if self.recovery.active:
+            self.recovery.adopt_now([(ns_id, h) for h in hashes])
+
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        """Start background work on the running loop (remote publishing)."""
+        """Start background work on the running loop: remote publishing, and the recovery of a tier
+        that reads its records in the background (a step of RECOVERY_STEP_BLOCKS per turn)."""
         if self.sharing is not None:
             self.sharing.start()
+        if self.recovery.active and self.recovery.run_for(RECOVERY_AT_START_S):  # a small tier is done at once
+            self._recovering = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        while self.recovery.step(RECOVERY_STEP_BLOCKS):
+            await asyncio.sleep(RECOVERY_SCAN_POLL_S if self.recovery.scanning else 0)
+
+    def wait_recovered(self) -> None:
+        """Finish the recovery now (waiting for a tier's scan of its records)."""
+        self.recovery.finish()
 
     async def stop(self) -> None:
         """Stop background work: what is queued for the remote tier is published (bounded), a gpu
-        demotion in flight finishes."""
+        demotion in flight finishes; a recovery in progress stops where it is (what it did not adopt
+        stays in the tier's index for the next start)."""
+        if self._recovering is not None:
+            self._recovering.cancel()
         if self.demoter is not None:
             await self.demoter.stop()
         if self.sharing is not None:
@@ -479,6 +517,9 @@ class TieredStore:
         self.promoter.wait_idle()
         if persist:
             self.placement.reap()
+            for tier in self.chain:  # a tier still reading its records takes no block: let it read them (what
+                if tier.scanning:    # is not adopted stays in its index for the next start)
+                    tier.scanned(wait=True)
             self.placement.persist_down()
         for tier in reversed(self.chain):
             tier.close()
@@ -502,6 +543,7 @@ class TieredStore:
             "by_namespace": namespace_rows(self.placement, committed),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
             "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now
+            **({"recovery": self.recovery.stats()} if self.recovery.active else {}),
         }
 
     def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
@@ -512,7 +554,9 @@ class TieredStore:
 
     def check(self) -> list[str]:
         """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean).
-        Waits for pending writes first, so that persistent tiers' indexes compare exactly."""
+        Waits for pending writes (and a recovery in progress) first, so that persistent tiers' indexes
+        compare exactly."""
+        self.recovery.finish()
         self.flush()
         return check(self.index, self.placement, self.promoter)
 

@@ -108,6 +108,8 @@ class Daemon:
         self.config = config
         ensure_private_dir(os.path.dirname(config.server.socket_path))  # before anything is put in it
         self._lock_fd = lock_instance(config.lock_path, config.name) if store is None else None
+        if store is None:
+            gc.disable()  # until `tune_gc`: opening the tiers makes objects per block kept and frees none
         self.store = store if store is not None else open_store(config)
         info = {
             "arena_path": self.store.host.path,
@@ -372,11 +374,13 @@ def tune_gc() -> None:
     object the process holds. bench_control_plane, 512-block batches, four runs each way alternating: the
     daemon's CPU per block written into a full tier 27.3-27.8 -> 22.8-23.7 us with the default policy;
     reads unchanged (docs/benchmarks.md, "Control plane"). Cyclic garbage (asyncio's exceptions and
-    futures) still goes, at most GC_GEN0_THRESHOLD allocations later."""
-    gc.collect()
+    futures) still goes, at most GC_GEN0_THRESHOLD allocations later. No collection runs first: with
+    millions of blocks recovered it would walk every one of their objects before the daemon serves (the
+    collector is off from the daemon's start to here: what startup made is kept, not garbage)."""
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+    gc.enable()
 
 
 def serve(config: Config) -> int:

@@ -17,7 +17,8 @@ What a tier declares
   views (the arena), so any other tier copies straight into or out of them.
   Every transfer between two tiers goes through such a tier (the host arena
   is in every chain), never through an extra staging copy.
-- `persistent`: it keeps blocks across a restart (`recover`). A persistent
+- `persistent`: it keeps blocks across a restart (`recover`, and `scanned` for
+  a tier that reads its records in the background: the disk tier). A persistent
   tier that clients write (the host arena) learns of each block that comes to
   sit committed in it through `placed`; the others record a block when they
   take its bytes (`write_from`).
@@ -198,8 +199,20 @@ class Tier:
 
     # -- persistence ---------------------------------------------------------------------
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
-        """(namespaces, blocks) found at open; only persistent tiers have any."""
+        """(namespaces, blocks) found at open; only persistent tiers have any. A tier that reads its
+        records in the background (`scanning`) gives its blocks through `scanned` instead."""
         return [], []
+
+    @property
+    def scanning(self) -> bool:
+        """The tier still reads its records in the background: it takes no block until `scanned`
+        has handed them over."""
+        return False
+
+    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+        """The blocks a background read of the records found, once (None while it runs, unless `wait`);
+        [] for a tier that has none to give."""
+        return []
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         pass

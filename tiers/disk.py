@@ -27,6 +27,13 @@ aligned read); otherwise buffered with a logged reason (`direct_reason`).
 Every write comes from a page-aligned anonymous mmap (a staging buffer), at
 page-aligned offsets, with lengths rounded up to 4096.
 
+Opening reads no block record: the scan (tiers/disk_scan.py) reads them in a
+thread of its own, and until it is done the tier has no free page, so nothing
+is written over a block it has not read yet; `scanned` hands the blocks to the
+store (kvstore/recovery.py adopts them while the daemon serves) and the tier
+then knows its free pages. Records that are unusable (malformed, outside the
+file, overlapping one read before) are deleted.
+
 Durability rule: a block is *acknowledged* (durable) exactly when its LMDB
 record is committed. The writer thread commits a record only after the block's
 bytes were written and the data file was fdatasync'd, and LMDB commits with
@@ -74,6 +81,7 @@ import xxhash
 
 from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
+from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 
@@ -147,6 +155,7 @@ class DiskTier(Tier):
             os.close(self._lock_fd)
             raise OSError(errno.EBUSY, f"disk tier folder {path} is in use by another process") from None
         self.counters = DiskCounters()
+        self.scan_s: float | None = None  # how long the scan of the index took
         self.env = lmdb.open(
             os.path.join(path, INDEX_DIR), map_size=1 << 34, max_dbs=4, subdir=True,
             sync=True, metasync=True, lock=True,
@@ -160,15 +169,15 @@ class DiskTier(Tier):
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one page ({self.page_bytes} B)")
         self.capacity_bytes = self.num_pages * self.page_bytes
         self._open_data_file(direct)
-        self.recovered: list[tuple[bytes, dict]] = []  # records found at open, for the store to adopt
-        used = self._load_records()
-        self.alloc = PageAllocator(self.num_pages, self.page_bytes, used, label="disk")
+        # No free page until the records are read (`scanned`): nothing is written over a block.
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="disk")
+        self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages, DiskSlot)
         self.staging = StagingPool(staging_bytes)
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         self._tls = threading.local()
         self.writer = DiskWriter(DataFile(self.fd, self.direct, self.page_bytes, self.num_pages),
                                  RecordStore(self.env, self._db_blocks, self._db_ns, self._db_meta),
-                                 self._meta, used, self.staging, batch_bytes)
+                                 self._meta, self.staging, batch_bytes)
 
     # -- opening ----------------------------------------------------------------
     def _load_meta(self, page_bytes: int) -> int:
@@ -213,40 +222,6 @@ class DiskTier(Tier):
                 self.direct_reason = f"the filesystem of {self.path} refuses O_DIRECT ({exc.strerror})"
                 log.warning("disk tier: buffered I/O with fdatasync: %s", self.direct_reason)
         self.fd = os.open(data_path, flags)
-
-    def _load_records(self) -> list[int]:
-        """Read every record; drop the ones outside the file or overlapping another. Returns used pages."""
-        taken = np.zeros(self.num_pages, dtype=bool)
-        used: list[int] = []
-        bad: list[bytes] = []
-        pb = self.page_bytes
-        with self.env.begin(db=self._db_blocks) as txn:
-            for key, raw in txn.cursor():
-                try:
-                    rec = msgpack.unpackb(raw)
-                    pages = []
-                    total = 0
-                    for offset, length in rec["e"]:
-                        if offset % pb or length <= 0 or offset + length > self.capacity_bytes:
-                            raise ValueError("extent outside the data file")
-                        pages.extend(range(offset // pb, offset // pb + -(-length // pb)))
-                        total += length
-                    if total != rec["n"] or taken[pages].any():
-                        raise ValueError("length mismatch or overlap")
-                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-                    bad.append(bytes(key))
-                    continue
-                taken[pages] = True
-                used.extend(pages)
-                self.recovered.append((bytes(key), rec))
-        if bad:
-            with self.env.begin(write=True, db=self._db_blocks) as txn:
-                for key in bad:
-                    txn.delete(key)
-            log.warning("disk tier: dropped %d unusable index records", len(bad))
-        self.counters.recovered_records = len(self.recovered)
-        self.counters.dropped_records += len(bad)
-        return used
 
     def load_namespaces(self) -> list[tuple[bytes, dict]]:
         with self.env.begin(db=self._db_ns) as txn:
@@ -303,20 +278,30 @@ class DiskTier(Tier):
         return not location.pending and not self.lost(location)
 
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
-        namespaces = [(k.decode(), fields) for k, fields in self.load_namespaces()]
-        blocks = []
-        for rkey, rec in self.recovered:
-            try:
-                ns_id, h = msgpack.unpackb(rkey)
-                if not isinstance(rec["x"], int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
-                    raise TypeError("no checksum, or a malformed key")
-                slot = DiskSlot(rec["e"], rec["x"])
-                blocks.append(RecoveredBlock((ns_id, h), rec.get("p"), rec["n"], slot, rec.get("a"), rec.get("t", 0.0)))
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-                self.release(rec["e"], rkey)
-                self.counters.dropped_records += 1
-        self.recovered = []
-        return namespaces, blocks
+        """The namespaces; the blocks come from the background scan (`scanned`)."""
+        return [(k.decode(), fields) for k, fields in self.load_namespaces()], []
+
+    @property
+    def scanning(self) -> bool:
+        return self._scan is not None
+
+    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+        """The blocks the scan of the index found (once; None while it runs, unless `wait`). From then on
+        the tier knows its free pages: it allocates, and the writer formats what is free."""
+        if self._scan is None:
+            return []
+        result = self._scan.result(wait)
+        if result is None:
+            return None
+        self._scan = None
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
+        for key in result.bad:  # (committed before any write into their pages: see the module docstring)
+            self.writer.delete(key)
+        self.writer.start_formatting(result.taken)
+        self.counters.recovered_records = len(result.blocks)
+        self.counters.dropped_records += len(result.bad)
+        self.scan_s = result.seconds
+        return result.blocks
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         self.writer.put_namespace(ns_id.encode(), fields)
@@ -481,11 +466,15 @@ class DiskTier(Tier):
             "write_errors": w.write_errors,
             "backpressure_waits": c.backpressure_waits,
             "recovered_records": c.recovered_records,
+            "scanning": self._scan is not None,
+            "scan_s": self.scan_s,
             "dropped_records": c.dropped_records,
         }
 
     def close(self) -> None:
         """Finish every queued write, stop the writer, close the index and the file."""
+        if self._scan is not None:
+            self._scan.stop()
         self.writer.close()
         self.reap()
         self.env.close()

@@ -93,18 +93,17 @@ class WriterCounters:
 class DiskWriter:
     """The writer thread of one disk tier, its queue and its formatting watermark."""
 
-    def __init__(self, data: DataFile, records: RecordStore, meta: dict, used_pages: list[int],
-                 staging: StagingPool, batch_bytes: int) -> None:
-        """`meta`: the tier's meta record (its `formatted_bytes` is saved as formatting goes on);
-        `used_pages`: pages holding blocks now (formatting skips them)."""
+    def __init__(self, data: DataFile, records: RecordStore, meta: dict, staging: StagingPool,
+                 batch_bytes: int) -> None:
+        """`meta`: the tier's meta record (its `formatted_bytes` is saved as formatting goes on).
+        Nothing is formatted before `start_formatting`."""
         self.data, self.records, self.meta = data, records, meta
         self.staging = staging
         self.batch_bytes = batch_bytes
         self.counters = WriterCounters()
         self.delete_delay_s = 0.2  # deletions alone are gathered this long before their commit
         self.formatted_bytes = min(meta.get("formatted_bytes", 0), data.capacity_bytes)
-        self._written = np.zeros(data.num_pages, dtype=bool)  # writer thread only: pages holding block data
-        self._written[used_pages] = True
+        self._written: np.ndarray | None = None  # pages holding block data (the writer's, once formatting starts)
         self._zero_buf: mmap.mmap | None = None
         self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
         self._inflight_puts = 0
@@ -172,8 +171,14 @@ class DiskWriter:
     def wait_formatted(self) -> None:
         """Block until the whole data file has been written once (see tiers/disk.py, Formatting)."""
         with self._cv:
-            while self.formatted_bytes < self.data.capacity_bytes or self._ops or self._busy:
+            while self._written is None or self.formatted_bytes < self.data.capacity_bytes or self._ops or self._busy:
                 self._cv.wait()
+
+    def start_formatting(self, used: np.ndarray) -> None:
+        """The pages that hold blocks are known (`used`, a bool per page): format the others when idle."""
+        with self._cv:
+            self._written = used.copy()
+            self._cv.notify_all()
 
     def wait_for(self, predicate, timeout: float) -> bool:
         """`predicate()` under the writer's condition, waiting up to `timeout` s for it (tests)."""
@@ -221,7 +226,7 @@ class DiskWriter:
         with self._cv:
             # Format only when idle: not while writes are queued, nor while someone waits in flush().
             while not self._ops and not self._closing and (
-                self.formatted_bytes >= self.data.capacity_bytes or self._flushing
+                self.formatted_bytes >= self.data.capacity_bytes or self._flushing or self._written is None
             ):
                 self._cv.wait()
             if not self._ops and self._closing:
@@ -304,7 +309,8 @@ class DiskWriter:
         for offset, length in job.extents:
             span = round_up(length) if data.direct else length
             self._pwrite_all(mv[pos : pos + span], offset)
-            self._written[offset // data.page_bytes : (offset + span - 1) // data.page_bytes + 1] = True
+            if self._written is not None:  # (always, once the tier allocates: see start_formatting)
+                self._written[offset // data.page_bytes : (offset + span - 1) // data.page_bytes + 1] = True
             pos += length
         self.counters.writes += 1
         self.counters.bytes_written += job.nbytes
