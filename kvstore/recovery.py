@@ -4,11 +4,14 @@ Each persistent tier, fastest first, reports its namespaces (re-registered at
 once, anchors first) and its block records: at once (`Tier.recover`: the host
 arena's placement index) or, for a tier that reads them in the background
 (`Tier.scanned`: the disk's LMDB index, millions of records), once they are
-read. The first kind is adopted while the store is built. The second is
-adopted in steps while the daemon serves (`Recovery.step`, a bounded number
-of records a call; `run_for` and `finish` do it in one go for tools, tests and
-`check`); meanwhile a request adopts the records of the keys it names before
-it looks at them (`adopt_now`): a block whose record is read is a hit at once.
+read. The daemon adopts them in steps while it serves (`Recovery.step`, a
+bounded number of records a call, after `run_for` a short while before its
+ready line); `finish` does it in one go (a store built without a loop, tools,
+tests, `check`). Meanwhile a request adopts the records of the keys it names
+before it looks at them (`adopt_now`): a block whose record is read is a hit
+at once. A tier's free pages are known before it is adopted (the host arena's
+from its index at open, the disk's once its scan is done), so the store takes
+new blocks meanwhile.
 
 Rules, either way:
 - Blocks are adopted parents first, from the roots and from blocks already
@@ -74,8 +77,9 @@ class _TierRecovery:
 
 
 class Recovery:
-    """Adopts what the persistent tiers of `placement`'s chain kept; `register` is the store's namespace
-    registration. The synchronous tiers are done when the constructor returns."""
+    """Adopts what the persistent tiers of `placement`'s chain kept, fastest tier first; `register` is the
+    store's namespace registration. The constructor registers the namespaces; the blocks are adopted by
+    `step`, `run_for` or `finish`."""
 
     def __init__(self, index: BlockIndex, placement: Placement, register: Callable[[Namespace], str]) -> None:
         self.index, self.placement = index, placement
@@ -86,13 +90,9 @@ class Recovery:
             namespaces, blocks = tier.recover()
             _register(tier, namespaces, register)
             r = _TierRecovery(tier)
-            if tier.scanning:
-                self._pending.append(r)
-            else:
+            if not tier.scanning:
                 r.blocks, r.stage = blocks, "index"
-                with _no_cyclic_gc():
-                    while self._advance(r, None):
-                        pass
+            self._pending.append(r)
 
     @property
     def active(self) -> bool:
@@ -104,12 +104,17 @@ class Recovery:
         return bool(self._pending) and self._pending[0].stage == "scan"
 
     def step(self, budget: int = 1000) -> bool:
-        """Work through up to `budget` records of the tier being recovered; True while work is left."""
-        if self._pending:
-            r = self._pending[0]
+        """Work through up to `budget` records of each tier being recovered; True while work is left.
+
+        The tiers go on together (the disk's scan and sort while the host arena's blocks are adopted),
+        but a tier adopts only once every faster one has sorted its records (a key held by both is the
+        faster tier's block, and the slower record its copy), and it ends (frees what it could not
+        adopt) only once the faster ones have ended: a record whose parent a faster tier has yet to
+        adopt is not an orphan."""
+        for r in list(self._pending):
             self._release_stale(r)
-            if not self._advance(r, budget):
-                self._pending.popleft()
+            if not self._advance(r, budget, first=r is self._pending[0]):
+                self._pending.remove(r)
         return bool(self._pending)
 
     def run_for(self, seconds: float, budget: int = 1000) -> bool:
@@ -135,22 +140,31 @@ class Recovery:
                 self._pending.popleft()
 
     def adopt_now(self, keys: list[Key]) -> None:
-        """Adopt the records of `keys` (and of their ancestors) read but not adopted yet."""
-        if not self._pending:
-            return
-        r = self._pending[0]
-        if r.stage != "adopt" or not r.records:
-            return
-        adopted: list[tuple[float, Entry]] = []
-        for key in keys:
-            chain = []
-            while key in r.records and key not in chain:
-                chain.append(key)
-                key = r.records[key][1]
-            for k in reversed(chain):
-                if not self._adopt_one(r, k, adopted):
-                    break
-        self._enter_policy(adopted)
+        """Adopt the records of `keys` (and of their ancestors) read but not adopted yet, fastest tier first."""
+        for r in self._pending:
+            if not self._may_adopt(r):
+                return
+            if not r.records:
+                continue
+            adopted: list[tuple[float, Entry]] = []
+            for key in keys:
+                chain = []
+                while key in r.records and key not in chain:
+                    chain.append(key)
+                    key = r.records[key][1]
+                for k in reversed(chain):
+                    if not self._adopt_one(r, k, adopted):
+                        break
+            self._enter_policy(adopted)
+
+    def _may_adopt(self, r: _TierRecovery) -> bool:
+        """`r` has sorted its records and so has every faster tier being recovered."""
+        for other in self._pending:
+            if other.stage in ("scan", "index"):
+                return False
+            if other is r:
+                return True
+        return False
 
     def stats(self) -> dict:
         """Per tier being recovered: its stage, records waiting, adopted so far, seconds since it began."""
@@ -159,8 +173,9 @@ class Recovery:
                 for r in self._pending}
 
     # -- the stages ---------------------------------------------------------------------------
-    def _advance(self, r: _TierRecovery, budget: int | None) -> bool:
-        """Run `r`'s current stage for up to `budget` records (None: all); False once `r` is done."""
+    def _advance(self, r: _TierRecovery, budget: int | None, first: bool = True) -> bool:
+        """Run `r`'s current stage for up to `budget` records (None: all); False once `r` is done. Only
+        the `first` tier being recovered gets past adopting (see `step`)."""
         if r.stage == "scan":
             blocks = r.tier.scanned()
             if blocks is not None:
@@ -171,11 +186,15 @@ class Recovery:
                 r.blocks, r.pos, r.stage = [], 0, "adopt"
             return True
         if r.stage == "adopt":
+            if not self._may_adopt(r):
+                return True
             adopted: list[tuple[float, Entry]] = []
-            while r.frontier and (budget is None or len(adopted) < budget):
+            n = 0
+            while r.frontier and (budget is None or n < budget):
                 self._adopt_one(r, r.frontier.pop(), adopted)
+                n += 1
             self._enter_policy(adopted)
-            if not r.frontier:
+            if not r.frontier and first:
                 r.copies.sort(key=lambda b: b.stamp)  # the copies index is oldest first
                 r.copies.reverse()
                 r.stage = "copies"
@@ -242,17 +261,41 @@ class Recovery:
         if parent_key is not None and (parent is None or RANK[parent.tier] > RANK[tier.name]):
             return False  # it stays in `records`: an orphan unless its parent comes back
         del r.records[key]
-        if index.get(key) is not None:  # written again meanwhile
-            self._release(r, b)
+        e = index.get(key)
+        if e is not None or any(key in other.records for other in self._faster(r)):
+            # Indexed meanwhile (written again, or adopted from a faster tier), or about to be adopted from
+            # a faster tier: this record is its copy where this tier keeps copies (checked when copies are
+            # taken, after the faster tiers), else it goes.
+            if tier.name in index.copies and (e is None or RANK[e.tier] < RANK[tier.name]):
+                r.copies.append(b)
+            else:
+                self._release(r, b)
+            if e is not None:
+                self._indexed(key)
             return False
         adopted.append((b.stamp, index.adopt(key, parent, b.nbytes, tier.name, b.location, b.attention)))
-        r.frontier.extend(r.children.pop(key, ()))
+        self._indexed(key)
         r.adopted += 1
         return True
 
+    def _faster(self, r: _TierRecovery) -> list[_TierRecovery]:
+        out = []
+        for other in self._pending:
+            if other is r:
+                return out
+            out.append(other)
+        return out
+
+    def _indexed(self, key: Key) -> None:
+        """`key` is in the index: the records waiting for it as their parent, in any tier, may be adopted."""
+        for other in self._pending:
+            kids = other.children.pop(key, None)
+            if kids:
+                other.frontier.extend(kids)
+
     def _enter_policy(self, adopted: list[tuple[float, Entry]]) -> None:
         if adopted:
-            adopted.sort(key=lambda t: t[0])
+            adopted.sort(key=lambda t: t[0])  # (stable: equal stamps keep their order)
             self.placement.insert_in_policy([e for _, e in adopted])
 
     def _take_copies(self, r: _TierRecovery, budget: int | None) -> None:

@@ -25,8 +25,8 @@ The parts, each the only writer of its state:
 - `sharing` (kvstore/sharing.py), where the chain ends in a remote tier:
   lookups in the cluster, the remote fetch, publishing;
 - `recovery` (kvstore/recovery.py): restart recovery, done at construction, or
-  for a tier that reads its records in the background (the disk) while the
-  store serves (`start`); a request adopts what it names first;
+  (the daemon) while the store serves, from `start` on; a request adopts what
+  it names first;
 - `check()` (kvstore/store_check.py) is a function over them.
 Observers (KV events: server/events.py) subscribe with `add_listener`
 (kvstore/block_events.py); waits and sharing are listeners too.
@@ -79,9 +79,9 @@ class TieredStore:
         recover_in_background: bool = False,
     ) -> None:
         """`absent`: tier name -> why it is not in the chain (for stats); `sharing`: how a remote tier
-        in the chain is used (defaults where None); `recover_in_background`: a tier that reads its
-        records in the background (the disk) is adopted while the store serves, from `start` on (the
-        daemon), instead of before the constructor returns."""
+        in the chain is used (defaults where None); `recover_in_background`: what the persistent tiers
+        kept is adopted while the store serves, from `start` on (the daemon), instead of before the
+        constructor returns."""
         chain = [tiers] if isinstance(tiers, Tier) else list(tiers)
         names = [t.name for t in chain]
         if names != sorted(names, key=lambda n: RANK.get(n, len(TIERS))) or len(set(names)) != len(names) \

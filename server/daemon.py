@@ -52,6 +52,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections import Counter
 
@@ -384,9 +385,14 @@ def tune_gc() -> None:
 
 
 def serve(config: Config) -> int:
-    """Run a daemon until SIGTERM/SIGINT; the CLI's `serve`."""
+    """Run a daemon until SIGTERM/SIGINT; the CLI's `serve`. After a clean stop (every tier closed, what
+    they hold durable) the process exits at once: the interpreter's teardown would free every block's
+    objects one by one, and collect over them first, for seconds per million blocks and nothing."""
     async def main() -> None:
         await Daemon(config).run()
 
     asyncio.run(main())
-    return 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -47,7 +47,6 @@ All other methods run on the store's thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -69,9 +68,9 @@ class BlockMeta(NamedTuple):
     stamp: float  # wall-clock time the block reached the tier
 
 
-@dataclass(frozen=True, slots=True)
-class RecoveredBlock:
-    """A block a persistent tier found at open."""
+class RecoveredBlock(NamedTuple):
+    """A block a persistent tier found at open (a named tuple: a tier makes one per record, millions of
+    them for a disk tier)."""
 
     key: Key
     parent: bytes | None

@@ -217,43 +217,42 @@ class HostIndex:
         read: a record with a checksum is kept *unverified* (`verify`, and the hasher).
         """
         num_pages = capacity_bytes // page_bytes
-        taken = np.zeros(num_pages, dtype=bool)
-        kept, bad = [], []
+        kept, bad, rkeys = [], [], []
+        first, last = [], []  # per extent of a kept record: its first and last page + 1
         reasons: dict[str, int] = {}
 
         def drop(rkey: bytes, why: str) -> None:
             bad.append(rkey)
             reasons[why] = reasons.get(why, 0) + 1
 
-        parsed = []  # (record key, key, record, page runs)
+        unpack = msgpack.unpackb
         with self.env.begin(db=self._db_blocks) as txn:
             for rkey, raw in txn.cursor():
-                rkey = bytes(rkey)
                 try:
-                    ns_id, h = msgpack.unpackb(rkey)
-                    rec = msgpack.unpackb(raw)
+                    ns_id, h = unpack(rkey)
+                    rec = unpack(raw)
                     runs = _page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
                     if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
                             rec["x"] is None or isinstance(rec["x"], int)):
                         raise ValueError("malformed record")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    drop(rkey, str(exc))
+                    drop(bytes(rkey), str(exc))
                     continue
-                parsed.append((rkey, (ns_id, h), rec, runs))
-        for rkey, key, rec, runs in parsed:
-            if any(taken[a:b].any() for a, b in runs):
-                drop(rkey, "overlaps another block")
-            else:
+                kept.append(((ns_id, h), rec))
+                rkeys.append(bytes(rkey))
                 for a, b in runs:
-                    taken[a:b] = True
-                kept.append((key, rec))
+                    first.append(a)
+                    last.append(b)
+        taken = _mark_pages(num_pages, first, last)
+        if taken is None:  # two records claim a page (never written so): drop the later ones, in key order
+            kept, rkeys, taken = self._without_overlaps(kept, rkeys, num_pages, page_bytes, drop)
         if bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
                 for rkey in bad:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {k: record_key(k) for k, _ in kept}
+        self._recorded = {key: rkey for (key, _), rkey in zip(kept, rkeys)}
         now = self._adopted_at = time.monotonic()
         for key, rec in kept:
             if rec["x"] is None:  # checked in the background, like a new record
@@ -270,6 +269,22 @@ class HostIndex:
         with self.env.begin(db=self._db_ns) as txn:
             namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
         return namespaces, kept, np.flatnonzero(taken)
+
+    @staticmethod
+    def _without_overlaps(kept: list, rkeys: list, num_pages: int, page_bytes: int, drop) -> tuple:
+        """`kept` less every record that claims a page a record before it claims (the slow path)."""
+        taken = np.zeros(num_pages, dtype=bool)
+        out, out_keys = [], []
+        for (key, rec), rkey in zip(kept, rkeys):
+            runs = _page_runs(rec["e"], rec["n"], page_bytes, num_pages * page_bytes)
+            if any(taken[a:b].any() for a, b in runs):
+                drop(rkey, "overlaps another block")
+                continue
+            for a, b in runs:
+                taken[a:b] = True
+            out.append((key, rec))
+            out_keys.append(rkey)
+        return out, out_keys, taken
 
     def put_namespace(self, ns_id: str, fields: dict) -> None:
         with self._lock, self.env.begin(write=True, db=self._db_ns) as txn:
@@ -585,6 +600,15 @@ def _private_dir(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ValueError(f"{path} is not a private folder of uid {os.geteuid()} (uid {st.st_uid}, "
                          f"mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def _mark_pages(num_pages: int, first: list[int], last: list[int]) -> np.ndarray | None:
+    """The pages the runs [first, last) cover, as a bool per page; None when two runs overlap."""
+    count = np.zeros(num_pages + 1, dtype=np.int64)
+    np.add.at(count, np.asarray(first, dtype=np.int64), 1)
+    np.add.at(count, np.asarray(last, dtype=np.int64), -1)
+    cover = np.cumsum(count[:-1])
+    return None if (cover > 1).any() else cover > 0
 
 
 def _page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:

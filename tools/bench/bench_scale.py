@@ -24,8 +24,10 @@ down to the disk tier. Then, against that daemon:
   daemon, `--batch` per request (every request evicts from the host tier into
   the disk tier, which evicts in turn); median of the rounds;
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
-  ready line (`stop_s` + `start_s`), with `kept` / `sampled`: blocks of a
-  sample of chains found again against found before the stop;
+  ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
+  blocks of a sample of chains found right after the ready line, found once
+  the daemon's background recovery is done (`recovered_s` after the start,
+  where it has one), against found before the stop;
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -301,9 +303,13 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         start_s = time.perf_counter() - t1
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
             ns = client.register(NS)
+            kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
+            while "recovery" in client.stats():
+                time.sleep(0.1)
+            recovered_s = time.perf_counter() - t1
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
-                   kept=kept, sampled=before)
+                   kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3))
     finally:
         d.stop(timeout=600)
     row["disk_recovery_s"] = round(disk_recovery(folder, disk_blocks, args.policy), 3)
