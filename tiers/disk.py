@@ -251,8 +251,9 @@ class DiskTier(Tier):
         nbytes = sum(s.size for s in src)
         job = self.stage(record_key(meta.key), record, alloc, nbytes)
         copy_segments([job.view()], src)
+        job.slot = slot = DiskSlot(alloc, None, job)
         self.submit(job)
-        return DiskSlot(alloc, None, job)
+        return slot
 
     def read_blocks(self, location: DiskSlot) -> bool:
         location.known_checksum()  # settle a finished write here, on the owner thread
@@ -345,11 +346,17 @@ class DiskTier(Tier):
         self.writer.prewarm(nbytes)
 
     def reap(self) -> None:
-        """Recycle the staging buffers of finished writes; failed ones wait in `take_failed`."""
+        """Recycle the staging buffers of finished writes and settle their slots (a slot keeps no job once
+        its write is durable: a million disk blocks would keep a million jobs); failed ones wait in
+        `take_failed`."""
         for job in self.writer.take_finished():
             self.staging.give(job.buf)
             if job.error is not None:
                 self._failed.append(job)
+                continue
+            slot, job.slot = job.slot, None
+            if isinstance(slot, DiskSlot) and slot.job is job:
+                slot.checksum, slot.job = job.checksum, None
 
     def take_failed(self) -> list[DiskWrite]:
         """Writes that failed since the last call (their bytes are lost; the owner drops the blocks)."""

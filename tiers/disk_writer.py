@@ -52,6 +52,7 @@ class DiskWrite:
     checksum: int | None = None
     done: bool = False
     error: str | None = None
+    slot: object = None  # the tier's location of the block, settled by the owner once the write is done
 
     def view(self) -> np.ndarray:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
