@@ -5,8 +5,8 @@ once, anchors first) and its block records: at once (`Tier.recover`: the host
 arena's placement index) or, for a tier that reads them in the background
 (`Tier.scanned`: the disk's LMDB index, millions of records), once they are
 read. The daemon adopts them in steps while it serves (`Recovery.step`, a
-bounded number of records a call, after `run_for` a short while before its
-ready line); `finish` does it in one go (a store built without a loop, tools,
+bounded number of records a call), unless there are only a few thousand;
+`finish` does it in one go (those few, a store built without a loop, tools,
 tests, `check`). Meanwhile a request adopts the records of the keys it names
 before it looks at them (`adopt_now`): a block whose record is read is a hit
 at once. A tier's free pages are known before it is adopted (the host arena's
@@ -79,14 +79,16 @@ class _TierRecovery:
 class Recovery:
     """Adopts what the persistent tiers of `placement`'s chain kept, fastest tier first; `register` is the
     store's namespace registration. The constructor registers the namespaces; the blocks are adopted by
-    `step`, `run_for` or `finish`."""
+    `step` or `finish`."""
 
     def __init__(self, index: BlockIndex, placement: Placement, register: Callable[[Namespace], str]) -> None:
         self.index, self.placement = index, placement
         self._pending: deque[_TierRecovery] = deque()
+        self.num_records = 0  # the block records the tiers reported at open
         for tier in placement.chain:
             if not tier.persistent:
                 continue
+            self.num_records += tier.num_kept_records  # (before `recover` hands them over)
             namespaces, blocks = tier.recover()
             _register(tier, namespaces, register)
             r = _TierRecovery(tier)
@@ -116,14 +118,6 @@ class Recovery:
             if not self._advance(r, budget, first=r is self._pending[0]):
                 self._pending.remove(r)
         return bool(self._pending)
-
-    def run_for(self, seconds: float, budget: int = 1000) -> bool:
-        """Steps for at most about `seconds` (waiting for no scan); True while work is left."""
-        deadline = time.monotonic() + seconds
-        while self.step(budget) and time.monotonic() < deadline:
-            if self.scanning:
-                time.sleep(0.002)
-        return self.active
 
     def finish(self) -> None:
         """Everything left, now (waiting for the scans)."""

@@ -61,7 +61,7 @@ from kvstore.tiers.base import Tier
 
 __all__ = ["TieredStore"]
 
-RECOVERY_AT_START_S = 0.25  # `start` recovers this long before it serves (all of a small tier)
+RECOVER_BEFORE_SERVING_BLOCKS = 4096  # `start` recovers tiers that kept at most this many records before it serves
 RECOVERY_STEP_BLOCKS = 1000  # records a step of a background recovery adopts (~10-20 ms of the loop)
 RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 
@@ -477,7 +477,9 @@ class TieredStore:
         that reads its records in the background (a step of RECOVERY_STEP_BLOCKS per turn)."""
         if self.sharing is not None:
             self.sharing.start()
-        if self.recovery.active and self.recovery.run_for(RECOVERY_AT_START_S):  # a small tier is done at once
+        if self.recovery.num_records <= RECOVER_BEFORE_SERVING_BLOCKS:  # (a few milliseconds)
+            self.recovery.finish()
+        if self.recovery.active:
             self._recovering = asyncio.get_running_loop().create_task(self._recover())
 
     async def _recover(self) -> None:

@@ -155,7 +155,8 @@ def test_a_record_written_again_meanwhile_gives_back_only_its_pages(stores, gate
     stores.close(store)  # (a host tier that is not kept: the blocks live on in their disk copies only)
     store = stores.open(background=True)
     assert put(store, chain) == 2  # into the host tier again, before the records are read
-    store.recovery.run_for(5)  # scanned and indexed: copies of the host blocks, waiting to be attached
+    while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":  # read and sorted
+        store.recovery.step(100)
     store.recovery.finish()
     assert store.stats()["tiers"]["disk"]["copies"] == 2
     for salt in range(700, 720):  # demoted: back to their copies, no write
@@ -260,3 +261,42 @@ def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(tm
     finally:
         store.close()
         store.host.close(unlink=True)
+
+
+def test_a_daemon_serves_before_its_disk_is_adopted_and_keeps_every_block(tmp_path):
+    """More records than a daemon recovers before it serves: it prints its ready line, adopts in the
+    background (stats' "recovery" until done), answers every request meanwhile, and then holds every
+    block it held before the stop, byte-identical."""
+    from kvstore.client import KVClient
+    from kvstore.keys import Namespace
+    from kvstore.store import RECOVER_BEFORE_SERVING_BLOCKS
+    from kvstore.tools.harness.daemon_proc import start_daemon
+    from tests.helpers import poll
+
+    ns_small = Namespace("bg-daemon", "bf16", 1, 1, 8, 16, 4096)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\ncapacity = {8192 * 4096}\npage_size = 4096\n')
+    flags = dict(host_bytes=str(1024 * 4096), page_bytes="4096", disk=True)
+    chains = [chain_hashes(s, 512) for s in range(12)]
+    assert sum(map(len, chains)) > RECOVER_BEFORE_SERVING_BLOCKS
+    d = start_daemon(tmp_path, "--config", str(config), **flags)
+    try:
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            for hs in chains:
+                assert c.put(ns, [(h, p, payload_bytes(h, 4096)) for h, p in zip(hs, [None] + hs[:-1])], chunk=512) == 512
+        d.stop(keep_arena=True)
+        d = start_daemon(tmp_path, "--config", str(config), name=d.name, **flags)
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            first = c.stats()
+            assert "recovery" in first, "the daemon recovered everything before it served"
+            c.lookup(ns, chains[3])  # answered while it recovers (a hit once the disk's records are read)
+            poll(lambda: "recovery" not in c.stats(), 60, "the background recovery")
+            for hs in chains:
+                assert c.lookup(ns, hs).hits == 512
+            got = c.get(ns, chains[7])
+            assert all(g is not None and g.tobytes() == payload_bytes(h, 4096) for g, h in zip(got, chains[7]))
+        assert d.check() == []
+    finally:
+        d.stop()

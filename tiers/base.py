@@ -208,6 +208,12 @@ class Tier:
         has handed them over."""
         return False
 
+    @property
+    def num_kept_records(self) -> int:
+        """How many block records the tier found at open (before any is checked); 0 for a tier that
+        keeps none. Cheap: the store uses it to decide whether to recover before it serves."""
+        return 0
+
     def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
         """The blocks a background read of the records found, once (None while it runs, unless `wait`);
         [] for a tier that has none to give."""

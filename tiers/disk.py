@@ -286,6 +286,11 @@ class DiskTier(Tier):
     def scanning(self) -> bool:
         return self._scan is not None
 
+    @property
+    def num_kept_records(self) -> int:
+        with self.env.begin(db=self._db_blocks) as txn:
+            return txn.stat(self._db_blocks)["entries"]
+
     def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
         """The blocks the scan of the index found (once; None while it runs, unless `wait`). From then on
         the tier knows its free pages: it allocates, and the writer formats what is free."""

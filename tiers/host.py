@@ -239,6 +239,10 @@ class HostArena(Tier):
     def durable(self, location: Extents) -> bool:
         return self.index is not None and not self.index.pending(location)
 
+    @property
+    def num_kept_records(self) -> int:
+        return len(self._recovered[1]) if self._recovered else 0
+
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
         namespaces, kept = self._recovered or ([], [])
         self._recovered = None
