@@ -72,7 +72,8 @@ def open_store(config: Config) -> TieredStore:
         if config.disk.enabled:
             from kvstore.tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
-            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes, decoder=decode_into))
+            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes, config.disk.page_bytes,
+                                  decoder=decode_into))
         else:
             absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
         remote, why = remote_tier(config, host)
@@ -85,7 +86,7 @@ def open_store(config: Config) -> TieredStore:
         rc = config.remote
         sharing = SharingOptions(rc.publish, rc.timeout_s, rc.transfer_timeout_s)
         return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing,
-                           compression=Compression(config.compression))
+                           compression=Compression(config.compression), recover_in_background=True)
     except BaseException:
         _give_back(chain, host)
         raise

@@ -159,10 +159,13 @@ class DiskConfig:
     enabled: bool = True
     path: str = ""  # default: <state dir>/<name>/disk
     capacity_bytes: int = 8 * GiB
+    page_bytes: int = 64 * KiB  # a new data file's; an existing one keeps the page size it was made with
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "disk.enabled must be true or false")
         _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= 1 * MiB, "disk.capacity must be >= 1MiB")
+        _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
+                 f"disk.page_size must be a multiple of 4KiB, got {self.page_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -386,6 +389,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "enabled": ("enabled", None),
         "path": ("path", str),
         "capacity": ("capacity_bytes", "size"),
+        "page_size": ("page_bytes", "size"),
     },
     "remote": {
         "kind": ("kind", str),

@@ -2,8 +2,8 @@
 `Shared` (clocks, namespaces, counters and listeners, handed to each part at construction).
 
 An `Entry` is one block: where it sits (`tier`, `location`), its place in the
-prefix tree (`parent`, `depth`, `kids`), how many of its children sit in each
-tier (`children`, indexed by `RANK`), its pins and its write state, the copies
+prefix tree (`parent`, `depth`, `child_keys`), how many of its children sit in
+each tier (`child_counts`, indexed by `RANK`), its pins and its write state, the copies
 it left in slower persistent tiers when it was promoted out of them (`copies`),
 and what inspection tools and KV events show of it (`hits`, `last_access`,
 `tokens`). Only the block index (kvstore/index.py) creates, re-tiers or
@@ -40,9 +40,9 @@ class Entry:
     owner: Owner | None  # reserving owner while uncommitted
     committed: bool = False
     pins: int = 0
-    children: list = field(default_factory=lambda: [0] * len(TIERS))  # resident children per tier rank
+    child_counts: list = field(default_factory=lambda: [0] * len(TIERS))  # resident children per tier rank
     attention: float | None = None
-    kids: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
+    child_keys: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
     copies: dict | None = None  # tier name -> location of a copy kept in a slower, persistent tier
     hits: int = 0  # times acquired (for `kvstore inspect`)
     last_access: float = 0.0  # the store's clock at the commit or the latest hit
@@ -52,33 +52,33 @@ class Entry:
 def link_child(parent: Entry, key: Key) -> None:
     """Index `key` under `parent`. Most blocks have at most one child, so one child is
     stored bare (no set per chain link); a second one turns it into a set."""
-    kids = parent.kids
+    kids = parent.child_keys
     if kids is None:
-        parent.kids = key
+        parent.child_keys = key
     elif isinstance(kids, set):
         kids.add(key)
     elif kids != key:
-        parent.kids = {kids, key}
+        parent.child_keys = {kids, key}
 
 
 def unlink_child(parent: Entry, key: Key) -> None:
-    kids = parent.kids
+    kids = parent.child_keys
     if isinstance(kids, set):
         kids.discard(key)
         if len(kids) == 1:
-            parent.kids = next(iter(kids))
+            parent.child_keys = next(iter(kids))
     elif kids == key:
-        parent.kids = None
+        parent.child_keys = None
 
 
 def children_of(entry: Entry) -> tuple | set:
-    kids = entry.kids
+    kids = entry.child_keys
     return () if kids is None else kids if isinstance(kids, set) else (kids,)
 
 
 def is_leaf_in(entry: Entry, tier: str) -> bool:
     """No child of `entry` sits in `tier` or a faster one."""
-    return not any(entry.children[: RANK[tier] + 1])
+    return not any(entry.child_counts[: RANK[tier] + 1])
 
 
 @dataclass(slots=True)

@@ -76,9 +76,9 @@ class BlockIndex:
             e = Entry(key, None, 0, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
         else:
             e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
-            parent.children[RANK[tier]] += 1
-            if parent.kids is None:  # (`link_child` of a first child)
-                parent.kids = key
+            parent.child_counts[RANK[tier]] += 1
+            if parent.child_keys is None:  # (`link_child` of a first child)
+                parent.child_keys = key
             else:
                 link_child(parent, key)
         self.entries[key] = e
@@ -98,7 +98,7 @@ class BlockIndex:
     def _link(self, e: Entry, parent: Entry | None) -> Entry:
         self.entries[e.key] = e
         if parent is not None:
-            parent.children[RANK[e.tier]] += 1
+            parent.child_counts[RANK[e.tier]] += 1
             link_child(parent, e.key)
         return e
 
@@ -134,7 +134,7 @@ class BlockIndex:
 
     def remove(self, e: Entry) -> None:
         """Take out an entry without children, whose pages and copies placement gave back."""
-        if any(e.children):
+        if any(e.child_counts):
             raise KVStoreError("internal: removing a block that still has children")
         if e.committed:
             self.listeners.removed(e, e.tier)
@@ -146,9 +146,9 @@ class BlockIndex:
         del self.entries[key]
         parent = self.entries.get(e.parent) if e.parent is not None else None
         if parent is not None:
-            parent.children[RANK[e.tier]] -= 1
-            if parent.kids == key:  # (`unlink_child` of an only child)
-                parent.kids = None
+            parent.child_counts[RANK[e.tier]] -= 1
+            if parent.child_keys == key:  # (`unlink_child` of an only child)
+                parent.child_keys = None
             else:
                 unlink_child(parent, key)
         self.listeners.dropped(e)
@@ -166,8 +166,8 @@ class BlockIndex:
         e.tier, e.location = tier, location
         parent = self.parent_of(e)
         if parent is not None:
-            parent.children[RANK[old]] -= 1
-            parent.children[RANK[tier]] += 1
+            parent.child_counts[RANK[old]] -= 1
+            parent.child_counts[RANK[tier]] += 1
         if not from_copy:
             self.listeners.stored(e, tier)
 

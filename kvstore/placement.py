@@ -24,7 +24,10 @@ result. The rules it keeps, for every pair of tiers:
   tiers.
 - A block whose bytes a tier lost (a write that failed after the tier took
   them) or that fails to verify is *discarded* with its subtree whatever its
-  pins; the pins become ghost pins.
+  pins; the pins become ghost pins. A block a tier kept across a restart is
+  verified before its bytes are first read (`verified`: before the store pins
+  it for a reader, before it is demoted), unless the tier verified it in the
+  background already.
 - A demotion into a tier that compresses the block's namespace
   (kvstore/compression.py) allocates the encoded size and hands the tier the
   codec; everything else about the block (its entry, `nbytes`, its policy) is
@@ -93,33 +96,46 @@ class Placement:
                 tier.persist_namespace(ns.id, ns.to_dict())
             tier.prewarm(ns.block_bytes)
 
-    # -- blocks entering and being read -------------------------------------------------
-    def placed(self, e: Entry, stamp: float) -> None:
-        """`e` committed where it sits: a persistent tier records it (the host arena's index)."""
-        self.placed_many([e], stamp)
-
-    def placed_many(self, entries: Sequence[Entry], stamp: float) -> None:
-        """`placed` for the blocks of one commit (one call per persistent tier they sit in)."""
+    # -- blocks entering and being read: what the tiers' indexes and the policies hear --------
+    def record_in_tier(self, entries: Sequence[Entry], stamp: float) -> None:
+        """The blocks of one commit sit committed where they are: a persistent tier's own index
+        records them (the host arena's placement index; one call per persistent tier)."""
         for name, group in _by_tier(entries).items():
             tier = self.tiers[name]
             if tier.persistent:
                 tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
                                                          e.attention, stamp)) for e in group])
 
-    def admit(self, entries: Sequence[Entry]) -> None:
-        """Committed or adopted blocks enter their tier's policy, in order (one call per tier)."""
+    def insert_in_policy(self, entries: Sequence[Entry]) -> None:
+        """Committed or adopted blocks enter their tier's policy, in order (one `on_insert_many` per tier)."""
         namespaces = self.shared.namespaces
         for tier, group in _by_tier(entries).items():
             self.policies[tier].on_insert_many([
                 BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
                 for e in group])
 
-    def adopted(self, e: Entry) -> None:
-        """A block adopted where it sits (restart recovery, a remote lookup) enters its tier's policy."""
-        self.policies[e.tier].on_insert(self.info(e))
+    @property
+    def verifying(self) -> bool:
+        """Some tier holds blocks kept across a restart that are not verified yet."""
+        return any(t.verifying for t in self.chain)
 
-    def accessed(self, entries: Sequence[Entry]) -> None:
-        """Acquire hit these blocks: each tier's hit count and policy, one call per tier."""
+    def verified(self, e: Entry) -> bool:
+        """Whether `e`'s bytes may be read (its tier verifies a block it kept across a restart before
+        the first read); a block that fails is discarded with its subtree and counted."""
+        tier = self.tiers[e.tier]
+        if not tier.verifying or tier.verify(e.location, e.key):
+            return True
+        self._drop_altered(e)
+        return False
+
+    def _drop_altered(self, e: Entry) -> None:
+        self.counters[f"{e.tier}_checksum_failures"] += 1
+        log.warning("%s tier: kept block %s: checksum mismatch (altered bytes); removed with its subtree", e.tier,
+                    e.key[1].hex()[:16])
+        self.discard(e)
+
+    def hit_in_policy(self, entries: Sequence[Entry]) -> None:
+        """Acquire hit these blocks: each tier's hit count and policy hear it, one call per tier."""
         for tier, group in _by_tier(entries).items():
             self.tier_stats[tier].hits += len(group)
             self.policies[tier].on_access([e.key for e in group])
@@ -199,12 +215,14 @@ class Placement:
     def demote(self, entry: Entry) -> None:
         """Move a victim (a leaf of its tier) one tier down; from the last tier, or when the next
         one has no room, drop it, and with it its subtree in the slower tiers."""
+        if not self.verified(entry):
+            return  # altered bytes: discarded, not moved
         if entry.tier == "host":
             self.shared.listeners.evicting(entry)  # its bytes leave the arena now
         below = self._below[entry.tier]
         if below is not None and self.move_down(entry, below):
             return
-        if not any(entry.children):
+        if not any(entry.child_counts):
             self.drop(entry)
         elif self.drop_subtree(entry) is None:  # its children sit in slower tiers and go with it
             raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
@@ -219,6 +237,9 @@ class Placement:
         codec = self.codec_for(e, below)
         nbytes = e.nbytes if codec is None else codec.stored_bytes
         if not below.fits(nbytes):
+            return False
+        if below.scanning:  # it knows no free page yet (tiers/disk_scan.py)
+            self.counters[f"demotions_dropped_{below.name}_scanning"] += 1
             return False
         try:
             self.make_room(below.name, lambda: below.shortfall(nbytes))
@@ -245,6 +266,8 @@ class Placement:
         `dst` encodes them with `codec` where given. Returns (the block's location in dst, whether the
         source verified). Synchronous."""
         src = self.tiers[e.tier]
+        if src.verifying and not src.verify(e.location, e.key):
+            return alloc, False
         if dst.host_memory:
             return alloc, src.read_into(e.location, dst.segments(alloc))
         if not src.host_memory:
@@ -274,7 +297,7 @@ class Placement:
     # -- dropping --------------------------------------------------------------------------
     def drop(self, e: Entry) -> None:
         """Give back the pages of a block without children (its copies' too) and remove it."""
-        if any(e.children):
+        if any(e.child_counts):
             raise KVStoreError("internal: dropping a block that still has children")
         if e.copies:
             for tier in list(e.copies):
@@ -307,8 +330,13 @@ class Placement:
             self.counters[f"{e.tier}_blocks_discarded"] += 1
 
     def reap(self) -> None:
-        """Discard the blocks whose write to a tier failed after it took their bytes."""
+        """Discard the blocks whose write to a tier failed after it took their bytes, and the kept blocks
+        a tier found altered in the background."""
         for tier in self.chain:
+            for key in tier.failed_checks():
+                e = self.index.get(key)
+                if e is not None and e.tier == tier.name and tier.lost(e.location):
+                    self._drop_altered(e)
             for key in tier.failed_writes():
                 e = self.index.get(key)
                 if e is not None and e.tier == tier.name and tier.lost(e.location):

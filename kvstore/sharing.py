@@ -259,7 +259,7 @@ class RemoteSharing:
                 self.tier.free(None)
                 break
             ref = RemoteRef(object_key(ns_id, h), ns_id, h, parent[1] if parent is not None else None)
-            self.placement.adopted(self.index.adopt(key, pe, ns.block_bytes, "remote", ref))
+            self.placement.insert_in_policy([self.index.adopt(key, pe, ns.block_bytes, "remote", ref)])
             parent = key
             added += 1
         return added

@@ -24,8 +24,10 @@ The parts, each the only writer of its state:
 - `waits` (kvstore/waits.py): announcements and waits for blocks in flight;
 - `sharing` (kvstore/sharing.py), where the chain ends in a remote tier:
   lookups in the cluster, the remote fetch, publishing;
-- restart recovery (kvstore/recovery.py) and `check()` (kvstore/store_check.py)
-  are functions over them.
+- `recovery` (kvstore/recovery.py): restart recovery, done at construction, or
+  (the daemon) while the store serves, from `start` on; a request adopts what
+  it names first;
+- `check()` (kvstore/store_check.py) is a function over them.
 Observers (KV events: server/events.py) subscribe with `add_listener`
 (kvstore/block_events.py); waits and sharing are listeners too.
 
@@ -37,6 +39,7 @@ after every scenario.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
@@ -50,14 +53,18 @@ from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
-from kvstore.recovery import recover
+from kvstore.recovery import Recovery
 from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, namespace_rows, tier_rows
 from kvstore.waits import InflightWaits
 from kvstore.wire import LookupResult, WaitResult
 from kvstore.tiers.base import Tier
 
-__all__ = ["RANK", "TIERS", "Entry", "LookupResult", "TieredStore"]  # (RANK, TIERS, Entry: older import paths)
+__all__ = ["TieredStore"]
+
+RECOVER_BEFORE_SERVING_BLOCKS = 4096  # `start` recovers tiers that kept at most this many records before it serves
+RECOVERY_STEP_BLOCKS = 1000  # records a step of a background recovery adopts (~10-20 ms of the loop)
+RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 
 
 class TieredStore:
@@ -71,10 +78,13 @@ class TieredStore:
         absent: dict[str, str] | None = None,
         sharing: SharingOptions | None = None,
         compression: Compression | None = None,
+        recover_in_background: bool = False,
     ) -> None:
         """`absent`: tier name -> why it is not in the chain (for stats); `sharing`: how a remote tier
         in the chain is used (defaults where None); `compression`: which tiers store the blocks of
-        opted-in namespaces compressed (None: none)."""
+        opted-in namespaces compressed (None: none); `recover_in_background`: what the persistent tiers
+        kept is adopted while the store serves, from `start` on (the daemon), instead of before the
+        constructor returns."""
         chain = [tiers] if isinstance(tiers, Tier) else list(tiers)
         names = [t.name for t in chain]
         if names != sorted(names, key=lambda n: RANK.get(n, len(TIERS))) or len(set(names)) != len(names) \
@@ -88,40 +98,28 @@ class TieredStore:
         self.absent = dict(absent or {})
         self.policy_name = policy
         self.shared = Shared(clock, wall_clock)
-        self.namespaces, self.counters, self.ns_counters = self.shared.namespaces, self.shared.counters, \
-            self.shared.ns_counters
-        self.listeners = self.shared.listeners
-        self.index = BlockIndex([t.name for t in chain if t.persistent], self.listeners)
+        listeners = self.shared.listeners
+        self.index = BlockIndex([t.name for t in chain if t.persistent], listeners)
         self.compression = compression
         self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=clock) for t in chain},
                                    self.shared, compression)
-        self.policies = self.placement.policies
-        self.waits = InflightWaits(self.index, self.counters)
-        self.listeners.add(self.waits)
+        self.waits = InflightWaits(self.index, self.shared.counters)
+        listeners.add(self.waits)
         self.sharing: RemoteSharing | None = None
         if "remote" in self.tiers:
             self.sharing = RemoteSharing(self.tiers["remote"], self.index, self.placement, self.shared,  # type: ignore[arg-type]
                                          sharing or SharingOptions())
-            self.listeners.add(self.sharing)
+            listeners.add(self.sharing)
         self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing)
         self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop
         if "gpu" in self.tiers:
             self.demoter = GpuDemoter(self.placement, self.index, self.shared)
-            self.listeners.add(self.demoter)
+            listeners.add(self.demoter)
         self._persisted_ns: set[str] = set()
-        recover(self.index, self.placement, self.register_namespace)
-
-    @property
-    def entries(self) -> dict[Key, Entry]:
-        return self.index.entries
-
-    @property
-    def tier_stats(self) -> dict:
-        return self.shared.tier_stats
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.shared.clock
+        self._recovering: asyncio.Task | None = None
+        self.recovery = Recovery(self.index, self.placement, self.register_namespace)
+        if not recover_in_background:
+            self.recovery.finish()
 
     @property
     def disk(self) -> Tier | None:
@@ -133,7 +131,7 @@ class TieredStore:
 
     def add_listener(self, listener: object) -> None:
         """Subscribe an observer of blocks (kvstore/block_events.py), e.g. the KV-event publisher."""
-        self.listeners.add(listener)
+        self.shared.listeners.add(listener)
 
     # -- namespaces -----------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> str:
@@ -142,13 +140,13 @@ class TieredStore:
                 f"block_bytes {ns.block_bytes} exceeds the host tier capacity {self.host.capacity_bytes}"
             )
         if ns.anchor:
-            anchor = self.namespaces.get(ns.anchor)
+            anchor = self.shared.namespaces.get(ns.anchor)
             if anchor is None or anchor.anchor or (anchor.model, anchor.tenant) != (ns.model, ns.tenant):
                 raise NamespaceError(f"anchor {ns.anchor!r} must be a registered namespace of the same model and "
                                      f"tenant, without an anchor of its own; register it first")
         if self.compression is not None:
             self.compression.check_namespace(ns)  # an opt-in to a profile this daemon cannot apply is refused
-        self.namespaces[ns.id] = ns
+        self.shared.namespaces[ns.id] = ns
         if ns.id not in self._persisted_ns:
             self.placement.prepare_namespace(ns)
             self._persisted_ns.add(ns.id)
@@ -156,7 +154,7 @@ class TieredStore:
 
     def namespace(self, ns_id: str) -> Namespace:
         try:
-            return self.namespaces[ns_id]
+            return self.shared.namespaces[ns_id]
         except (KeyError, TypeError):
             raise NamespaceError(f"unknown namespace {ns_id!r}; register it first") from None
 
@@ -169,6 +167,7 @@ class TieredStore:
 
     async def find(self, ns_id: str, hashes: Sequence[bytes]) -> LookupResult:
         """`lookup`, after indexing what the remote tier holds past the local prefix."""
+        self._adopt_recovered(ns_id, hashes)
         if self.sharing is not None:
             await self.extend_from_remote(ns_id, hashes)
         return self.lookup(ns_id, hashes)
@@ -177,6 +176,7 @@ class TieredStore:
         """How many leading blocks the index holds committed (in any tier). No pins, no policy events."""
         self.namespace(ns_id)
         self.placement.reap()
+        self._adopt_recovered(ns_id, hashes)
         tiers: list[str] = []
         get = self.index.entries.get
         for h in hashes:
@@ -184,7 +184,7 @@ class TieredStore:
             if e is None or not e.committed:
                 break
             tiers.append(e.tier)
-        for counts in (self.counters, self.ns_counters[ns_id]):
+        for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
             counts["lookup_blocks"] += len(hashes)
             counts["lookup_hit_blocks"] += len(tiers)
         return LookupResult(len(tiers), tuple(tiers))
@@ -196,6 +196,7 @@ class TieredStore:
         or a block that could not be brought there, then not pinned) and the tier each block was
         found in. With `prefix` the answer stops at the first miss. Without `lift`, blocks a reader of
         `tier` can already read stay where they are (a GPU engine reads the arena too)."""
+        self._adopt_recovered(ns_id, hashes)
         if self.sharing is not None:
             await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
@@ -209,14 +210,20 @@ class TieredStore:
         miss), wherever they sit: `prepare_read` brings them where a reader reads them."""
         self.namespace(ns_id)
         self.placement.reap()
+        self._adopt_recovered(ns_id, hashes)
+        get, missed = self.index.entries.get, False
+        if self.placement.verifying:  # blocks kept across a restart are verified before they are first read
+            for h in hashes:
+                e = get((ns_id, h))
+                if e is not None and e.committed:
+                    self.placement.verified(e)  # (one that fails is discarded: a miss below)
         out: list[Entry | None] = []
         hits: list[Entry] = []
-        get, missed = self.index.entries.get, False
         for h in hashes:
             e = get((ns_id, h))
             if e is None or not e.committed or missed:
                 if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
-                    self.counters[PRESENT_MISS + "after_a_miss"] += 1
+                    self.shared.counters[PRESENT_MISS + "after_a_miss"] += 1
                 out.append(None)
                 missed = prefix
                 continue
@@ -225,9 +232,9 @@ class TieredStore:
         if hits:
             self.index.pin(hits, owner, self.shared.clock())  # (and `touch`)
             self.host.busy()  # a read is under way: the arena's checksums wait (tiers/host_index.py)
-            self.placement.accessed(hits)
-            self.listeners.hit(hits)
-        for counts in (self.counters, self.ns_counters[ns_id]):
+            self.placement.hit_in_policy(hits)
+            self.shared.listeners.hit(hits)
+        for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
             counts["hit_blocks"] += len(hits)
             counts["miss_blocks"] += len(hashes) - len(hits)
         return out
@@ -276,6 +283,9 @@ class TieredStore:
                                f"{[t.name for t in self.chain if t.client_readable]}")
         placement = self.placement
         placement.reap()
+        if self.recovery.active:  # the blocks and their parents, where their records wait for adoption
+            parent_ns = ns.anchor or ns_id
+            self.recovery.adopt_now([(ns_id, h) for h, _ in blocks] + [(parent_ns, p) for _, p in blocks if p])
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
         # so each parent's tier is looked at just before its child's room is made. (So too with a
         # preferred tier: room is made only for the blocks that do not go there.)
@@ -298,8 +308,8 @@ class TieredStore:
         (allocations made for the batch) while it lasts."""
         placement, entries = self.placement, self.index.entries
         out: list[Entry | None] = []
-        ns = self.namespaces[ns_id]
-        nbytes, counters, reserve = ns.block_bytes, self.counters, self.index.reserve
+        ns = self.shared.namespaces[ns_id]
+        nbytes, counters, reserve = ns.block_bytes, self.shared.counters, self.index.reserve
         parent_ns = ns.anchor or ns_id  # an anchored namespace's blocks hang under the anchor's
         rank = RANK[tier]
         for h, parent_hash in blocks:
@@ -360,7 +370,7 @@ class TieredStore:
     def _parent_too_slow(self, parent: Entry | None, tier: str) -> bool:
         """A child put into `tier` would sit faster than its parent: skipped, and counted."""
         if parent is not None and RANK[parent.tier] > RANK[tier]:
-            self.counters[f"put_parent_on_{parent.tier}_blocks"] += 1
+            self.shared.counters[f"put_parent_on_{parent.tier}_blocks"] += 1
             return True
         return False
 
@@ -387,12 +397,12 @@ class TieredStore:
         now, stamp = self.shared.clock(), self.shared.wall_clock()
         index.commit_many(entries, now, attention, tokens)
         try:
-            self.placement.placed_many(entries, stamp)
+            self.placement.record_in_tier(entries, stamp)
         finally:  # every block marked committed reaches its policy, even if a tier's record failed
-            self.placement.admit(entries)
-            self.listeners.committed(entries)
-        self.counters["put_blocks"] += len(hashes)
-        self.ns_counters[ns_id]["put_blocks"] += len(hashes)
+            self.placement.insert_in_policy(entries)
+            self.shared.listeners.committed(entries)
+        self.shared.counters["put_blocks"] += len(hashes)
+        self.shared.ns_counters[ns_id]["put_blocks"] += len(hashes)
         return len(hashes)
 
     def abort(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
@@ -411,7 +421,7 @@ class TieredStore:
         for e in reserved:
             self.placement.drop(e)
         if had_pins or reserved:
-            self.counters["leases_expired"] += 1
+            self.shared.counters["leases_expired"] += 1
 
     # -- blocks in flight (kvstore/waits.py) ----------------------------------------
     def expect(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
@@ -452,9 +462,9 @@ class TieredStore:
         for e in self.index.entries.values():
             if e.parent is None:
                 roots[e.key[0]].append(e.key[1])
-        with self.listeners.muted():
+        with self.shared.listeners.muted():
             removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
-        self.listeners.cleared(list(self.namespaces))
+        self.shared.listeners.cleared(list(self.shared.namespaces))
         self.report_all()
         return removed
 
@@ -463,15 +473,35 @@ class TieredStore:
         daemon's start, or a resync)."""
         self.index.report_all([t.name for t in self.chain])
 
+    def _adopt_recovered(self, ns_id: str, hashes: Sequence[bytes]) -> None:
+        if self.recovery.active:
+            self.recovery.adopt_now([(ns_id, h) for h in hashes])
+
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        """Start background work on the running loop (remote publishing)."""
+        """Start background work on the running loop: remote publishing, and the recovery of a tier
+        that reads its records in the background (a step of RECOVERY_STEP_BLOCKS per turn)."""
         if self.sharing is not None:
             self.sharing.start()
+        if self.recovery.num_records <= RECOVER_BEFORE_SERVING_BLOCKS:  # (a few milliseconds)
+            self.recovery.finish()
+        if self.recovery.active:
+            self._recovering = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        while self.recovery.step(RECOVERY_STEP_BLOCKS):
+            await asyncio.sleep(RECOVERY_SCAN_POLL_S if self.recovery.scanning else 0)
+
+    def wait_recovered(self) -> None:
+        """Finish the recovery now (waiting for a tier's scan of its records)."""
+        self.recovery.finish()
 
     async def stop(self) -> None:
         """Stop background work: what is queued for the remote tier is published (bounded), a gpu
-        demotion in flight finishes."""
+        demotion in flight finishes; a recovery in progress stops where it is (what it did not adopt
+        stays in the tier's index for the next start)."""
+        if self._recovering is not None:
+            self._recovering.cancel()
         if self.demoter is not None:
             await self.demoter.stop()
         if self.sharing is not None:
@@ -495,6 +525,9 @@ class TieredStore:
         self.promoter.wait_idle()
         if persist:
             self.placement.reap()
+            for tier in self.chain:  # a tier still reading its records takes no block: let it read them (what
+                if tier.scanning:    # is not adopted stays in its index for the next start)
+                    tier.scanned(wait=True)
             self.placement.persist_down()
         for tier in reversed(self.chain):
             tier.close()
@@ -508,16 +541,17 @@ class TieredStore:
         return {
             "policy": self.policy_name,
             "chain": [t.name for t in self.chain],
-            "namespaces": len(self.namespaces),
+            "namespaces": len(self.shared.namespaces),
             "blocks": len(committed),
             "reserved_blocks": len(entries) - len(committed),
             "pinned_blocks": sum(1 for e in entries.values() if e.pins),
             "tiers": tier_rows(self.placement, committed, self.absent),
-            "counters": dict(self.counters),
+            "counters": dict(self.shared.counters),
             **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
             "by_namespace": namespace_rows(self.placement, committed),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
             "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now
+            **({"recovery": self.recovery.stats()} if self.recovery.active else {}),
         }
 
     def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
@@ -528,7 +562,9 @@ class TieredStore:
 
     def check(self) -> list[str]:
         """Every inconsistency between index, tiers, refcounts and prefix tree (empty = clean).
-        Waits for pending writes first, so that persistent tiers' indexes compare exactly."""
+        Waits for pending writes (and a recovery in progress) first, so that persistent tiers' indexes
+        compare exactly."""
+        self.recovery.finish()
         self.flush()
         return check(self.index, self.placement, self.promoter)
 

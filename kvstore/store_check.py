@@ -125,10 +125,10 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
         if not e.committed and (key not in index.reserved_by_owner.get(e.owner, ()) or not tiers[e.tier].client_readable):
             problems.append(f"uncommitted {key} belongs to no live reservation in a client-readable tier")
     for key, e in entries.items():
-        if e.children != children.get(key, [0] * len(TIERS)):
-            problems.append(f"child counts of {key} are {e.children}, tree says {children.get(key)}")
+        if e.child_counts != children.get(key, [0] * len(TIERS)):
+            problems.append(f"child counts of {key} are {e.child_counts}, tree says {children.get(key)}")
         kids = children_of(e)
-        if sum(e.children) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
+        if sum(e.child_counts) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
             problems.append(f"children index of {key} does not match its children's parent links")
     problems += _check_pins(index)
     problems += _check_copies(index)

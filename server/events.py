@@ -128,7 +128,7 @@ class EventPublisher:
         """After drops: AllBlocksCleared, then BlockStored for every block the store holds."""
         self.flush(force=True)  # what came since the drop goes first; the snapshot below supersedes it
         self.lost = False
-        self.cleared(list(store.namespaces))
+        self.cleared(list(store.shared.namespaces))
         store.report_all()
         self.flush(force=True)
         self.counts["resyncs"] += 1

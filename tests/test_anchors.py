@@ -85,7 +85,7 @@ def test_an_attachment_without_its_anchor_block_is_refused(s):
     hs = chain_hashes(2, 2)
     assert s.put(SPINE, [(hs[0], None)]) == [True]
     assert s.put(ATTACH, [(hs[1], hs[1])]) == [False]  # the spine block it would hang under is absent
-    assert s.store.counters["put_orphan_blocks"] == 1
+    assert s.store.shared.counters["put_orphan_blocks"] == 1
     assert s.store.index.get((ATTACH.id, hs[1])) is None and s.store.check() == []
 
 
@@ -132,7 +132,7 @@ def test_a_bad_anchor_is_refused_at_registration(s, anchor):
     bad = dataclasses.replace(ATTACH, anchor=anchor, layout="other")
     with pytest.raises(NamespaceError, match="anchor"):
         s.store.register_namespace(bad)
-    assert bad.id not in s.store.namespaces
+    assert bad.id not in s.store.shared.namespaces
 
 
 def test_the_anchor_is_part_of_the_id_only_when_set():

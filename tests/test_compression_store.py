@@ -100,7 +100,7 @@ def test_an_opted_in_block_is_demoted_encoded_and_promoted_decoded(harness):
     (tag,) = row
     assert tag.startswith("k4v2@") and row[tag]["stored_bytes"] == row[tag]["blocks"] * stored
     assert row[tag]["logical_bytes"] == row[tag]["blocks"] * BLOCK and row[tag]["ratio"] == round(BLOCK / stored, 3)
-    e = harness.store.entries[(LOSSY_NS.id, hashes[0])]
+    e = harness.store.index.entries[(LOSSY_NS.id, hashes[0])]
     assert e.nbytes == BLOCK and sum(n for _, n in e.location.extents) == stored  # one page, not four
     got = harness.get(LOSSY_NS, hashes)
     assert got == [lossy(h) for h in hashes]
@@ -137,7 +137,7 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
     harness.spill(LOSSY_NS, hashes)
     store = harness.store
     store.disk.flush()
-    slot = store.entries[(LOSSY_NS.id, hashes[1])].location
+    slot = store.index.entries[(LOSSY_NS.id, hashes[1])].location
     offset = slot.extents[0][0]
     with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
         f.seek(offset + 100)
@@ -146,7 +146,7 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
         f.write(bytes([byte[0] ^ 0xFF]))
     got = harness.get(LOSSY_NS, hashes)
     assert got[0] == lossy(hashes[0]) and got[1] is None and got[2] is None
-    assert store.counters["disk_checksum_failures"] == 1
+    assert store.shared.counters["disk_checksum_failures"] == 1
     assert store.lookup(LOSSY_NS.id, hashes).hits == 1
     assert store.check() == []
 

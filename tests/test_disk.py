@@ -24,6 +24,7 @@ from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_bytes
 from kvstore.tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
 from kvstore.tiers.disk_alloc import PageAllocator
+from kvstore.tiers.disk_writer import DiskWriter
 from kvstore.tiers.host import HostArena
 
 BLOCK = 64 * 1024
@@ -201,7 +202,7 @@ def test_restart_round_trip(harness):
     assert {h for c in chains for h in c} <= on_disk
     assert store.check() == []
     store = harness.reopen()
-    assert NS.id in store.namespaces  # namespaces survive
+    assert NS.id in store.shared.namespaces  # namespaces survive
     assert store.check() == []
     assert {e.key[1] for e in store.iter_entries()} >= on_disk  # close() also persisted the host tier
     for c in chains:
@@ -241,7 +242,7 @@ def test_restart_serves_every_disk_block_one_at_a_time(harness):
         e = asyncio.run(store.prepare_read(e, "r"))
         if e[0] is None:  # its parent is on disk: promotion keeps the tree rule
             store.release(NS.id, [], "r")
-            assert store.counters["promotions_skipped_parent_on_disk"] >= 1
+            assert store.shared.counters["promotions_skipped_parent_on_disk"] >= 1
             continue
         assert store.host.read(e[0].location) == payload_bytes(h, BLOCK)
         store.release(NS.id, [h], "r")
@@ -253,7 +254,7 @@ def test_corruption_is_detected_and_never_served(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    victim = store.entries[(NS.id, hashes[6])]
+    victim = store.index.entries[(NS.id, hashes[6])]
     offset = victim.location.extents[0][0]
     harness.close()
     with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
@@ -288,7 +289,7 @@ def test_corruption_while_running_with_other_pins(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    e = store.entries[(NS.id, hashes[2])]
+    e = store.index.entries[(NS.id, hashes[2])]
     assert e.tier == "disk"
     corrupt_on_disk(harness, e)
     other = store.pin(NS.id, hashes, "other")
@@ -311,7 +312,7 @@ def test_disk_budget_is_never_exceeded(tmp_path):
             h.put(chain_hashes(s, 3))
             assert store.disk.used_bytes <= store.disk.capacity_bytes
             assert store.stats()["tiers"]["disk"]["bytes"] <= store.disk.capacity_bytes
-        assert store.tier_stats["disk"].evictions > 0
+        assert store.shared.tier_stats["disk"].evictions > 0
         assert os.path.getsize(os.path.join(h.folder, DATA_FILE)) == store.disk.capacity_bytes
         assert store.check() == []
         store = h.reopen()
@@ -361,7 +362,7 @@ def test_tree_rule_across_tiers_under_random_operations(harness):
             restarts += 1
         for e in store.iter_entries():
             if e.parent is not None:
-                parent = store.entries[e.parent]
+                parent = store.index.entries[e.parent]
                 assert ["gpu", "host", "disk"].index(e.tier) >= ["gpu", "host", "disk"].index(parent.tier)
         if step % 30 == 0:
             assert store.check() == []
@@ -377,7 +378,7 @@ def test_put_under_a_disk_parent_is_skipped(harness):
     assert store.lookup(NS.id, first).tiers == ("disk", "disk")
     child = chain_hashes(1, 3)[2]
     assert harness.put([child], parent=first[1]) == 0
-    assert store.counters["put_parent_on_disk_blocks"] == 1
+    assert store.shared.counters["put_parent_on_disk_blocks"] == 1
     assert store.check() == []
 
 
@@ -386,7 +387,7 @@ def test_orphan_records_are_dropped_at_open(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    parent = store.entries[(NS.id, hashes[5])]
+    parent = store.index.entries[(NS.id, hashes[5])]
     assert parent.tier == "disk"
     disk = store.disk
     harness.close()
@@ -399,7 +400,7 @@ def test_orphan_records_are_dropped_at_open(harness):
     env.close()
     store = harness.open()
     assert store.lookup(NS.id, hashes).hits == 5
-    assert store.counters["disk_orphans_dropped"] == 2
+    assert store.shared.counters["disk_orphans_dropped"] == 2
     assert store.check() == []
     del disk
 
@@ -426,7 +427,7 @@ def test_check_catches_leaked_and_double_owned_disk_pages(harness):
     assert any("disk pages leaked" in p for p in store.check())
     store.disk.alloc.free(leaked)
     assert store.check() == []
-    e = store.entries[(NS.id, hashes[3])]
+    e = store.index.entries[(NS.id, hashes[3])]
     store.disk.alloc.free(e.location.extents)  # free a live block's pages behind the store's back
     assert any("disk pages owned twice" in p for p in store.check())
     store.disk.alloc.allocate(BLOCK)  # take them back (the stack hands out the same pages)
@@ -440,12 +441,12 @@ def test_write_failure_drops_the_block(harness, monkeypatch):
     def broken(job):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(disk, "_write_job", broken)
+    monkeypatch.setattr(disk.writer, "_write_job", broken)
     chains = [chain_hashes(s, 4) for s in range(4)]
     for c in chains:
         harness.put(c)
     store.flush()
-    assert store.counters["disk_write_failures"] == 8
+    assert store.shared.counters["disk_write_failures"] == 8
     assert store.stats()["tiers"]["disk"]["blocks"] == 0
     assert store.check() == []
 
@@ -506,7 +507,7 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
             store.host.write(e.location, payload_bytes(h, ns.block_bytes))
             store.commit(ns_id, [h], "w")
         store.flush()
-        slot = store.entries[(ns_id, hashes[0])].location
+        slot = store.index.entries[(ns_id, hashes[0])].location
         assert store.disk.direct and not slot.pending
         buf = mmap.mmap(-1, ns.block_bytes)
         whole = np.frombuffer(buf, dtype=np.uint8)
@@ -528,9 +529,9 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
     def slow_chunk(self):  # a formatter that would need thousands of chunks
         chunks.append(1)
         threading.Event().wait(0.002)
-        self.formatted_bytes += self.page_bytes
+        self.formatted_bytes += self.data.page_bytes
 
-    monkeypatch.setattr(DiskTier, "_format_chunk", slow_chunk)
+    monkeypatch.setattr(DiskWriter, "_format_chunk", slow_chunk)
     host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 4 * BLOCK, PAGE)
     disk = DiskTier(str(tmp_path / "disk"), 4096 * PAGE, page_bytes=PAGE)
     store = TieredStore([host, disk])
@@ -543,8 +544,8 @@ def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
         assert store.check() == []
         assert disk.formatted_bytes < disk.capacity_bytes
         formatted = disk.formatted_bytes
-        with disk._cv:  # and formatting resumes afterwards
-            assert disk._cv.wait_for(lambda: disk.formatted_bytes > formatted + 10 * PAGE, timeout=30)
+        # and formatting resumes afterwards
+        assert disk.writer.wait_for(lambda: disk.formatted_bytes > formatted + 10 * PAGE, timeout=30)
     finally:
         store.close()
         host.close()
@@ -592,7 +593,7 @@ def test_a_present_block_read_as_a_miss_is_counted_by_reason(harness):
     assert present_misses(store) == {"no_room": 4}
     store.release(NS.id, residents, "hog")
     store.flush()
-    victim = store.entries[(NS.id, hashes[1])]
+    victim = store.index.entries[(NS.id, hashes[1])]
     assert victim.tier == "disk"
     corrupt_on_disk(harness, victim)
     got = harness.get(hashes)

@@ -13,7 +13,10 @@ arena path), with the harness leaving the arena in place (`keep_arena`):
   root is held after the restart, and nothing is ever served wrong.
 - a reserved, never committed block, and a committed block whose bytes were
   altered after its record was written, are never served after adoption (nor
-  their descendants); the rest of the chain is.
+  their descendants); the rest of the chain is. The altered block is adopted
+  (a restart reads no byte) and dropped when it is first read
+  (tests/test_verify_kept.py: before any read, in the background, before a
+  demotion).
 - a changed host capacity or page size, or a corrupt index, starts empty with
   a log line saying why; the daemon serves either way.
 """
@@ -248,8 +251,9 @@ def test_torn_or_altered_blocks_are_not_served_after_adoption(tmp_path):
         assert not any(got[h] for h in torn), "a block that was never committed was served"
         assert d.check() == []
         stats = d.stats()
-        assert stats["tiers"]["host"]["adopted_blocks"] == 3  # good[3] is dropped as an orphan
-        assert stats["counters"]["host_orphans_dropped"] == 1
+        assert stats["tiers"]["host"]["adopted_blocks"] == 4  # adopted unverified; good[2] failed at its first read
+        assert stats["counters"]["host_checksum_failures"] == 1
+        assert stats["counters"]["host_blocks_discarded"] == 2  # good[2] and its child good[3]
         assert "checksum mismatch" in Path(tmp_path / "d.log").read_text()
     finally:
         d.stop()
@@ -321,7 +325,7 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
         assert store.lookup(ns, hs).hits == 5 and store.host.stats()["adopted_unchecked"] == 5
         for h in hs[:5]:
-            assert store.host.read(store.entries[(ns, h)].location) == h * 512
+            assert store.host.read(store.index.entries[(ns, h)].location) == h * 512
         poll(lambda: store.host.index.num_unchecked == 0, 30, "background checksums")
         assert store.check() == []  # every record has its checksum, and the bytes match it
         store.close()

@@ -274,7 +274,7 @@ def test_a_publisher_that_falls_behind_drops_then_resyncs_the_whole_state(tmp_pa
     try:
         ns = store.register_namespace(NS)
         cfg = EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_queue_events=4)
-        pub = EventPublisher(cfg, store.namespaces)
+        pub = EventPublisher(cfg, store.shared.namespaces)
         store.add_listener(pub)
         hs, toks = chain_tokens(3, 6)
         for i, (h, t) in enumerate(zip(hs, toks)):  # the thread is not running yet: nothing drains the queue

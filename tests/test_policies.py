@@ -273,7 +273,7 @@ def make_store():
         store = TieredStore(host, policy="lru" if name == "belady" else name, clock=clock)
         ns = Namespace("test", "bf16", 1, 1, 1, 16, BLOCK)
         if name == "belady":
-            store.policies["host"] = BeladyPolicy(
+            store.placement.policies["host"] = BeladyPolicy(
                 {(ns.id, k): v for k, v in (future or {}).items()}, now=lambda: int(clock.now), clock=clock
             )
         return store, store.register_namespace(ns), clock
@@ -299,7 +299,7 @@ def put_chain(store, ns, hashes, owner="w") -> int:
 
 
 def no_orphans(store) -> bool:
-    return all(e.parent is None or e.parent in store.entries for e in store.iter_entries())
+    return all(e.parent is None or e.parent in store.index.entries for e in store.iter_entries())
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -326,7 +326,7 @@ def test_store_uncommitted_blocks_are_never_evicted(name, make_store):
     for r in range(6):
         clock.now = r + 1
         put_chain(store, ns, [h("other", r, i) for i in range(2)])
-        assert all((ns, k) in store.entries for k in pending)
+        assert all((ns, k) in store.index.entries for k in pending)
         assert store.check() == []
     store.commit(ns, pending, "writer")
     assert store.lookup(ns, pending).hits == 3
@@ -340,7 +340,7 @@ def test_store_full_of_pins_refuses_instead_of_evicting(name, make_store):
     assert put_chain(store, ns, chain) == 4
     store.pin(ns, chain, "reader")
     assert put_chain(store, ns, [h("q", 0)]) == 0  # no room: refused, nothing pinned evicted
-    assert store.counters["put_capacity_rejects"] >= 1
+    assert store.shared.counters["put_capacity_rejects"] >= 1
     assert store.lookup(ns, chain).hits == 4
     store.release(ns, chain, "reader")
     assert put_chain(store, ns, [h("q", 0)]) == 1

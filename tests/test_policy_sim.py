@@ -130,7 +130,7 @@ def test_draws_of_a_shape_are_summarised_per_shape_and_jobs_change_nothing(capsy
 
 
 def test_segments_split_the_hit_ratio_by_stretch_of_requests(capsys):
-    from kvstore.eviction.replay import expand
+    from kvstore.eviction.traces import expand
     from kvstore.tools.bench.policy_sim import segments
 
     reqs = load("gen:shift", 400)

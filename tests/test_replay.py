@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvstore.eviction.replay import expand, full_blocks, next_use_index, read_trace, Request
+from kvstore.eviction.traces import expand, full_blocks, next_use_index, read_trace, Request
 from kvstore.tools import cli
 from kvstore.tools.replay import ALL_POLICIES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.eviction.replay import Request
+from kvstore.eviction.traces import Request
 from tests.test_replay import TRACE, needs_trace
 from kvstore.tools.bench import reuse_study
 from kvstore.tools.replay import replay
@@ -58,7 +58,7 @@ def test_hit_density_table_favours_blocks_that_come_back():
 
 @needs_trace
 def test_study_invariants_on_a_real_excerpt():
-    from kvstore.eviction.replay import read_trace
+    from kvstore.eviction.traces import read_trace
 
     requests = read_trace(TRACE, 1500)
     doc = reuse_study.study(requests, 300, ["lru", "s3fifo", "attention", "belady"], horizon_s=180.0)

@@ -52,7 +52,7 @@ class EventsMachine(StoreMachine):
 
     @invariant()
     def events_match_the_store(self):
-        expected = {(e.key, t) for e in self.store.entries.values() if e.committed for t in held_tiers(e)}
+        expected = {(e.key, t) for e in self.store.index.entries.values() if e.committed for t in held_tiers(e)}
         assert self.sink.held == expected
 
 

@@ -123,7 +123,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------
     def present(self, h: bytes) -> bool:
-        return (self.ns, h) in self.store.entries
+        return (self.ns, h) in self.store.index.entries
 
     def parents(self) -> list:
         return [None] + sorted(self.committed)
@@ -133,7 +133,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def bytes_of(self, h: bytes) -> bytes:
         """The block's bytes wherever it lives, through the tier interface (disk: verified)."""
-        e = self.store.entries[(self.ns, h)]
+        e = self.store.index.entries[(self.ns, h)]
         tier = self.store.tiers[e.tier]
         out = np.empty(e.nbytes, dtype=np.uint8)
         tier.read_blocks(e.location)
@@ -201,7 +201,7 @@ class StoreMachine(RuleBasedStateMachine):
         [entry] = self.store.pin(self.ns, [h], owner, prefix=True)
         assert entry is not None
         was = entry.tier
-        parent = self.store.entries.get(entry.parent) if entry.parent is not None else None
+        parent = self.store.index.entries.get(entry.parent) if entry.parent is not None else None
         parent_slow = parent is not None and RANK[parent.tier] > RANK["host"]
         [entry] = asyncio.run(self.store.prepare_read([entry], owner, tier=reader))
         if entry is None:
@@ -249,7 +249,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
         self.pins = {o: [] for o in self.pins}
         self.reserved = {}
-        after = {k[1] for k in self.store.entries}
+        after = {k[1] for k in self.store.index.entries}
         assert after <= before, "a restart brought back a block that was not committed"
         self.committed = {h: p for h, p in self.committed.items() if h in after}
 
@@ -269,7 +269,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
         self.pins = {o: [] for o in self.pins}
         self.reserved = {}
-        after = {k[1] for k in self.store.entries}
+        after = {k[1] for k in self.store.index.entries}
         assert after <= set(self.last_committed), "a crash brought back a block that was never committed"
         # Back: what was committed, or removed just before the kill (its deletion not yet committed).
         self.committed = {h: self.last_committed[h] for h in after}
@@ -282,7 +282,7 @@ class StoreMachine(RuleBasedStateMachine):
         for tier in self.store.chain:
             assert tier.used_bytes <= tier.capacity_bytes, f"{tier.name} over capacity"
         assert not self.demoted_non_leaves, "a block with children in its tier or a faster one was demoted"
-        assert all(e.pins >= 0 for e in self.store.entries.values())
+        assert all(e.pins >= 0 for e in self.store.index.entries.values())
         pinned = {h for hs in self.pins.values() for h in hs}
         for h in list(self.committed):
             if not self.present(h):
@@ -290,11 +290,11 @@ class StoreMachine(RuleBasedStateMachine):
                 del self.committed[h]  # evicted
         for h in self.reserved:
             assert self.present(h), "an uncommitted block was evicted"
-            assert not self.store.entries[(self.ns, h)].committed
+            assert not self.store.index.entries[(self.ns, h)].committed
         assert self.store.lookup(self.ns, []).hits == 0
         for h, payload in self.committed.items():
-            assert self.store.entries[(self.ns, h)].committed and self.bytes_of(h) == payload
-        store_committed = {k[1] for k, e in self.store.entries.items() if e.committed}
+            assert self.store.index.entries[(self.ns, h)].committed and self.bytes_of(h) == payload
+        store_committed = {k[1] for k, e in self.store.index.entries.items() if e.committed}
         assert store_committed == set(self.committed)
 
 
@@ -346,13 +346,13 @@ def test_check_catches_a_broken_children_index_and_remove_walks_it():
         assert all(store.reserve(ns, blocks, 1))
         store.commit(ns, [a, b, c, d], 1)
         assert store.check() == []
-        root = store.entries[(ns, a)]
-        assert root.kids == {(ns, b), (ns, c)}
-        root.kids = (ns, b)  # forget c
+        root = store.index.entries[(ns, a)]
+        assert root.child_keys == {(ns, b), (ns, c)}
+        root.child_keys = (ns, b)  # forget c
         assert any("children index" in p for p in store.check())
-        root.kids = {(ns, b), (ns, c)}
+        root.child_keys = {(ns, b), (ns, c)}
         assert store.remove(ns, [b]) == 2  # b and d, not its sibling c
-        assert root.kids == (ns, c) and store.check() == []
-        assert store.remove(ns, [a]) == 2 and not store.entries and store.check() == []
+        assert root.child_keys == (ns, c) and store.check() == []
+        assert store.remove(ns, [a]) == 2 and not store.index.entries and store.check() == []
     finally:
         arena.close()

@@ -17,7 +17,8 @@ What a tier declares
   views (the arena), so any other tier copies straight into or out of them.
   Every transfer between two tiers goes through such a tier (the host arena
   is in every chain), never through an extra staging copy.
-- `persistent`: it keeps blocks across a restart (`recover`). A persistent
+- `persistent`: it keeps blocks across a restart (`recover`, and `scanned` for
+  a tier that reads its records in the background: the disk tier). A persistent
   tier that clients write (the host arena) learns of each block that comes to
   sit committed in it through `placed`; the others record a block when they
   take its bytes (`write_from`).
@@ -38,13 +39,17 @@ Moving bytes (one block at a time; the store batches nothing through here)
   `out`; False when the bytes do not verify (checksum), and the store then
   drops the block. `read_blocks(location)` says whether that call waits on
   I/O: the store then runs it in an executor thread, off the event loop.
+- `verify(location, key) -> bool`: before the bytes of a block a tier kept
+  across a restart are first read by anyone (a client's acquire, a copy to
+  another tier): False when they do not match their recorded checksum (the
+  store discards the block). `verifying` is true while the tier holds such
+  blocks not verified yet (the host arena serves first and verifies as it goes).
 
 All other methods run on the store's thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -66,9 +71,9 @@ class BlockMeta(NamedTuple):
     stamp: float  # wall-clock time the block reached the tier
 
 
-@dataclass(frozen=True, slots=True)
-class RecoveredBlock:
-    """A block a persistent tier found at open."""
+class RecoveredBlock(NamedTuple):
+    """A block a persistent tier found at open (a named tuple: a tier makes one per record, millions of
+    them for a disk tier)."""
 
     key: Key
     parent: bytes | None
@@ -169,9 +174,23 @@ class Tier:
     def read_blocks(self, location) -> bool:
         return False
 
+    @property
+    def verifying(self) -> bool:
+        """Some blocks kept across a restart have not been verified yet (`verify`)."""
+        return False
+
+    def verify(self, location, key: Key) -> bool:
+        """Whether a kept block's bytes match their recorded checksum (True for any other block)."""
+        return True
+
     def failed_writes(self) -> list[Key]:
         """Blocks whose write failed after `write_from` since the last call; `lost(location)` then says
         whether the block's current location is the one whose bytes are gone."""
+        return []
+
+    def failed_checks(self) -> list[Key]:
+        """Kept blocks found altered in the background that the tier still holds (listed until the store
+        discards them; `lost` as above)."""
         return []
 
     def lost(self, location) -> bool:
@@ -183,8 +202,26 @@ class Tier:
 
     # -- persistence ---------------------------------------------------------------------
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
-        """(namespaces, blocks) found at open; only persistent tiers have any."""
+        """(namespaces, blocks) found at open; only persistent tiers have any. A tier that reads its
+        records in the background (`scanning`) gives its blocks through `scanned` instead."""
         return [], []
+
+    @property
+    def scanning(self) -> bool:
+        """The tier still reads its records in the background: it takes no block until `scanned`
+        has handed them over."""
+        return False
+
+    @property
+    def num_kept_records(self) -> int:
+        """How many block records the tier found at open (before any is checked); 0 for a tier that
+        keeps none. Cheap: the store uses it to decide whether to recover before it serves."""
+        return 0
+
+    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+        """The blocks a background read of the records found, once (None while it runs, unless `wait`);
+        [] for a tier that has none to give."""
+        return []
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         pass

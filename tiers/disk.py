@@ -35,6 +35,13 @@ aligned read); otherwise buffered with a logged reason (`direct_reason`).
 Every write comes from a page-aligned anonymous mmap (a staging buffer), at
 page-aligned offsets, with lengths rounded up to 4096.
 
+Opening reads no block record: the scan (tiers/disk_scan.py) reads them in a
+thread of its own, and until it is done the tier has no free page, so nothing
+is written over a block it has not read yet; `scanned` hands the blocks to the
+store (kvstore/recovery.py adopts them while the daemon serves) and the tier
+then knows its free pages. Records that are unusable (malformed, outside the
+file, overlapping one read before) are deleted.
+
 Durability rule: a block is *acknowledged* (durable) exactly when its LMDB
 record is committed. The writer thread commits a record only after the block's
 bytes were written and the data file was fdatasync'd, and LMDB commits with
@@ -49,12 +56,13 @@ sync the index once per block); a deletion lost in a crash only brings back a
 block whose bytes are still intact in its slot (the slot was not reused, since
 its reuse would have committed the deletion first).
 
-Threads: everything but the writer thread (tiers/disk_writer.py) and `read_block` runs on the owner's
-thread (the daemon's event loop). The writer thread takes batches of queued
-operations (namespace puts, record deletes, block writes), collapses them per
-key (the last operation wins), commits deletes, writes data, fdatasyncs once,
-and commits the new records in one transaction (group commit). `read_block`
-is blocking and runs in the caller's executor threads.
+Threads: everything but the writer (`DiskWriter`, tiers/disk_writer.py: its
+own queue, condition and thread) and `read_block` runs on the owner's thread
+(the daemon's event loop). The writer takes batches of queued operations
+(namespace puts, record deletes, block writes), collapses them per key (the
+last operation wins), commits deletes, writes data, fdatasyncs once, and
+commits the new records in one transaction (group commit). `read_block` is
+blocking and runs in the caller's executor threads.
 
 Staging buffers are bounded (`staging_bytes`): when they are all in flight,
 `stage` waits for the writer (backpressure) instead of growing without limit.
@@ -71,7 +79,6 @@ import logging
 import mmap
 import os
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -82,7 +89,8 @@ import xxhash
 
 from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
-from kvstore.tiers.disk_writer import DiskWrite, DiskWriter
+from kvstore.tiers.disk_scan import DiskScan
+from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,10 @@ class DiskSlot:
     def pending(self) -> bool:
         return self.job is not None and not self.job.done
 
+    @staticmethod
+    def recovered(extents: list, checksum: int, codec: str | None, logical: int) -> "DiskSlot":
+        return DiskSlot(extents, checksum, None, codec, logical)
+
     def known_checksum(self) -> int | None:
         if self.checksum is None and self.job is not None and self.job.done and self.job.error is None:
             self.checksum, self.job = self.job.checksum, None
@@ -120,20 +132,17 @@ def record_key(key: tuple) -> bytes:
 
 @dataclass(slots=True)
 class DiskCounters:
-    writes: int = 0
-    bytes_written: int = 0
+    """The owner's counts (the writer keeps its own: `DiskWriter.counters`)."""
+
     reads: int = 0
     bytes_read: int = 0
-    fsyncs: int = 0
-    batches: int = 0
-    write_errors: int = 0
     recovered_records: int = 0
     dropped_records: int = 0
     backpressure_waits: int = 0
 
 
-class DiskTier(DiskWriter, Tier):
-    """Owner side of the disk tier: allocation, staging, the writer thread, reads, the index.
+class DiskTier(Tier):
+    """Owner side of the disk tier: allocation, staging, reads, the index; it owns the writer.
 
     As a store tier (tiers/base.py) a block's location is a `DiskSlot`."""
 
@@ -163,6 +172,7 @@ class DiskTier(DiskWriter, Tier):
             os.close(self._lock_fd)
             raise OSError(errno.EBUSY, f"disk tier folder {path} is in use by another process") from None
         self.counters = DiskCounters()
+        self.scan_s: float | None = None  # how long the scan of the index took
         self.env = lmdb.open(
             os.path.join(path, INDEX_DIR), map_size=1 << 34, max_dbs=4, subdir=True,
             sync=True, metasync=True, lock=True,
@@ -176,27 +186,16 @@ class DiskTier(DiskWriter, Tier):
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one page ({self.page_bytes} B)")
         self.capacity_bytes = self.num_pages * self.page_bytes
         self._open_data_file(direct)
-        self.recovered: list[tuple[bytes, dict]] = []  # records found at open, for the store to adopt
-        used = self._load_records()
-        self.alloc = PageAllocator(self.num_pages, self.page_bytes, used, label="disk")
-        self._written = np.zeros(self.num_pages, dtype=bool)  # writer thread only: pages holding block data
-        self._written[used] = True
-        self.formatted_bytes = min(self._meta.get("formatted_bytes", 0), self.capacity_bytes)
+        # No free page until the records are read (`scanned`): nothing is written over a block.
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="disk")
+        self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages,
+                                             DiskSlot.recovered, decodes=decoder is not None)
         self.staging = StagingPool(staging_bytes)
-        self.batch_bytes = batch_bytes
-        self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite)
-        self._inflight_puts = 0
-        self._num_writes_queued = 0  # queued ops other than "del"
-        self._flushing = 0
-        self.delete_delay_s = 0.2
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closing = False
-        self._finished: list[DiskWrite] = []  # done jobs whose staging buffer is still held
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         self._tls = threading.local()
-        self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
-        self._thread.start()
+        self.writer = DiskWriter(DataFile(self.fd, self.direct, self.page_bytes, self.num_pages),
+                                 RecordStore(self.env, self._db_blocks, self._db_ns, self._db_meta),
+                                 self._meta, self.staging, batch_bytes)
 
     # -- opening ----------------------------------------------------------------
     def _load_meta(self, page_bytes: int) -> int:
@@ -242,40 +241,6 @@ class DiskTier(DiskWriter, Tier):
                 log.warning("disk tier: buffered I/O with fdatasync: %s", self.direct_reason)
         self.fd = os.open(data_path, flags)
 
-    def _load_records(self) -> list[int]:
-        """Read every record; drop the ones outside the file or overlapping another. Returns used pages."""
-        taken = np.zeros(self.num_pages, dtype=bool)
-        used: list[int] = []
-        bad: list[bytes] = []
-        pb = self.page_bytes
-        with self.env.begin(db=self._db_blocks) as txn:
-            for key, raw in txn.cursor():
-                try:
-                    rec = msgpack.unpackb(raw)
-                    pages = []
-                    total = 0
-                    for offset, length in rec["e"]:
-                        if offset % pb or length <= 0 or offset + length > self.capacity_bytes:
-                            raise ValueError("extent outside the data file")
-                        pages.extend(range(offset // pb, offset // pb + -(-length // pb)))
-                        total += length
-                    if total != rec["n"] or taken[pages].any():
-                        raise ValueError("length mismatch or overlap")
-                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-                    bad.append(bytes(key))
-                    continue
-                taken[pages] = True
-                used.extend(pages)
-                self.recovered.append((bytes(key), rec))
-        if bad:
-            with self.env.begin(write=True, db=self._db_blocks) as txn:
-                for key in bad:
-                    txn.delete(key)
-            log.warning("disk tier: dropped %d unusable index records", len(bad))
-        self.counters.recovered_records = len(self.recovered)
-        self.counters.dropped_records += len(bad)
-        return used
-
     def load_namespaces(self) -> list[tuple[bytes, dict]]:
         with self.env.begin(db=self._db_ns) as txn:
             return [(bytes(k), msgpack.unpackb(v)) for k, v in txn.cursor()]
@@ -289,11 +254,11 @@ class DiskTier(DiskWriter, Tier):
         """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
         self.alloc.free(extents)
         if key is not None:
-            self._submit(("del", key))
+            self.writer.delete(key)
 
     # -- the store's tier interface (tiers/base.py) --------------------------------
     def free(self, location: DiskSlot, key: tuple | None = None) -> None:
-        if getattr(location, "codec", None) is not None:
+        if location.codec is not None:
             self._held_compressed(location, -1)
         self.release(location.extents, None if key is None else record_key(key))
 
@@ -307,7 +272,8 @@ class DiskTier(DiskWriter, Tier):
         return location.extents
 
     def write_from(self, alloc: list, src: Sequence[np.ndarray], meta: BlockMeta, codec=None) -> DiskSlot:
-        """Copy the block into a staging buffer now; the writer thread makes it durable later."""
+        """Copy the block into a staging buffer now; the writer thread makes it durable later (encoded
+        with `codec`, a kvstore.compression.StoredCodec, where given)."""
         record = {"p": meta.parent, "d": meta.depth, "a": meta.attention, "t": meta.stamp}
         nbytes = sum(s.size for s in src)
         if codec is not None:  # stored encoded: the record keeps the block's own size and the codec
@@ -316,10 +282,10 @@ class DiskTier(DiskWriter, Tier):
         copy_segments([job.view()], src)
         if codec is not None:
             job.encode = codec.encode
-        self.submit(job)
-        slot = DiskSlot(alloc, None, job, None if codec is None else codec.tag, nbytes)
+        job.slot = slot = DiskSlot(alloc, None, job, None if codec is None else codec.tag, nbytes)
         if codec is not None:
             self._held_compressed(slot, +1)
+        self.submit(job)
         return slot
 
     def read_blocks(self, location: DiskSlot) -> bool:
@@ -360,29 +326,41 @@ class DiskTier(DiskWriter, Tier):
         return not location.pending and not self.lost(location)
 
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
-        namespaces = [(k.decode(), fields) for k, fields in self.load_namespaces()]
-        blocks = []
-        for rkey, rec in self.recovered:
-            try:
-                ns_id, h = msgpack.unpackb(rkey)
-                if not isinstance(rec["x"], int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
-                    raise TypeError("no checksum, or a malformed key")
-                codec = rec.get("c")
-                if codec is not None and (self.decoder is None or not isinstance(codec, str)):
-                    raise TypeError("an encoded block and no decoder")
-                nbytes = rec["z"] if codec is not None else rec["n"]
-                slot = DiskSlot(rec["e"], rec["x"], None, codec, nbytes)
-                if codec is not None:
-                    self._held_compressed(slot, +1)
-                blocks.append(RecoveredBlock((ns_id, h), rec.get("p"), nbytes, slot, rec.get("a"), rec.get("t", 0.0)))
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-                self.release(rec["e"], rkey)
-                self.counters.dropped_records += 1
-        self.recovered = []
-        return namespaces, blocks
+        """The namespaces; the blocks come from the background scan (`scanned`)."""
+        return [(k.decode(), fields) for k, fields in self.load_namespaces()], []
+
+    @property
+    def scanning(self) -> bool:
+        return self._scan is not None
+
+    @property
+    def num_kept_records(self) -> int:
+        with self.env.begin(db=self._db_blocks) as txn:
+            return txn.stat(self._db_blocks)["entries"]
+
+    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+        """The blocks the scan of the index found (once; None while it runs, unless `wait`). From then on
+        the tier knows its free pages: it allocates, and the writer formats what is free."""
+        if self._scan is None:
+            return []
+        result = self._scan.result(wait)
+        if result is None:
+            return None
+        self._scan = None
+        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
+        for key in result.bad:  # (committed before any write into their pages: see the module docstring)
+            self.writer.delete(key)
+        self.writer.start_formatting(result.taken)
+        for block in result.blocks:
+            if block.location.codec is not None:
+                self._held_compressed(block.location, +1)
+        self.counters.recovered_records = len(result.blocks)
+        self.counters.dropped_records += len(result.bad)
+        self.scan_s = result.seconds
+        return result.blocks
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
-        self.put_namespace(ns_id.encode(), fields)
+        self.writer.put_namespace(ns_id.encode(), fields)
 
     def persisted_namespaces(self) -> set[str]:
         return {k.decode() for k, _ in self.load_namespaces()}
@@ -411,39 +389,29 @@ class DiskTier(DiskWriter, Tier):
         self.reap()
         while (buf := self.staging.take(nbytes)) is None:
             self.counters.backpressure_waits += 1
-            with self._cv:
-                while not self._finished and (self._ops or self._busy):
-                    self._cv.wait()
+            self.writer.wait_progress()
             self.reap()
         return DiskWrite(key, record, extents, nbytes, buf)
 
     def submit(self, job: DiskWrite) -> None:
-        self._submit(("put", job))
-
-    def put_namespace(self, key: bytes, fields: dict) -> None:
-        self._submit(("ns", key, msgpack.packb(fields)))
+        self.writer.put(job)
 
     def prewarm(self, nbytes: int) -> None:
-        """Have the writer thread prefault staging buffers for blocks of `nbytes`, up to the budget."""
-        self._submit(("warm", nbytes))
-
-    def _submit(self, op: tuple) -> None:
-        with self._cv:
-            if self._closing:
-                raise OSError(errno.ESHUTDOWN, "disk tier is closed")
-            self._ops.append(op)
-            if op[0] != "del":
-                self._num_writes_queued += 1
-            self._cv.notify_all()
+        """Have the writer prefault staging buffers for blocks of `nbytes`, up to the budget."""
+        self.writer.prewarm(nbytes)
 
     def reap(self) -> None:
-        """Recycle the staging buffers of finished writes; failed ones wait in `take_failed`."""
-        with self._cv:
-            finished, self._finished = self._finished, []
-        for job in finished:
+        """Recycle the staging buffers of finished writes and settle their slots (a slot keeps no job once
+        its write is durable: a million disk blocks would keep a million jobs); failed ones wait in
+        `take_failed`."""
+        for job in self.writer.take_finished():
             self.staging.give(job.buf)
             if job.error is not None:
                 self._failed.append(job)
+                continue
+            slot, job.slot = job.slot, None
+            if isinstance(slot, DiskSlot) and slot.job is job:
+                slot.checksum, slot.job = job.checksum, None
 
     def take_failed(self) -> list[DiskWrite]:
         """Writes that failed since the last call (their bytes are lost; the owner drops the blocks)."""
@@ -453,20 +421,19 @@ class DiskTier(DiskWriter, Tier):
 
     @property
     def pending_writes(self) -> int:
-        with self._cv:
-            return sum(1 for op in self._ops if op[0] == "put") + self._inflight_puts
+        return self.writer.pending_writes
+
+    @property
+    def formatted_bytes(self) -> int:
+        return self.writer.formatted_bytes
+
+    def wait_formatted(self) -> None:
+        """Block until the whole data file has been written once (see Formatting)."""
+        self.writer.wait_formatted()
 
     def flush(self) -> None:
         """Block until every queued operation is on disk and in the index."""
-        with self._cv:
-            self._flushing += 1
-            self._cv.notify_all()
-            try:
-                while self._ops or self._busy:
-                    self._cv.wait()
-            finally:
-                self._flushing -= 1
-                self._cv.notify_all()  # the writer may resume formatting
+        self.writer.flush()
 
     # -- reads (any thread) -----------------------------------------------------
     def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:
@@ -542,7 +509,7 @@ class DiskTier(DiskWriter, Tier):
         return problems
 
     def stats(self) -> dict:
-        c = self.counters
+        c, w = self.counters, self.writer.counters
         return {
             "path": self.path,
             "capacity_bytes": self.capacity_bytes,
@@ -553,14 +520,16 @@ class DiskTier(DiskWriter, Tier):
             "pending_writes": self.pending_writes,
             "formatted_bytes": self.formatted_bytes,
             "staging_bytes": self.staging.used_bytes,
-            "bytes_written": c.bytes_written,
+            "bytes_written": w.bytes_written,
             "bytes_read": c.bytes_read,
-            "writes": c.writes,
+            "writes": w.writes,
             "reads": c.reads,
-            "fsyncs": c.fsyncs,
-            "write_errors": c.write_errors,
+            "fsyncs": w.fsyncs,
+            "write_errors": w.write_errors,
             "backpressure_waits": c.backpressure_waits,
             "recovered_records": c.recovered_records,
+            "scanning": self._scan is not None,
+            "scan_s": self.scan_s,
             "dropped_records": c.dropped_records,
             "compressed": {tag: {"blocks": n, "logical_bytes": logical, "stored_bytes": stored,
                                  "ratio": round(logical / stored, 3) if stored else None}
@@ -569,10 +538,9 @@ class DiskTier(DiskWriter, Tier):
 
     def close(self) -> None:
         """Finish every queued write, stop the writer, close the index and the file."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
+        if self._scan is not None:
+            self._scan.stop()
+        self.writer.close()
         self.reap()
         self.env.close()
         os.close(self.fd)

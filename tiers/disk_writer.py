@@ -1,4 +1,5 @@
-"""The disk tier's writer thread (a part of `kvstore.tiers.disk.DiskTier`, apart for the reader).
+"""The disk tier's writer: one object that owns the queue of write operations, its condition and the
+thread that works it off (tiers/disk.py owns the writer; nothing else touches its state).
 
 The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
@@ -7,9 +8,15 @@ LMDB transaction (group commit). When nothing is queued and nobody waits in
 `flush`, it zero-fills the data file from the `formatted_bytes` watermark, so
 that later block writes are overwrites (see tiers/disk.py, "Formatting").
 
-`DiskWriter` holds only methods: the state they share with the owner thread
-(`_ops`, `_cv`, `_finished`, the data file `fd`, the LMDB handles) is set up by
-`DiskTier.__init__`.
+What the owner's thread may call: `put`, `delete`, `put_namespace`, `prewarm`
+(queue an operation), `take_finished` (the writes done since the last call),
+`wait_progress` (backpressure: until a write finishes or the queue is empty),
+`flush`, `wait_formatted`, `close`. The data file and the LMDB environment are
+the tier's; the writer writes into them and never closes them.
+
+Invariants: a block's record is committed only after its bytes were written
+and fdatasync'd; a deletion queued before a write of the same key is committed
+before that write's data (the tier's reuse of a freed slot relies on it).
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +36,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.tiers.disk_alloc import round_up
+from kvstore.tiers.disk_alloc import StagingPool, round_up
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -44,6 +53,7 @@ class DiskWrite:
     checksum: int | None = None
     done: bool = False
     error: str | None = None
+    slot: object = None  # the tier's location of the block, settled by the owner once the write is done
     encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (writer thread)
     stored: int | None = None  # bytes written when encoded (the extents' total)
 
@@ -51,48 +61,155 @@ class DiskWrite:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
 
 
+@dataclass(frozen=True, slots=True)
+class DataFile:
+    """The tier's data file as the writer sees it: an open descriptor and its page geometry."""
+
+    fd: int
+    direct: bool  # O_DIRECT: writes are page-aligned, lengths rounded up to 4096
+    page_bytes: int
+    num_pages: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+
+@dataclass(frozen=True, slots=True)
+class RecordStore:
+    """The tier's LMDB environment and its three sub-databases."""
+
+    env: lmdb.Environment
+    blocks: object
+    namespaces: object
+    meta: object
+
+
+@dataclass(slots=True)
+class WriterCounters:
+    writes: int = 0
+    bytes_written: int = 0
+    fsyncs: int = 0
+    batches: int = 0
+    write_errors: int = 0
+
 
 class DiskWriter:
-    """The writer thread's side of DiskTier."""
+    """The writer thread of one disk tier, its queue and its formatting watermark."""
 
+    def __init__(self, data: DataFile, records: RecordStore, meta: dict, staging: StagingPool,
+                 batch_bytes: int) -> None:
+        """`meta`: the tier's meta record (its `formatted_bytes` is saved as formatting goes on).
+        Nothing is formatted before `start_formatting`."""
+        self.data, self.records, self.meta = data, records, meta
+        self.staging = staging
+        self.batch_bytes = batch_bytes
+        self.counters = WriterCounters()
+        self.delete_delay_s = 0.2  # deletions alone are gathered this long before their commit
+        self.formatted_bytes = min(meta.get("formatted_bytes", 0), data.capacity_bytes)
+        self._written: np.ndarray | None = None  # pages holding block data (the writer's, once formatting starts)
+        self._zero_buf: mmap.mmap | None = None
+        self._enc_buf: mmap.mmap | None = None  # the encoded block of the write in progress
+        self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
+        self._inflight_puts = 0
+        self._num_writes_queued = 0  # queued ops other than "del"
+        self._flushing = 0
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closing = False
+        self._finished: list[DiskWrite] = []  # done jobs the owner has not taken yet
+        self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
+        self._thread.start()
+
+    # -- the owner's side ---------------------------------------------------------------
+    def put(self, job: DiskWrite) -> None:
+        self._submit(("put", job))
+
+    def delete(self, key: bytes) -> None:
+        self._submit(("del", key))
+
+    def put_namespace(self, key: bytes, fields: dict) -> None:
+        self._submit(("ns", key, msgpack.packb(fields)))
+
+    def prewarm(self, nbytes: int) -> None:
+        """Prefault staging buffers for blocks of `nbytes`, up to the budget (after queued writes)."""
+        self._submit(("warm", nbytes))
+
+    def _submit(self, op: tuple) -> None:
+        with self._cv:
+            if self._closing:
+                raise OSError(errno.ESHUTDOWN, "disk tier is closed")
+            self._ops.append(op)
+            if op[0] != "del":
+                self._num_writes_queued += 1
+            self._cv.notify_all()
+
+    def take_finished(self) -> list[DiskWrite]:
+        """The writes finished (done or failed) since the last call."""
+        with self._cv:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait_progress(self) -> None:
+        """Block until a write has finished, or nothing is queued or in flight."""
+        with self._cv:
+            while not self._finished and (self._ops or self._busy):
+                self._cv.wait()
+
+    @property
+    def pending_writes(self) -> int:
+        with self._cv:
+            return sum(1 for op in self._ops if op[0] == "put") + self._inflight_puts
+
+    def flush(self) -> None:
+        """Block until every queued operation is on disk and in the index."""
+        with self._cv:
+            self._flushing += 1
+            self._cv.notify_all()
+            try:
+                while self._ops or self._busy:
+                    self._cv.wait()
+            finally:
+                self._flushing -= 1
+                self._cv.notify_all()  # the writer may resume formatting
+
+    def wait_formatted(self) -> None:
+        """Block until the whole data file has been written once (see tiers/disk.py, Formatting)."""
+        with self._cv:
+            while self._written is None or self.formatted_bytes < self.data.capacity_bytes or self._ops or self._busy:
+                self._cv.wait()
+
+    def start_formatting(self, used: np.ndarray) -> None:
+        """The pages that hold blocks are known (`used`, a bool per page): format the others when idle."""
+        with self._cv:
+            self._written = used.copy()
+            self._cv.notify_all()
+
+    def wait_for(self, predicate, timeout: float) -> bool:
+        """`predicate()` under the writer's condition, waiting up to `timeout` s for it (tests)."""
+        with self._cv:
+            return self._cv.wait_for(predicate, timeout=timeout)
+
+    def close(self) -> None:
+        """Finish every queued operation and stop the thread (the file and the index stay open)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    # -- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cv:
-                # Format only when idle: not while writes are queued, nor while someone waits in flush().
-                while not self._ops and not self._closing and (
-                    self.formatted_bytes >= self.capacity_bytes or self._flushing
-                ):
-                    self._cv.wait()
-                if not self._ops and self._closing:
-                    try:
-                        self._save_formatted()
-                    except lmdb.Error as exc:
-                        log.warning("disk tier: formatting progress not saved: %s", exc)
-                    return
-                # Deletions alone need no sync of their own (see _write_batch): gather them for a while.
-                deadline = time.monotonic() + self.delete_delay_s
-                while self._ops and not self._num_writes_queued and not self._closing and not self._flushing:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cv.wait(left)
-                batch, nbytes = [], 0
-                while self._ops and nbytes < self.batch_bytes:
-                    op = self._ops.popleft()
-                    batch.append(op)
-                    if op[0] != "del":
-                        self._num_writes_queued -= 1
-                    if op[0] == "put":
-                        nbytes += op[1].nbytes
-                self._busy = True
-                self._inflight_puts = sum(1 for op in batch if op[0] == "put")
+            batch = self._next_batch()
+            if batch is None:
+                return
             done: list[DiskWrite] = []
             if not batch:
                 try:
                     self._format_chunk()
                 except Exception as exc:  # OSError, lmdb.Error: never let the thread die
                     log.error("disk tier: formatting stopped: %s", exc)
-                    self.formatted_bytes = self.capacity_bytes  # writes still work, only slower
+                    self.formatted_bytes = self.data.capacity_bytes  # writes still work, only slower
             else:
                 try:
                     done = self._write_batch(batch)
@@ -108,6 +225,39 @@ class DiskWriter:
                 self._busy = False
                 self._inflight_puts = 0
                 self._cv.notify_all()
+
+    def _next_batch(self) -> list[tuple] | None:
+        """The next batch of queued operations; [] to format a chunk; None when closed and drained."""
+        with self._cv:
+            # Format only when idle: not while writes are queued, nor while someone waits in flush().
+            while not self._ops and not self._closing and (
+                self.formatted_bytes >= self.data.capacity_bytes or self._flushing or self._written is None
+            ):
+                self._cv.wait()
+            if not self._ops and self._closing:
+                try:
+                    self._save_formatted()
+                except lmdb.Error as exc:
+                    log.warning("disk tier: formatting progress not saved: %s", exc)
+                return None
+            # Deletions alone need no sync of their own (see _write_batch): gather them for a while.
+            deadline = time.monotonic() + self.delete_delay_s
+            while self._ops and not self._num_writes_queued and not self._closing and not self._flushing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            batch, nbytes = [], 0
+            while self._ops and nbytes < self.batch_bytes:
+                op = self._ops.popleft()
+                batch.append(op)
+                if op[0] != "del":
+                    self._num_writes_queued -= 1
+                if op[0] == "put":
+                    nbytes += op[1].nbytes
+            self._busy = True
+            self._inflight_puts = sum(1 for op in batch if op[0] == "put")
+            return batch
 
     def _write_batch(self, batch: list[tuple]) -> list[DiskWrite]:
         final: dict[bytes, tuple] = {}
@@ -126,12 +276,13 @@ class DiskWriter:
                 final[op[1].key] = op
         jobs = [op[1] for op in batch if op[0] == "put"]
         puts = [job for job in jobs if final.get(job.key) == ("put", job)]
+        records = self.records
         if deleted or namespaces:
-            with self.env.begin(write=True) as txn:
+            with records.env.begin(write=True) as txn:
                 for _, key, value in namespaces:
-                    txn.put(key, value, db=self._db_ns)
+                    txn.put(key, value, db=records.namespaces)
                 for key in deleted:
-                    txn.delete(key, db=self._db_blocks)
+                    txn.delete(key, db=records.blocks)
         written = []
         for job in puts:
             try:
@@ -142,9 +293,9 @@ class DiskWriter:
                 job.error = f"write failed: {exc}"
                 log.error("disk tier: %s", job.error)
         if written:
-            os.fdatasync(self.fd)
+            os.fdatasync(self.data.fd)
             self.counters.fsyncs += 1
-            with self.env.begin(write=True, db=self._db_blocks) as txn:
+            with records.env.begin(write=True, db=records.blocks) as txn:
                 for job in written:
                     rec = dict(job.record, e=job.extents, n=job.nbytes if job.stored is None else job.stored,
                                x=job.checksum)
@@ -157,11 +308,41 @@ class DiskWriter:
                 log.warning("disk tier: staging buffers not prefaulted: %s", exc)
         return jobs
 
+    def _write_job(self, job: DiskWrite) -> None:
+        mv, payload = memoryview(job.buf), job.view()
+        if job.encode is not None:  # the staging buffer holds the exact block: store it encoded
+            try:
+                blob = job.encode(payload)
+            except Exception as exc:  # noqa: BLE001 - this block fails, not the batch
+                raise OSError(errno.EIO, f"encoding failed: {exc}") from None
+            if blob.size != sum(n for _, n in job.extents):
+                raise OSError(errno.EIO, f"encoded {blob.size} B for {sum(n for _, n in job.extents)} B of pages")
+            buf = self._encode_buffer(round_up(blob.size))
+            payload = np.frombuffer(buf, dtype=np.uint8, count=blob.size)
+            payload[:] = blob
+            mv, job.stored = memoryview(buf), blob.size
+        job.checksum = xxhash.xxh3_64_intdigest(payload)
+        pos, data = 0, self.data
+        for offset, length in job.extents:
+            span = round_up(length) if data.direct else length
+            self._pwrite_all(mv[pos : pos + span], offset)
+            if self._written is not None:  # (always, once the tier allocates: see start_formatting)
+                self._written[offset // data.page_bytes : (offset + span - 1) // data.page_bytes + 1] = True
+            pos += length
+        self.counters.writes += 1
+        self.counters.bytes_written += job.nbytes if job.stored is None else job.stored
+
+    def _encode_buffer(self, size: int) -> mmap.mmap:
+        """The writer thread's page-aligned buffer for encoded blocks (O_DIRECT writes from it)."""
+        if self._enc_buf is None or len(self._enc_buf) < size:
+            self._enc_buf = mmap.mmap(-1, size)
+        return self._enc_buf
+
     def _format_chunk(self, chunk_bytes: int = 8 << 20) -> None:
         """Zero-fill the next chunk past the watermark, skipping pages that hold block data."""
-        pb = self.page_bytes
+        pb, data = self.data.page_bytes, self.data
         start = self.formatted_bytes // pb
-        end = min(self.num_pages, start + max(1, chunk_bytes // pb))
+        end = min(data.num_pages, start + max(1, chunk_bytes // pb))
         zeros = self._zeros(chunk_bytes)
         free = np.flatnonzero(~self._written[start:end]) + start
         if free.size:
@@ -169,60 +350,23 @@ class DiskWriter:
             for run in np.split(free, breaks):
                 self._pwrite_all(memoryview(zeros)[: run.size * pb], int(run[0]) * pb)
         self.formatted_bytes = end * pb
-        if self.formatted_bytes >= self.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
+        if self.formatted_bytes >= data.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
             self._save_formatted()
 
     def _save_formatted(self) -> None:
-        self._meta["formatted_bytes"] = self.formatted_bytes
-        with self.env.begin(write=True, db=self._db_meta) as txn:
-            txn.put(b"meta", msgpack.packb(self._meta))
+        self.meta["formatted_bytes"] = self.formatted_bytes
+        records = self.records
+        with records.env.begin(write=True, db=records.meta) as txn:
+            txn.put(b"meta", msgpack.packb(self.meta))
 
     def _zeros(self, size: int) -> mmap.mmap:
-        buf = getattr(self, "_zero_buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._zero_buf = mmap.mmap(-1, round_up(size))
-        return buf
-
-    def wait_formatted(self) -> None:
-        """Block until the whole data file has been written once (see Formatting)."""
-        with self._cv:
-            while self.formatted_bytes < self.capacity_bytes or self._ops or self._busy:
-                self._cv.wait()
-
-    def _write_job(self, job: DiskWrite) -> None:
-        mv = memoryview(job.buf)
-        data = job.view()
-        if job.encode is not None:  # the staging buffer holds the exact block: store it encoded
-            try:
-                blob = job.encode(data)
-            except Exception as exc:  # noqa: BLE001 - this block fails, not the batch
-                raise OSError(errno.EIO, f"encoding failed: {exc}") from None
-            if blob.size != sum(n for _, n in job.extents):
-                raise OSError(errno.EIO, f"encoded {blob.size} B for {sum(n for _, n in job.extents)} B of pages")
-            buf = self._encode_buffer(round_up(blob.size))
-            data = np.frombuffer(buf, dtype=np.uint8, count=blob.size)
-            data[:] = blob
-            mv, job.stored = memoryview(buf), blob.size
-        job.checksum = xxhash.xxh3_64_intdigest(data)
-        pos = 0
-        for offset, length in job.extents:
-            span = round_up(length) if self.direct else length
-            self._pwrite_all(mv[pos : pos + span], offset)
-            self._written[offset // self.page_bytes : (offset + span - 1) // self.page_bytes + 1] = True
-            pos += length
-        self.counters.writes += 1
-        self.counters.bytes_written += job.nbytes if job.stored is None else job.stored
-
-    def _encode_buffer(self, size: int) -> mmap.mmap:
-        """The writer thread's page-aligned buffer for encoded blocks (O_DIRECT writes from it)."""
-        buf = getattr(self, "_enc_buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._enc_buf = mmap.mmap(-1, size)
-        return buf
+        if self._zero_buf is None or len(self._zero_buf) < size:
+            self._zero_buf = mmap.mmap(-1, round_up(size))
+        return self._zero_buf
 
     def _pwrite_all(self, mv: memoryview, offset: int) -> None:
         while len(mv):
-            n = os.pwrite(self.fd, mv, offset)
+            n = os.pwrite(self.data.fd, mv, offset)
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
             mv, offset = mv[n:], offset + n

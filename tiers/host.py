@@ -1,9 +1,12 @@
 """The host tier: one POSIX shared-memory arena, cut into fixed-size pages.
 
 The daemon creates the arena file (under /dev/shm, mode 0600), sizes it to the
-byte budget rounded down to whole pages, and prefaults it so that no store pays
-first-touch page faults. Local clients map the same file (`map_arena`) and copy
-payloads directly; payload bytes never cross the socket for them.
+byte budget rounded down to whole pages, and prefaults it (fallocate: every
+page allocated in tmpfs, so that no store pays for a page's first allocation;
+none mapped in the daemon, which maps pages as it touches them and unmaps what
+it only hashed, since what it keeps mapped it unmaps at exit). Local clients
+map the same file (`map_arena`) and copy payloads directly; payload bytes never
+cross the socket for them.
 
 /dev/shm is shared by every user and the arena's name is predictable, so the
 daemon never follows what it finds there: it creates the file with
@@ -19,8 +22,12 @@ the arena and its placement index (tiers/host_index.py, `<arena>.index/`)
 outlive the process. A clean stop leaves both; the next start re-adopts an
 arena found at the path when it is a regular 0600 file of ours that no daemon
 holds, of the configured size, whose index is ours, private, readable and
-records the same geometry and the arena's inode: every record that verifies
-(extents, checksum) is a block again, the rest of the pages are free. Anything
+records the same geometry and the arena's inode: every record whose extents
+check is a block again, the rest of the pages are free. No byte is read at
+start (the arena is mapped, not prefaulted): each block's checksum is
+verified before its bytes are first read (`verify`) or by the index's hasher
+in the background, and a block that fails is reported lost (`failed_checks`,
+`lost`) and dropped by the store, never served (tiers/host_index.py). Anything
 that does not match starts empty, with a log line saying why. Not persistent:
 the arena is removed at stop and a stale one at start (blocks then survive a
 SIGTERM only by being written down to the disk tier).
@@ -87,8 +94,9 @@ class HostArena(Tier):
         self.persistent = persistent
         self.index: HostIndex | None = None
         self._recovered: tuple[list, list] | None = None
+        self._lost: dict[int, Extents] = {}  # the locations the last `failed_writes` reported, by id
         self.adopted_blocks = 0
-        self.adopted = persistent and self._adopt(prefault)  # else a new, empty arena of ours
+        self.adopted = persistent and self._adopt()  # else a new, empty arena of ours
         if not self.adopted:
             self._create(prefault)
 
@@ -107,21 +115,31 @@ class HostArena(Tier):
             raise
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        if prefault:
-            self.buf[::_OS_PAGE] = 0  # touch every OS page: allocate it in tmpfs and map it
+        if prefault:  # every page allocated in tmpfs now, none mapped here (see `_unmap`)
+            os.posix_fallocate(self._file.fileno(), 0, self.capacity_bytes)
         if self.persistent:
             try:
-                self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+                self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
             except BaseException:
                 self.close(unlink=True)
                 raise
         self.pages = PageAllocator(self.num_pages, self.page_bytes, label="host")
 
+    def _unmap(self, extents) -> None:
+        """Drop this process's mapping of the pages of `extents` (a block it only hashed): the bytes stay
+        in the arena, a later access maps them again. A process unmaps at exit whatever it mapped, page
+        by page (~40 ms per GiB here), so the pages the daemon keeps mapped are what its stop costs."""
+        try:
+            for offset, length in extents:
+                self._mm.madvise(mmap.MADV_DONTNEED, offset, -(-length // _OS_PAGE) * _OS_PAGE)
+        except (ValueError, OSError):  # closed meanwhile (the index's threads outlive nothing else)
+            pass
+
     def _geometry(self) -> dict:
         return {"capacity_bytes": self.capacity_bytes, "page_bytes": self.page_bytes,
                 "arena_inode": os.fstat(self._file.fileno()).st_ino}
 
-    def _adopt(self, prefault: bool) -> bool:
+    def _adopt(self) -> bool:
         """Re-adopt the arena a previous daemon left at our path; False (and a log line saying why,
         unless there was none) when it must start empty instead. OSError when a daemon still holds it."""
         try:
@@ -138,14 +156,14 @@ class HostArena(Tier):
             os.close(fd)
             raise OSError(f"the arena {self.path} is in use by a running kvstore daemon (same name?)") from None
         self._file = os.fdopen(fd, "r+b", buffering=0)
-        why = self._open_adopted(st, prefault)
+        why = self._open_adopted(st)
         if why is None:
             return True
         log.warning("host tier: starting empty, not re-adopting the arena %s: %s", self.path, why)
         self.close(unlink=False)
         return False
 
-    def _open_adopted(self, st: os.stat_result, prefault: bool) -> str | None:
+    def _open_adopted(self, st: os.stat_result) -> str | None:
         """Map the arena, open and load its index; None when adopted, else why not."""
         if stat.S_IMODE(st.st_mode) & 0o077:
             return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
@@ -153,12 +171,13 @@ class HostArena(Tier):
             return f"it holds {st.st_size} B, the configured host tier {self.capacity_bytes} B"
         if not os.path.isdir(index_path(self.path)):
             return f"no placement index beside it ({index_path(self.path)})"
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
-        self._mm = mmap.mmap(self._file.fileno(), self.capacity_bytes, flags=flags)  # never written to here
+        # Not populated: the pages exist in tmpfs already, and mapping them all would cost the start
+        # ~0.1 s a GiB (a fault per page later costs less than a microsecond).
+        self._mm = mmap.mmap(self._file.fileno(), self.capacity_bytes, flags=mmap.MAP_SHARED)
         _advise_hugepages(self._mm)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         try:
-            self.index = HostIndex(index_path(self.path), self.buf, self._geometry())
+            self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
             namespaces, kept, used = self.index.load(self.capacity_bytes, self.page_bytes)
         except (ValueError, lmdb.Error, OSError) as exc:
             return f"its placement index is unusable: {exc}"
@@ -199,8 +218,30 @@ class HostArena(Tier):
         if self.index is not None:
             self.index.busy()
 
+    @property
+    def verifying(self) -> bool:
+        return self.index is not None and self.index.has_unverified
+
+    def verify(self, location: Extents, key: tuple) -> bool:
+        return self.index is None or self.index.verify(key, location)
+
+    def failed_checks(self) -> list[tuple]:
+        """Adopted blocks the index's hasher found altered (their bytes are lost to the store)."""
+        if self.index is None:
+            return []
+        corrupt = self.index.altered()
+        self._lost = {id(extents): extents for _, extents in corrupt}  # (the lists kept alive: ids stay theirs)
+        return [key for key, _ in corrupt]
+
+    def lost(self, location: Extents) -> bool:
+        return self._lost.get(id(location)) is location
+
     def durable(self, location: Extents) -> bool:
         return self.index is not None and not self.index.pending(location)
+
+    @property
+    def num_kept_records(self) -> int:
+        return len(self._recovered[1]) if self._recovered else 0
 
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
         namespaces, kept = self._recovered or ([], [])
@@ -243,6 +284,8 @@ class HostArena(Tier):
         if self.index is not None:
             idx = self.index
             out.update(adopted_blocks=self.adopted_blocks, adopted_unchecked=idx.adopted_unchecked,
+                       unverified_blocks=idx.num_unverified, verified_blocks=idx.verified_blocks,
+                       corrupt_blocks=idx.corrupt_blocks,
                        pending_records=idx.num_pending, unchecked_records=idx.num_unchecked,
                        records_written=idx.records_written, checksums_written=idx.checksums_written)
         return out

@@ -44,11 +44,19 @@ Rules that make an adopted block safe to serve:
   record is `CHECK_LAG_S` old): hashing reads every byte, and on a
   memory-bound host it would slow the puts and gets it ran beside. A clean
   stop checks every block first (`flush`).
-- At adoption every record is checked (extents inside the arena, no overlap,
-  length) and a record with a checksum is verified against the bytes: an
-  altered block is dropped, never served. A record without one (a kill -9
-  before the store was quiet) is adopted on the two rules above, and checked
-  in the background like a new one.
+- Serve first, verify as you go: at adoption every record is checked (extents
+  inside the arena, no overlap, length) but no byte is read, so a restart
+  serves at once whatever the arena's size. A record with a checksum is
+  *unverified* until its bytes are hashed and compared: by the owner's thread
+  before the block's bytes are first read (`verify`: a client's acquire, a
+  demotion, a copy to another tier), or by the hasher in the background (at
+  nice 19, while the store is quiet or once the adoption is `CHECK_LAG_S`
+  old). A block that fails is answered False by `verify` and listed by
+  `altered` until it leaves the tier; the store discards it either way (once
+  it is adopted, if the hasher got to it first), so it is a miss, never
+  served. A record without a checksum (a kill -9 before the store was quiet)
+  is adopted on the two rules above, and checked in the background like a new
+  one.
 """
 
 from __future__ import annotations
@@ -61,9 +69,8 @@ import stat
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import lmdb
 import msgpack
@@ -101,6 +108,15 @@ def checksum(arena: np.ndarray, extents: Iterable) -> int:
 
 
 @dataclass(slots=True, eq=False)
+class _Unverified:
+    """An adopted block whose bytes have not been compared with its recorded checksum yet."""
+
+    extents: list
+    nbytes: int
+    checksum: int
+
+
+@dataclass(slots=True, eq=False)
 class _Pending:
     """A block committed in the arena whose record is not written, or has no checksum yet."""
 
@@ -130,11 +146,16 @@ def remove_index(path: str) -> None:
 class HostIndex:
     """The LMDB placement index of one arena, and the threads that write it."""
 
-    def __init__(self, path: str, arena: np.ndarray, geometry: dict) -> None:
+    def __init__(self, path: str, arena: np.ndarray, geometry: dict,
+                 unmap: Callable[[Iterable], None] | None = None) -> None:
         """Open the index at `path`, creating it if absent. `geometry` (capacity, page size, the arena
-        file's inode) must equal what the index recorded, else ValueError (the caller starts empty)."""
+        file's inode) must equal what the index recorded, else ValueError (the caller starts empty).
+        `unmap(extents)`: drop the process's mapping of pages it hashed (their bytes stay in the arena):
+        what a process maps it unmaps at exit, page by page, which would make a stop as slow as the
+        arena is large."""
         self.path = path
         self.arena = arena
+        self._unmap = unmap or (lambda extents: None)
         _private_dir(path)
         self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
                              writemap=True)
@@ -151,6 +172,19 @@ class HostIndex:
         self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
+        # Adopted blocks not verified yet (filled by `load` only). The owner's `verify` and `forget` and the
+        # hasher take items out with `pop`, atomic under the GIL: whoever pops an item decides it.
+        self._unverified: dict[tuple, _Unverified] = {}
+        # key -> extents of the blocks the hasher found altered, until the block leaves the tier (`forget`):
+        # `altered` lists them, `verify` answers False for them (a block not adopted yet when the
+        # store first heard of it is caught when it is).
+        self._altered: dict[tuple, list] = {}
+        # Held while a verification's verdict is recorded (a block leaves `_unverified` and, if altered,
+        # enters `_altered` at once): a reader never sees an altered block in neither.
+        self._verdict = threading.Lock()
+        self._adopted_at = 0.0  # monotonic time of `load`
+        self.verified_blocks = 0
+        self.corrupt_blocks = 0
         self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
         # For the index thread: batches of [(item, checksum)] from the hasher; `_index_wake` set after.
         self._sums: deque = deque()
@@ -182,69 +216,82 @@ class HostIndex:
             raise ValueError(f"the arena does not match the configuration or its index ({diff})")
 
     # -- loading (at open, before the thread has anything to do) -------------------
-    def load(self, capacity_bytes: int, page_bytes: int) -> tuple[list, list, list[int]]:
-        """(namespaces, [(key, record)], used pages) of the records that verify; the others are deleted.
+    def load(self, capacity_bytes: int, page_bytes: int) -> tuple[list, list, np.ndarray]:
+        """(namespaces, [(key, record)], used pages) of the records kept; the others are deleted.
 
         A record is kept when its key and fields are well formed, its extents lie inside the arena
-        on page boundaries without overlapping another record's, its length matches, and the
-        xxh3_64 of the bytes it points at equals its checksum where it has one.
+        on page boundaries without overlapping another record's and its length matches. No byte is
+        read: a record with a checksum is kept *unverified* (`verify`, and the hasher).
         """
         num_pages = capacity_bytes // page_bytes
-        taken = np.zeros(num_pages, dtype=bool)
-        kept, bad, used = [], [], []
+        kept, bad, rkeys = [], [], []
+        first, last = [], []  # per extent of a kept record: its first and last page + 1
         reasons: dict[str, int] = {}
 
         def drop(rkey: bytes, why: str) -> None:
             bad.append(rkey)
             reasons[why] = reasons.get(why, 0) + 1
 
-        parsed = []  # (record key, key, record, pages)
+        unpack = msgpack.unpackb
         with self.env.begin(db=self._db_blocks) as txn:
             for rkey, raw in txn.cursor():
-                rkey = bytes(rkey)
                 try:
-                    ns_id, h = msgpack.unpackb(rkey)
-                    rec = msgpack.unpackb(raw)
-                    pages = _pages_of(rec["e"], rec["n"], page_bytes, capacity_bytes)
+                    ns_id, h = unpack(rkey)
+                    rec = unpack(raw)
+                    runs = _page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
                     if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
                             rec["x"] is None or isinstance(rec["x"], int)):
                         raise ValueError("malformed record")
                 except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    drop(rkey, str(exc))
+                    drop(bytes(rkey), str(exc))
                     continue
-                parsed.append((rkey, (ns_id, h), rec, pages))
-        # xxh3 releases the GIL: a large arena is verified on several cores.
-        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-            sums = list(pool.map(lambda p: None if p[2]["x"] is None else checksum(self.arena, p[2]["e"]), parsed))
-        for (rkey, key, rec, pages), x in zip(parsed, sums):
-            if x != rec["x"]:
-                drop(rkey, "checksum mismatch (altered bytes)")
-            elif taken[pages].any():
-                drop(rkey, "overlaps another block")
-            else:
-                taken[pages] = True
-                used.extend(pages)
-                kept.append((key, rec))
+                kept.append(((ns_id, h), rec))
+                rkeys.append(bytes(rkey))
+                for a, b in runs:
+                    first.append(a)
+                    last.append(b)
+        taken = _mark_pages(num_pages, first, last)
+        if taken is None:  # two records claim a page (never written so): drop the later ones, in key order
+            kept, rkeys, taken = self._without_overlaps(kept, rkeys, num_pages, page_bytes, drop)
         if bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
                 for rkey in bad:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
                         len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {k: record_key(k) for k, _ in kept}
-        now = time.monotonic()
+        self._recorded = {key: rkey for (key, _), rkey in zip(kept, rkeys)}
+        now = self._adopted_at = time.monotonic()
         for key, rec in kept:
             if rec["x"] is None:  # checked in the background, like a new record
                 self._unchecked[key] = _Pending(key, rec["e"], rec["n"], (rec.get("p"), rec.get("d"), rec.get("a"),
                                                                           rec.get("t")), now)
+            else:  # verified before its first read, or in the background
+                self._unverified[key] = _Unverified(rec["e"], rec["n"], rec["x"])
         self.adopted_unchecked = len(self._unchecked)
         if self._unchecked:
             log.info("host tier: %d re-adopted blocks had no checksum yet (killed before the store was quiet): "
                      "adopted on their commit records, checked in the background", len(self._unchecked))
+        if self._unchecked or self._unverified:
             self._hash_wake.set()
         with self.env.begin(db=self._db_ns) as txn:
             namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
-        return namespaces, kept, used
+        return namespaces, kept, np.flatnonzero(taken)
+
+    @staticmethod
+    def _without_overlaps(kept: list, rkeys: list, num_pages: int, page_bytes: int, drop) -> tuple:
+        """`kept` less every record that claims a page a record before it claims (the slow path)."""
+        taken = np.zeros(num_pages, dtype=bool)
+        out, out_keys = [], []
+        for (key, rec), rkey in zip(kept, rkeys):
+            runs = _page_runs(rec["e"], rec["n"], page_bytes, num_pages * page_bytes)
+            if any(taken[a:b].any() for a, b in runs):
+                drop(rkey, "overlaps another block")
+                continue
+            for a, b in runs:
+                taken[a:b] = True
+            out.append((key, rec))
+            out_keys.append(rkey)
+        return out, out_keys, taken
 
     def put_namespace(self, ns_id: str, fields: dict) -> None:
         with self._lock, self.env.begin(write=True, db=self._db_ns) as txn:
@@ -281,6 +328,8 @@ class HostIndex:
             if rkey is None:
                 return  # never committed here (an aborted reservation)
             self._unchecked.pop(key, None)
+            self._unverified.pop(key, None)  # (before its pages can be reused: see `_verify_some`)
+            self._altered.pop(key, None)
             self._deletes.append(rkey)
         if self._turn is not None and threading.get_ident() == self._turn_thread:
             return  # written with this turn (`_queue`'s first case, inline: one forget per evicted block)
@@ -334,6 +383,42 @@ class HostIndex:
     def pending(self, extents: list) -> bool:
         """Whether the block at `extents` (that very list) waits for its record (only this turn's do)."""
         return any(item.extents is extents for item in list(self._pending.values()))
+
+    @property
+    def has_unverified(self) -> bool:
+        """Some adopted block is not verified yet, or was found altered and is still in the tier."""
+        return bool(self._unverified or self._altered)
+
+    @property
+    def num_unverified(self) -> int:
+        return len(self._unverified)
+
+    def verify(self, key: tuple, extents: list) -> bool:
+        """Before the bytes of the block `key` at `extents` (that very list) are first read: False when
+        it is an adopted block whose bytes do not match its recorded checksum (the caller discards it)."""
+        item = self._unverified.get(key)
+        if item is None or item.extents is not extents:
+            return self._altered.get(key) is not extents
+        ok = self._hash(extents) == item.checksum
+        with self._verdict:
+            if self._unverified.pop(key, None) is item:
+                self._verified(ok)
+                if not ok:
+                    self._altered[key] = extents
+                return ok
+        return self._altered.get(key) is not extents  # the hasher decided it meanwhile
+
+    def _verified(self, ok: bool) -> None:
+        if ok:
+            self.verified_blocks += 1
+        else:
+            self.corrupt_blocks += 1
+
+    def altered(self) -> list[tuple[tuple, list]]:
+        """(key, extents) of the adopted blocks found altered that are still in the tier (each until the
+        store discards it; one not adopted yet stays listed until it is, or until its record is released)."""
+        with self._verdict:
+            return list(self._altered.items())
 
     @property
     def num_pending(self) -> int:
@@ -413,8 +498,10 @@ class HostIndex:
             if wait > 0:
                 self._stopped.wait(min(wait, 1.0))  # `close` wakes it
                 continue
-            batch, size = [], 0
+            batch, size = [], self._verify_some()
             for item in list(self._unchecked.values()):  # a snapshot (one C-level copy, under the GIL)
+                if size >= BATCH_BYTES:
+                    break
                 if item.hashing:
                     continue
                 if self._busy_for() > 0 or self._closing:
@@ -423,22 +510,47 @@ class HostIndex:
                 # the checksum of one still there is of its own bytes (re-checked when written).
                 if self._unchecked.get(item.key) is item:
                     item.hashing = True
-                    batch.append((item, checksum(self.arena, item.extents)))
+                    batch.append((item, self._hash(item.extents)))
                     size += item.nbytes
                     if size >= BATCH_BYTES:
                         break
             if batch:
                 self._sums.append(batch)
                 self._index_wake.set()
-            elif not any(not i.hashing for i in list(self._unchecked.values())):
+            elif not self._unverified and not any(not i.hashing for i in list(self._unchecked.values())):
                 self._hash_wake.clear()
                 if any(not i.hashing for i in list(self._unchecked.values())):
                     self._hash_wake.set()  # one arrived meanwhile
 
+    def _verify_some(self) -> int:
+        """Compare adopted blocks with their recorded checksums, up to BATCH_BYTES, while the store stays
+        quiet; returns the bytes read. A block freed meanwhile was popped by `forget` before its pages
+        could be reused, so a pop that succeeds after the hash means the hash is of the block's own bytes."""
+        size = 0
+        for key, item in list(self._unverified.items()):  # a snapshot (one C-level copy, under the GIL)
+            if self._busy_for() > 0 or self._closing:
+                break
+            ok = self._hash(item.extents) == item.checksum
+            with self._verdict:
+                if self._unverified.pop(key, None) is item:
+                    self._verified(ok)
+                    if not ok:
+                        self._altered[key] = item.extents
+            size += item.nbytes
+            if size >= BATCH_BYTES:
+                break
+        return size
+
+    def _hash(self, extents: list) -> int:
+        """The xxh3_64 of a block's bytes; its pages are unmapped from this process afterwards."""
+        x = checksum(self.arena, extents)
+        self._unmap(extents)
+        return x
+
     def _busy_for(self) -> float:
         """Seconds to wait before hashing: 0 once the store is quiet, or the oldest unchecked record is old."""
         quiet_in = self._active_at + QUIET_S - time.monotonic()
-        if quiet_in <= 0:
+        if quiet_in <= 0 or (self._unverified and time.monotonic() - self._adopted_at >= CHECK_LAG_S):
             return 0.0
         try:
             oldest = next(iter(self._unchecked.values()))
@@ -450,8 +562,8 @@ class HostIndex:
         """Write every pending record and checksum now, hashing on the caller's thread."""
         with self._lock:
             pending, unchecked = list(self._pending.values()), list(self._unchecked.values())
-        new = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents)), True) for item in pending]
-        sums = [(item, record_key(item.key), _pack(item, checksum(self.arena, item.extents))) for item in unchecked]
+        new = [(item, record_key(item.key), _pack(item, self._hash(item.extents)), True) for item in pending]
+        sums = [(item, record_key(item.key), _pack(item, self._hash(item.extents))) for item in unchecked]
         with self._lock:
             self._commit(new, sums)
 
@@ -503,13 +615,24 @@ def _private_dir(path: str) -> None:
                          f"mode {stat.S_IMODE(st.st_mode):04o})")
 
 
-def _pages_of(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[int]:
-    pages, total = [], 0
+def _mark_pages(num_pages: int, first: list[int], last: list[int]) -> np.ndarray | None:
+    """The pages the runs [first, last) cover, as a bool per page; None when two runs overlap."""
+    count = np.zeros(num_pages + 1, dtype=np.int64)
+    np.add.at(count, np.asarray(first, dtype=np.int64), 1)
+    np.add.at(count, np.asarray(last, dtype=np.int64), -1)
+    cover = np.cumsum(count[:-1])
+    return None if (cover > 1).any() else cover > 0
+
+
+def _page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
+    """The [first, end) page numbers of each extent; ValueError for one outside the arena or a length
+    that does not match."""
+    runs, total = [], 0
     for offset, length in extents:
         if offset % page_bytes or length <= 0 or offset + length > capacity_bytes:
             raise ValueError("extent outside the arena")
-        pages.extend(range(offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
+        runs.append((offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
         total += length
     if total != nbytes:
         raise ValueError("length does not match the extents")
-    return pages
+    return runs

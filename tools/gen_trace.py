@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request
+from kvstore.eviction.traces import TRACE_BLOCK_TOKENS, Request
 
 BLOCK = TRACE_BLOCK_TOKENS
 DEFAULT_SEEDS = {"tenants": 16, "agentic": 17, "scan": 18, "shift": 19, "mixed": 20}

@@ -14,7 +14,7 @@ knows whether the trace uses the block again (evaluation only, like Belady).
 becomes 512/T chained blocks), which multiplies the work by 512/T.
 `--full-blocks` cuts every request to its full blocks first, as an engine
 hands them to the store (the traces' last block is partial and almost never
-reused; `kvstore.eviction.replay.full_blocks`).
+reused; `kvstore.eviction.traces.full_blocks`).
 `--disk-blocks N` adds the real disk tier below the host tier (a
 [host, disk] TieredStore over a fresh data file with O_DIRECT and an LMDB index in a
 temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
@@ -50,10 +50,11 @@ from typing import Callable, Sequence
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.belady import BeladyPolicy
-from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
+from kvstore.eviction.traces import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
 from kvstore.keys import Namespace
 from kvstore.tools.gen_trace import requests_for
-from kvstore.store import TIERS, TieredStore
+from kvstore.store import TieredStore
+from kvstore.wire import TIERS
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostArena
 
@@ -107,9 +108,9 @@ def replay(
         need_future = policy == "belady" or attention == "oracle"
         future = next_use_index((h for h, _ in chains), ns.id) if need_future else {}
         if factory is not None:
-            store.policies["host"] = factory(clock)
+            store.placement.policies["host"] = factory(clock)
         elif policy == "belady":
-            store.policies["host"] = BeladyPolicy(future, now=lambda: position[0], clock=clock)
+            store.placement.policies["host"] = BeladyPolicy(future, now=lambda: position[0], clock=clock)
         store.policy_name = policy
         ns_id = store.register_namespace(ns)
         estimate = _estimator(attention, random.Random(seed), future, ns.id, position)
@@ -188,7 +189,7 @@ def _admit(store: TieredStore, ns_id: str, hashes: list, hits: int, owner, estim
 
 def _result(store, tally: Tally, policy, capacity_blocks, block_tokens, attention, problems, elapsed) -> dict:
     stats = store.stats()
-    orphans = sum(1 for e in store.iter_entries() if e.parent is not None and e.parent not in store.entries)
+    orphans = sum(1 for e in store.iter_entries() if e.parent is not None and e.parent not in store.index.entries)
     out = {"policy": policy, "capacity_blocks": capacity_blocks, "block_tokens": block_tokens, "attention": attention}
     out.update(tally.summary())
     out.update(

@@ -74,7 +74,7 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
         t0 = time.perf_counter()
         asyncio.run(promote_all())
         read_gbps = n * block_bytes / (time.perf_counter() - t0) / 1e9
-        sample = store.entries[(ns_id, hashes[n // 2])]
+        sample = store.index.entries[(ns_id, hashes[n // 2])]
         assert np.array_equal(np.frombuffer(host.read(sample.location), np.uint8), payload)
         assert store.check() == []
         info = {"direct_io": disk.direct, "direct_io_fallback_reason": disk.direct_reason}

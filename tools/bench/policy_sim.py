@@ -47,7 +47,7 @@ the best baseline in and its mean difference: a cell lost in most draws is a
 systematic loss, one lost in a few by a few 1e-4 is the spread between draws.
 `--full-blocks` replays every request cut to its full blocks (what an engine
 hands the store: its block hashes cover full blocks only), without the
-traces' one-off partial tails (`kvstore.eviction.replay.full_blocks`; `kvstore
+traces' one-off partial tails (`kvstore.eviction.traces.full_blocks`; `kvstore
 replay` takes the same flag). `--jobs N` runs the (trace, subject,
 capacity) cells in N processes (the printed rows and the summary are the
 same as with one).
@@ -74,7 +74,7 @@ if str(REPO) not in sys.path:
 
 from kvstore.eviction.attention import AttentionParams, AttentionPolicy  # noqa: E402
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, make_policy, policy_names  # noqa: E402
-from kvstore.eviction.replay import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
+from kvstore.eviction.traces import TRACE_BLOCK_TOKENS, Request, expand, full_blocks, read_trace  # noqa: E402
 from kvstore.tools.gen_trace import requests_for  # noqa: E402
 
 PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
@@ -157,7 +157,7 @@ def simulate(requests: Sequence[Request], policy: str | PolicyFactory, capacity_
 
 def load(spec: str, limit: int | None = None, full: int | None = None) -> list[Request]:
     """The first `limit` requests of a trace file or `gen:SHAPE[:SEED]`; with `full` (tokens per block),
-    cut to their full blocks (`kvstore.eviction.replay.full_blocks`)."""
+    cut to their full blocks (`kvstore.eviction.traces.full_blocks`)."""
     reqs = requests_for(spec) if spec.startswith("gen:") else read_trace(spec)
     reqs = reqs[:limit] if limit is not None else reqs
     return full_blocks(reqs, full) if full else reqs

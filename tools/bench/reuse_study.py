@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key
-from kvstore.eviction.replay import Request, read_trace
+from kvstore.eviction.traces import Request, read_trace
 from kvstore.tools.replay import replay
 
 BASELINES = ("lru", "lfu", "arc", "s3fifo")

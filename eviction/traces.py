@@ -1,4 +1,5 @@
-"""Replay helpers that need no store: trace parsing, block expansion, next-use index, tallies.
+"""Trace helpers that need no store: trace parsing, block expansion, next-use index, tallies (what
+`kvstore replay`, tools/replay.py, and tools/bench/policy_sim.py share).
 
 A Mooncake-format trace (FAST'25 release) is JSONL, one request per line:
 `timestamp` (ms), `input_length` (tokens), `hash_ids` (prefix-chained ids of

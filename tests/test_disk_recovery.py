@@ -1,0 +1,302 @@
+"""Serve first: the disk tier's records are read in the background and adopted while the store serves.
+
+In process, real files, O_DIRECT and LMDB (kvstore/recovery.py, tiers/disk_scan.py). The scan of the
+disk's index is held at a gate where a test needs the store to serve before it ends; the recovery's
+steps are driven by hand. Every scenario ends with `store.check() == []`, and a restart of what the
+recovery left recovers every block again.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+import kvstore.tiers.disk_scan as disk_scan
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostArena
+from tests.helpers import chain_hashes, namespace, payload_bytes
+
+BLOCK = PAGE = 64 * 1024
+NS = namespace("bg", BLOCK, dtype="bf16")
+
+
+class Stores:
+    """Stores over a fresh (not kept) host arena and the disk tier in `folder`."""
+
+    def __init__(self, folder, host_blocks: int = 8, disk_blocks: int = 64) -> None:
+        self.folder, self.host_blocks, self.disk_blocks = str(folder), host_blocks, disk_blocks
+        self.open_stores: list[TieredStore] = []
+
+    def open(self, background: bool = False) -> TieredStore:
+        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
+        disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, staging_bytes=16 * BLOCK)
+        store = TieredStore([host, disk], policy="lru", recover_in_background=background)
+        store.register_namespace(NS)
+        self.open_stores.append(store)
+        return store
+
+    def close(self, store: TieredStore) -> None:
+        store.close()
+        store.host.close()
+        self.open_stores.remove(store)
+
+
+@pytest.fixture
+def stores(tmp_path):
+    s = Stores(tmp_path / "disk")
+    yield s
+    for store in list(s.open_stores):
+        s.close(store)
+
+
+def put(store: TieredStore, hashes: list[bytes], parent: bytes | None = None) -> int:
+    stored, prev = 0, parent
+    for h in hashes:
+        (e,) = store.reserve(NS.id, [(h, prev)], "w")
+        prev = h
+        if e is not None:
+            store.host.write(e.location, payload_bytes(h, BLOCK))
+            store.commit(NS.id, [h], "w")
+            stored += 1
+    return stored
+
+
+def read(store: TieredStore, hashes: list[bytes]) -> list[bytes | None]:
+    import asyncio
+
+    entries, _ = asyncio.run(store.acquire(NS.id, hashes, "r"))
+    out = [None if e is None else store.host.read(e.location) for e in entries]
+    store.release(NS.id, [h for h, e in zip(hashes, entries) if e is not None], "r")
+    return out
+
+
+def on_disk(stores: Stores, chains: list[list[bytes]]) -> None:
+    """A stopped store whose disk tier holds `chains` (the host tier, not kept, holds the last few)."""
+    store = stores.open()
+    for c in chains:
+        put(store, c)
+    for salt in range(500, 600):  # fillers until every block of `chains` is on disk
+        if all(store.lookup(NS.id, c).tiers == ("disk",) * len(c) for c in chains):
+            break
+        put(store, chain_hashes(salt, 2))
+    assert all(store.lookup(NS.id, c).tiers == ("disk",) * len(c) for c in chains)
+    store.flush()
+    stores.close(store)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """The disk tier's scan waits until the returned event is set."""
+    event = threading.Event()
+    scan = disk_scan.DiskScan._scan
+
+    def held(self):
+        event.wait(30)
+        return scan(self)
+
+    monkeypatch.setattr(disk_scan.DiskScan, "_scan", held)
+    yield event
+    event.set()
+
+
+def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names(stores, gate):
+    chains = [chain_hashes(s, 6) for s in range(6)]
+    gate.set()
+    on_disk(stores, chains)
+    gate.clear()
+    store = stores.open(background=True)
+    assert store.recovery.active and store.recovery.scanning
+    assert store.lookup(NS.id, chains[0]).hits == 0  # not read yet: a miss, served at once
+    put(store, chain_hashes(900, 6))
+    put(store, chain_hashes(901, 6))  # the host tier evicts: the disk takes nothing yet
+    assert store.stats()["counters"]["demotions_dropped_disk_scanning"] >= 1
+    gate.set()
+    while store.recovery.scanning:
+        store.recovery.step(2)
+    while store.recovery.active and store.recovery.stats()["disk"]["stage"] == "index":
+        store.recovery.step(2)
+    assert store.recovery.stats()["disk"]["adopted_blocks"] == 0
+    assert store.lookup(NS.id, chains[5]).tiers == ("disk",) * 6  # adopted on demand, ancestors first
+    assert read(store, chains[5]) == [payload_bytes(h, BLOCK) for h in chains[5]]
+    while store.recovery.step(3):
+        pass
+    assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
+    recovered = store.stats()["counters"]["disk_blocks_recovered"]
+    assert recovered == store.disk.counters.recovered_records >= 36  # every record (fillers too) adopted
+    assert store.check() == []
+
+
+def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(stores, gate):
+    chain = chain_hashes(1, 6)
+    gate.set()
+    on_disk(stores, [chain])
+    store = stores.open(background=True)
+    while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
+        store.recovery.step(100)
+    assert put(store, chain) == 0  # every block is there (adopted on demand), none written again
+    assert store.stats()["counters"]["put_dedup_blocks"] == 6
+    store.wait_recovered()
+    assert store.check() == []
+
+
+def test_a_record_written_again_meanwhile_gives_back_only_its_pages(stores, gate):
+    """A block promoted before the restart keeps its record on disk as a copy; before that record is
+    adopted, the block is demoted again and written anew: the old record's pages are freed (once the new
+    record is durable), the new record is kept, and a later restart finds the block on disk."""
+    chain = chain_hashes(2, 2)
+    gate.set()
+    on_disk(stores, [chain])
+    store = stores.open()
+    assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]  # promoted: copies stay on disk
+    assert all(t == "host" for t in store.lookup(NS.id, chain).tiers)
+    stores.close(store)  # (a host tier that is not kept: the blocks live on in their disk copies only)
+    store = stores.open(background=True)
+    assert put(store, chain) == 2  # into the host tier again, before the records are read
+    while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":  # read and sorted
+        store.recovery.step(100)
+    store.recovery.finish()
+    assert store.stats()["tiers"]["disk"]["copies"] == 2
+    for salt in range(700, 720):  # demoted: back to their copies, no write
+        put(store, chain_hashes(salt, 2))
+    assert all(t == "disk" for t in store.lookup(NS.id, chain).tiers)
+    assert store.check() == []
+    stores.close(store)
+    store = stores.open()
+    assert store.lookup(NS.id, chain).tiers == ("disk", "disk")
+    assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]
+    assert store.check() == []
+
+
+def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(stores, gate):
+    """The disk copy of a host block waits to be attached while the block is demoted and written anew:
+    the old record (replaced in the disk's index by the new one) gives back its pages, once the new
+    record is durable, and no record; a restart finds the block on disk, intact."""
+    chain = chain_hashes(3, 2)
+    gate.set()
+    on_disk(stores, [chain])
+    store = stores.open()
+    read(store, chain)  # promoted to host, records kept on disk as copies
+    stores.close(store)
+    gate.clear()
+    store = stores.open(background=True)
+    put(store, chain)  # in the host tier again; their disk records are not read yet
+    gate.set()
+    while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
+        store.recovery.step(100)
+    for salt in range(800, 820):  # demoted: written anew (their old records are not attached yet)
+        put(store, chain_hashes(salt, 2))
+    assert all(t == "disk" for t in store.lookup(NS.id, chain).tiers)
+    assert store.stats()["counters"].get("disk_writes_saved", 0) == 0
+    store.recovery.finish()
+    assert store.stats()["tiers"]["disk"]["copies"] == 0
+    assert store.check() == []  # no page held by the old records, every record is a block's
+    stores.close(store)
+    store = stores.open()
+    assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]
+    assert store.check() == []
+
+
+def test_a_stop_during_the_recovery_loses_nothing(stores, gate):
+    chains = [chain_hashes(s, 6) for s in range(20, 26)]
+    gate.set()
+    on_disk(stores, chains)
+    store = stores.open(background=True)
+    while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
+        store.recovery.step(10)
+    store.recovery.step(5)  # a few adopted, the rest not
+    assert 0 < store.recovery.stats()["disk"]["adopted_blocks"] < 36
+    stores.close(store)
+    store = stores.open()
+    assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
+    assert store.check() == []
+
+
+def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(tmp_path, gate):
+    """A kept host arena over a disk: chains split between them (a host block's children on disk), disk
+    copies of host blocks. Adopted in small interleaved steps, with requests adopting on demand, the
+    store ends with the same blocks in the same tiers, and the same copies, as a recovery done at once."""
+    gate.set()
+    arena = f"/dev/shm/kvstore-test-{uuid.uuid4().hex}"
+
+    def open_kept(background: bool) -> TieredStore:
+        host = HostArena(arena, 40 * BLOCK, PAGE, prefault=False, persistent=True)
+        disk = DiskTier(str(tmp_path / "disk"), 64 * BLOCK, page_bytes=PAGE, staging_bytes=16 * BLOCK)
+        store = TieredStore([host, disk], policy="lru", recover_in_background=background)
+        store.register_namespace(NS)
+        return store
+
+    def held(store: TieredStore) -> dict:
+        return {k: (e.tier, sorted(e.copies or ())) for k, e in store.index.entries.items()}
+
+    chains = [chain_hashes(s, 6) for s in range(40, 48)]
+    store = open_kept(False)
+    try:  # many host records, few disk ones: the disk is sorted and adopting long before the host is done
+        for c in chains:
+            put(store, c)
+        read(store, chains[0])  # promoted: their records stay on disk as copies
+        assert store.stats()["tiers"]["disk"]["copies"] > 0
+        split = [c for c in chains if {store.index.entries[(NS.id, h)].tier for h in c} == {"host", "disk"}]
+        assert split, "no chain spans both tiers: the test proves less than it says"
+        store.flush()
+    finally:
+        store.close()
+        store.host.close()
+    store = open_kept(False)
+    expected = held(store)
+    store.close()
+    store.host.close()
+    store = open_kept(True)
+    try:
+        assert len(store.index.entries) == 0
+        n = 0
+        while store.recovery.step(1):
+            n += 1
+            if n % 7 == 0:  # a request in between names a chain
+                store.lookup(NS.id, chains[n // 7 % len(chains)])
+        assert held(store) == expected
+        assert store.check() == []
+    finally:
+        store.close()
+        store.host.close(unlink=True)
+
+
+def test_a_daemon_serves_before_its_disk_is_adopted_and_keeps_every_block(tmp_path):
+    """More records than a daemon recovers before it serves: it prints its ready line, adopts in the
+    background (stats' "recovery" until done), answers every request meanwhile, and then holds every
+    block it held before the stop, byte-identical."""
+    from kvstore.client import KVClient
+    from kvstore.keys import Namespace
+    from kvstore.store import RECOVER_BEFORE_SERVING_BLOCKS
+    from kvstore.tools.harness.daemon_proc import start_daemon
+    from tests.helpers import poll
+
+    ns_small = Namespace("bg-daemon", "bf16", 1, 1, 8, 16, 4096)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\ncapacity = {8192 * 4096}\npage_size = 4096\n')
+    flags = dict(host_bytes=str(1024 * 4096), page_bytes="4096", disk=True)
+    chains = [chain_hashes(s, 512) for s in range(12)]
+    assert sum(map(len, chains)) > RECOVER_BEFORE_SERVING_BLOCKS
+    d = start_daemon(tmp_path, "--config", str(config), **flags)
+    try:
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            for hs in chains:
+                assert c.put(ns, [(h, p, payload_bytes(h, 4096)) for h, p in zip(hs, [None] + hs[:-1])], chunk=512) == 512
+        d.stop(keep_arena=True)
+        d = start_daemon(tmp_path, "--config", str(config), name=d.name, **flags)
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            first = c.stats()
+            assert "recovery" in first, "the daemon recovered everything before it served"
+            c.lookup(ns, chains[3])  # answered while it recovers (a hit once the disk's records are read)
+            poll(lambda: "recovery" not in c.stats(), 60, "the background recovery")
+            for hs in chains:
+                assert c.lookup(ns, hs).hits == 512
+            got = c.get(ns, chains[7])
+            assert all(g is not None and g.tobytes() == payload_bytes(h, 4096) for g, h in zip(got, chains[7]))
+        assert d.check() == []
+    finally:
+        d.stop()

@@ -1,0 +1,357 @@
+"""Scale benchmark: how the daemon's memory, lookups, per-block work and restart grow with the blocks it indexes.
+
+For each size N (10^4, 10^5, 10^6, 10^7 blocks; `--max-blocks` stops at N) one
+daemon in its own process (the default policy unless `--policy`) is filled
+with N blocks of 4 KiB in chains of `--chain` (512): a host tier of
+min(N, `--host-blocks`) blocks over a disk tier that holds the rest, both on
+4 KiB pages, so that 10^6 blocks take 4 GiB of disk and the index, not the
+bytes, is what grows. The host tier keeps the newest chains; its victims move
+down to the disk tier. Then, against that daemon:
+
+- `rss_bytes_per_block`: the daemon's anonymous resident memory (`RssAnon`:
+  not the arena, which is shared memory, nor LMDB's file maps) after the fill
+  less before it, over N;
+- `lookup_p50_ms` / `lookup_p99_ms`: single-client `lookup`s of 32 blocks, a
+  random 32-block piece of a random chain each (every block present, in the
+  host or the disk tier), `--lookups` of them; with Mooncake installed, the
+  same number of `batch_is_exist` calls of 32 keys against a
+  `mooncake_master` holding N keys, interleaved one by one
+  (`lookups_vs_mooncake`: our lookups per second over theirs);
+- `read_us_per_block`: bench_control_plane's read, a `lookup` of every
+  `--batch` blocks then one pipelined `get_into` of them, of chains the host
+  tier holds; median of `--rounds` rounds, wall microseconds per block;
+- `write_full_us_per_block`: a pipelined `put` of new chains into the full
+  daemon, `--batch` per request (every request evicts from the host tier into
+  the disk tier, which evicts in turn); median of the rounds;
+- `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
+  ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
+  blocks of a sample of chains found right after the ready line, found once
+  the daemon's background recovery is done (`recovered_s` after the start,
+  from the ready line to the log line of the disk tier's recovery), against
+  found before the stop;
+- `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
+  recovered into a store in this process (its index read, every record
+  adopted into the block index and its policy; the host arena is not adopted
+  here, so the disk blocks under a host block are orphans and freed).
+
+With `--json` the last line is a JSON list, one object per size. The disk
+tier's folder is made under `KVSTORE_BENCH_DIR` (default: the system's temp
+folder); 10^6 blocks take a few minutes and ~5 GiB there, 10^7 ten times that.
+
+    python tools/bench/bench_scale.py [--json] [--max-blocks 1000000] [--policy attention] [--host-blocks 65536]
+        [--lookups 3000] [--batch 512] [--rounds 3] [--no-mooncake]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
+
+from kvstore.client import KVClient  # noqa: E402
+from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon  # noqa: E402
+
+BLOCK_BYTES = 4096
+SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
+NS = Namespace("bench-scale", "bf16", 1, 1, 128, 16, BLOCK_BYTES)
+LOOKUP = 32  # blocks per lookup
+SAMPLE_CHAINS = 256  # chains whose hashes are kept for the lookups and the restart's check
+
+
+def chain_hashes(seed: int, c: int, length: int) -> list[bytes]:
+    """The hashes of chain `c` of one seed: the same every time they are asked for."""
+    tokens = np.random.default_rng([seed, c]).integers(0, 2**31, size=length * 16)
+    return hash_blocks(tokens, 16)
+
+
+def chain_lengths(n: int, chain: int) -> list[int]:
+    return [min(chain, n - c) for c in range(0, n, chain)]
+
+
+def put_chains(client: KVClient, ns: str, seed: int, lengths: list[int], batch: int, payload: np.ndarray,
+               first: int = 0) -> int:
+    """Put chains `first`.. of `seed` (their lengths given), each one `put` of `batch` blocks a request."""
+    stored = 0
+    for i, length in enumerate(lengths):
+        hs = chain_hashes(seed, first + i, length)
+        stored += client.put(ns, [(h, p, payload) for h, p in zip(hs, [None] + hs[:-1])], chunk=batch)
+    return stored
+
+
+def rss_anon(pid: int) -> int:
+    """Anonymous resident bytes of a process (/proc/<pid>/status, RssAnon)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc status")
+
+
+def settled(stats: dict) -> bool:
+    """Every host placement record with its checksum, and every disk write, is done."""
+    host, disk = stats["tiers"]["host"], stats["tiers"].get("disk", {})
+    return (host.get("pending_records", 0) == 0 and host.get("unchecked_records", 0) == 0
+            and disk.get("pending_writes", 0) == 0)
+
+
+def wait_settled(client: KVClient, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not settled(client.stats()):
+        if time.monotonic() > deadline:
+            raise SystemExit("the daemon did not write its records down in time")
+        time.sleep(0.1)
+
+
+def write_config(folder: str, n: int, host_blocks: int, policy: str) -> tuple[str, int, int]:
+    """A TOML config for a daemon of n blocks: (its path, host blocks, disk blocks). The host tier's
+    size is given on the command line (start_daemon's flags override the file)."""
+    host = min(n, host_blocks)
+    disk = max(n - host, 1024)
+    path = os.path.join(folder, "kvstore.toml")
+    with open(path, "w") as f:
+        f.write(f'policy = "{policy}"\n[disk]\npath = "{os.path.join(folder, "disk")}"\n'
+                f'capacity = {disk * BLOCK_BYTES}\npage_size = {BLOCK_BYTES}\n')
+    return path, host, disk
+
+
+def lookups(client: KVClient, ns: str, samples: list[list[bytes]], iters: int, mooncake: object,
+            mc_keys: list[list[str]] | None) -> dict:
+    """32-block lookups of random pieces of the sample chains; interleaved with Mooncake's when given."""
+    rng = random.Random(1)
+    ours, theirs = [], []
+    for i in range(iters + 200):  # the first 200 of each warm up
+        c = rng.randrange(len(samples))
+        start = rng.randrange(0, max(1, len(samples[c]) - LOOKUP + 1))
+        piece = samples[c][start : start + LOOKUP]
+        t0 = time.perf_counter()
+        hits = client.lookup(ns, piece).hits
+        t1 = time.perf_counter()
+        if hits != len(piece):
+            raise SystemExit(f"a lookup found {hits} of {len(piece)} blocks the daemon holds")
+        if mooncake is not None:
+            keys = mc_keys[c][start : start + LOOKUP]  # type: ignore[index]
+            t2 = time.perf_counter()
+            present = mooncake.batch_is_exist(keys)
+            t3 = time.perf_counter()
+            if list(present) != [1] * len(keys):
+                raise SystemExit("mooncake_master is missing keys it was given")
+            if i >= 200:
+                theirs.append(t3 - t2)
+        if i >= 200:
+            ours.append(t1 - t0)
+    q = statistics.quantiles(ours, n=100)
+    out = {"lookup_p50_ms": statistics.median(ours) * 1e3, "lookup_p99_ms": q[98] * 1e3,
+           "lookups_per_s": len(ours) / sum(ours)}
+    if theirs:
+        qm = statistics.quantiles(theirs, n=100)
+        out.update(mooncake_p50_ms=statistics.median(theirs) * 1e3, mooncake_p99_ms=qm[98] * 1e3,
+                   mooncake_per_s=len(theirs) / sum(theirs), lookups_vs_mooncake=out["lookups_per_s"] * sum(theirs) / len(theirs))
+    return out
+
+
+def host_chains(client: KVClient, ns: str, seed: int, lengths: list[int], want: int) -> list[list[bytes]]:
+    """Whole chains the host tier holds, newest first, until `want` blocks."""
+    out: list[list[bytes]] = []
+    got = 0
+    for c in range(len(lengths) - 1, -1, -1):
+        hs = chain_hashes(seed, c, lengths[c])
+        found = client.lookup(ns, hs)
+        if found.hits == len(hs) and all(t == "host" for t in found.tiers):
+            out.append(hs)
+            got += len(hs)
+            if got >= want:
+                break
+    return out
+
+
+def reads(client: KVClient, ns: str, chains: list[list[bytes]], batch: int, rounds: int) -> float:
+    """Median over rounds of wall microseconds per block of a lookup of every `batch` blocks, then a get_into."""
+    hashes = [h for hs in chains for h in hs]
+    out = np.empty((len(hashes), BLOCK_BYTES), dtype=np.uint8)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        hits = sum(client.lookup(ns, hashes[i : i + batch]).hits for i in range(0, len(hashes), batch))
+        got = client.get_into(ns, hashes, out, chunk=batch)
+        times.append((time.perf_counter() - t0) / len(hashes) * 1e6)
+        if hits != len(hashes) or not all(got):
+            raise SystemExit("a read missed blocks the host tier holds")
+    return statistics.median(times)
+
+
+def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], tmp: str, ns: str):
+    """A mooncake_master holding n keys (the blocks' names), and the sample chains' keys; (None, None,
+    why) where Mooncake cannot load."""
+    try:
+        from kvstore.tiers.remote import RemoteUnavailable, load_mooncake, master_binary
+
+        mc = load_mooncake()
+        master_binary()
+    except (ImportError, RemoteUnavailable) as exc:
+        return None, None, None, f"no Mooncake client here: {exc}"
+    from kvstore.tools.harness.remote_env import Master
+
+    master = Master(log_path=os.path.join(tmp, "master.log")).start()
+    store = mc.MooncakeDistributedStore()
+    segment = max(64 << 20, n * 128)
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", f"127.0.0.1:{master.port}")
+    if rc != 0:
+        master.kill()
+        return None, None, None, f"Mooncake setup failed (code {rc})"
+    value = b"\0" * 64
+    keys_of = lambda c: [f"kvstore/v1/{ns}/{h.hex()}" for h in chain_hashes(seed, c, lengths[c])]  # noqa: E731
+    for c in range(len(lengths)):
+        keys = keys_of(c)
+        for i in range(0, len(keys), 512):
+            part = keys[i : i + 512]
+            rcs = store.put_batch(part, [value] * len(part))
+            if rcs != 0 and (not isinstance(rcs, list) or any(rcs)):
+                store.close()
+                master.kill()
+                return None, None, None, "Mooncake put_batch failed"
+    return master, store, [keys_of(c) for c in sample_ids], ""
+
+
+def disk_recovery(folder: str, disk_blocks: int, policy: str) -> float:
+    """Seconds to open the disk tier left in `folder` and recover it into a store (this process)."""
+    from kvstore.store import TieredStore
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.host import HostArena
+
+    host = HostArena(f"/dev/shm/kvstore-bench-scale-{os.getpid()}", 64 * BLOCK_BYTES, BLOCK_BYTES, prefault=False)
+    t0 = time.perf_counter()
+    disk = DiskTier(os.path.join(folder, "disk"), disk_blocks * BLOCK_BYTES, BLOCK_BYTES)
+    store = TieredStore([host, disk], policy=policy)
+    wait = getattr(store, "wait_recovered", None)  # a store that recovers in the background
+    if wait is not None:
+        wait()
+    elapsed = time.perf_counter() - t0
+    store.close(persist=False)
+    host.close()
+    return elapsed
+
+
+def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
+    folder = tempfile.mkdtemp(dir=tmp)
+    config, host_blocks, disk_blocks = write_config(folder, n, args.host_blocks, args.policy)
+    lengths = chain_lengths(n, args.chain)
+    payload = np.ones(BLOCK_BYTES, np.uint8)
+    rng = random.Random(n)
+    sample_ids = sorted(rng.sample(range(len(lengths)), min(SAMPLE_CHAINS, len(lengths))))
+    row: dict = {"blocks": n, "host_blocks": host_blocks, "disk_blocks": disk_blocks, "policy": args.policy}
+    flags = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False, disk=True)
+    d: DaemonProc = start_daemon(folder, "--config", config, **flags)
+    try:
+        with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
+            ns = client.register(NS)
+            time.sleep(0.5)  # the disk writer prefaults its staging buffers for the namespace
+            rss0 = rss_anon(d.proc.pid)
+            t0 = time.perf_counter()
+            stored = put_chains(client, ns, 1, lengths, args.batch, payload)
+            row["fill_s"] = round(time.perf_counter() - t0, 1)
+            wait_settled(client)
+            st = client.stats()
+            row["indexed_blocks"] = st["blocks"]
+            if stored != n or st["blocks"] != n:
+                raise SystemExit(f"the daemon holds {st['blocks']} of {n} blocks ({stored} stored)")
+            row["rss_bytes_per_block"] = round((rss_anon(d.proc.pid) - rss0) / n, 1)
+            samples = [chain_hashes(1, c, lengths[c]) for c in sample_ids]
+            master = mc_store = None
+            mc_keys = None
+            if args.mooncake:
+                master, mc_store, mc_keys, why = mooncake_with(n, 1, lengths, sample_ids, folder, ns)
+                if why:
+                    row["mooncake_skipped"] = why
+            try:
+                row.update(lookups(client, ns, samples, args.lookups, mc_store, mc_keys))
+            finally:
+                if mc_store is not None:
+                    mc_store.close()
+                if master is not None:
+                    master.kill()
+            read_blocks = max(args.batch, min(8192, host_blocks // 2) // args.batch * args.batch)
+            chains = host_chains(client, ns, 1, lengths, read_blocks)
+            row["read_us_per_block"] = round(reads(client, ns, chains, args.batch, args.rounds), 2)
+            write_blocks = read_blocks
+            times = []
+            for r in range(args.rounds):
+                t = time.perf_counter()
+                if put_chains(client, ns, 100 + r, chain_lengths(write_blocks, args.chain), args.batch, payload) \
+                        != write_blocks:
+                    raise SystemExit("a full-tier write stored fewer blocks than it put")
+                times.append((time.perf_counter() - t) / write_blocks * 1e6)
+            row["write_full_us_per_block"] = round(statistics.median(times), 2)
+            wait_settled(client)
+            before = sum(client.lookup(ns, hs).hits for hs in samples)
+        t0 = time.perf_counter()
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(timeout=600)
+        stop_s = time.perf_counter() - t0
+        d.cleanup(keep_arena=True)
+        log = os.path.join(folder, "restart.log")
+        t1 = time.perf_counter()
+        d = start_daemon(folder, "--config", config, "--log-level", "INFO", name=d.name, log_path=log, **flags)
+        start_s = time.perf_counter() - t1
+        with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
+            ns = client.register(NS)
+            kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
+            while "disk tier: recovered" not in open(log).read():  # (stats would cost the loop O(blocks))
+                time.sleep(0.1)
+            recovered_s = time.perf_counter() - t1
+            kept = sum(client.lookup(ns, hs).hits for hs in samples)
+        row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
+                   kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3))
+    finally:
+        d.stop(timeout=600)
+    row["disk_recovery_s"] = round(disk_recovery(folder, disk_blocks, args.policy), 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="the last line is a JSON list, one object per size")
+    ap.add_argument("--max-blocks", type=int, default=SIZES[-1], help="stop at this many blocks")
+    ap.add_argument("--min-blocks", type=int, default=SIZES[0], help="start at this many blocks")
+    ap.add_argument("--policy", default="attention")
+    ap.add_argument("--host-blocks", type=int, default=65536, help="the host tier's blocks at most (4 KiB each)")
+    ap.add_argument("--chain", type=int, default=512, help="blocks per chain")
+    ap.add_argument("--batch", type=int, default=512, help="blocks per request")
+    ap.add_argument("--lookups", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-mooncake", dest="mooncake", action="store_false",
+                    help="no lookups against mooncake_master")
+    args = ap.parse_args(argv)
+    sizes = [n for n in SIZES if args.min_blocks <= n <= args.max_blocks]
+    if not sizes:
+        ap.error(f"--max-blocks must be at least {SIZES[0]}")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_BENCH_DIR")) as tmp:
+        for n in sizes:
+            row = run_size(tmp, n, args)
+            rows.append(row)
+            if not args.json:
+                print(row, flush=True)
+    if not args.json:
+        base = rows[0]
+        for row in rows[1:]:
+            print(f"{row['blocks']:>10,} blocks: lookup p99 {row['lookup_p99_ms'] / base['lookup_p99_ms']:.2f}x "
+                  f"of {base['blocks']:,}'s, restart {row['restart_s']:.2f} s, "
+                  f"{row['rss_bytes_per_block']:.0f} B a block")
+    else:
+        print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
