@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 
 import pytest
 
 from kvstore.errors import NamespaceError
-from kvstore.store import TieredStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes, namespace, payload_bytes
 
 BLOCK = PAGE = 64 * 1024
@@ -24,21 +20,19 @@ ATTACH = dataclasses.replace(namespace("hybrid", 2 * BLOCK), layout="boundary", 
 
 
 class Store:
-    """A store over a host arena of `host_blocks` pages and a disk tier in `folder` (reopenable)."""
+    """A store over a host arena of 6 pages and a disk tier of 64 (`store_factory`'s: reopenable)."""
 
-    def __init__(self, folder, host_blocks: int = 6, disk_blocks: int = 64) -> None:
-        self.folder, self.host_blocks, self.disk_blocks = str(folder), host_blocks, disk_blocks
+    def __init__(self, store_factory) -> None:
+        self.store_factory = store_factory
         self.open()
 
     def open(self) -> None:
-        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
-        self.store = TieredStore([host, DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE)])
+        self.store = self.store_factory(6 * BLOCK, PAGE, disk_bytes=64 * BLOCK)
         self.store.register_namespace(SPINE)
         self.store.register_namespace(ATTACH)
 
     def close(self) -> None:
         self.store.close()
-        self.store.host.close()
 
     def put(self, ns, blocks) -> list[bool]:
         """Reserve, write and commit (hash, parent) blocks one at a time; which were stored."""
@@ -60,10 +54,8 @@ class Store:
 
 
 @pytest.fixture
-def s(tmp_path):
-    store = Store(tmp_path / "disk")
-    yield store
-    store.close()
+def s(store_factory):
+    return Store(store_factory)
 
 
 def spine_and_attachment(s: Store, seed: int, n: int = 2) -> list[bytes]:
@@ -103,23 +95,19 @@ def test_attachments_leave_the_host_tier_before_their_anchor_and_come_back_with_
     assert s.store.check() == [] and second
 
 
-def test_attachments_are_recovered_under_their_anchor(tmp_path):
-    s = Store(tmp_path / "disk")
+def test_attachments_are_recovered_under_their_anchor(s):
     hs = spine_and_attachment(s, 5)
     for seed in range(6, 12):  # push everything down to the disk tier, which persists
         spine_and_attachment(s, seed)
     s.store.flush()
     s.close()
     s.open()
-    try:
-        e = s.store.index.get((ATTACH.id, hs[-1]))
-        assert e is not None and e.parent == (SPINE.id, hs[-1]) and e.tier == "disk"
-        assert s.read(ATTACH, [hs[-1]]) == [None]  # not promoted above its spine block, which is on disk
-        assert s.read(SPINE, hs)[-1] is not None  # a reader takes the spine first (it is promoted) ...
-        assert s.read(ATTACH, [hs[-1]])[0] == payload_bytes(hs[-1] + b"boundary", 2 * BLOCK)  # ... then this
-        assert s.store.check() == []
-    finally:
-        s.close()
+    e = s.store.index.get((ATTACH.id, hs[-1]))
+    assert e is not None and e.parent == (SPINE.id, hs[-1]) and e.tier == "disk"
+    assert s.read(ATTACH, [hs[-1]]) == [None]  # not promoted above its spine block, which is on disk
+    assert s.read(SPINE, hs)[-1] is not None  # a reader takes the spine first (it is promoted) ...
+    assert s.read(ATTACH, [hs[-1]])[0] == payload_bytes(hs[-1] + b"boundary", 2 * BLOCK)  # ... then this
+    assert s.store.check() == []
 
 
 @pytest.mark.parametrize("anchor", [

@@ -9,47 +9,29 @@ recovery left recovers every block again.
 from __future__ import annotations
 
 import threading
-import uuid
 
 import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
 from kvstore.store import TieredStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes, namespace, payload_bytes
 
 BLOCK = PAGE = 64 * 1024
 NS = namespace("bg", BLOCK, dtype="bf16")
 
 
-class Stores:
-    """Stores over a fresh (not kept) host arena and the disk tier in `folder`."""
+@pytest.fixture
+def open_store(store_factory):
+    """`open_store(background=False)`: a store over a fresh (not kept) host arena of 8 blocks and the
+    test's disk tier of 64 (the same folder each time)."""
 
-    def __init__(self, folder, host_blocks: int = 8, disk_blocks: int = 64) -> None:
-        self.folder, self.host_blocks, self.disk_blocks = str(folder), host_blocks, disk_blocks
-        self.open_stores: list[TieredStore] = []
-
-    def open(self, background: bool = False) -> TieredStore:
-        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
-        disk = DiskTier(self.folder, self.disk_blocks * BLOCK, page_bytes=PAGE, staging_bytes=16 * BLOCK)
-        store = TieredStore([host, disk], policy="lru", recover_in_background=background)
+    def open_(background: bool = False) -> TieredStore:
+        store = store_factory(8 * BLOCK, PAGE, disk_bytes=64 * BLOCK, staging_bytes=16 * BLOCK, policy="lru",
+                              recover_in_background=background)
         store.register_namespace(NS)
-        self.open_stores.append(store)
         return store
 
-    def close(self, store: TieredStore) -> None:
-        store.close()
-        store.host.close()
-        self.open_stores.remove(store)
-
-
-@pytest.fixture
-def stores(tmp_path):
-    s = Stores(tmp_path / "disk")
-    yield s
-    for store in list(s.open_stores):
-        s.close(store)
+    return open_
 
 
 def put(store: TieredStore, hashes: list[bytes], parent: bytes | None = None) -> int:
@@ -73,9 +55,9 @@ def read(store: TieredStore, hashes: list[bytes]) -> list[bytes | None]:
     return out
 
 
-def on_disk(stores: Stores, chains: list[list[bytes]]) -> None:
+def on_disk(open_store, chains: list[list[bytes]]) -> None:
     """A stopped store whose disk tier holds `chains` (the host tier, not kept, holds the last few)."""
-    store = stores.open()
+    store = open_store()
     for c in chains:
         put(store, c)
     for salt in range(500, 600):  # fillers until every block of `chains` is on disk
@@ -84,7 +66,7 @@ def on_disk(stores: Stores, chains: list[list[bytes]]) -> None:
         put(store, chain_hashes(salt, 2))
     assert all(store.lookup(NS.id, c).tiers == ("disk",) * len(c) for c in chains)
     store.flush()
-    stores.close(store)
+    store.close()
 
 
 @pytest.fixture
@@ -102,12 +84,12 @@ def gate(monkeypatch):
     event.set()
 
 
-def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names(stores, gate):
+def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names(open_store, gate):
     chains = [chain_hashes(s, 6) for s in range(6)]
     gate.set()
-    on_disk(stores, chains)
+    on_disk(open_store, chains)
     gate.clear()
-    store = stores.open(background=True)
+    store = open_store(background=True)
     assert store.recovery.active and store.recovery.scanning
     assert store.lookup(NS.id, chains[0]).hits == 0  # not read yet: a miss, served at once
     put(store, chain_hashes(900, 6))
@@ -129,11 +111,11 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
     assert store.check() == []
 
 
-def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(stores, gate):
+def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(open_store, gate):
     chain = chain_hashes(1, 6)
     gate.set()
-    on_disk(stores, [chain])
-    store = stores.open(background=True)
+    on_disk(open_store, [chain])
+    store = open_store(background=True)
     while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
         store.recovery.step(100)
     assert put(store, chain) == 0  # every block is there (adopted on demand), none written again
@@ -142,18 +124,18 @@ def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(stores, gate):
     assert store.check() == []
 
 
-def test_a_record_written_again_meanwhile_gives_back_only_its_pages(stores, gate):
+def test_a_record_written_again_meanwhile_gives_back_only_its_pages(open_store, gate):
     """A block promoted before the restart keeps its record on disk as a copy; before that record is
     adopted, the block is demoted again and written anew: the old record's pages are freed (once the new
     record is durable), the new record is kept, and a later restart finds the block on disk."""
     chain = chain_hashes(2, 2)
     gate.set()
-    on_disk(stores, [chain])
-    store = stores.open()
+    on_disk(open_store, [chain])
+    store = open_store()
     assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]  # promoted: copies stay on disk
     assert all(t == "host" for t in store.lookup(NS.id, chain).tiers)
-    stores.close(store)  # (a host tier that is not kept: the blocks live on in their disk copies only)
-    store = stores.open(background=True)
+    store.close()  # (a host tier that is not kept: the blocks live on in their disk copies only)
+    store = open_store(background=True)
     assert put(store, chain) == 2  # into the host tier again, before the records are read
     while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":  # read and sorted
         store.recovery.step(100)
@@ -163,25 +145,25 @@ def test_a_record_written_again_meanwhile_gives_back_only_its_pages(stores, gate
         put(store, chain_hashes(salt, 2))
     assert all(t == "disk" for t in store.lookup(NS.id, chain).tiers)
     assert store.check() == []
-    stores.close(store)
-    store = stores.open()
+    store.close()
+    store = open_store()
     assert store.lookup(NS.id, chain).tiers == ("disk", "disk")
     assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]
     assert store.check() == []
 
 
-def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(stores, gate):
+def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(open_store, gate):
     """The disk copy of a host block waits to be attached while the block is demoted and written anew:
     the old record (replaced in the disk's index by the new one) gives back its pages, once the new
     record is durable, and no record; a restart finds the block on disk, intact."""
     chain = chain_hashes(3, 2)
     gate.set()
-    on_disk(stores, [chain])
-    store = stores.open()
+    on_disk(open_store, [chain])
+    store = open_store()
     read(store, chain)  # promoted to host, records kept on disk as copies
-    stores.close(store)
+    store.close()
     gate.clear()
-    store = stores.open(background=True)
+    store = open_store(background=True)
     put(store, chain)  # in the host tier again; their disk records are not read yet
     gate.set()
     while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
@@ -193,38 +175,36 @@ def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(stores,
     store.recovery.finish()
     assert store.stats()["tiers"]["disk"]["copies"] == 0
     assert store.check() == []  # no page held by the old records, every record is a block's
-    stores.close(store)
-    store = stores.open()
+    store.close()
+    store = open_store()
     assert read(store, chain) == [payload_bytes(h, BLOCK) for h in chain]
     assert store.check() == []
 
 
-def test_a_stop_during_the_recovery_loses_nothing(stores, gate):
+def test_a_stop_during_the_recovery_loses_nothing(open_store, gate):
     chains = [chain_hashes(s, 6) for s in range(20, 26)]
     gate.set()
-    on_disk(stores, chains)
-    store = stores.open(background=True)
+    on_disk(open_store, chains)
+    store = open_store(background=True)
     while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
         store.recovery.step(10)
     store.recovery.step(5)  # a few adopted, the rest not
     assert 0 < store.recovery.stats()["disk"]["adopted_blocks"] < 36
-    stores.close(store)
-    store = stores.open()
+    store.close()
+    store = open_store()
     assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
     assert store.check() == []
 
 
-def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(tmp_path, gate):
+def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(store_factory, gate):
     """A kept host arena over a disk: chains split between them (a host block's children on disk), disk
     copies of host blocks. Adopted in small interleaved steps, with requests adopting on demand, the
     store ends with the same blocks in the same tiers, and the same copies, as a recovery done at once."""
     gate.set()
-    arena = f"/dev/shm/kvstore-test-{uuid.uuid4().hex}"
 
-    def open_kept(background: bool) -> TieredStore:
-        host = HostArena(arena, 40 * BLOCK, PAGE, prefault=False, persistent=True)
-        disk = DiskTier(str(tmp_path / "disk"), 64 * BLOCK, page_bytes=PAGE, staging_bytes=16 * BLOCK)
-        store = TieredStore([host, disk], policy="lru", recover_in_background=background)
+    def open_kept(background: bool, arena: str | None = None) -> TieredStore:
+        store = store_factory(40 * BLOCK, PAGE, arena=arena, prefault=False, persistent=True, disk_bytes=64 * BLOCK,
+                              staging_bytes=16 * BLOCK, policy="lru", recover_in_background=background)
         store.register_namespace(NS)
         return store
 
@@ -233,34 +213,28 @@ def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(tm
 
     chains = [chain_hashes(s, 6) for s in range(40, 48)]
     store = open_kept(False)
-    try:  # many host records, few disk ones: the disk is sorted and adopting long before the host is done
-        for c in chains:
-            put(store, c)
-        read(store, chains[0])  # promoted: their records stay on disk as copies
-        assert store.stats()["tiers"]["disk"]["copies"] > 0
-        split = [c for c in chains if {store.index.entries[(NS.id, h)].tier for h in c} == {"host", "disk"}]
-        assert split, "no chain spans both tiers: the test proves less than it says"
-        store.flush()
-    finally:
-        store.close()
-        store.host.close()
-    store = open_kept(False)
+    arena = store.host.path
+    # many host records, few disk ones: the disk is sorted and adopting long before the host is done
+    for c in chains:
+        put(store, c)
+    read(store, chains[0])  # promoted: their records stay on disk as copies
+    assert store.stats()["tiers"]["disk"]["copies"] > 0
+    split = [c for c in chains if {store.index.entries[(NS.id, h)].tier for h in c} == {"host", "disk"}]
+    assert split, "no chain spans both tiers: the test proves less than it says"
+    store.flush()
+    store.close()
+    store = open_kept(False, arena)
     expected = held(store)
     store.close()
-    store.host.close()
-    store = open_kept(True)
-    try:
-        assert len(store.index.entries) == 0
-        n = 0
-        while store.recovery.step(1):
-            n += 1
-            if n % 7 == 0:  # a request in between names a chain
-                store.lookup(NS.id, chains[n // 7 % len(chains)])
-        assert held(store) == expected
-        assert store.check() == []
-    finally:
-        store.close()
-        store.host.close(unlink=True)
+    store = open_kept(True, arena)
+    assert len(store.index.entries) == 0
+    n = 0
+    while store.recovery.step(1):
+        n += 1
+        if n % 7 == 0:  # a request in between names a chain
+            store.lookup(NS.id, chains[n // 7 % len(chains)])
+    assert held(store) == expected
+    assert store.check() == []
 
 
 def test_a_daemon_serves_before_its_disk_is_adopted_and_keeps_every_block(tmp_path):

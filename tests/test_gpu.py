@@ -5,7 +5,7 @@ Every flow runs twice: on "cuda:0" (marked `gpu`: CUDA KV tensors, the daemon's 
 copies by vLLM's ops where vLLM is installed, else one cuMemcpyAsync per piece; skipped with the reason
 where there is no CUDA, and the kernel's cases where vLLM's kernel is absent) and on
 "cpu" (the GPU tier emulated in shared memory, host copies: the same handshake, routing, demotion and
-restart logic, in CI). Engines are `tools/harness/kv_engine.py` processes; a block's bytes are compared by
+restart logic, in CI). Engines are `tests/kv_engine.py` processes; a block's bytes are compared by
 sha256 of its payload in the saving and the loading engine.
 """
 
@@ -25,7 +25,7 @@ from kvstore.tiers import gpu
 from kvstore.tools.harness.daemon_proc import ROOT
 
 CUDA_OK, CUDA_REASON = gpu.cuda_available()
-N = 16  # tokens per block (tools/harness/kv_engine.py)
+N = 16  # tokens per block (tests/kv_engine.py)
 BLOCK = 8 * 4 * N * 2 * 64 * 2  # 128 KiB
 DEVICES = [pytest.param("cpu", id="emulated"),
            pytest.param("cuda:0", id="cuda", marks=[pytest.mark.gpu,
@@ -41,7 +41,7 @@ class EngineProc:
     """A `kv_engine` process; `ask` sends one request and returns its reply."""
 
     def __init__(self, socket: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
-        args = [sys.executable, "-m", "kvstore.tools.harness.kv_engine", socket, "--device", device, "--layout", layout,
+        args = [sys.executable, "-m", "tests.kv_engine", socket, "--device", device, "--layout", layout,
                 "--seed", str(seed)] + (["--whole-step"] if whole_step else [])
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         hello = self._reply()
@@ -141,7 +141,7 @@ def test_a_killed_engine_leaks_no_pool_page(daemon_factory, device, tmp_path):
     script.write_text(
         "import sys, time\n"
         "from kvstore.client import KVClient\n"
-        "from kvstore.tools.harness.kv_engine import namespace\n"
+        "from tests.kv_engine import namespace\n"
         "import xxhash\n"
         "c = KVClient(sys.argv[1])\n"
         "ns = c.register(namespace(sys.argv[2], 'LBHNC'))\n"

@@ -12,14 +12,6 @@ import pytest
 torch = pytest.importorskip("torch", reason="the GPU tier's copies are torch code")
 
 from kvstore.tiers import gpu  # noqa: E402
-from kvstore.tiers.host import HostArena  # noqa: E402
-
-
-@pytest.fixture
-def arena(tmp_path):
-    a = HostArena(str(tmp_path / "arena"), 64 * 4096, 4096, prefault=False)
-    yield a
-    a.close()
 
 
 # -- run planning -----------------------------------------------------------------
@@ -57,7 +49,8 @@ needs_no_cuda = pytest.mark.skipif(gpu.cuda_available()[0], reason="checks the C
 
 
 @needs_no_cuda
-def test_without_cuda_the_tier_is_absent_with_a_reason(arena):
+def test_without_cuda_the_tier_is_absent_with_a_reason(arena_factory):
+    arena = arena_factory(64 * 4096, 4096, prefault=False)
     ok, reason = gpu.cuda_available()
     assert not ok and reason
     assert gpu.tier_status() == {"available": False, "reason": reason}
@@ -152,7 +145,7 @@ def test_a_configured_gpu_tier_on_a_host_without_cuda_is_absent_and_imports_no_t
     assert "absent" in out.stdout
 
 
-def test_a_block_acquired_while_the_demoter_copies_it_stays_in_the_gpu_tier(tmp_path):
+def test_a_block_acquired_while_the_demoter_copies_it_stays_in_the_gpu_tier(store_factory):
     """The demoter copies its victims gpu -> host in a thread while the loop serves; an engine that
     acquires a victim meanwhile gets its GPU extents and copies from them. Moving the block then would
     free those pages under the engine (a later save could overwrite them): it stays where it is."""
@@ -160,13 +153,11 @@ def test_a_block_acquired_while_the_demoter_copies_it_stays_in_the_gpu_tier(tmp_
     import threading
 
     from kvstore.keys import Namespace
-    from kvstore.store import TieredStore
     from tests.helpers import chain_hashes
 
     async def scenario() -> None:
         gtier = gpu.GpuTier([gpu.GpuPool("cpu", 10 * 4096, 4096)])
-        host = HostArena(str(tmp_path / "arena"), 64 * 4096, 4096, prefault=False)
-        store = TieredStore([gtier, host], policy="lru")
+        store = store_factory(64 * 4096, 4096, prefault=False, gpu=gtier, policy="lru")
         ns = store.register_namespace(Namespace("demote-race", "bf16", 1, 1, 1, 16, 4096))
         copying, go = threading.Event(), threading.Event()
         real = gtier.read_many

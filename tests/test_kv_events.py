@@ -25,11 +25,9 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.config import EventsConfig
-from kvstore.store import TieredStore
 from kvstore.server.event_wire import MEDIUM, RawEvent, decode_batch, encode_batch, group_by_topic
 from kvstore.server.events import EventPublisher
 from tests.conftest import ROOT
-from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes, namespace
 
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (the tools extra)")
@@ -267,41 +265,35 @@ def test_encodings_decode_with_vllm_and_with_the_older_array_form():
                          None]
 
 
-def test_a_publisher_that_falls_behind_drops_then_resyncs_the_whole_state(tmp_path):
-    arena = HostArena(f"/dev/shm/kvtest-{os.getpid()}-{time.monotonic_ns()}", 64 * NS.block_bytes, 64 * 1024,
-                      prefault=False)
-    store = TieredStore(arena, policy="lru")
-    try:
-        ns = store.register_namespace(NS)
-        cfg = EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_queue_events=4)
-        pub = EventPublisher(cfg, store.shared.namespaces)
-        store.add_listener(pub)
-        hs, toks = chain_tokens(3, 6)
-        for i, (h, t) in enumerate(zip(hs, toks)):  # the thread is not running yet: nothing drains the queue
-            store.reserve(ns, [(h, hs[i - 1] if i else None)], "w")
-            store.commit(ns, [h], "w", tokens=[t])
-            pub.flush()
-        assert pub.lost and pub.counts["events_dropped"] == 2  # 4 queued, 2 dropped
-        replay_endpoint = pub.start()["replay_endpoint"]
-        while not pub.has_room():
-            time.sleep(0.01)
-        pub.resync(store)
-        while pub.stats()["queued_events"]:
-            time.sleep(0.01)
-        batches = [DECODER.decode(p) for _, _, p in replay(replay_endpoint, 0)]
-        pub.close()
-        held: set = set()
-        for b in batches[:4]:  # one batch per flush that got through
-            apply(held, b.events)
-        assert held == {(h, "CPU") for h in hs[:4]}  # before the resync: a router's view is short of 2 blocks
-        assert isinstance(batches[4].events[0], vllm_events.AllBlocksCleared)
-        for b in batches[4:]:
-            apply(held, b.events)
-        assert held == {(h, "CPU") for h in hs}  # the resync made it whole
-        assert not pub.lost and pub.counts["resyncs"] == 1
-    finally:
-        store.close(persist=False)
-        arena.close()
+def test_a_publisher_that_falls_behind_drops_then_resyncs_the_whole_state(store_factory):
+    store = store_factory(64 * NS.block_bytes, 64 * 1024, prefault=False, policy="lru")
+    ns = store.register_namespace(NS)
+    cfg = EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_queue_events=4)
+    pub = EventPublisher(cfg, store.shared.namespaces)
+    store.add_listener(pub)
+    hs, toks = chain_tokens(3, 6)
+    for i, (h, t) in enumerate(zip(hs, toks)):  # the thread is not running yet: nothing drains the queue
+        store.reserve(ns, [(h, hs[i - 1] if i else None)], "w")
+        store.commit(ns, [h], "w", tokens=[t])
+        pub.flush()
+    assert pub.lost and pub.counts["events_dropped"] == 2  # 4 queued, 2 dropped
+    replay_endpoint = pub.start()["replay_endpoint"]
+    while not pub.has_room():
+        time.sleep(0.01)
+    pub.resync(store)
+    while pub.stats()["queued_events"]:
+        time.sleep(0.01)
+    batches = [DECODER.decode(p) for _, _, p in replay(replay_endpoint, 0)]
+    pub.close()
+    held: set = set()
+    for b in batches[:4]:  # one batch per flush that got through
+        apply(held, b.events)
+    assert held == {(h, "CPU") for h in hs[:4]}  # before the resync: a router's view is short of 2 blocks
+    assert isinstance(batches[4].events[0], vllm_events.AllBlocksCleared)
+    for b in batches[4:]:
+        apply(held, b.events)
+    assert held == {(h, "CPU") for h in hs}  # the resync made it whole
+    assert not pub.lost and pub.counts["resyncs"] == 1
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -6,9 +6,7 @@ built here with a known future). Time is an injected clock; nothing sleeps.
 
 from __future__ import annotations
 
-import os
 import random
-import uuid
 
 import pytest
 
@@ -16,8 +14,6 @@ from kvstore.eviction.attention import AttentionParams, AttentionPolicy
 from kvstore.eviction.base import BlockInfo, make_policy, policy_names
 from kvstore.eviction.belady import BeladyPolicy
 from kvstore.keys import Namespace
-from kvstore.store import TieredStore
-from kvstore.tiers.host import HostArena
 
 POLICIES = ["lru", "lfu", "arc", "s3fifo", "attention", "belady"]
 
@@ -262,15 +258,11 @@ BLOCK = 4096
 
 
 @pytest.fixture
-def make_store():
-    arenas = []
-
+def make_store(store_factory):
     def _make(name: str, capacity_blocks: int, future: dict | None = None):
         clock = FakeClock()
-        path = f"/dev/shm/kvstore-test-policies-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        host = HostArena(path, capacity_blocks * BLOCK, BLOCK, prefault=False)
-        arenas.append(host)
-        store = TieredStore(host, policy="lru" if name == "belady" else name, clock=clock)
+        store = store_factory(capacity_blocks * BLOCK, BLOCK, prefault=False, policy="lru" if name == "belady" else name,
+                              clock=clock)
         ns = Namespace("test", "bf16", 1, 1, 1, 16, BLOCK)
         if name == "belady":
             store.placement.policies["host"] = BeladyPolicy(
@@ -278,9 +270,7 @@ def make_store():
             )
         return store, store.register_namespace(ns), clock
 
-    yield _make
-    for host in arenas:
-        host.close()
+    return _make
 
 
 def h(*parts) -> bytes:

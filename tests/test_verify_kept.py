@@ -10,16 +10,12 @@ arena's bytes are altered between the stop and the restart.
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import numpy as np
-import pytest
 
 import kvstore.tiers.host_index as host_index
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostArena, remove_stale_arena
 from tests.helpers import poll
 
 BLOCK = 8192
@@ -30,26 +26,24 @@ def payload(h: bytes) -> bytes:
     return h * (BLOCK // len(h))
 
 
-@pytest.fixture
-def arena_path():
-    path = f"/dev/shm/kvtest-verify-{uuid.uuid4().hex}"
-    yield path
-    remove_stale_arena(path)
-
-
 def write_chain(store: TieredStore, ns: str, hashes: list[bytes]) -> None:
     for e, h in zip(store.reserve(ns, list(zip(hashes, [None] + hashes[:-1])), owner="w"), hashes):
         store.host.write(e.location, np.frombuffer(payload(h), np.uint8))
     store.commit(ns, hashes, owner="w")
 
 
-def kept_chain(path: str, blocks: int = 16) -> list[bytes]:
-    """A stopped daemon's arena: one chain of six blocks, recorded with checksums."""
-    store = TieredStore([HostArena(path, blocks * BLOCK, BLOCK, prefault=False, persistent=True)])
+def kept_chain(store_factory, blocks: int = 16) -> tuple[str, list[bytes]]:
+    """A stopped daemon's arena (its path): one chain of six blocks, recorded with checksums."""
+    store = store_factory(blocks * BLOCK, BLOCK, prefault=False, persistent=True)
     hashes = hash_blocks(np.arange(16 * 6), 16)
     write_chain(store, store.register_namespace(NS), hashes)
     store.close()  # a clean stop: every record has its checksum
-    return hashes
+    return store.host.path, hashes
+
+
+def reopen(store_factory, path: str, blocks: int = 16, **store_kw) -> TieredStore:
+    """A store over the arena kept at `path` (a restart)."""
+    return store_factory(blocks * BLOCK, BLOCK, arena=path, prefault=False, persistent=True, **store_kw)
 
 
 def alter(path: str, store: TieredStore, h: bytes) -> None:
@@ -73,118 +67,100 @@ def never_quiet(monkeypatch) -> None:
     monkeypatch.setattr(host_index, "CHECK_LAG_S", float("inf"))
 
 
-def test_a_restart_reads_no_byte_and_an_altered_block_is_never_served(arena_path, monkeypatch):
-    hashes = kept_chain(arena_path)
+def test_a_restart_reads_no_byte_and_an_altered_block_is_never_served(monkeypatch, store_factory):
+    path, hashes = kept_chain(store_factory)
     never_quiet(monkeypatch)
-    store = TieredStore([HostArena(arena_path, 16 * BLOCK, BLOCK, prefault=False, persistent=True)])
-    try:
-        stats = store.host.stats()
-        assert stats["adopted_blocks"] == 6 and stats["unverified_blocks"] == 6 and stats["verified_blocks"] == 0
-        alter(arena_path, store, hashes[3])
-        assert store.lookup(NS.id, hashes).hits == 6  # indexed, not yet read
-        got = read(store, hashes)
-        assert got[:3] == [payload(h) for h in hashes[:3]]
-        assert got[3:] == [None, None, None], "an altered block (or a descendant) was served"
-        st = store.stats()
-        assert st["counters"]["host_checksum_failures"] == 1 and st["counters"]["host_blocks_discarded"] == 3
-        assert store.host.stats()["verified_blocks"] == 3 and store.host.stats()["unverified_blocks"] == 0
-        assert store.lookup(NS.id, hashes).hits == 3
-        assert store.check() == []
-    finally:
-        store.close()
+    store = reopen(store_factory, path)
+    stats = store.host.stats()
+    assert stats["adopted_blocks"] == 6 and stats["unverified_blocks"] == 6 and stats["verified_blocks"] == 0
+    alter(path, store, hashes[3])
+    assert store.lookup(NS.id, hashes).hits == 6  # indexed, not yet read
+    got = read(store, hashes)
+    assert got[:3] == [payload(h) for h in hashes[:3]]
+    assert got[3:] == [None, None, None], "an altered block (or a descendant) was served"
+    st = store.stats()
+    assert st["counters"]["host_checksum_failures"] == 1 and st["counters"]["host_blocks_discarded"] == 3
+    assert store.host.stats()["verified_blocks"] == 3 and store.host.stats()["unverified_blocks"] == 0
+    assert store.lookup(NS.id, hashes).hits == 3
+    assert store.check() == []
 
 
-def test_the_hasher_verifies_in_the_background_and_a_failure_is_dropped(arena_path, monkeypatch):
-    hashes = kept_chain(arena_path)
+def test_the_hasher_verifies_in_the_background_and_a_failure_is_dropped(monkeypatch, store_factory):
+    path, hashes = kept_chain(store_factory)
     never_quiet(monkeypatch)
-    store = TieredStore([HostArena(arena_path, 16 * BLOCK, BLOCK, prefault=False, persistent=True)])
-    try:
-        alter(arena_path, store, hashes[4])
-        monkeypatch.setattr(host_index, "QUIET_S", 0.0)
-        store.host.index._hash_wake.set()
-        poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
-        assert store.host.stats()["corrupt_blocks"] == 1 and store.host.stats()["verified_blocks"] == 5
-        assert store.lookup(NS.id, hashes).hits == 4  # the store dropped it (and its child) when it looked
-        assert store.stats()["counters"]["host_checksum_failures"] == 1
-        assert read(store, hashes) == [payload(h) for h in hashes[:4]] + [None, None]
-        assert store.check() == []
-    finally:
-        store.close()
+    store = reopen(store_factory, path)
+    alter(path, store, hashes[4])
+    monkeypatch.setattr(host_index, "QUIET_S", 0.0)
+    store.host.index._hash_wake.set()
+    poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
+    assert store.host.stats()["corrupt_blocks"] == 1 and store.host.stats()["verified_blocks"] == 5
+    assert store.lookup(NS.id, hashes).hits == 4  # the store dropped it (and its child) when it looked
+    assert store.stats()["counters"]["host_checksum_failures"] == 1
+    assert read(store, hashes) == [payload(h) for h in hashes[:4]] + [None, None]
+    assert store.check() == []
 
 
-def test_an_altered_block_is_not_demoted(arena_path, tmp_path, monkeypatch):
+def test_an_altered_block_is_not_demoted(monkeypatch, store_factory):
     """Eviction reads a victim's bytes to copy them into the disk tier: an unverified block is verified
     first, and one that fails is dropped, not written to the disk with a checksum of its altered bytes."""
-    hashes = kept_chain(arena_path, blocks=6)
+    path, hashes = kept_chain(store_factory, blocks=6)
     never_quiet(monkeypatch)
-    host = HostArena(arena_path, 6 * BLOCK, BLOCK, prefault=False, persistent=True)
-    store = TieredStore([host, DiskTier(str(tmp_path / "disk"), 32 * BLOCK, page_bytes=BLOCK)], policy="lru")
-    try:
-        ns = store.register_namespace(NS)
-        alter(arena_path, store, hashes[5])  # the chain's leaf: the first victim
-        other = hash_blocks(np.arange(16 * 3) + 10_000, 16)
-        write_chain(store, ns, other)  # three blocks of room: three victims, leaf first
-        assert store.index.entries.get((ns, hashes[5])) is None
-        assert store.stats()["counters"]["host_checksum_failures"] == 1
-        assert [store.index.entries[(ns, h)].tier for h in hashes[3:5]] == ["disk", "disk"]
-        assert store.stats()["tiers"]["disk"]["blocks"] == 2
-        store.flush()
-        got = asyncio.run(store.acquire(ns, hashes, "r"))[0]
-        assert [store.host.read(e.location) if e is not None else None for e in got] == \
-            [payload(h) for h in hashes[:5]] + [None]
-        store.release(ns, [h for h, e in zip(hashes, got) if e is not None], "r")
-        assert store.check() == []
-    finally:
-        store.close()
-        host.close()
+    store = reopen(store_factory, path, blocks=6, disk_bytes=32 * BLOCK, policy="lru")
+    ns = store.register_namespace(NS)
+    alter(path, store, hashes[5])  # the chain's leaf: the first victim
+    other = hash_blocks(np.arange(16 * 3) + 10_000, 16)
+    write_chain(store, ns, other)  # three blocks of room: three victims, leaf first
+    assert store.index.entries.get((ns, hashes[5])) is None
+    assert store.stats()["counters"]["host_checksum_failures"] == 1
+    assert [store.index.entries[(ns, h)].tier for h in hashes[3:5]] == ["disk", "disk"]
+    assert store.stats()["tiers"]["disk"]["blocks"] == 2
+    store.flush()
+    got = asyncio.run(store.acquire(ns, hashes, "r"))[0]
+    assert [store.host.read(e.location) if e is not None else None for e in got] == \
+        [payload(h) for h in hashes[:5]] + [None]
+    store.release(ns, [h for h, e in zip(hashes, got) if e is not None], "r")
+    assert store.check() == []
 
 
-def test_a_freed_block_is_not_verified_against_its_new_bytes(arena_path, monkeypatch):
+def test_a_freed_block_is_not_verified_against_its_new_bytes(monkeypatch, store_factory):
     """A block dropped before it was verified leaves the list first: its pages, written again by another
     block, are never compared with the old record (no false failure, no record left)."""
-    hashes = kept_chain(arena_path, blocks=6)
+    path, hashes = kept_chain(store_factory, blocks=6)
     never_quiet(monkeypatch)
-    store = TieredStore([HostArena(arena_path, 6 * BLOCK, BLOCK, prefault=False, persistent=True)])
-    try:
-        ns = store.register_namespace(NS)
-        assert store.remove(ns, [hashes[2]]) == 4
-        write_chain(store, ns, hash_blocks(np.arange(16 * 4) + 20_000, 16))  # into the freed pages
-        assert store.host.stats()["unverified_blocks"] == 2
-        monkeypatch.setattr(host_index, "QUIET_S", 0.0)
-        store.host.index._hash_wake.set()
-        poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
-        assert store.host.stats()["corrupt_blocks"] == 0
-        assert store.lookup(ns, hashes).hits == 2 and store.check() == []
-    finally:
-        store.close()
+    store = reopen(store_factory, path, blocks=6)
+    ns = store.register_namespace(NS)
+    assert store.remove(ns, [hashes[2]]) == 4
+    write_chain(store, ns, hash_blocks(np.arange(16 * 4) + 20_000, 16))  # into the freed pages
+    assert store.host.stats()["unverified_blocks"] == 2
+    monkeypatch.setattr(host_index, "QUIET_S", 0.0)
+    store.host.index._hash_wake.set()
+    poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
+    assert store.host.stats()["corrupt_blocks"] == 0
+    assert store.lookup(ns, hashes).hits == 2 and store.check() == []
 
 
-def test_a_block_found_altered_before_it_is_adopted_is_never_served(arena_path, monkeypatch):
+def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch, store_factory):
     """A store that serves first adopts what the arena kept while it serves: the hasher may judge a block
     before the store has adopted it, and the store may hear that verdict before then. The verdict stays
     with the tier until the block is gone, so the block is dropped once adopted, never served."""
-    hashes = kept_chain(arena_path)
+    path, hashes = kept_chain(store_factory)
     never_quiet(monkeypatch)
-    store = TieredStore([HostArena(arena_path, 16 * BLOCK, BLOCK, prefault=False, persistent=True)])
+    store = reopen(store_factory, path)
     (offset, _), *_ = store.index.entries[(NS.id, hashes[3])].location
     store.close()
-    with open(arena_path, "r+b") as f:
+    with open(path, "r+b") as f:
         f.seek(offset + 100)
         f.write(b"\xde\xad")
-    store = TieredStore([HostArena(arena_path, 16 * BLOCK, BLOCK, prefault=False, persistent=True)],
-                        recover_in_background=True)
-    try:
-        monkeypatch.setattr(host_index, "QUIET_S", 0.0)
-        store.host.index._hash_wake.set()
-        poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
-        assert store.host.stats()["corrupt_blocks"] == 1
-        assert store.index.entries.get((NS.id, hashes[3])) is None  # not adopted yet
-        store.placement.reap()  # the store hears of it with nothing to discard yet
-        store.recovery.finish()  # adopted now, the altered block with the others
-        got = read(store, hashes)
-        assert got == [payload(h) for h in hashes[:3]] + [None, None, None], "an altered block was served"
-        assert store.stats()["counters"]["host_checksum_failures"] == 1
-        assert store.host.failed_checks() == []  # the verdict left with the block
-        assert store.check() == []
-    finally:
-        store.close()
+    store = reopen(store_factory, path, recover_in_background=True)
+    monkeypatch.setattr(host_index, "QUIET_S", 0.0)
+    store.host.index._hash_wake.set()
+    poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
+    assert store.host.stats()["corrupt_blocks"] == 1
+    assert store.index.entries.get((NS.id, hashes[3])) is None  # not adopted yet
+    store.placement.reap()  # the store hears of it with nothing to discard yet
+    store.recovery.finish()  # adopted now, the altered block with the others
+    got = read(store, hashes)
+    assert got == [payload(h) for h in hashes[:3]] + [None, None, None], "an altered block was served"
+    assert store.stats()["counters"]["host_checksum_failures"] == 1
+    assert store.host.failed_checks() == []  # the verdict left with the block
+    assert store.check() == []

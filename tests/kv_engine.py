@@ -2,7 +2,7 @@
 vLLM calls — by JSON lines on stdin, one reply line each on stdout. No vLLM is needed (the GPU machines
 carry none): requests, block lists and scheduler outputs are the stand-ins of connector_standins.
 
-    python -m kvstore.tools.harness.kv_engine SOCKET --device cuda:0|cpu --layout LBHNC|BLHNC --seed N
+    python -m tests.kv_engine SOCKET --device cuda:0|cpu --layout LBHNC|BLHNC --seed N
 
 Requests (each answered with {"ok": true, ...} or {"ok": false, "error": ...}):
 - {"op": "save", "tokens": [...], "ids": [...]}: a cold prefill of `tokens` into blocks `ids`; its full
