@@ -13,6 +13,10 @@ State, written by this object only:
 - reservations per owner: uncommitted entries, invisible to readers;
 - copies: per persistent tier, the blocks that kept a copy of their bytes
   there when they moved to a faster tier (oldest first), and `Entry.copies`.
+- the tally (`held`, `device_bytes`): committed blocks and their bytes per
+  (namespace, tier), and per device of a tier that has devices, kept as
+  entries are committed, adopted, moved and removed, so that stats and metrics
+  cost the number of namespaces and tiers, not of blocks (`check` recounts).
 
 Where bytes are and which block leaves a tier is placement's business
 (kvstore/placement.py): it gives pages back and tells the index the result
@@ -24,7 +28,7 @@ store's listeners (kvstore/block_events.py).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, children_of, link_child, unlink_child
@@ -34,9 +38,14 @@ _NUM_TIERS = len(TIERS)  # an entry's per-tier child counts
 
 
 class BlockIndex:
-    def __init__(self, copy_tiers: Iterable[str], listeners: Listeners) -> None:
-        """`copy_tiers`: the persistent tiers, where promoted blocks keep copies."""
+    def __init__(self, copy_tiers: Iterable[str], listeners: Listeners,
+                 device_of: dict[str, Callable[[object], str]] | None = None) -> None:
+        """`copy_tiers`: the persistent tiers, where promoted blocks keep copies; `device_of`: per tier that
+        has devices (the GPU tier), the device of a block's location."""
         self.listeners = listeners
+        self.held: dict[tuple[str, str], list[int]] = {}  # (namespace id, tier) -> [committed blocks, bytes]
+        self.device_of = dict(device_of or {})
+        self.device_bytes: dict[str, dict[str, int]] = {t: {} for t in self.device_of}  # tier -> device -> bytes
         self.entries: dict[Key, Entry] = {}
         self.pins_by_owner: dict[Owner, dict[Key, int]] = {}  # owner -> key -> its pins (never 0)
         self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)
@@ -50,6 +59,12 @@ class BlockIndex:
     def committed(self, key: Key) -> bool:
         e = self.entries.get(key)
         return e is not None and e.committed
+
+    def num_pinned(self) -> int:
+        """Entries pinned by some owner now (in O(pins))."""
+        entries = self.entries
+        return sum(1 for key in {k for pins in self.pins_by_owner.values() for k in pins}
+                   if (e := entries.get(key)) is not None and e.pins)
 
     def parent_of(self, e: Entry) -> Entry | None:
         return self.entries.get(e.parent) if e.parent is not None else None
@@ -92,8 +107,22 @@ class BlockIndex:
         e = self._link(Entry(key, parent.key if parent is not None else None,
                              parent.depth + 1 if parent is not None else 0, nbytes, tier, location, None,
                              committed=True, attention=attention), parent)
+        self._count(e, 1)
         self.listeners.stored(e, tier)
         return e
+
+    def _count(self, e: Entry, sign: int) -> None:
+        """Add (+1) or take out (-1) committed `e` in the tally, where it sits now."""
+        row = self.held.get((e.key[0], e.tier))
+        if row is None:
+            row = self.held[(e.key[0], e.tier)] = [0, 0]
+        row[0] += sign
+        row[1] += sign * e.nbytes
+        device_of = self.device_of.get(e.tier)
+        if device_of is not None:
+            per_device = self.device_bytes[e.tier]
+            device = device_of(e.location)
+            per_device[device] = per_device.get(device, 0) + sign * e.nbytes
 
     def _link(self, e: Entry, parent: Entry | None) -> Entry:
         self.entries[e.key] = e
@@ -120,6 +149,7 @@ class BlockIndex:
             e.committed = True
             e.owner = None
             e.last_access = now
+            self._count(e, 1)
         if attention is not None:
             for e, a in zip(entries, attention):
                 e.attention = float(a)
@@ -137,6 +167,7 @@ class BlockIndex:
         if any(e.child_counts):
             raise KVStoreError("internal: removing a block that still has children")
         if e.committed:
+            self._count(e, -1)
             self.listeners.removed(e, e.tier)
         else:
             mine = self.reserved_by_owner.get(e.owner)
@@ -158,12 +189,16 @@ class BlockIndex:
         as a copy (a promotion out of a persistent tier); `from_copy`: `location` is the copy `e`
         kept in `tier` (taken with `take_copy`), reported stored there already."""
         old = e.tier
+        if e.committed:
+            self._count(e, -1)
         if keep_copy:
             e.copies = {**(e.copies or {}), old: e.location}
             self.copies[old][e.key] = None
         else:
             self.listeners.removed(e, old)
         e.tier, e.location = tier, location
+        if e.committed:
+            self._count(e, 1)
         parent = self.parent_of(e)
         if parent is not None:
             parent.child_counts[RANK[old]] -= 1

@@ -99,7 +99,8 @@ class TieredStore:
         self.policy_name = policy
         self.shared = Shared(clock, wall_clock)
         listeners = self.shared.listeners
-        self.index = BlockIndex([t.name for t in chain if t.persistent], listeners)
+        self.index = BlockIndex([t.name for t in chain if t.persistent], listeners,
+                                {t.name: t.device_of for t in chain if hasattr(t, "device_of")})
         self.compression = compression
         self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=clock) for t in chain},
                                    self.shared, compression)
@@ -536,19 +537,19 @@ class TieredStore:
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
         self.placement.reap()
-        entries = self.index.entries
-        committed = [e for e in entries.values() if e.committed]
+        index = self.index  # (its tally: no pass over the blocks)
+        committed = sum(blocks for blocks, _ in index.held.values())
         return {
             "policy": self.policy_name,
             "chain": [t.name for t in self.chain],
             "namespaces": len(self.shared.namespaces),
-            "blocks": len(committed),
-            "reserved_blocks": len(entries) - len(committed),
-            "pinned_blocks": sum(1 for e in entries.values() if e.pins),
-            "tiers": tier_rows(self.placement, committed, self.absent),
+            "blocks": committed,
+            "reserved_blocks": len(index.entries) - committed,
+            "pinned_blocks": index.num_pinned(),
+            "tiers": tier_rows(self.placement, self.absent),
             "counters": dict(self.shared.counters),
             **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
-            "by_namespace": namespace_rows(self.placement, committed),
+            "by_namespace": namespace_rows(self.placement),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
             "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now
             **({"recovery": self.recovery.stats()} if self.recovery.active else {}),

@@ -20,16 +20,19 @@ from kvstore.placement import Placement
 from kvstore.promotion import Promoter
 
 
-def tier_rows(placement: Placement, committed: list[Entry], absent: dict[str, str]) -> dict[str, dict]:
+def tier_rows(placement: Placement, absent: dict[str, str]) -> dict[str, dict]:
     """Per tier (absent ones too): its blocks, bytes, hits, moves, and the tier's own stats."""
     per_tier: dict[str, dict] = {}
-    counters, copies = placement.counters, placement.index.copies
+    counters, copies, index = placement.counters, placement.index.copies, placement.index
+    held: dict[str, list[int]] = {name: [0, 0] for name in TIERS}
+    for (_, tier), (blocks, nbytes) in index.held.items():
+        held[tier][0] += blocks
+        held[tier][1] += nbytes
     for name in TIERS:
-        blocks = [e for e in committed if e.tier == name]
         st = placement.tier_stats[name]
         row = {
-            "blocks": len(blocks),
-            "bytes": sum(e.nbytes for e in blocks),
+            "blocks": held[name][0],
+            "bytes": held[name][1],
             "hits": st.hits,
             "evictions": st.evictions,
             "demotions_in": st.demotions_in,
@@ -41,24 +44,22 @@ def tier_rows(placement: Placement, committed: list[Entry], absent: dict[str, st
         else:
             row.update(tier.stats())
             row["promotions_out"] = st.promotions_out
-            device_of = getattr(tier, "device_of", None)
-            if device_of is not None:  # per device: the bytes of committed blocks in its pool
-                per_device: dict[str, int] = {d: 0 for d in row.get("devices", {})}
-                for e in blocks:
-                    per_device[device_of(e.location)] = per_device.get(device_of(e.location), 0) + e.nbytes
-                row["device_bytes"] = per_device
+            if name in index.device_bytes:  # per device: the bytes of committed blocks in its pool
+                row["device_bytes"] = {**{d: 0 for d in row.get("devices", {})}, **index.device_bytes[name]}
             half_life = getattr(placement.policies.get(name), "half_life_s", None)
             if half_life is not None:  # the attention policy's current choice (eviction/halflife.py)
                 row["policy_half_life_s"] = half_life
             row["checksum_failures"] = counters.get(f"{name}_checksum_failures", 0)
             if tier.persistent:
-                row["durable_blocks"] = sum(1 for e in blocks if tier.durable(e.location))
+                # (its blocks less the writes still queued: a count, not a pass over the blocks)
+                pending = row.get("pending_writes", row.get("pending_records", 0))
+                row["durable_blocks"] = max(0, held[name][0] - pending)
                 row["copies"] = len(copies[name])
         per_tier[name] = row
     return per_tier
 
 
-def namespace_rows(placement: Placement, committed: list[Entry]) -> dict[str, dict]:
+def namespace_rows(placement: Placement) -> dict[str, dict]:
     """Per namespace, in registration order: what identifies it, its blocks and bytes per tier, its counters."""
     out: dict[str, dict] = {}
     shared = placement.shared
@@ -68,11 +69,11 @@ def namespace_rows(placement: Placement, committed: list[Entry]) -> dict[str, di
                       "num_layers": ns.num_layers, "layout": ns.layout,
                       "anchor": ns.anchor,  # (a hybrid model's attachments: kvstore/connectors/hybrid.py)
                       "blocks": {}, "bytes": {}, "counters": dict(shared.ns_counters.get(ns_id, {}))}
-    for e in committed:
-        row = out.get(e.key[0])
-        if row is not None:
-            row["blocks"][e.tier] = row["blocks"].get(e.tier, 0) + 1
-            row["bytes"][e.tier] = row["bytes"].get(e.tier, 0) + e.nbytes
+    for (ns_id, tier), (blocks, nbytes) in placement.index.held.items():
+        row = out.get(ns_id)
+        if row is not None and blocks:
+            row["blocks"][tier] = blocks
+            row["bytes"][tier] = nbytes
     return out
 
 
@@ -132,6 +133,7 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
             problems.append(f"children index of {key} does not match its children's parent links")
     problems += _check_pins(index)
     problems += _check_copies(index)
+    problems += _check_tally(index)
     held = promoter.held_pages()
     for tier in placement.chain:
         in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
@@ -146,6 +148,26 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
             if not tier.client_readable:  # blocks arrive there committed (the host arena has reservations)
                 problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
             problems += tier.check_records({**{k: e.location for k, e in in_tier.items() if e.committed}, **copies})
+    return problems
+
+
+def _check_tally(index: BlockIndex) -> list[str]:
+    """The index's tally (what stats report) counts exactly its committed entries."""
+    held: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    device_bytes: dict[str, Counter] = {tier: Counter() for tier in index.device_of}
+    for e in index.entries.values():
+        if e.committed:
+            row = held[(e.key[0], e.tier)]
+            row[0] += 1
+            row[1] += e.nbytes
+            if e.tier in index.device_of:
+                device_bytes[e.tier][index.device_of[e.tier](e.location)] += e.nbytes
+    kept = {k: v for k, v in index.held.items() if v != [0, 0]}
+    problems = [f"tally of {k} says {kept.get(k)}, the index holds {held.get(k)}"
+                for k in set(kept) | set(held) if kept.get(k) != held.get(k)]
+    for tier, per_device in device_bytes.items():
+        if +Counter(index.device_bytes[tier]) != +per_device:
+            problems.append(f"device tally of {tier} says {index.device_bytes[tier]}, the index holds {dict(per_device)}")
     return problems
 
 

@@ -23,6 +23,9 @@ down to the disk tier. Then, against that daemon:
 - `write_full_us_per_block`: a pipelined `put` of new chains into the full
   daemon, `--batch` per request (every request evicts from the host tier into
   the disk tier, which evicts in turn); median of the rounds;
+  `write_full_disk`: the disk tier's block writes, fsyncs and backpressure
+  waits (a demotion that waited for the disk writer to free staging room)
+  during those rounds;
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line, found once
@@ -284,6 +287,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             chains = host_chains(client, ns, 1, lengths, read_blocks)
             row["read_us_per_block"] = round(reads(client, ns, chains, args.batch, args.rounds), 2)
             write_blocks = read_blocks
+            disk0 = client.stats()["tiers"]["disk"]
             times = []
             for r in range(args.rounds):
                 t = time.perf_counter()
@@ -292,6 +296,9 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                     raise SystemExit("a full-tier write stored fewer blocks than it put")
                 times.append((time.perf_counter() - t) / write_blocks * 1e6)
             row["write_full_us_per_block"] = round(statistics.median(times), 2)
+            disk1 = client.stats()["tiers"]["disk"]
+            row["write_full_disk"] = {k: disk1.get(k, 0) - disk0.get(k, 0)  # what the disk tier did meanwhile
+                                      for k in ("writes", "fsyncs", "backpressure_waits")}
             wait_settled(client)
             before = sum(client.lookup(ns, hs).hits for hs in samples)
         t0 = time.perf_counter()
@@ -306,7 +313,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
             ns = client.register(NS)
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
-            while "disk tier: recovered" not in open(log).read():  # (stats would cost the loop O(blocks))
+            while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
                 time.sleep(0.1)
             recovered_s = time.perf_counter() - t1
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
