@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
-ORDERS = ("HNC", "NHC", "KVNHD", "KVHND")  # a layer's slice of a block, outermost dim first (C = K|V halves)
+# a layer's slice of a block, outermost dim first (C = K|V halves of a token's row, KV = K|V planes);
+# appended only: a blob's header stores the index
+ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKVND")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: exact
 EXACT = 16
 MAGIC, VERSION = b"KVQ1", 1
@@ -67,10 +69,12 @@ class BlockLayout:
     """Where each element of a block sits in its payload.
 
     Per layer, layer after layer, the block's slice in memory order: `HNC`
-    (vLLM >= 0.32: heads, tokens, then K and V halves of the last dim), `NHC`,
-    or the older K/V planes `KVNHD` / `KVHND`. `splits` > 1: the attention
-    kernel cut the block into that many kernel blocks, each laid out alone
-    (`HNC` only).
+    (vLLM >= 0.32 on CUDA: heads, tokens, then K and V halves of the last dim,
+    as flash-attn splits it), `NHC`, the older K/V planes `KVNHD` / `KVHND`,
+    or `HKVND` (vLLM's CPU_ATTN: the same [H, N, 2D] bytes, which its kernel
+    reads as [H, 2N, D] cut in two along the rows, so per head all N key rows
+    come first, then the N value rows). `splits` > 1: the attention kernel cut
+    the block into that many kernel blocks, each laid out alone (`HNC` only).
     """
 
     num_layers: int
@@ -121,18 +125,23 @@ class BlockLayout:
             return D, 2 * D, 0, H * 2 * D, N
         if self.order == "KVNHD":
             return N * H * D, D, 0, H * D, N
+        if self.order == "HKVND":
+            return N * D, 2 * N * D, 0, D, N
         return H * N * D, N * D, 0, D, N  # KVHND
 
     @classmethod
     def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
         """The layout of a namespace's blocks, or None when the codec cannot read them (an MLA or unknown
-        layout, a dtype it does not store, a block size that does not match the shape)."""
+        layout, a dtype it does not store, a block size that does not match the shape). The device matters:
+        CPU_ATTN, vLLM's one CPU backend, reads the [H, N, 2D] interior as K rows then V rows (`HKVND`)."""
         name = ns.layout.split("/")
         kind = name[1] if len(name) > 1 else name[0]
         if "mla" in name[2:] or ns.dtype not in DTYPES:
             return None
         order = {"default": "HNC", "LBHNC": "HNC", "BLHNC": "HNC", "LHBNC": "HNC", "BHLNC": "HNC",
                  "LBNHC": "NHC", "BLNHC": "NHC", "NHD": "KVNHD", "HND": "KVHND"}.get(kind)
+        if name[0] == "cpu" and order == "HNC":
+            order = "HKVND"
         if order is None:
             return None
         try:

@@ -198,13 +198,35 @@ def test_budgets_and_layouts_refuse_bad_values():
             BlockLayout(**{**dict(num_layers=2, num_kv_heads=2, block_tokens=16, head_size=64), **bad})
 
 
-@pytest.mark.parametrize("layout,order", [("cpu/default", "HNC"), ("cpu/LBHNC", "HNC"), ("cuda/BLHNC", "HNC"),
+@pytest.mark.parametrize("layout,order", [("cpu/default", "HKVND"), ("cpu/LBHNC", "HKVND"), ("cuda/LBHNC", "HNC"),
+                                          ("cuda/default", "HNC"), ("cuda/BLHNC", "HNC"),
                                           ("cuda/BLNHC", "NHC"), ("cuda/NHD", "KVNHD"), ("cuda/BLHNC/mla", None),
                                           ("boundary", None)])
 def test_namespace_layouts_map_to_codec_orders(layout, order):
     ns = Namespace("m", "bfloat16", 2, 2, 64, 16, 2 * 2 * 16 * 2 * 64 * 2, layout=layout)
     got = BlockLayout.from_namespace(ns)
     assert (got.order if got else None) == order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attn_layout_reads_keys_and_values_where_its_kernel_does(dtype):
+    """vLLM's CPU_ATTN views a layer's [B, H, N, 2D] cache as [B, H, 2N, D] and chunks the rows: per head
+    the N key rows, then the N value rows (vllm/v1/attention/backends/cpu_attn.py, forward)."""
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    layers = [torch.randn(4, H, N, 2 * D, generator=torch.Generator().manual_seed(i)).to(torch_dtype) for i in range(L)]
+    b = 2
+    want = []
+    for t in layers:
+        key, value = t.view(4, H, 2 * N, D).chunk(2, dim=2)  # what the kernel attends with
+        want.append(torch.stack((key[b], value[b]), dim=1))  # [H, K/V, N, D]
+    payload = np.concatenate([t[b].contiguous().view(torch.uint8).numpy().reshape(-1) for t in layers])
+    ns = Namespace("m", dtype, L, H, D, N, payload.size, layout="cpu/LBHNC")
+    layout = BlockLayout.from_namespace(ns)
+    got = to_canonical(payload, layout)
+    np.testing.assert_array_equal(got, torch.stack(want).float().numpy().reshape(L * H * 2, N, D))
+    back = np.zeros_like(payload)
+    from_canonical(got, layout, back)
+    np.testing.assert_array_equal(back, payload)
 
 
 def test_a_namespace_whose_block_size_does_not_match_its_shape_is_not_compressed():
