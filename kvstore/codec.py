@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from kvstore import codec_fast
+
 if TYPE_CHECKING:
     from kvstore.keys import Namespace
 
@@ -295,18 +297,25 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     payload = np.asarray(payload).reshape(-1).view(np.uint8)
     if payload.size != layout.block_bytes:
         raise ValueError(f"payload is {payload.size} B, the layout's block is {layout.block_bytes} B")
-    x = to_canonical(payload, layout)
     flags, bits = budget.flags, budget.bits.reshape(-1)
     out = np.empty(encoded_bytes(layout, budget), np.uint8)
     out[HEADER_BYTES : HEADER_BYTES + layout.num_groups] = bits
     offsets = group_offsets(layout, budget.bits, flags)
     sizes = group_sizes(layout, budget.bits, flags)
     channel = channel_groups(layout, flags)
+    fast = _fast_groups(bits, channel)
+    if fast.size:
+        _, _, s_to, s_ti, n_in = layout.strides()
+        codec_fast.encode_groups(to_float32(payload, layout.dtype), _group_bases(layout)[fast], bits[fast].astype(np.int64),
+                                 offsets[fast], s_to, s_ti, n_in, layout.block_tokens, layout.head_size, budget.rotate,
+                                 np.float32(1.0 / math.sqrt(layout.head_size)), out)
+    x = None
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
-            if idx.size == 0:
+            if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
                 continue
+            x = to_canonical(payload, layout) if x is None else x
             data = _encode_groups(x[idx], int(b), by_channel, budget.rotate, layout)
             start = int(offsets[idx[0]])  # a kind's groups are contiguous, in index order
             out[start : start + idx.size * int(sizes[idx[0]])] = data.reshape(-1)
@@ -315,6 +324,22 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
                      layout.head_size, DTYPE_CODES[layout.dtype], ORDERS.index(layout.order), layout.splits,
                      body.size, xxhash.xxh3_64_intdigest(body))
     return out
+
+
+def _fast_groups(bits: np.ndarray, channel: np.ndarray, dtype: str = "") -> np.ndarray:
+    """The groups the compiled loops (kvstore/codec_fast.py) take: quantized per token; decoding, bfloat16
+    blocks only. Empty without numba."""
+    if not codec_fast.AVAILABLE or (dtype and dtype != "bfloat16"):
+        return np.zeros(0, np.int64)
+    return np.flatnonzero((bits != EXACT) & ~channel)
+
+
+def _group_bases(layout: BlockLayout) -> np.ndarray:
+    """Element index of each group's first element (token 0, channel 0) in the block."""
+    s_kv, s_h, _, _, _ = layout.strides()
+    g = np.arange(layout.num_groups)
+    H = layout.num_kv_heads
+    return (g // (2 * H)) * layout.layer_elems + ((g // 2) % H) * s_h + (g % 2) * s_kv
 
 
 def _encode_groups(x: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
@@ -374,16 +399,40 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
     bits = bits3.reshape(-1)
     offsets, sizes = group_offsets(layout, bits3, flags), group_sizes(layout, bits3, flags)
     channel = channel_groups(layout, flags)
-    x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
+    rotate = bool(flags & FLAG_ROTATE)
+    fast = _fast_groups(bits, channel, layout.dtype)
+    if fast.size == 0:
+        x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
-            if idx.size:
-                start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
-                data = blob[start : start + idx.size * size].reshape(idx.size, size)
-                x[idx] = _decode_groups(data, int(b), by_channel, bool(flags & FLAG_ROTATE), layout)
-    from_canonical(x, layout, out)
+            if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
+                continue
+            start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
+            data = blob[start : start + idx.size * size].reshape(idx.size, size)
+            y = _decode_groups(data, int(b), by_channel, rotate, layout)
+            if fast.size == 0:
+                x[idx] = y
+            else:  # the other groups are the compiled loops': these are written group by group
+                _write_groups(y, idx, layout, out)
+    if fast.size == 0:
+        from_canonical(x, layout, out)
+        return out
+    _, _, s_to, s_ti, n_in = layout.strides()
+    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast], s_to, s_ti,
+                             n_in, layout.block_tokens, layout.head_size, rotate,
+                             np.float32(1.0 / math.sqrt(layout.head_size)), out.view(np.uint16))
     return out
+
+
+def _write_groups(y: np.ndarray, idx: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
+    """Write float32 groups y [n, N, D] (group indices idx) into the block `out` in its layout."""
+    raw = from_float32(y, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
+    target = _canonical_view(out.view(raw.dtype), layout)
+    H = layout.num_kv_heads
+    for i, g in enumerate(idx):
+        part = target[g // (2 * H), (g // 2) % H, g % 2]
+        part[...] = raw[i].reshape(part.shape)
 
 
 def _decode_groups(data: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
