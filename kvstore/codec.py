@@ -306,7 +306,10 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     fast = _fast_groups(bits, channel)
     if fast.size:
         _, _, s_to, s_ti, n_in = layout.strides()
-        codec_fast.encode_groups(to_float32(payload, layout.dtype), _group_bases(layout)[fast], bits[fast].astype(np.int64),
+        bf16 = layout.dtype == "bfloat16"  # read as bits in the loops; the others converted here
+        x32 = np.zeros(0, np.float32) if bf16 else to_float32(payload, layout.dtype)
+        x16 = payload.view(np.uint16) if bf16 else np.zeros(0, np.uint16)
+        codec_fast.encode_groups(x32, x16, _group_bases(layout)[fast], bits[fast].astype(np.int64),
                                  offsets[fast], s_to, s_ti, n_in, layout.block_tokens, layout.head_size, budget.rotate,
                                  np.float32(1.0 / math.sqrt(layout.head_size)), out)
     x = None

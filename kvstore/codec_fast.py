@@ -101,11 +101,14 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
                     tile[i, t] = tile[i, t] * scale
 
         @jit
-        def encode_groups(x, base, bits, offsets, s_to, s_ti, n_in, N, D, rotate, scale, out):
+        def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, n_in, N, D, rotate, scale, out):
             """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // n_in) * s_to
-            + (t % n_in) * s_ti + c] (float32, the whole block), its bytes go to out[offsets[k]:] (meta:
-            N float16 scales, N float16 minimums; then bits[k] planes of N * D / 8 bytes)."""
+            + (t % n_in) * s_ti + c] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
+            in x16), its bytes go to out[offsets[k]:] (meta: N float16 scales, N float16 minimums; then
+            bits[k] planes of N * D / 8 bytes)."""
             tile = np.empty((D, N), np.float32)
+            tile_u = tile.view(np.uint32)
+            bf16 = x16.size > 0
             q = np.empty((D, N), np.uint8)
             lo = np.empty(N, np.float32)
             hi = np.empty(N, np.float32)
@@ -117,8 +120,12 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
             for k in range(base.size):
                 for t in range(N):
                     row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti
-                    for c in range(D):
-                        tile[c, t] = x[row + c]
+                    if bf16:
+                        for c in range(D):
+                            tile_u[c, t] = np.uint32(x16[row + c]) << 16
+                    else:
+                        for c in range(D):
+                            tile[c, t] = x[row + c]
                 if rotate:
                     _rotate(tile, scale)
                 for t in range(N):
@@ -162,6 +169,7 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
             """The inverse for bfloat16 blocks: group k's bytes at blob[offsets[k]:] become bfloat16 bits
             written to out16[base[k] + (t // n_in) * s_to + (t % n_in) * s_ti + c] (uint16, the block)."""
             tile = np.empty((D, N), np.float32)
+            q = np.empty((D, N), np.uint8)
             sc = np.empty(N, np.float32)
             low = np.empty(N, np.float32)
             fbuf = np.empty(1, np.float32)
@@ -176,15 +184,17 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
                     low[t] = _f16_value(np.int64(blob[off + 2 * N + 2 * t]) | (np.int64(blob[off + 2 * N + 2 * t + 1]) << 8),
                                         fbuf, ubuf)
                 start = off + 4 * N
-                for c8 in range(D // 8):
-                    for i in range(8):
-                        c = c8 * 8 + i
+                q[:] = 0
+                for j in range(b):
+                    for c8 in range(D // 8):
                         for t in range(N):
-                            v = 0
-                            for j in range(b):
-                                v |= ((blob[start + j * plane + t * (D // 8) + c8] >> i) & 1) << j
-                            y = np.float32(v) * sc[t]
-                            tile[c, t] = y + low[t]
+                            byte = blob[start + j * plane + t * (D // 8) + c8]
+                            for i in range(8):
+                                q[c8 * 8 + i, t] |= ((byte >> i) & 1) << j
+                for c in range(D):
+                    for t in range(N):
+                        y = np.float32(q[c, t]) * sc[t]
+                        tile[c, t] = y + low[t]
                 if rotate:
                     _rotate(tile, scale)
                 for t in range(N):
