@@ -51,7 +51,7 @@ DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
 # a layer's slice of a block, outermost dim first (C = K|V halves of a token's row, KV = K|V planes);
 # appended only: a blob's header stores the index
-ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKVND")
+ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKTVND")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: exact
 EXACT = 16
 MAGIC, VERSION = b"KVQ1", 1
@@ -73,10 +73,11 @@ class BlockLayout:
     Per layer, layer after layer, the block's slice in memory order: `HNC`
     (vLLM >= 0.32 on CUDA: heads, tokens, then K and V halves of the last dim,
     as flash-attn splits it), `NHC`, the older K/V planes `KVNHD` / `KVHND`,
-    or `HKVND` (vLLM's CPU_ATTN: the same [H, N, 2D] bytes, which its kernel
-    reads as [H, 2N, D] cut in two along the rows, so per head all N key rows
-    come first, then the N value rows). `splits` > 1: the attention kernel cut
-    the block into that many kernel blocks, each laid out alone (`HNC` only).
+    or `HKTVND` (vLLM's CPU_ATTN with its `vec` kernels: the same [H, N, 2D]
+    bytes, which it cuts per head into a key half and a value half; the keys
+    are stored transposed, [D, N], channel after channel, the values [N, D]).
+    `splits` > 1: the attention kernel cut the block into that many kernel
+    blocks, each laid out alone (`HNC` only).
     """
 
     num_layers: int
@@ -127,15 +128,22 @@ class BlockLayout:
             return D, 2 * D, 0, H * 2 * D, N
         if self.order == "KVNHD":
             return N * H * D, D, 0, H * D, N
-        if self.order == "HKVND":
+        if self.order == "HKTVND":  # the values' strides; the keys': key_strides()
             return N * D, 2 * N * D, 0, D, N
         return H * N * D, N * D, 0, D, N  # KVHND
+
+    def key_strides(self) -> tuple[int, int]:
+        """(token inner, channel) element strides of the keys (the values': (strides()[3], 1))."""
+        if self.order == "HKTVND":
+            return 1, self.block_tokens
+        return self.strides()[3], 1
 
     @classmethod
     def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
         """The layout of a namespace's blocks, or None when the codec cannot read them (an MLA or unknown
         layout, a dtype it does not store, a block size that does not match the shape). The device matters:
-        CPU_ATTN, vLLM's one CPU backend, reads the [H, N, 2D] interior as K rows then V rows (`HKVND`)."""
+        CPU_ATTN, vLLM's one CPU backend, keeps a head's keys transposed, then its values (`HKTVND`, as its
+        `vec` kernels store them: tests/test_codec.py writes a block through them)."""
         name = ns.layout.split("/")
         kind = name[1] if len(name) > 1 else name[0]
         if "mla" in name[2:] or ns.dtype not in DTYPES:
@@ -143,7 +151,7 @@ class BlockLayout:
         order = {"default": "HNC", "LBHNC": "HNC", "BLHNC": "HNC", "LHBNC": "HNC", "BHLNC": "HNC",
                  "LBNHC": "NHC", "BLNHC": "NHC", "NHD": "KVNHD", "HND": "KVHND"}.get(kind)
         if name[0] == "cpu" and order == "HNC":
-            order = "HKVND"
+            order = "HKTVND"
         if order is None:
             return None
         try:
@@ -267,27 +275,33 @@ def fwht(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(y.T).reshape(*lead, d)
 
 
-def _canonical_view(flat: np.ndarray, layout: BlockLayout) -> np.ndarray:
-    """A strided view of a block's elements as [layers, heads, K/V, token outer, token inner, channel]."""
+def _kv_views(flat: np.ndarray, layout: BlockLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Strided views of a block's keys and values, each [layers, heads, token outer, token inner, channel]."""
     s_kv, s_h, s_to, s_ti, n_in = layout.strides()
+    k_ti, k_c = layout.key_strides()
     e = flat.itemsize
-    shape = (layout.num_layers, layout.num_kv_heads, 2, layout.block_tokens // n_in, n_in, layout.head_size)
-    strides = (layout.layer_elems * e, s_h * e, s_kv * e, s_to * e, s_ti * e, e)
-    return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=flat.flags.writeable)
+    shape = (layout.num_layers, layout.num_kv_heads, layout.block_tokens // n_in, n_in, layout.head_size)
+    views = []
+    for start, ti, c in ((0, k_ti, k_c), (s_kv, s_ti, 1)):
+        strides = (layout.layer_elems * e, s_h * e, s_to * e, ti * e, c * e)
+        views.append(np.lib.stride_tricks.as_strided(flat[start:], shape, strides, writeable=flat.flags.writeable))
+    return views[0], views[1]
 
 
 def to_canonical(payload: np.ndarray, layout: BlockLayout) -> np.ndarray:
     """float32 [groups, tokens, channels] of a payload (uint8, block_bytes long)."""
     x = to_float32(np.ascontiguousarray(payload).view(np.uint8), layout.dtype)
-    view = _canonical_view(x, layout)
-    return view.reshape(layout.num_groups, layout.block_tokens, layout.head_size)
+    keys, values = _kv_views(x, layout)
+    return np.stack((keys, values), axis=2).reshape(layout.num_groups, layout.block_tokens, layout.head_size)
 
 
 def from_canonical(x: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
     """Write float32 [groups, tokens, channels] into `out` (uint8, block_bytes) in the block's layout."""
     raw = from_float32(x, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
-    target = _canonical_view(out.view(raw.dtype), layout)
-    target[...] = raw.reshape(target.shape)
+    keys, values = _kv_views(out.view(raw.dtype), layout)
+    raw = raw.reshape(layout.num_layers, layout.num_kv_heads, 2, *keys.shape[2:])
+    keys[...] = raw[:, :, 0]
+    values[...] = raw[:, :, 1]
 
 
 # -- encode / decode -------------------------------------------------------------------------
@@ -305,12 +319,14 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     channel = channel_groups(layout, flags)
     fast = _fast_groups(bits, channel)
     if fast.size:
-        _, _, s_to, s_ti, n_in = layout.strides()
+        _, _, s_to, _, n_in = layout.strides()
+        t_stride, c_stride = _group_strides(layout, fast)
         bf16 = layout.dtype == "bfloat16"  # read as bits in the loops; the others converted here
         x32 = np.zeros(0, np.float32) if bf16 else to_float32(payload, layout.dtype)
         x16 = payload.view(np.uint16) if bf16 else np.zeros(0, np.uint16)
         codec_fast.encode_groups(x32, x16, _group_bases(layout)[fast], bits[fast].astype(np.int64),
-                                 offsets[fast], s_to, s_ti, n_in, layout.block_tokens, layout.head_size, budget.rotate,
+                                 offsets[fast], s_to, t_stride, c_stride, n_in, layout.block_tokens, layout.head_size,
+                                 budget.rotate,
                                  np.float32(1.0 / math.sqrt(layout.head_size)), out)
     x = None
     for b in np.unique(bits):
@@ -343,6 +359,13 @@ def _group_bases(layout: BlockLayout) -> np.ndarray:
     g = np.arange(layout.num_groups)
     H = layout.num_kv_heads
     return (g // (2 * H)) * layout.layer_elems + ((g // 2) % H) * s_h + (g % 2) * s_kv
+
+
+def _group_strides(layout: BlockLayout, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token inner, channel) element strides of each of `groups` (int64 arrays)."""
+    k, v = layout.key_strides(), (layout.strides()[3], 1)
+    is_key = (groups % 2) == 0
+    return (np.where(is_key, k[0], v[0]).astype(np.int64), np.where(is_key, k[1], v[1]).astype(np.int64))
 
 
 def _encode_groups(x: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
@@ -421,9 +444,10 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
     if fast.size == 0:
         from_canonical(x, layout, out)
         return out
-    _, _, s_to, s_ti, n_in = layout.strides()
-    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast], s_to, s_ti,
-                             n_in, layout.block_tokens, layout.head_size, rotate,
+    _, _, s_to, _, n_in = layout.strides()
+    t_stride, c_stride = _group_strides(layout, fast)
+    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast], s_to, t_stride,
+                             c_stride, n_in, layout.block_tokens, layout.head_size, rotate,
                              np.float32(1.0 / math.sqrt(layout.head_size)), out.view(np.uint16))
     return out
 
@@ -431,10 +455,10 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
 def _write_groups(y: np.ndarray, idx: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
     """Write float32 groups y [n, N, D] (group indices idx) into the block `out` in its layout."""
     raw = from_float32(y, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
-    target = _canonical_view(out.view(raw.dtype), layout)
+    views = _kv_views(out.view(raw.dtype), layout)
     H = layout.num_kv_heads
     for i, g in enumerate(idx):
-        part = target[g // (2 * H), (g // 2) % H, g % 2]
+        part = views[g % 2][g // (2 * H), (g // 2) % H]
         part[...] = raw[i].reshape(part.shape)
 
 

@@ -35,7 +35,7 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
         numba = None
     if numba is not None:
         AVAILABLE = True
-        jit = numba.njit(cache=True, nogil=True)
+        jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
         @jit
         def _f16_bits(x, fbuf, ubuf):
@@ -101,9 +101,9 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
                     tile[i, t] = tile[i, t] * scale
 
         @jit
-        def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, n_in, N, D, rotate, scale, out):
+        def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out):
             """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // n_in) * s_to
-            + (t % n_in) * s_ti + c] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
+            + (t % n_in) * s_ti[k] + c * s_c[k]] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
             in x16), its bytes go to out[offsets[k]:] (meta: N float16 scales, N float16 minimums; then
             bits[k] planes of N * D / 8 bytes)."""
             tile = np.empty((D, N), np.float32)
@@ -118,14 +118,15 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
             ubuf = fbuf.view(np.uint32)
             plane = N * D // 8
             for k in range(base.size):
+                cs = s_c[k]
                 for t in range(N):
-                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti
+                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
                     if bf16:
                         for c in range(D):
-                            tile_u[c, t] = np.uint32(x16[row + c]) << 16
+                            tile_u[c, t] = np.uint32(x16[row + c * cs]) << 16
                     else:
                         for c in range(D):
-                            tile[c, t] = x[row + c]
+                            tile[c, t] = x[row + c * cs]
                 if rotate:
                     _rotate(tile, scale)
                 for t in range(N):
@@ -165,9 +166,9 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
                             out[start + j * plane + t * (D // 8) + c8] = byte
 
         @jit
-        def decode_groups(blob, offsets, bits, base, s_to, s_ti, n_in, N, D, rotate, scale, out16):
+        def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out16):
             """The inverse for bfloat16 blocks: group k's bytes at blob[offsets[k]:] become bfloat16 bits
-            written to out16[base[k] + (t // n_in) * s_to + (t % n_in) * s_ti + c] (uint16, the block)."""
+            written to out16[base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k] + c * s_c[k]] (uint16)."""
             tile = np.empty((D, N), np.float32)
             q = np.empty((D, N), np.uint8)
             sc = np.empty(N, np.float32)
@@ -197,8 +198,9 @@ if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
                         tile[c, t] = y + low[t]
                 if rotate:
                     _rotate(tile, scale)
+                cs = s_c[k]
                 for t in range(N):
-                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti
+                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
                     for c in range(D):
                         u = np.int64(tile_u[c, t])
-                        out16[row + c] = np.uint16((u + (((u >> 16) & 1) + 0x7FFF)) >> 16)
+                        out16[row + c * cs] = np.uint16((u + (((u >> 16) & 1) + 0x7FFF)) >> 16)
