@@ -67,7 +67,7 @@ def plan(ids: list[int], args) -> tuple[list[dict], list[dict]]:
 def run_arm(model: str, args, save: list[dict], load: list[dict], profile: str) -> dict:
     config = os.path.join(args.workdir, "kvstore.toml")
     with open(config, "w") as f:
-        f.write(f'[compression]\ndisk = true\nprofile_dir = "{PROFILE_DIR}"\n')
+        f.write(f'[compression]\ndisk = true\nprofile_dir = "{args.profile_dir}"\n')
     daemon = start_daemon(args.workdir, host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
                           extra=("--config", config))
     try:
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="hits on each of P' and F' per arm (medians reported)")
     p.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared between the arms")
     p.add_argument("--profile", default=PROFILE, help="codec profile of the compressed arm")
+    p.add_argument("--profile-dir", default=str(PROFILE_DIR), help="the daemons' [compression] profile_dir")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every engine")
     p.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for every engine")
     p.add_argument("--host-bytes", default="64MiB", help="host tier: one prompt's blocks, not two (2k: 15 x 2.95 MB)")
