@@ -27,6 +27,9 @@ the groups of one kind are contiguous; `group_offsets` gives every decoder the
 same offsets. A blob whose header, length, layout or checksum does not match
 raises `CorruptBlock` and nothing is written.
 
+The per-token quantized groups' per-element work runs in compiled loops when
+numba is installed (kvstore/codec_fast.py), byte-exact with the NumPy code here.
+
 Invariants: keys never get fewer bits than the values of the same head; the
 encoded size depends on the layout and the budget only (`encoded_bytes`), never
 on the data, so a tier can allocate before it encodes.
