@@ -27,6 +27,9 @@ the groups of one kind are contiguous; `group_offsets` gives every decoder the
 same offsets. A blob whose header, length, layout or checksum does not match
 raises `CorruptBlock` and nothing is written.
 
+The per-token quantized groups' per-element work runs in compiled loops when
+numba is installed (kvstore/codec_fast.py), byte-exact with the NumPy code here.
+
 Invariants: keys never get fewer bits than the values of the same head; the
 encoded size depends on the layout and the budget only (`encoded_bytes`), never
 on the data, so a tier can allocate before it encodes.
@@ -42,12 +45,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from kvstore import codec_fast
+
 if TYPE_CHECKING:
     from kvstore.keys import Namespace
 
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
-ORDERS = ("HNC", "NHC", "KVNHD", "KVHND")  # a layer's slice of a block, outermost dim first (C = K|V halves)
+# a layer's slice of a block, outermost dim first (C = K|V halves of a token's row, KV = K|V planes);
+# appended only: a blob's header stores the index
+ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKTVND")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: exact
 EXACT = 16
 MAGIC, VERSION = b"KVQ1", 1
@@ -67,10 +74,13 @@ class BlockLayout:
     """Where each element of a block sits in its payload.
 
     Per layer, layer after layer, the block's slice in memory order: `HNC`
-    (vLLM >= 0.32: heads, tokens, then K and V halves of the last dim), `NHC`,
-    or the older K/V planes `KVNHD` / `KVHND`. `splits` > 1: the attention
-    kernel cut the block into that many kernel blocks, each laid out alone
-    (`HNC` only).
+    (vLLM >= 0.32 on CUDA: heads, tokens, then K and V halves of the last dim,
+    as flash-attn splits it), `NHC`, the older K/V planes `KVNHD` / `KVHND`,
+    or `HKTVND` (vLLM's CPU_ATTN with its `vec` kernels: the same [H, N, 2D]
+    bytes, which it cuts per head into a key half and a value half; the keys
+    are stored transposed, [D, N], channel after channel, the values [N, D]).
+    `splits` > 1: the attention kernel cut the block into that many kernel
+    blocks, each laid out alone (`HNC` only).
     """
 
     num_layers: int
@@ -121,18 +131,30 @@ class BlockLayout:
             return D, 2 * D, 0, H * 2 * D, N
         if self.order == "KVNHD":
             return N * H * D, D, 0, H * D, N
+        if self.order == "HKTVND":  # the values' strides; the keys': key_strides()
+            return N * D, 2 * N * D, 0, D, N
         return H * N * D, N * D, 0, D, N  # KVHND
+
+    def key_strides(self) -> tuple[int, int]:
+        """(token inner, channel) element strides of the keys (the values': (strides()[3], 1))."""
+        if self.order == "HKTVND":
+            return 1, self.block_tokens
+        return self.strides()[3], 1
 
     @classmethod
     def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
         """The layout of a namespace's blocks, or None when the codec cannot read them (an MLA or unknown
-        layout, a dtype it does not store, a block size that does not match the shape)."""
+        layout, a dtype it does not store, a block size that does not match the shape). The device matters:
+        CPU_ATTN, vLLM's one CPU backend, keeps a head's keys transposed, then its values (`HKTVND`, as its
+        `vec` kernels store them: tests/test_codec.py writes a block through them)."""
         name = ns.layout.split("/")
         kind = name[1] if len(name) > 1 else name[0]
         if "mla" in name[2:] or ns.dtype not in DTYPES:
             return None
         order = {"default": "HNC", "LBHNC": "HNC", "BLHNC": "HNC", "LHBNC": "HNC", "BHLNC": "HNC",
                  "LBNHC": "NHC", "BLNHC": "NHC", "NHD": "KVNHD", "HND": "KVHND"}.get(kind)
+        if name[0] == "cpu" and order == "HNC":
+            order = "HKTVND"
         if order is None:
             return None
         try:
@@ -256,27 +278,33 @@ def fwht(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(y.T).reshape(*lead, d)
 
 
-def _canonical_view(flat: np.ndarray, layout: BlockLayout) -> np.ndarray:
-    """A strided view of a block's elements as [layers, heads, K/V, token outer, token inner, channel]."""
+def _kv_views(flat: np.ndarray, layout: BlockLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Strided views of a block's keys and values, each [layers, heads, token outer, token inner, channel]."""
     s_kv, s_h, s_to, s_ti, n_in = layout.strides()
+    k_ti, k_c = layout.key_strides()
     e = flat.itemsize
-    shape = (layout.num_layers, layout.num_kv_heads, 2, layout.block_tokens // n_in, n_in, layout.head_size)
-    strides = (layout.layer_elems * e, s_h * e, s_kv * e, s_to * e, s_ti * e, e)
-    return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=flat.flags.writeable)
+    shape = (layout.num_layers, layout.num_kv_heads, layout.block_tokens // n_in, n_in, layout.head_size)
+    views = []
+    for start, ti, c in ((0, k_ti, k_c), (s_kv, s_ti, 1)):
+        strides = (layout.layer_elems * e, s_h * e, s_to * e, ti * e, c * e)
+        views.append(np.lib.stride_tricks.as_strided(flat[start:], shape, strides, writeable=flat.flags.writeable))
+    return views[0], views[1]
 
 
 def to_canonical(payload: np.ndarray, layout: BlockLayout) -> np.ndarray:
     """float32 [groups, tokens, channels] of a payload (uint8, block_bytes long)."""
     x = to_float32(np.ascontiguousarray(payload).view(np.uint8), layout.dtype)
-    view = _canonical_view(x, layout)
-    return view.reshape(layout.num_groups, layout.block_tokens, layout.head_size)
+    keys, values = _kv_views(x, layout)
+    return np.stack((keys, values), axis=2).reshape(layout.num_groups, layout.block_tokens, layout.head_size)
 
 
 def from_canonical(x: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
     """Write float32 [groups, tokens, channels] into `out` (uint8, block_bytes) in the block's layout."""
     raw = from_float32(x, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
-    target = _canonical_view(out.view(raw.dtype), layout)
-    target[...] = raw.reshape(target.shape)
+    keys, values = _kv_views(out.view(raw.dtype), layout)
+    raw = raw.reshape(layout.num_layers, layout.num_kv_heads, 2, *keys.shape[2:])
+    keys[...] = raw[:, :, 0]
+    values[...] = raw[:, :, 1]
 
 
 # -- encode / decode -------------------------------------------------------------------------
@@ -286,18 +314,30 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     payload = np.asarray(payload).reshape(-1).view(np.uint8)
     if payload.size != layout.block_bytes:
         raise ValueError(f"payload is {payload.size} B, the layout's block is {layout.block_bytes} B")
-    x = to_canonical(payload, layout)
     flags, bits = budget.flags, budget.bits.reshape(-1)
     out = np.empty(encoded_bytes(layout, budget), np.uint8)
     out[HEADER_BYTES : HEADER_BYTES + layout.num_groups] = bits
     offsets = group_offsets(layout, budget.bits, flags)
     sizes = group_sizes(layout, budget.bits, flags)
     channel = channel_groups(layout, flags)
+    fast = _fast_groups(bits, channel)
+    if fast.size:
+        _, _, s_to, _, n_in = layout.strides()
+        t_stride, c_stride = _group_strides(layout, fast)
+        bf16 = layout.dtype == "bfloat16"  # read as bits in the loops; the others converted here
+        x32 = np.zeros(0, np.float32) if bf16 else to_float32(payload, layout.dtype)
+        x16 = payload.view(np.uint16) if bf16 else np.zeros(0, np.uint16)
+        codec_fast.encode_groups(x32, x16, _group_bases(layout)[fast], bits[fast].astype(np.int64),
+                                 offsets[fast], s_to, t_stride, c_stride, n_in, layout.block_tokens, layout.head_size,
+                                 budget.rotate,
+                                 np.float32(1.0 / math.sqrt(layout.head_size)), out)
+    x = None
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
-            if idx.size == 0:
+            if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
                 continue
+            x = to_canonical(payload, layout) if x is None else x
             data = _encode_groups(x[idx], int(b), by_channel, budget.rotate, layout)
             start = int(offsets[idx[0]])  # a kind's groups are contiguous, in index order
             out[start : start + idx.size * int(sizes[idx[0]])] = data.reshape(-1)
@@ -306,6 +346,29 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
                      layout.head_size, DTYPE_CODES[layout.dtype], ORDERS.index(layout.order), layout.splits,
                      body.size, xxhash.xxh3_64_intdigest(body))
     return out
+
+
+def _fast_groups(bits: np.ndarray, channel: np.ndarray, dtype: str = "") -> np.ndarray:
+    """The groups the compiled loops (kvstore/codec_fast.py) take: quantized per token; decoding, bfloat16
+    blocks only. Empty without numba."""
+    if not codec_fast.AVAILABLE or (dtype and dtype != "bfloat16"):
+        return np.zeros(0, np.int64)
+    return np.flatnonzero((bits != EXACT) & ~channel)
+
+
+def _group_bases(layout: BlockLayout) -> np.ndarray:
+    """Element index of each group's first element (token 0, channel 0) in the block."""
+    s_kv, s_h, _, _, _ = layout.strides()
+    g = np.arange(layout.num_groups)
+    H = layout.num_kv_heads
+    return (g // (2 * H)) * layout.layer_elems + ((g // 2) % H) * s_h + (g % 2) * s_kv
+
+
+def _group_strides(layout: BlockLayout, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token inner, channel) element strides of each of `groups` (int64 arrays)."""
+    k, v = layout.key_strides(), (layout.strides()[3], 1)
+    is_key = (groups % 2) == 0
+    return (np.where(is_key, k[0], v[0]).astype(np.int64), np.where(is_key, k[1], v[1]).astype(np.int64))
 
 
 def _encode_groups(x: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
@@ -365,16 +428,41 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
     bits = bits3.reshape(-1)
     offsets, sizes = group_offsets(layout, bits3, flags), group_sizes(layout, bits3, flags)
     channel = channel_groups(layout, flags)
-    x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
+    rotate = bool(flags & FLAG_ROTATE)
+    fast = _fast_groups(bits, channel, layout.dtype)
+    if fast.size == 0:
+        x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
-            if idx.size:
-                start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
-                data = blob[start : start + idx.size * size].reshape(idx.size, size)
-                x[idx] = _decode_groups(data, int(b), by_channel, bool(flags & FLAG_ROTATE), layout)
-    from_canonical(x, layout, out)
+            if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
+                continue
+            start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
+            data = blob[start : start + idx.size * size].reshape(idx.size, size)
+            y = _decode_groups(data, int(b), by_channel, rotate, layout)
+            if fast.size == 0:
+                x[idx] = y
+            else:  # the other groups are the compiled loops': these are written group by group
+                _write_groups(y, idx, layout, out)
+    if fast.size == 0:
+        from_canonical(x, layout, out)
+        return out
+    _, _, s_to, _, n_in = layout.strides()
+    t_stride, c_stride = _group_strides(layout, fast)
+    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast], s_to, t_stride,
+                             c_stride, n_in, layout.block_tokens, layout.head_size, rotate,
+                             np.float32(1.0 / math.sqrt(layout.head_size)), out.view(np.uint16))
     return out
+
+
+def _write_groups(y: np.ndarray, idx: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
+    """Write float32 groups y [n, N, D] (group indices idx) into the block `out` in its layout."""
+    raw = from_float32(y, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
+    views = _kv_views(out.view(raw.dtype), layout)
+    H = layout.num_kv_heads
+    for i, g in enumerate(idx):
+        part = views[g % 2][g // (2 * H), (g // 2) % H]
+        part[...] = raw[i].reshape(part.shape)
 
 
 def _decode_groups(data: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:

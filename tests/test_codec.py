@@ -198,13 +198,45 @@ def test_budgets_and_layouts_refuse_bad_values():
             BlockLayout(**{**dict(num_layers=2, num_kv_heads=2, block_tokens=16, head_size=64), **bad})
 
 
-@pytest.mark.parametrize("layout,order", [("cpu/default", "HNC"), ("cpu/LBHNC", "HNC"), ("cuda/BLHNC", "HNC"),
+@pytest.mark.parametrize("layout,order", [("cpu/default", "HKTVND"), ("cpu/LBHNC", "HKTVND"), ("cuda/LBHNC", "HNC"),
+                                          ("cuda/default", "HNC"), ("cuda/BLHNC", "HNC"),
                                           ("cuda/BLNHC", "NHC"), ("cuda/NHD", "KVNHD"), ("cuda/BLHNC/mla", None),
                                           ("boundary", None)])
 def test_namespace_layouts_map_to_codec_orders(layout, order):
     ns = Namespace("m", "bfloat16", 2, 2, 64, 16, 2 * 2 * 16 * 2 * 64 * 2, layout=layout)
     got = BlockLayout.from_namespace(ns)
     assert (got.order if got else None) == order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attn_layout_reads_keys_and_values_where_its_kernel_writes_them(dtype):
+    """vLLM's CPU_ATTN writes a layer's [B, H, N, 2D] cache through its own kernel
+    (`cpu_attn_reshape_and_cache`, as vllm/v1/attention/backends/cpu_attn.py calls it): a block written
+    there reads back, through the codec's layout for a cpu namespace, as the keys and values written."""
+    ops = pytest.importorskip("vllm._custom_ops", reason="vllm is not installed")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    nb, n, D, H, L = 3, 32, 64, 2, 2  # the kernel's blocks: multiples of 32 tokens, heads of 32 and more
+    isa = _get_attn_isa(torch_dtype, n, D)
+    if isa != "vec":
+        pytest.skip(f"the {isa} kernels lay keys out otherwise: the codec knows the vec kernels' layout only")
+    gen = torch.Generator().manual_seed(0)
+    layers, want = [], []
+    for _ in range(L):
+        cache = torch.zeros(nb, H, n, 2 * D, dtype=torch_dtype)
+        key_cache, value_cache = cache.view(nb, H, 2 * n, D).chunk(2, dim=2)
+        key, value = (torch.randn(n, H, D, generator=gen).to(torch_dtype) for _ in range(2))
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, 2 * n), isa)  # block 1
+        layers.append(cache[1].contiguous())
+        want.append(torch.stack((key.transpose(0, 1), value.transpose(0, 1)), dim=1))  # [H, K/V, N, D]
+    payload = np.concatenate([t.view(torch.uint8).numpy().reshape(-1) for t in layers])
+    layout = BlockLayout.from_namespace(Namespace("m", dtype, L, H, D, n, payload.size, layout="cpu/LBHNC"))
+    got = to_canonical(payload, layout)
+    np.testing.assert_array_equal(got, torch.stack(want).float().numpy().reshape(L * H * 2, n, D))
+    back = np.zeros_like(payload)
+    from_canonical(got, layout, back)
+    np.testing.assert_array_equal(back, payload)
 
 
 def test_a_namespace_whose_block_size_does_not_match_its_shape_is_not_compressed():

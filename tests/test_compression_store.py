@@ -24,7 +24,7 @@ from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes
 
 PAGE = 4096
-LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HNC")
+LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HKTVND")  # what "cpu/LBHNC" is to the codec
 EXACT_NS = Namespace("m", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cpu/LBHNC")
 LOSSY_NS = dataclasses.replace(EXACT_NS, codec="k4v2")
 BLOCK = LAYOUT.block_bytes  # 16 KiB: 4 pages exact, 1 page at k4v2

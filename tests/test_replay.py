@@ -179,3 +179,26 @@ def test_replay_rejects_a_negative_disk_size(tmp_path, capsys):
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "hash_ids": [1]}) + "\n")
     assert cli.main(["replay", str(trace), "--disk-blocks", "-1"]) == 2
     assert "--disk-blocks" in capsys.readouterr().err
+
+
+@needs_trace
+def test_replay_disk_ratio_runs_exact_and_compressed_disks_of_equal_bytes(tmp_path, capsys):
+    """`--disk-ratio R`: each run twice, the disk holding N then floor(N x R) blocks; more blocks in the
+    same bytes never lose hits here, and both runs keep the tree (check() every 100 requests)."""
+    args = ["replay", TRACE, "--limit", "1500", "--policy", "lru", "--json", "--check-every", "100",
+            "--capacity-blocks", "100", "--disk-blocks", "80", "--disk-ratio", "3", "--disk-path", str(tmp_path)]
+    assert cli.main(args) == 0
+    exact, lossy = json.loads(capsys.readouterr().out)["runs"]
+    assert (exact["disk_blocks"], exact["disk_ratio"]) == (80, 1.0)
+    assert (lossy["disk_blocks"], lossy["disk_ratio"]) == (240, 3.0)
+    assert lossy["hits_by_tier"].get("disk", 0) > exact["hits_by_tier"].get("disk", 0)
+    assert lossy["hit_ratio"] >= exact["hit_ratio"]
+    assert exact["check_problems"] == lossy["check_problems"] == 0
+
+
+@pytest.mark.parametrize("extra", [["--disk-ratio", "2"], ["--disk-blocks", "10", "--disk-ratio", "0.5"]])
+def test_replay_rejects_a_disk_ratio_without_a_disk_or_below_one(tmp_path, capsys, extra):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "hash_ids": [1]}) + "\n")
+    assert cli.main(["replay", str(trace), *extra]) == 2
+    assert "--disk-ratio" in capsys.readouterr().err

@@ -21,6 +21,13 @@ temporary folder, or `--disk-path`): host victims are demoted to it, disk hits
 are promoted back by `prepare_read` as the daemon does, and a hit counts only
 the leading blocks that reached the arena. The disk tier runs the same
 policy (LRU under `belady`, which is built for the host tier only).
+`--disk-ratio R` (with `--disk-blocks N`): each run twice, in the same
+invocation, at equal disk bytes: exact (a disk of N blocks) and compressed (a
+disk of floor(N x R) blocks: a compressing disk stores R times more blocks in
+the same bytes). The replay moves no payload, so no codec runs here: R is a
+ratio measured elsewhere (the disk tier's logical over allocated bytes, e.g.
+`bench_disk --compression`'s `codec_ratio` rounded to the tier's pages), and
+what changes is only how many blocks the disk tier holds.
 
 Reported per run: block, token and compute-weighted hit ratio, prefill
 tokens saved, hits per tier (from `store.stats()`), evictions, demotions,
@@ -238,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--disk-blocks", type=int, default=0,
                    help="add a real disk tier of N blocks below the host tier (O_DIRECT file + LMDB; default none)")
+    p.add_argument("--disk-ratio", type=float, default=0.0,
+                   help="also replay with a disk of floor(N x R) blocks in the same bytes: a compressing disk "
+                        "tier at ratio R (> 1; needs --disk-blocks)")
     p.add_argument("--disk-path", help="folder in which the disk tier's temporary folder is made (default: the system temp)")
     p.add_argument("--attention", choices=("none", "random", "oracle"), default="none",
                    help="attention estimate sent with each commit: none (neutral), uniform noise, or an "
@@ -262,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         capacities = [int(v) for v in _split(args.capacity_blocks)]
         if args.disk_blocks < 0:
             raise ValueError("--disk-blocks must be >= 0")
+        if args.disk_ratio and (args.disk_ratio <= 1 or not args.disk_blocks):
+            raise ValueError("--disk-ratio must be > 1, with --disk-blocks")
         policies = _split(args.policy)
         if "all" in policies:
             policies = list(ALL_POLICIES)
@@ -282,16 +294,20 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     for capacity in capacities:
         for policy in policies:
-            bar = None if args.no_progress or not sys.stderr.isatty() else _ProgressBar(f"{policy}@{capacity}", len(requests))
-            result = replay(requests, policy, capacity, args.block_tokens, args.attention, args.seed,
-                            args.check_every, args.block_bytes, bar, disk_blocks=args.disk_blocks,
-                            disk_path=args.disk_path)
-            if bar:
-                bar.done()
-            result["trace"] = os.path.basename(args.trace)
-            runs.append(result)
-            if not args.json:
-                print(_line(result), flush=True)
+            for ratio in (1.0, args.disk_ratio) if args.disk_ratio else (1.0,):
+                label = f"{policy}@{capacity}" + (f" disk x{ratio:g}" if ratio != 1 else "")
+                bar = None if args.no_progress or not sys.stderr.isatty() else _ProgressBar(label, len(requests))
+                result = replay(requests, policy, capacity, args.block_tokens, args.attention, args.seed,
+                                args.check_every, args.block_bytes, bar, disk_blocks=int(args.disk_blocks * ratio),
+                                disk_path=args.disk_path)
+                if bar:
+                    bar.done()
+                result["trace"] = os.path.basename(args.trace)
+                if args.disk_ratio:
+                    result["disk_ratio"] = ratio
+                runs.append(result)
+                if not args.json:
+                    print(_line(result), flush=True)
     if args.plot:
         _plot(runs, args.plot, os.path.basename(args.trace))
     orphans = sum(r["orphans"] for r in runs)
@@ -307,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _line(r: dict) -> str:
     tiers = " ".join(f"{t}={n}" for t, n in r["hits_by_tier"].items()) or "-"
-    return (f"{r['policy']:>9} cap={r['capacity_blocks']:>6}  hit={r['hit_ratio']:.4f}  "
+    disk = f" disk={r['disk_blocks']}" if r.get("disk_blocks") else ""
+    return (f"{r['policy']:>9} cap={r['capacity_blocks']:>6}{disk}  hit={r['hit_ratio']:.4f}  "
             f"token_hit={r['token_hit_ratio']:.4f}  compute_hit={r['compute_hit_ratio']:.4f}  saved_tokens={r['prefill_tokens_saved']}  hits[{tiers}]  "
             f"evictions={r['evictions']} demotions={r['demotions']} orphans={r['orphans']} "
             f"check={r['check_problems']}  {r['elapsed_s']:.1f}s")

@@ -1,6 +1,7 @@
 """Disk-tier bandwidth: demotion (host -> disk) and promotion (disk -> host) vs `dd` O_DIRECT.
 
-    python -m kvstore.tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3] [--json]
+    python -m kvstore.tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3]
+        [--compression PROFILE] [--json]
 
 In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
@@ -12,6 +13,17 @@ In one run, on the same folder, for each repeat:
                pages, O_DIRECT read, xxh3 verify), then release
 Reported: the median GB/s of each, and write_vs_dd / read_vs_dd, the median over the repeats of
 the ratio store / dd measured in the same repeat (the disk of a shared VM drifts between repeats).
+
+`--compression PROFILE` (a codec profile name: built-in `k4v2`, ..., or a file in
+tools/bench/profiles) adds, in each repeat, the same demotion and promotion
+twice more on blocks of SmolLM2-135M's shape (30 layers, 3 KV heads, head 64,
+bf16, `--codec-block-tokens` tokens, the CUDA HNC layout) holding bf16 normal
+values: once exact, once with `[compression] disk = true` and the namespace
+opted in (encoded on the disk writer thread, decoded in the reader thread).
+Both count KV bytes, the blocks' own (decoded) size: `codec_write_vs_exact`
+and `codec_read_vs_exact` are the medians of the per-repeat ratios of
+compressed to exact KV bytes per second; `codec_ratio` is the disk tier's
+logical / stored bytes (headers and scales counted).
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import uuid
 
 import numpy as np
 
-from kvstore.config import parse_size
+from kvstore.codec import from_float32
+from kvstore.compression import Compression, decode_into
+from kvstore.config import CompressionConfig, parse_size
 from kvstore.store import TieredStore
 from kvstore.keys import Namespace
 from kvstore.tiers.disk import DiskTier
@@ -42,15 +56,32 @@ def dd(args: list[str], nbytes: int) -> float:
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, dict]:
-    ns = Namespace("bench", "bf16", 1, 1, 64, 16, block_bytes)
+PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+def codec_namespace(block_tokens: int, profile: str = "") -> Namespace:
+    """SmolLM2-135M's KV shape, opted into `profile` when given."""
+    L, H, D = 30, 3, 64
+    return Namespace("bench-smollm2", "bfloat16", L, H, D, block_tokens, L * H * block_tokens * 2 * D * 2,
+                     layout="cuda/LBHNC", codec=profile)
+
+
+def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = None,
+                compress: bool = False) -> tuple[float, float, dict]:
+    """(demotion GB/s, promotion GB/s, info) of n blocks; `ns` (its block size) and `compress`: the codec arms,
+    counted in the blocks' own bytes."""
+    if ns is None:
+        ns = Namespace("bench", "bf16", 1, 1, 64, 16, block_bytes)
+        payload = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8)
+    else:
+        block_bytes = ns.block_bytes
+        payload = from_float32(np.random.default_rng(0).standard_normal(block_bytes // 2, np.float32), "bfloat16")
     host = HostArena(f"/dev/shm/kvstore-bench-disk-{uuid.uuid4().hex[:8]}", n * block_bytes, block_bytes)
     shutil.rmtree(folder, ignore_errors=True)
-    disk = DiskTier(folder, (n + 1) * block_bytes)
-    store = TieredStore([host, disk])
+    disk = DiskTier(folder, (n + 1) * block_bytes, decoder=decode_into)
+    store = TieredStore([host, disk], compression=Compression(CompressionConfig(disk=compress, profile_dir=PROFILES)))
     try:
         ns_id = store.register_namespace(ns)
-        payload = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8)
         hashes = [i.to_bytes(16, "little") for i in range(1, n + 1)]
         for h in hashes:
             (e,) = store.reserve(ns_id, [(h, None)], "bench")
@@ -75,9 +106,15 @@ def store_round(folder: str, n: int, block_bytes: int) -> tuple[float, float, di
         asyncio.run(promote_all())
         read_gbps = n * block_bytes / (time.perf_counter() - t0) / 1e9
         sample = store.index.entries[(ns_id, hashes[n // 2])]
-        assert np.array_equal(np.frombuffer(host.read(sample.location), np.uint8), payload)
+        if not compress:
+            assert np.array_equal(np.frombuffer(host.read(sample.location), np.uint8), payload)
         assert store.check() == []
         info = {"direct_io": disk.direct, "direct_io_fallback_reason": disk.direct_reason}
+        if compress:
+            rows = disk.stats()["compressed"]
+            assert sum(r["blocks"] for r in rows.values()) == n, "not every block was stored encoded"
+            info["codec_ratio"] = round(sum(r["logical_bytes"] for r in rows.values())
+                                        / sum(r["stored_bytes"] for r in rows.values()), 3)
         return write_gbps, read_gbps, info
     finally:
         store.close(persist=False)
@@ -91,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--block-bytes", default="2MiB")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--compression", default="", metavar="PROFILE",
+                   help="add the exact and compressed arms on SmolLM2-shaped blocks with this codec profile")
+    p.add_argument("--codec-block-tokens", type=int, default=128, help="tokens per block of the codec arms")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     block = parse_size(args.block_bytes, "--block-bytes")
@@ -99,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     dd_file = os.path.join(args.dir, "dd.bin")
     runs: dict[str, list[float]] = {"dd_write": [], "dd_read": [], "write": [], "read": []}
     info: dict = {}
+    codec_info: dict = {}
     for _ in range(args.repeat):
         runs["dd_write"].append(dd(["if=/dev/zero", f"of={dd_file}", f"bs={block}", f"count={n}", "oflag=direct"], n * block))
         runs["dd_read"].append(dd([f"if={dd_file}", "of=/dev/null", f"bs={block}", "iflag=direct"], n * block))
@@ -106,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         w, r, info = store_round(os.path.join(args.dir, "tier"), n, block)
         runs["write"].append(w)
         runs["read"].append(r)
+        if args.compression:
+            codec_info = codec_arms(os.path.join(args.dir, "tier"), n, args, runs)
     med = {k: statistics.median(v) for k, v in runs.items()}
     result = {
         "block_bytes": block,
@@ -120,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs_gbps": {k: [round(x, 3) for x in v] for k, v in runs.items()},
         **info,
     }
+    if args.compression:
+        result.update(codec_summary(runs, med, args, codec_info))
     if args.json:
         print(json.dumps(result))
     else:
@@ -129,7 +174,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  promotion {result['read_gbps']:.2f}   dd iflag=direct {result['dd_read_gbps']:.2f}   "
               f"read_vs_dd {result['read_vs_dd']:.2f}")
         print(f"  direct I/O: {info.get('direct_io')} {info.get('direct_io_fallback_reason', '')}")
+        if args.compression:
+            c = result["codec"]
+            print(f"  {c['block_bytes']} B SmolLM2 blocks, KV GB/s, {c['profile']} at {c['codec_ratio']}x on disk:")
+            print(f"    demotion  exact {c['write_exact_gbps']:.2f}  compressed {c['write_gbps']:.2f}  "
+                  f"codec_write_vs_exact {c['codec_write_vs_exact']:.2f}")
+            print(f"    promotion exact {c['read_exact_gbps']:.2f}  compressed {c['read_gbps']:.2f}  "
+                  f"codec_read_vs_exact {c['codec_read_vs_exact']:.2f}")
     return 0
+
+
+def codec_arms(folder: str, n: int, args, runs: dict) -> dict:
+    """One repeat of the exact and compressed arms on SmolLM2-shaped blocks, appended to `runs`."""
+    ns = codec_namespace(args.codec_block_tokens, args.compression)
+    w, r, _ = store_round(folder, n, 0, ns, compress=False)
+    runs.setdefault("codec_exact_write", []).append(w)
+    runs.setdefault("codec_exact_read", []).append(r)
+    w, r, info = store_round(folder, n, 0, ns, compress=True)
+    runs.setdefault("codec_write", []).append(w)
+    runs.setdefault("codec_read", []).append(r)
+    return info
+
+
+def codec_summary(runs: dict, med: dict, args, info: dict) -> dict:
+    ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(runs[a], runs[b])), 3)  # noqa: E731
+    return {"codec": {
+        "profile": args.compression,
+        "block_bytes": codec_namespace(args.codec_block_tokens).block_bytes,
+        "codec_ratio": info["codec_ratio"],
+        "write_exact_gbps": round(med["codec_exact_write"], 3),
+        "write_gbps": round(med["codec_write"], 3),
+        "read_exact_gbps": round(med["codec_exact_read"], 3),
+        "read_gbps": round(med["codec_read"], 3),
+        "codec_write_vs_exact": ratio("codec_write", "codec_exact_write"),
+        "codec_read_vs_exact": ratio("codec_read", "codec_exact_read"),
+    }}
 
 
 if __name__ == "__main__":

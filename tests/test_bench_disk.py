@@ -1,0 +1,23 @@
+"""tools/bench/bench_disk.py's compression arms run end to end on a real disk tier (a smoke run: the figures
+themselves are the benchmark's, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.tools.bench import bench_disk
+
+
+def test_compression_arms_report_exact_and_compressed_kv_bandwidth(tmp_path, capsys):
+    assert bench_disk.main(["--dir", str(tmp_path), "--blocks", "4", "--block-bytes", "64KiB", "--repeat", "1",
+                            "--compression", "k4v2", "--codec-block-tokens", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    codec = result["codec"]
+    assert codec["profile"] == "k4v2" and codec["block_bytes"] == 30 * 3 * 16 * 2 * 64 * 2
+    assert codec["codec_ratio"] > 3  # 4 + 2 bits and their scales, headers counted
+    for key in ("write_exact_gbps", "write_gbps", "read_exact_gbps", "read_gbps"):
+        assert codec[key] > 0
+    # (the ratio is of the unrounded figures, one repeat: the rounded ones give it to within their rounding)
+    assert codec["codec_write_vs_exact"] == pytest.approx(codec["write_gbps"] / codec["write_exact_gbps"], rel=0.1)
