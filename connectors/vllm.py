@@ -39,6 +39,7 @@ from kvstore.connectors.vllm_meta import (
     ConnectorConfig,
     HybridStepMeta,
     StepMeta,
+    codec_layout_unknown,
     engine_layout,
     engine_namespaces,
     hybrid_namespaces,
@@ -86,8 +87,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError("vLLM passed no kv_cache_config")
             self.layout = engine_layout(vllm_config, kv_cache_config, self.config.boundary_interval)
             if self.layout is None:
-                namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id,
-                                               self.config.compression)
+                codec = self.config.compression
+                why = codec_layout_unknown(vllm_config, kv_cache_config) if codec else ""
+                if why:
+                    log.warning("kvstore connector: compression off (%s): blocks are stored exact", why)
+                    codec = ""
+                namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id, codec)
             else:
                 if self.config.compression:
                     log.warning("kvstore connector: compression is for dense attention KV; this hybrid model's "

@@ -133,6 +133,21 @@ def _base_layout(kv_cache_config: "KVCacheConfig") -> str:
     return f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
 
 
+def codec_layout_unknown(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """Why the codec cannot read this engine's blocks ("" where it can). On CPU, the attention kernel's kind
+    decides how a block is laid out: the codec knows the `vec` kernels' (kvstore/codec.py, HKTVND), not
+    AMX's, vec16's or the other ISAs'; a block decoded in the wrong layout would be served wrong."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
+    return "" if isa == "vec" else f"vLLM's CPU attention runs its {isa!r} kernels here, whose block layout the codec does not know"
+
+
 def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", boundary_interval: int = 0):
     """None for a dense model (one full-attention or MLA group: the connector's dense path), else the
     hybrid layout of its KV cache groups (connectors/hybrid.py). Raises ValueError, with the reason, for

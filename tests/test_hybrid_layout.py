@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvstore.connectors import hybrid  # noqa: E402
 from kvstore.connectors.copy_plan import kv_geometry  # noqa: E402
-from kvstore.connectors.vllm_meta import engine_namespaces, hybrid_namespaces  # noqa: E402
+from kvstore.connectors.vllm_meta import codec_layout_unknown, engine_namespaces, hybrid_namespaces  # noqa: E402
 from tests.test_copy_plan import STORE_BYTES, executor_for, read_payload, scattered_extents  # noqa: E402
 
 B = 32
@@ -199,3 +199,20 @@ def test_an_engine_that_opts_in_to_compression_has_namespaces_of_its_own():
     assert ConnectorConfig.from_extra({"compression": "smollm2-135m-3b"}).compression == "smollm2-135m-3b"
     with pytest.raises(ValueError, match="codec profile"):
         ConnectorConfig.from_extra({"compression": "../etc/passwd"})
+
+
+@pytest.mark.parametrize("block_size,head_size,known", [(32, 64, True), (16, 64, False), (32, 48, False)])
+def test_compression_only_where_the_codec_knows_the_cpu_kernels_block_layout(block_size, head_size, known):
+    """vLLM's CPU attention picks its kernels by block and head size (and AMX): the codec reads the `vec`
+    kernels' blocks only, so the connector stores exact blocks for the others (vllm.py logs why)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
+    engine = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+    if known and _get_attn_isa(torch.bfloat16, block_size, head_size) != "vec":
+        pytest.skip("this host's CPU attention runs other kernels (AMX) at this size")
+    why = codec_layout_unknown(engine, cfg)
+    assert (why == "") == known, why
+    if not known:
+        assert "kernels" in why
