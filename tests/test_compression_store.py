@@ -19,6 +19,7 @@ from kvstore.config import CompressionConfig
 from kvstore.errors import NamespaceError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DATA_FILE, DiskTier
 from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes
@@ -231,3 +232,43 @@ def test_a_profile_file_with_sink_blocks_keeps_the_first_block_exact(tmp_path):
         assert h.store.check() == []
     finally:
         h.close()
+
+
+class FailingCodec:
+    """A stored codec whose encoding raises for one block."""
+
+    def __init__(self, codec, bad: bytes) -> None:
+        self.codec, self.bad = codec, bad
+        self.tag, self.stored_bytes = codec.tag, codec.stored_bytes
+
+    def encode(self, data: np.ndarray) -> np.ndarray:
+        if data.tobytes() == self.bad:
+            raise ValueError("this block cannot be encoded")
+        return self.codec.encode(data)
+
+
+def test_a_block_that_fails_to_encode_fails_alone(tmp_path):
+    """The disk writer encodes a batch's blocks on several threads at once: one whose encoding raises is a
+    failed write (reported, never recorded), and the others of its batch are stored and read back decoded."""
+    codec = Compression(CompressionConfig(disk=True)).for_block(LOSSY_NS, 1, "disk")
+    hashes = chain_hashes(7, 6)
+    failing = FailingCodec(codec, payload(hashes[2]))
+    disk = DiskTier(str(tmp_path / "disk"), 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=decode_into)
+    try:
+        disk.scanned(wait=True)  # a new tier: nothing to read, then its pages are free
+        slots = {}
+        with disk.writer._cv:  # (the writer waits for it: the six writes make one batch)
+            for i, h in enumerate(hashes):
+                meta = BlockMeta((LOSSY_NS.id, h), hashes[i - 1] if i else None, i, None, 0.0)
+                data = np.frombuffer(payload(h), np.uint8)
+                slots[h] = disk.write_from(disk.allocate(codec.stored_bytes), [data], meta,
+                                           failing if i == 2 else codec)
+        disk.flush()
+        assert disk.failed_writes() == [(LOSSY_NS.id, hashes[2])]
+        assert disk.writer.counters.write_errors == 1 and disk.writer.counters.batches == 1
+        for h in hashes[:2] + hashes[3:]:
+            want, got = np.empty(BLOCK, np.uint8), np.empty(BLOCK, np.uint8)
+            assert decode_into(codec.encode(np.frombuffer(payload(h), np.uint8)), [want])
+            assert disk.read_into(slots[h], [got]) and np.array_equal(got, want)
+    finally:
+        disk.close()

@@ -438,7 +438,7 @@ def test_write_failure_drops_the_block(harness, monkeypatch):
     store = harness.store
     disk = store.disk
 
-    def broken(job):
+    def broken(job, encoded=None):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(disk.writer, "_write_job", broken)

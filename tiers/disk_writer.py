@@ -4,7 +4,8 @@ thread that works it off (tiers/disk.py owns the writer; nothing else touches it
 The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
 deletes, writes the data, fdatasyncs once, and commits the new records in one
-LMDB transaction (group commit). When nothing is queued and nobody waits in
+LMDB transaction (group commit); a batch's blocks stored compressed are
+encoded first, on a few threads at once. When nothing is queued and nobody waits in
 `flush`, it zero-fills the data file from the `formatted_bytes` watermark, so
 that later block writes are overwrites (see tiers/disk.py, "Formatting").
 
@@ -28,6 +29,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -85,6 +87,9 @@ class RecordStore:
     meta: object
 
 
+ENCODE_THREADS = min(4, os.cpu_count() or 1)  # a batch's blocks are encoded on this many threads at once
+
+
 @dataclass(slots=True)
 class WriterCounters:
     writes: int = 0
@@ -110,6 +115,7 @@ class DiskWriter:
         self._written: np.ndarray | None = None  # pages holding block data (the writer's, once formatting starts)
         self._zero_buf: mmap.mmap | None = None
         self._enc_buf: mmap.mmap | None = None  # the encoded block of the write in progress
+        self._encoders: ThreadPoolExecutor | None = None  # made at the first batch with blocks to encode
         self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
         self._inflight_puts = 0
         self._num_writes_queued = 0  # queued ops other than "del"
@@ -196,6 +202,8 @@ class DiskWriter:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+        if self._encoders is not None:
+            self._encoders.shutdown()
 
     # -- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -284,9 +292,10 @@ class DiskWriter:
                 for key in deleted:
                     txn.delete(key, db=records.blocks)
         written = []
+        encoded = self._encode_many([job for job in puts if job.encode is not None])
         for job in puts:
             try:
-                self._write_job(job)
+                self._write_job(job, encoded.get(id(job)))
                 written.append(job)
             except OSError as exc:
                 self.counters.write_errors += 1
@@ -308,13 +317,21 @@ class DiskWriter:
                 log.warning("disk tier: staging buffers not prefaulted: %s", exc)
         return jobs
 
-    def _write_job(self, job: DiskWrite) -> None:
+    def _encode_many(self, jobs: list[DiskWrite]) -> dict[int, np.ndarray | Exception]:
+        """id(job) -> its encoded block (or what encoding raised), the jobs encoded on ENCODE_THREADS threads
+        (the codec's loops release the GIL: kvstore/codec_fast.py); {} for fewer than two jobs."""
+        if len(jobs) < 2 or ENCODE_THREADS < 2:
+            return {}
+        if self._encoders is None:
+            self._encoders = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kvstore-disk-encode")
+        return dict(zip(map(id, jobs), self._encoders.map(_encode, jobs)))
+
+    def _write_job(self, job: DiskWrite, encoded: np.ndarray | Exception | None = None) -> None:
         mv, payload = memoryview(job.buf), job.view()
         if job.encode is not None:  # the staging buffer holds the exact block: store it encoded
-            try:
-                blob = job.encode(payload)
-            except Exception as exc:  # noqa: BLE001 - this block fails, not the batch
-                raise OSError(errno.EIO, f"encoding failed: {exc}") from None
+            blob = _encode(job) if encoded is None else encoded
+            if isinstance(blob, Exception):  # this block fails, not the batch
+                raise OSError(errno.EIO, f"encoding failed: {blob}")
             if blob.size != sum(n for _, n in job.extents):
                 raise OSError(errno.EIO, f"encoded {blob.size} B for {sum(n for _, n in job.extents)} B of pages")
             buf = self._encode_buffer(round_up(blob.size))
@@ -370,3 +387,11 @@ class DiskWriter:
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
             mv, offset = mv[n:], offset + n
+
+
+def _encode(job: DiskWrite) -> np.ndarray | Exception:
+    """`job`'s block encoded, or what encoding raised."""
+    try:
+        return job.encode(job.view())  # type: ignore[misc]
+    except Exception as exc:  # noqa: BLE001 - handed to the writer, which fails this block only
+        return exc
