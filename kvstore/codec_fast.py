@@ -1,206 +1,39 @@
-"""Compiled codec loops (kvstore/codec.py) when numba is installed: `AVAILABLE`, `encode_groups`, `decode_groups`.
+"""The codec's compiled loops when numba is installed (kvstore/codec_loops.py), loaded at their first use.
 
-They do, for the groups quantized per token (2..8 bits, the codec's default
-mode), everything between the block's float32 elements and its encoded bytes:
-gather from the block's layout, the Walsh-Hadamard butterflies, row minimum and
-maximum, the float16 scale and minimum, quantization, bit-plane packing (and
-back, scattering bfloat16 elements into the block's layout). One group at a
-time, transposed into a [channels, tokens] tile so that every step runs along
-the tokens (contiguous: the compiler vectorizes it).
-
-Byte-exact with the NumPy code: the same float32 operations in the same order
-(no fast-math: no fused multiply-add where NumPy rounds twice), `rint` rounding
-half to even, float16 conversions rounding to nearest even (done on the bits
-here: numba has no float16 on the CPU), the same little-endian bit planes.
-tests/test_codec_fast.py holds the two to the same bytes.
-
-numba is optional (the `fast` extra; vLLM installs it). Without it, or with
-`KVSTORE_CODEC_NUMPY=1`, `AVAILABLE` is False and the codec runs its NumPy code:
-the same bytes, several times slower.
+`AVAILABLE` (whether they run), `encode_groups`, `decode_groups` (and the
+loops' helpers) are read from this module; the first read imports numba and
+the loops (~0.15 s: not on the daemon's way to its ready line, nor in a process
+that never encodes). Without numba, or with `KVSTORE_CODEC_NUMPY=1`,
+`AVAILABLE` is False and the codec runs its NumPy code (kvstore/codec.py): the
+same bytes, several times slower. numba is optional (the `fast` extra; vLLM
+installs it).
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
+_loops = None  # kvstore.codec_loops once loaded; False where it cannot run
 
-AVAILABLE = False
-encode_groups = decode_groups = None
 
-if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
-    try:
-        import numba
-    except ImportError:
-        numba = None
-    if numba is not None:
-        AVAILABLE = True
-        jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+def _load():
+    global _loops
+    if _loops is None:
+        _loops = False
+        if os.environ.get("KVSTORE_CODEC_NUMPY") != "1":
+            try:
+                from kvstore import codec_loops
+            except ImportError:  # no numba: the NumPy code serves
+                pass
+            else:
+                _loops = codec_loops
+    return _loops
 
-        @jit
-        def _f16_bits(x, fbuf, ubuf):
-            """float32 -> float16 bits, round to nearest even (as NumPy's astype(float16)); fbuf/ubuf: one
-            float32 and its uint32 view, for the bit cast."""
-            fbuf[0] = x
-            u = np.int64(ubuf[0])
-            sign = (u >> 16) & 0x8000
-            exp = (u >> 23) & 0xFF
-            mant = u & 0x7FFFFF
-            if exp == 0xFF:
-                return sign | 0x7C00 | (0x200 if mant else 0)
-            e = exp - 112  # rebias 127 -> 15
-            if e >= 31:
-                return sign | 0x7C00
-            if e <= 0:
-                if e < -10:
-                    return sign
-                m = mant | 0x800000
-                shift = 14 - e
-                r = m >> shift
-                rem = m & ((1 << shift) - 1)
-                half = 1 << (shift - 1)
-                if rem > half or (rem == half and (r & 1)):
-                    r += 1
-                return sign | r
-            r = (e << 10) | (mant >> 13)
-            rem = mant & 0x1FFF
-            if rem > 0x1000 or (rem == 0x1000 and (r & 1)):
-                r += 1
-            return sign | r
 
-        @jit
-        def _f16_value(h, fbuf, ubuf):
-            """float16 bits -> float32 (exact)."""
-            sign = np.float32(-1.0) if h & 0x8000 else np.float32(1.0)
-            exp = (h >> 10) & 0x1F
-            mant = h & 0x3FF
-            if exp == 0:
-                return sign * np.float32(mant) * np.float32(2.0 ** -24)
-            if exp == 31:
-                return sign * np.float32(np.inf) if mant == 0 else np.float32(np.nan)
-            ubuf[0] = np.uint32(((h & 0x8000) << 16) | ((exp + 112) << 23) | (mant << 13))
-            return fbuf[0]
-
-        @jit
-        def _rotate(tile, scale):
-            """The normalized Walsh-Hadamard transform of every column of tile [D, N], stage order as
-            kvstore.codec.fwht."""
-            D, N = tile.shape
-            h = 1
-            while h < D:
-                for start in range(0, D, 2 * h):
-                    for i in range(start, start + h):
-                        for t in range(N):
-                            a = tile[i, t]
-                            b = tile[i + h, t]
-                            tile[i, t] = a + b
-                            tile[i + h, t] = a - b
-                h *= 2
-            for i in range(D):
-                for t in range(N):
-                    tile[i, t] = tile[i, t] * scale
-
-        @jit
-        def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out):
-            """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // n_in) * s_to
-            + (t % n_in) * s_ti[k] + c * s_c[k]] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
-            in x16), its bytes go to out[offsets[k]:] (meta: N float16 scales, N float16 minimums; then
-            bits[k] planes of N * D / 8 bytes)."""
-            tile = np.empty((D, N), np.float32)
-            tile_u = tile.view(np.uint32)
-            bf16 = x16.size > 0
-            q = np.empty((D, N), np.uint8)
-            lo = np.empty(N, np.float32)
-            hi = np.empty(N, np.float32)
-            low = np.empty(N, np.float32)
-            inv = np.empty(N, np.float32)
-            fbuf = np.empty(1, np.float32)
-            ubuf = fbuf.view(np.uint32)
-            plane = N * D // 8
-            for k in range(base.size):
-                cs = s_c[k]
-                for t in range(N):
-                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
-                    if bf16:
-                        for c in range(D):
-                            tile_u[c, t] = np.uint32(x16[row + c * cs]) << 16
-                    else:
-                        for c in range(D):
-                            tile[c, t] = x[row + c * cs]
-                if rotate:
-                    _rotate(tile, scale)
-                for t in range(N):
-                    lo[t] = tile[0, t]
-                    hi[t] = tile[0, t]
-                for c in range(1, D):
-                    for t in range(N):
-                        v = tile[c, t]
-                        lo[t] = min(lo[t], v)
-                        hi[t] = max(hi[t], v)
-                b = bits[k]
-                levels = (1 << b) - 1
-                off = offsets[k]
-                for t in range(N):
-                    s16 = _f16_bits((hi[t] - lo[t]) / np.float32(levels), fbuf, ubuf)
-                    l16 = _f16_bits(lo[t], fbuf, ubuf)
-                    out[off + 2 * t] = s16 & 0xFF
-                    out[off + 2 * t + 1] = s16 >> 8
-                    out[off + 2 * N + 2 * t] = l16 & 0xFF
-                    out[off + 2 * N + 2 * t + 1] = l16 >> 8
-                    s32 = _f16_value(s16, fbuf, ubuf)
-                    low[t] = _f16_value(l16, fbuf, ubuf)
-                    inv[t] = np.float32(1.0) / s32 if s32 > 0 else np.float32(0.0)
-                fl = np.float32(levels)
-                for c in range(D):
-                    for t in range(N):
-                        v = np.rint((tile[c, t] - low[t]) * inv[t])
-                        v = min(max(v, np.float32(0.0)), fl)
-                        q[c, t] = np.uint8(v)
-                start = off + 4 * N
-                for j in range(b):
-                    for c8 in range(D // 8):
-                        for t in range(N):
-                            byte = 0
-                            for i in range(8):
-                                byte |= ((q[c8 * 8 + i, t] >> j) & 1) << i
-                            out[start + j * plane + t * (D // 8) + c8] = byte
-
-        @jit
-        def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out16):
-            """The inverse for bfloat16 blocks: group k's bytes at blob[offsets[k]:] become bfloat16 bits
-            written to out16[base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k] + c * s_c[k]] (uint16)."""
-            tile = np.empty((D, N), np.float32)
-            q = np.empty((D, N), np.uint8)
-            sc = np.empty(N, np.float32)
-            low = np.empty(N, np.float32)
-            fbuf = np.empty(1, np.float32)
-            ubuf = fbuf.view(np.uint32)
-            tile_u = tile.view(np.uint32)
-            plane = N * D // 8
-            for k in range(base.size):
-                off = offsets[k]
-                b = bits[k]
-                for t in range(N):
-                    sc[t] = _f16_value(np.int64(blob[off + 2 * t]) | (np.int64(blob[off + 2 * t + 1]) << 8), fbuf, ubuf)
-                    low[t] = _f16_value(np.int64(blob[off + 2 * N + 2 * t]) | (np.int64(blob[off + 2 * N + 2 * t + 1]) << 8),
-                                        fbuf, ubuf)
-                start = off + 4 * N
-                q[:] = 0
-                for j in range(b):
-                    for c8 in range(D // 8):
-                        for t in range(N):
-                            byte = blob[start + j * plane + t * (D // 8) + c8]
-                            for i in range(8):
-                                q[c8 * 8 + i, t] |= ((byte >> i) & 1) << j
-                for c in range(D):
-                    for t in range(N):
-                        y = np.float32(q[c, t]) * sc[t]
-                        tile[c, t] = y + low[t]
-                if rotate:
-                    _rotate(tile, scale)
-                cs = s_c[k]
-                for t in range(N):
-                    row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
-                    for c in range(D):
-                        u = np.int64(tile_u[c, t])
-                        out16[row + c * cs] = np.uint16((u + (((u >> 16) & 1) + 0x7FFF)) >> 16)
+def __getattr__(name: str):
+    if name == "AVAILABLE":
+        return bool(_load())
+    loops = _load()
+    if loops and not name.startswith("__"):
+        return getattr(loops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

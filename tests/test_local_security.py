@@ -355,3 +355,28 @@ def test_a_client_maps_no_arena_another_user_put_at_its_path(daemon, tmp_path, k
         os.unlink(arena)  # the daemon keeps its arena at stop now (host.persistent): remove what was planted
         if kind == "symlink":
             target.unlink()
+
+
+@needs_root
+def test_a_user_who_cannot_write_the_install_encodes_with_the_compiled_loops(tmp_path):
+    """numba caches compiled code beside the module or in the user's cache folder; a daemon user with
+    neither writable (a read-only install, no home) still loads the codec's compiled loops (compiled in
+    the process) and encodes the bytes the NumPy code does."""
+    pytest.importorskip("numba", reason="numba is not installed (the NumPy code serves)")
+    code = (
+        "import numpy as np\n"
+        "from kvstore import codec, codec_fast\n"
+        "from kvstore.codec import BlockLayout, Budget\n"
+        "layout = BlockLayout(1, 1, 32, 64, 'bfloat16', 'HKTVND')\n"
+        "x = codec.from_float32(np.random.default_rng(0).standard_normal(layout.block_bytes // 2).astype(np.float32), 'bfloat16')\n"
+        "print(codec_fast.AVAILABLE, codec.encode(x.view(np.uint8), layout, Budget.uniform(layout, 4)).tobytes().hex())\n"
+    )
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([*AS_NOBODY, sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    available, compiled = out.stdout.split()
+    numpy_only = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVSTORE_CODEC_NUMPY": "1"},
+                                capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert available == "True" and numpy_only[0] == "False"
+    assert compiled == numpy_only[1]
