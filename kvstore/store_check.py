@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Sequence
 
-from kvstore.entry import RANK, TIERS, Entry, Key, children_of
+from kvstore.entry import RANK, TIERS, Key, children_of
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
 from kvstore.promotion import Promoter
