@@ -119,7 +119,7 @@ def remote_tier(config: Config, host: HostArena) -> tuple[Tier | None, str]:
         return MooncakeTier(rc.master, host, metadata_server=rc.metadata_server, local_hostname=rc.local_hostname,
                             protocol=rc.protocol, device_name=rc.device_name, segment_bytes=rc.segment_bytes,
                             buffer_bytes=rc.buffer_bytes, index_blocks=rc.index_blocks,
-                            connect_timeout_s=rc.connect_timeout_s), ""
+                            connect_timeout_s=rc.connect_timeout_s, decoder=decode_into), ""
     except RemoteUnavailable as exc:
         if rc.required:
             raise ConfigError(f"remote tier: {exc} (set [remote] required = false to start without it)") from None

@@ -88,7 +88,7 @@ class Compression:
 
     def __init__(self, config: CompressionConfig) -> None:
         self.config = config
-        self.tiers = {"disk"} if config.disk else set()
+        self.tiers = {name for name, on in (("disk", config.disk), ("remote", config.remote)) if on}
         self._codecs: dict[str, StoredCodec | None] = {}
 
     def check_namespace(self, ns: Namespace) -> None:

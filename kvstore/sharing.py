@@ -11,8 +11,13 @@ store then counts them as hits in tier "remote", and the promoter
 for disk blocks; `fetch` is the part that differs: the whole batch in one
 call straight into the host pages the promoter allocated, each block verified
 (header names this namespace, hash, parent and length; xxh3 of the payload).
-A block that does not verify, or that the cluster evicted since the query, is
-a miss: the promoter discards it with its subtree, and for BAD_VALUE_TTL_S
+A namespace whose blocks this daemon publishes compressed (`[compression]
+remote = true` and the engine opted in, kvstore/compression.py) is asked for
+under both names, the exact block's and the encoded one's, and the exact one
+wins where both are there (another host may not compress, and the attention
+sink is never compressed); an encoded entry is fetched whole and decoded into
+its pages. A block that does not verify, or that the cluster evicted since the
+query, is a miss: the promoter discards it with its subtree, and for BAD_VALUE_TTL_S
 lookups stop before it instead of fetching it again.
 
 Publishing (write-behind; a client's commit never waits on the network). The
@@ -24,7 +29,8 @@ config's `publish` policy picks what is sent:
 - "hit": a block the first time a client's acquire hits it locally (chains
   that proved reusable);
 - "none": this host only reads.
-Publishing pins the blocks of one batch (owner `PUBLISHER`) while Mooncake
+A block whose namespace compresses on this tier is published encoded, under its
+own key (the put thread encodes). Publishing pins the blocks of one batch (owner `PUBLISHER`) while Mooncake
 reads them out of the arena. The queue holds at most `queue_blocks`; past that
 blocks are not published (counted `remote_publish_dropped_backlog`).
 
@@ -60,6 +66,8 @@ from kvstore.tiers.pages import PageAllocator
 from kvstore.tiers.remote import ALREADY_EXISTS, RemoteRef, RemoteUnavailable, object_key
 
 if TYPE_CHECKING:
+    from kvstore.compression import StoredCodec
+    from kvstore.keys import Namespace
     from kvstore.tiers.remote import MooncakeTier
 
 log = logging.getLogger(__name__)
@@ -123,6 +131,7 @@ class RemoteSharing:
                  options: SharingOptions = SharingOptions()) -> None:
         self.tier, self.index, self.placement = tier, index, placement
         self.host = placement.tiers["host"]
+        self.compression = placement.compression  # which namespaces' blocks are published encoded (None: none)
         self.namespaces, self.counters = shared.namespaces, shared.counters
         self.publish = options.publish
         self.timeout_s, self.transfer_timeout_s = options.timeout_s, options.transfer_timeout_s
@@ -210,17 +219,43 @@ class RemoteSharing:
         if k == len(hashes) or (ns_id, hashes[k]) in entries:  # all local, or a local write in flight
             return 0
         want = list(hashes[k:])
+        codec = self._codec(self.namespaces[ns_id])
+        keys = [object_key(ns_id, h) for h in want]
+        if codec is not None:  # asked under both names: [exact, encoded] per block
+            keys = [key for h, exact in zip(want, keys) for key in (exact, object_key(ns_id, h, codec.profile.digest))]
         try:
-            found = await self.call("query", self.tier.exists, [object_key(ns_id, h) for h in want])
+            found = await self.call("query", self.tier.exists, keys)
         except RemoteUnavailable:
             return 0
         self._count_codes("query", found)
-        n = 0
-        while n < len(found) and found[n] == 1 and not self._known_bad(ns_id, want[n]):
-            n += 1
+        encoded: list[bool] = []  # per block found: whether only its encoded value is there
+        for i, h in enumerate(want):
+            exact, enc = (found[2 * i], found[2 * i + 1]) if codec is not None else (found[i], 0)
+            if (exact != 1 and enc != 1) or self._known_bad(ns_id, h):
+                break
+            encoded.append(exact != 1)
         self.counters["remote_lookup_blocks"] += len(want)
-        self.counters["remote_lookup_hit_blocks"] += n
-        return self._index(ns_id, hashes, k, n)
+        self.counters["remote_lookup_hit_blocks"] += len(encoded)
+        return self._index(ns_id, hashes, k, encoded, codec)
+
+    def _codec(self, ns: "Namespace") -> "StoredCodec | None":
+        """The codec this namespace's blocks are published with (beyond its sink blocks), or None."""
+        if self.compression is None or "remote" not in self.compression.tiers:
+            return None
+        return self.compression.codec(ns)
+
+    def _block_codec(self, e: Entry) -> "StoredCodec | None":
+        """The codec `e` is published with, or None (exact)."""
+        if self.compression is None:
+            return None
+        return self.compression.for_block(self.namespaces[e.key[0]], e.depth, "remote")
+
+    def _ref(self, key: Key, parent: bytes | None, codec: "StoredCodec | None") -> RemoteRef:
+        ns_id, h = key
+        if codec is None:
+            return RemoteRef(object_key(ns_id, h), ns_id, h, parent)
+        return RemoteRef(object_key(ns_id, h, codec.profile.digest), ns_id, h, parent, codec.tag,
+                         codec.stored_bytes, codec.logical_bytes)
 
     def _known_bad(self, ns_id: str, h: bytes) -> bool:
         """The cluster's value for this block failed to verify recently: a miss without asking again."""
@@ -232,15 +267,17 @@ class RemoteSharing:
         del self._bad[(ns_id, h)]
         return False
 
-    def _index(self, ns_id: str, hashes: Sequence[bytes], k: int, n: int) -> int:
-        """Add remote entries for hashes[k:k+n] under the (re-checked) local prefix."""
+    def _index(self, ns_id: str, hashes: Sequence[bytes], k: int, encoded: list[bool],
+               codec: "StoredCodec | None") -> int:
+        """Add remote entries for hashes[k:k+len(encoded)] under the (re-checked) local prefix, each
+        naming its exact value or (where `encoded` says) its value encoded with `codec`."""
         entries = self.index.entries
         ns = self.namespaces[ns_id]
         parent: Key | None = (ns_id, hashes[k - 1]) if k and not ns.anchor else None
         if parent is not None and (parent not in entries or not entries[parent].committed):
             return 0  # the prefix changed while the cluster answered
         added = 0
-        for h in hashes[k : k + n]:
+        for h, enc in zip(hashes[k : k + len(encoded)], encoded):
             key = (ns_id, h)
             if ns.anchor:  # an attachment hangs under its anchor's block of the same hash, not under hashes[k-1]
                 parent = (ns.anchor, h)
@@ -258,7 +295,9 @@ class RemoteSharing:
             if parent is not None and (pe is None or not pe.committed):
                 self.tier.free(None)
                 break
-            ref = RemoteRef(object_key(ns_id, h), ns_id, h, parent[1] if parent is not None else None)
+            ref = self._ref(key, parent[1] if parent is not None else None, codec if enc else None)
+            if ref.codec is not None:
+                self.tier.count_compressed(ref, +1)
             self.placement.insert_in_policy([self.index.adopt(key, pe, ns.block_bytes, "remote", ref)])
             parent = key
             added += 1
@@ -309,7 +348,7 @@ class RemoteSharing:
             self.counters["remote_publish_dropped_staging_full"] += 1
             return
         copy_segments([self._staging_buf[o : o + n] for o, n in extents], self.host.segments(e.location))
-        self._pending[e.key] = (extents, e.parent[1] if e.parent is not None else None)
+        self._pending[e.key] = (extents, e.parent[1] if e.parent is not None else None, self._block_codec(e))
         self._wake.set()  # type: ignore[union-attr]
 
     def _enqueue(self, keys: Sequence[Key]) -> None:
@@ -342,10 +381,9 @@ class RemoteSharing:
         items, pinned, staged = [], [], []
         for key, staged_at in batch:
             if staged_at is not None:
-                extents, parent = staged_at
+                extents, parent, codec = staged_at
                 staged.append(extents)
-                items.append((RemoteRef(object_key(*key), key[0], key[1], parent),
-                              [self._staging_buf[o : o + n] for o, n in extents]))
+                items.append((self._ref(key, parent, codec), [self._staging_buf[o : o + n] for o, n in extents], codec))
                 continue
             e = self.index.get(key)
             if e is None or not e.committed or e.tier != "host":
@@ -353,8 +391,9 @@ class RemoteSharing:
                 continue
             self.index.pin([e], PUBLISHER)
             pinned.append(e)
-            items.append((RemoteRef(object_key(*key), key[0], key[1], e.parent[1] if e.parent is not None else None),
-                          self.host.segments(e.location)))
+            codec = self._block_codec(e)
+            items.append((self._ref(key, e.parent[1] if e.parent is not None else None, codec),
+                          self.host.segments(e.location), codec))
         if not items:
             return
         try:
@@ -372,9 +411,13 @@ class RemoteSharing:
         self._count_codes("put", codes)
         ok = sum(1 for c in codes if c == 0 or c == ALREADY_EXISTS)
         self.counters["remote_published_blocks"] += ok
+        for (ref, _, _), c in zip(items, codes):
+            if ref.codec is not None and (c == 0 or c == ALREADY_EXISTS):
+                self.counters["remote_published_compressed_blocks"] += 1
+                self.counters["remote_published_compressed_saved_bytes"] += ref.logical - ref.stored
         self.counters["remote_publish_failed_blocks"] += len(codes) - ok
         if self.publish == "hit":
-            for (ref, _), c in zip(items, codes):
+            for (ref, _, _), c in zip(items, codes):
                 if c == 0 or c == ALREADY_EXISTS:
                     self._published[(ref.ns_id, ref.hash)] = None
             while len(self._published) > 1 << 20:

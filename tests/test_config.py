@@ -44,6 +44,8 @@ def test_toml_then_flags(tmp_path):
     ('[gpu]\ncapacity = 4096\npage_size = 8192\n', "gpu.capacity must hold at least one page"),
     ('[gpu]\nsize = "1GiB"\n', "unknown key gpu.size"),
     ('[host]\npersistent = "yes"\n', "host.persistent must be true or false"),
+    ('[compression]\nremote = "yes"\n', "compression.remote must be true or false"),
+    ('[compression]\nprofile_dir = "/nonexistent/kvstore"\n', "is not a folder"),
 ])
 def test_bad_values_are_named(tmp_path, text, fragment):
     path = tmp_path / "bad.toml"

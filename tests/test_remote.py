@@ -3,11 +3,14 @@
 Real parts only: the wheel's `mooncake_master`, each daemon a Mooncake client
 contributing its own segment, TCP between network namespaces made by the test
 (tools/harness/remote_env.py). Faults: the master killed and restarted, a peer daemon
-killed -9, values written wrong under a block's key, bad configuration.
+killed -9, values written wrong under a block's key (exact and encoded), bad
+configuration. Compression on the remote tier: blocks published encoded, decoded
+by the other host, never served to a namespace that did not opt in.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,12 +21,44 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.codec import BlockLayout, Budget, decode, encode, from_float32
 from kvstore.keys import Namespace
 from kvstore.tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
 from kvstore.tools.harness.daemon_proc import ROOT, start_daemon
 from tests.helpers import chain, namespace
 
 NS = namespace("remote-test-model", 256 * 1024)
+
+
+LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HKTVND")  # what "cpu/LBHNC" is to the codec
+LOSSY = Namespace("remote-lossy-model", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cpu/LBHNC",
+                  codec="mixed")
+EXACT = Namespace(**{**LOSSY.to_dict(), "codec": ""})
+MIXED_BITS = [[[8, 4], [4, 2]], [[3, 2], [4, 3]]]  # per layer, KV head: (key, value) bits
+
+
+def compressing_config(tmp_path, master) -> str:
+    """remote_config plus `[compression] remote = true` with the profile "mixed" (its first block exact)."""
+    folder = tmp_path / "profiles"
+    folder.mkdir(exist_ok=True)
+    (folder / "mixed.json").write_text(json.dumps({"format": "kvstore-codec-profile/1", "name": "mixed",
+                                                   "bits": MIXED_BITS, "sink_blocks": 1}))
+    path = remote_config(tmp_path / "remote.toml", master)
+    with open(path, "a") as f:
+        f.write(f"[compression]\nremote = true\nprofile_dir = {json.dumps(str(folder))}\n")
+    return path
+
+
+def kv_payloads(seed: int, n: int) -> list[np.ndarray]:
+    """bfloat16 KV blocks (normal values: what the codec is for) as bytes."""
+    rng = np.random.default_rng(seed)
+    return [from_float32(rng.standard_normal(LAYOUT.block_bytes // 2).astype(np.float32), "bfloat16")
+            for _ in range(n)]
+
+
+def lossy(payload: np.ndarray) -> np.ndarray:
+    """What an engine that opted into "mixed" gets back for a block past the sink."""
+    return decode(encode(payload, LAYOUT, Budget(np.array(MIXED_BITS))), LAYOUT)
 
 
 def chain_payloads(seed: int, n: int):
@@ -146,7 +181,7 @@ for i, (h, p, data) in enumerate(zip(hs, parents, payloads)):
         continue
     if i == 4:
         ref = r.RemoteRef(ref.key, ref.ns_id, h, bytes(16))
-    items.append((ref, [data]))
+    items.append((ref, [data], None))
 assert all(c == 0 for c in t.put_from(items)), "put failed"
 import time; time.sleep(30)
 """
@@ -350,4 +385,108 @@ def test_a_blackholed_network_costs_bounded_misses_and_sharing_resumes(tmp_path,
             assert time.monotonic() < deadline, "sharing did not resume after the link came back"
             time.sleep(0.5)
         assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs1), p1))
+    assert db.check() == []
+
+
+def test_compressed_blocks_are_published_encoded_and_decoded_by_the_other_host(tmp_path, two_hosts, started):
+    a, b = two_hosts
+    master = Master(a.prefix, a.addr, log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = compressing_config(tmp_path, master)
+    da = start_daemon(tmp_path, "--config", cfg, name="zA", prefix=a.prefix, page_bytes="16KiB",
+                      log_path=str(tmp_path / "a.log"))
+    started.append(da)
+    db = start_daemon(tmp_path, "--config", cfg, name="zB", prefix=b.prefix, page_bytes="16KiB",
+                      log_path=str(tmp_path / "b.log"))
+    started.append(db)
+    hs, parents = chain(31, 4)
+    payloads = kv_payloads(31, 4)
+    with da.client() as c:  # the same prompt under the engine that opted in and one that did not
+        for spec in (LOSSY, EXACT):
+            assert c.put(c.register(spec), list(zip(hs, parents, payloads))) == 4
+    counters = wait_counter(da, "remote_published_blocks", 8)["counters"]
+    assert counters["remote_published_blocks"] == 8
+    assert counters["remote_published_compressed_blocks"] == 3  # the sink block goes exact
+    assert counters["remote_published_compressed_saved_bytes"] > 3 * LAYOUT.block_bytes // 2
+
+    with db.client() as c:
+        lossy_ns, exact_ns = c.register(LOSSY), c.register(EXACT)
+        assert lossy_ns != exact_ns
+        assert c.lookup(lossy_ns, hs).tiers == ("remote",) * 4
+        (row,) = db.stats()["tiers"]["remote"]["compressed"].values()
+        assert row["blocks"] == 3 and row["logical_bytes"] == 3 * LAYOUT.block_bytes and row["ratio"] > 2
+        assert 'kvstore_compressed_stored_bytes{codec="mixed@' in db.http("/metrics")[1].decode()
+        got = c.get(lossy_ns, hs)
+        assert np.array_equal(got[0], payloads[0])  # the sink block: exact
+        for g, p in zip(got[1:], payloads[1:]):
+            assert np.array_equal(g, lossy(p)) and not np.array_equal(g, p)
+        assert c.lookup(lossy_ns, hs).tiers == ("host",) * 4
+        got = c.get(exact_ns, hs)  # the engine that did not opt in: every block exact
+        assert all(np.array_equal(g, p) for g, p in zip(got, payloads))
+    stats = db.stats()
+    assert stats["counters"]["remote_promotions"] == 8
+    assert stats["counters"].get("remote_checksum_failures", 0) == 0 and stats["tiers"]["remote"]["compressed"] == {}
+    assert da.check() == [] and db.check() == []
+
+
+def test_an_encoded_remote_value_that_does_not_verify_or_decode_is_a_miss(tmp_path, mooncake, started):
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = compressing_config(tmp_path, master)
+    db = start_daemon(tmp_path, "--config", cfg, name="zreader", page_bytes="16KiB", log_path=str(tmp_path / "b.log"))
+    started.append(db)
+    hs, parents = chain(32, 5)
+    payloads = kv_payloads(32, 5)
+    # Another host publishes the chain with its own Mooncake client: blocks 0-1 as they should be (the
+    # sink exact, then encoded), block 2 encoded values of garbage under a header that checks, block
+    # 3 an encoded block whose header claims it is exact, block 4 fine (unreachable past the bad ones).
+    code = f"""
+import numpy as np, pickle, sys
+sys.path.insert(0, {str(ROOT)!r})
+from kvstore.compression import Compression
+from kvstore.config import CompressionConfig
+from kvstore.keys import Namespace
+from kvstore.tiers import remote as r
+hs, parents, payloads, spec = pickle.loads(sys.stdin.buffer.read())
+ns = Namespace.from_dict(spec)
+codec = Compression(CompressionConfig(remote=True, profile_dir={str(tmp_path / "profiles")!r})).codec(ns)
+
+class Arena: buf = np.zeros(1 << 20, dtype=np.uint8)
+t = r.MooncakeTier({master.url!r}, Arena(), segment_bytes=64 << 20, buffer_bytes=16 << 20)
+items = []
+for i, (h, p, data) in enumerate(zip(hs, parents, payloads)):
+    if i == 0:
+        items.append((r.RemoteRef(r.object_key(ns.id, h), ns.id, h, p), [data], None))
+        continue
+    ref = r.RemoteRef(r.object_key(ns.id, h, codec.profile.digest), ns.id, h, p, codec.tag, codec.stored_bytes,
+                      codec.logical_bytes)
+    if i == 2:
+        junk = np.random.default_rng(2).integers(0, 256, codec.stored_bytes, dtype=np.uint8)
+        assert t.put_raw(ref.key, r.pack_header(ref, junk.nbytes, r.payload_checksum([junk])) + junk.tobytes()) == 0
+    elif i == 3:
+        blob = codec.encode(data)
+        exact = r.RemoteRef(ref.key, ns.id, h, p)
+        assert t.put_raw(ref.key, r.pack_header(exact, blob.nbytes, r.payload_checksum([blob])) + blob.tobytes()) == 0
+    else:
+        items.append((ref, [data], codec))
+assert all(c == 0 for c in t.put_from(items)), "put failed"
+print("published", flush=True)
+import time; time.sleep(30)
+"""
+    import pickle
+
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    started.append(writer)
+    writer.stdin.write(pickle.dumps((hs, parents, payloads, LOSSY.to_dict())))
+    writer.stdin.close()
+    assert writer.stdout.readline() == b"published\n"
+    with db.client() as c:
+        ns = c.register(LOSSY)
+        assert c.lookup(ns, hs).hits == 5  # all five values exist in the cluster
+        got = c.get(ns, hs)
+        assert [g is not None for g in got] == [True, True, False, False, False]
+        assert np.array_equal(got[0], payloads[0]) and np.array_equal(got[1], lossy(payloads[1]))
+        assert c.lookup(ns, hs).hits == 2  # the bad values are remembered: not offered (nor fetched) again
+        assert c.lookup(c.register(EXACT), hs).hits == 0  # the engine that did not opt in: none of them
+    assert db.stats()["counters"]["remote_checksum_failures"] >= 1
     assert db.check() == []

@@ -12,10 +12,18 @@ its own threads, never from the event loop):
 - names objects: `kvstore/v1/<namespace id>/<block hash hex>`. The namespace id
   already digests model, dtype, layout, TP rank and tenant (kvstore/keys.py),
   so two hosts with the same model share and nothing else does;
-- frames values: a 64-byte header (magic, version, payload length, xxh3_64 of
-  the payload, a digest of the namespace id, the block's hash and its parent's
-  hash) followed by the payload. A value whose header or checksum does not
-  match what the reader expects (torn, foreign, an older layout) is a miss;
+- frames values: a 64-byte header (magic, version, flags, payload length,
+  xxh3_64 of the payload, a digest of the namespace id, the block's hash and its
+  parent's hash) followed by the payload. A value whose header or checksum does
+  not match what the reader expects (torn, foreign, an older layout) is a miss;
+- stores a block compressed where the store hands it a codec
+  (`[compression] remote = true`, kvstore/compression.py): the value is the
+  encoded block (flag ENCODED), under its own key, the exact key with the codec
+  profile's digest appended (`.../<hash hex>.<digest>`), so a reader asks for
+  exactly the blocks it can decode and an exact block and a lossy one are never
+  one object. The put thread encodes (on up to ENCODE_THREADS threads); the get
+  thread verifies the encoded bytes, then `decoder` expands them into the
+  arena's pages. Encoded values travel through registered bounce buffers;
 - moves bytes zero-copy between the host arena and the cluster
   (`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` on the
   arena's page extents, the arena and a header region registered once);
@@ -45,9 +53,10 @@ import socket
 import struct
 import sysconfig
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -61,7 +70,10 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct("<4sHHQQQ16s16s")  # magic, version, flags, nbytes, checksum, ns digest, hash, parent
 HEADER_BYTES = HEADER.size  # 64
 MAGIC, VERSION = b"KVSR", 1
+ENCODED = 1  # header flag: the payload is an encoded block (kvstore/codec.py), not the block's bytes
 NO_PARENT = bytes(16)
+BOUNCE_BYTES = 32 << 20  # a registered buffer for encoded values, per kind of call (grown for a bigger block)
+ENCODE_THREADS = min(4, os.cpu_count() or 1)  # a call's blocks are encoded (decoded) on this many threads at once
 ALREADY_EXISTS = -705  # Mooncake's code for a put of a key someone else put first: the block is there
 _LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # dependency order
 
@@ -73,16 +85,23 @@ class RemoteUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class RemoteRef:
-    """Where a remote entry's bytes are: its object key, and what its header must say."""
+    """Where a remote entry's bytes are: its object key, and what its header must say. `codec` is the
+    tag (`name@digest`) of the codec its value is encoded with, `stored` the value's size and
+    `logical` the block's; None, 0 and 0 for an exact block."""
 
     key: str
     ns_id: str
     hash: bytes
     parent: bytes | None
+    codec: str | None = None
+    stored: int = 0
+    logical: int = 0  # an encoded block's decoded size
 
 
-def object_key(ns_id: str, block_hash: bytes) -> str:
-    return f"kvstore/v1/{ns_id}/{bytes(block_hash).hex()}"
+def object_key(ns_id: str, block_hash: bytes, codec_digest: str = "") -> str:
+    """The block's object name; an encoded block's ends with its codec profile's digest."""
+    key = f"kvstore/v1/{ns_id}/{bytes(block_hash).hex()}"
+    return f"{key}.{codec_digest}" if codec_digest else key
 
 
 def _ns_digest(ns_id: str) -> int:
@@ -90,15 +109,16 @@ def _ns_digest(ns_id: str) -> int:
 
 
 def pack_header(ref: RemoteRef, nbytes: int, checksum: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, nbytes, checksum, _ns_digest(ref.ns_id), bytes(ref.hash),
-                       bytes(ref.parent) if ref.parent is not None else NO_PARENT)
+    return HEADER.pack(MAGIC, VERSION, ENCODED if ref.codec else 0, nbytes, checksum, _ns_digest(ref.ns_id),
+                       bytes(ref.hash), bytes(ref.parent) if ref.parent is not None else NO_PARENT)
 
 
 def header_checksum(raw, ref: RemoteRef, nbytes: int) -> int | None:
     """The payload checksum the header announces, or None when the header is not this block's."""
-    magic, version, _, n, checksum, ns, h, parent = HEADER.unpack(bytes(raw[:HEADER_BYTES]))
+    magic, version, flags, n, checksum, ns, h, parent = HEADER.unpack(bytes(raw[:HEADER_BYTES]))
     want_parent = bytes(ref.parent) if ref.parent is not None else NO_PARENT
-    if (magic, version, n, ns, h, parent) != (MAGIC, VERSION, nbytes, _ns_digest(ref.ns_id), bytes(ref.hash), want_parent):
+    want = (MAGIC, VERSION, ENCODED if ref.codec else 0, nbytes, _ns_digest(ref.ns_id), bytes(ref.hash), want_parent)
+    if (magic, version, flags, n, ns, h, parent) != want:
         return None
     return checksum
 
@@ -189,7 +209,8 @@ class MooncakeTier(Tier):
     def __init__(self, master: str, arena, *, metadata_server: str = "P2PHANDSHAKE", local_hostname: str = "",
                  protocol: str = "tcp", device_name: str = "", segment_bytes: int = 1 << 30,
                  buffer_bytes: int = 64 << 20, index_blocks: int = 65536, max_batch: int = 1024,
-                 connect_timeout_s: float = 2.0) -> None:
+                 connect_timeout_s: float = 2.0,
+                 decoder: Callable[[np.ndarray, Sequence[np.ndarray]], bool] | None = None) -> None:
         host, port = parse_master(master)
         reached_from = probe(host, port, connect_timeout_s)
         mc = load_mooncake()
@@ -199,6 +220,8 @@ class MooncakeTier(Tier):
         self.index_blocks = index_blocks
         self.max_batch = max_batch
         self.held = 0  # remote entries the store indexes
+        self.decoder = decoder  # expands an encoded value into host memory (kvstore/compression.py)
+        self.compressed: dict[str, list[int]] = {}  # codec tag -> [entries, logical bytes, stored bytes] indexed
         self.capacity_bytes = self.page_bytes = 0
         self._mc = mc.MooncakeDistributedStore()
         rc = self._mc.setup(self.local_hostname, metadata_server, segment_bytes, buffer_bytes, protocol, device_name,
@@ -217,6 +240,9 @@ class MooncakeTier(Tier):
         self._hbuf = np.frombuffer(self._headers, dtype=np.uint8)
         self._register(self._hbuf)
         self._staging: np.ndarray | None = None
+        self._bounce: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # "get"/"put" -> registered buffer for encoded values
+        # encodes and decodes of the put and get threads (threads start at the first use)
+        self._codec_pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kvstore-remote-codec")
         log.info("remote tier: Mooncake client %s of master %s (%s), segment %d MiB", self.local_hostname,
                  self.master, protocol, segment_bytes >> 20)
 
@@ -259,6 +285,15 @@ class MooncakeTier(Tier):
 
     def free(self, location, key=None) -> None:
         self.held -= 1
+        if isinstance(location, RemoteRef) and location.codec is not None:
+            self.count_compressed(location, -1)
+
+    def count_compressed(self, ref: RemoteRef, sign: int) -> None:
+        """An entry of an encoded value indexed (+1) or forgotten (-1)."""
+        row = self.compressed.setdefault(ref.codec, [0, 0, 0])  # type: ignore[arg-type]
+        row[0] += sign
+        row[1] += sign * ref.logical
+        row[2] += sign * ref.stored
 
     def check(self, locations) -> list[str]:
         n = len(list(locations))
@@ -276,35 +311,111 @@ class MooncakeTier(Tier):
         return list(self._mc.batch_is_exist(keys))
 
     def get_into(self, items: list[tuple[RemoteRef, list[np.ndarray]]]) -> list[bool]:
-        """Fetch blocks straight into host-memory views; True where header and checksum verify."""
+        """Fetch blocks straight into host-memory views (an encoded one through the bounce buffer,
+        then decoded into them); True where header and checksum verify (and the value decodes)."""
         out: list[bool] = []
-        for start in range(0, len(items), self.max_batch):
-            chunk = items[start : start + self.max_batch]
+        for chunk in self._chunks(items):
+            bounce = self._bounce_buffer("get", sum(ref.stored for ref, _ in chunk))
             heads = [self._hbuf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(chunk))]
-            ptrs = [[h.ctypes.data] + [v.ctypes.data for v in views] for h, (_, views) in zip(heads, chunk)]
-            sizes = [[HEADER_BYTES] + [v.nbytes for v in views] for _, views in chunk]
+            targets, pos = [], 0
+            for ref, views in chunk:
+                targets.append(views if ref.codec is None else [bounce[pos : pos + ref.stored]])
+                pos += ref.stored
+            ptrs = [[h.ctypes.data] + [v.ctypes.data for v in views] for h, views in zip(heads, targets)]
+            sizes = [[HEADER_BYTES] + [v.nbytes for v in views] for views in targets]
             got = self._mc.batch_get_into_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes)
-            for (ref, views), head, n, size in zip(chunk, heads, got, sizes):
+            oks, decode = [], []
+            for i, ((ref, views), target, head, n, size) in enumerate(zip(chunk, targets, heads, got, sizes)):
                 nbytes = sum(size) - HEADER_BYTES
                 checksum = header_checksum(head, ref, nbytes) if n == HEADER_BYTES + nbytes else None
-                out.append(checksum is not None and payload_checksum(views) == checksum)
+                oks.append(checksum is not None and payload_checksum(target) == checksum)
+                if oks[-1] and ref.codec is not None:
+                    decode.append((i, target[0], views))
+            for (i, _, _), ok in zip(decode, self._map(self._decode, decode)):  # in this thread and the encoders'
+                oks[i] = ok
+            out.extend(oks)
         return out
 
-    def put_from(self, items: list[tuple[RemoteRef, list[np.ndarray]]]) -> list[int]:
-        """Publish blocks from host-memory views (header + payload); 0 (or ALREADY_EXISTS) = stored."""
+    def _decode(self, job) -> bool:
+        _, blob, views = job
+        return self.decoder is not None and self.decoder(blob, views)
+
+    def _map(self, fn, jobs: list) -> list:
+        """fn over jobs, on ENCODE_THREADS threads where there are several (the codec's loops release the GIL)."""
+        if len(jobs) < 2:
+            return [fn(job) for job in jobs]
+        return list(self._codec_pool.map(fn, jobs))
+
+    def put_from(self, items: list[tuple[RemoteRef, list[np.ndarray], object]]) -> list[int]:
+        """Publish blocks from host-memory views (header + payload), each encoded first where it comes
+        with a codec (kvstore.compression.StoredCodec; its ref then names that codec); 0 (or
+        ALREADY_EXISTS) = stored, < 0 failed."""
         codes: list[int] = []
         base = self.max_batch * HEADER_BYTES  # the second header region: puts
-        for start in range(0, len(items), self.max_batch):
-            chunk = items[start : start + self.max_batch]
-            ptrs, sizes = [], []
-            for i, (ref, views) in enumerate(chunk):
+        for chunk in self._chunks([(ref, views) for ref, views, _ in items]):
+            codecs = [codec for _, _, codec in items[len(codes) : len(codes) + len(chunk)]]
+            blobs = self._encode_all(chunk, codecs)
+            bounce = self._bounce_buffer("put", sum(ref.stored for ref, _ in chunk))
+            keys, ptrs, sizes, failed, pos = [], [], [], {}, 0
+            for i, ((ref, views), blob) in enumerate(zip(chunk, blobs)):
+                if ref.codec is not None:
+                    if not isinstance(blob, np.ndarray) or blob.size != ref.stored:
+                        log.warning("remote tier: encoding %s failed: %s", ref.key, blob)
+                        failed[i] = -1
+                        continue
+                    views = [bounce[pos : pos + ref.stored]]
+                    views[0][:] = blob
+                    pos += ref.stored
                 head = self._hbuf[base + i * HEADER_BYTES : base + (i + 1) * HEADER_BYTES]
-                nbytes = sum(v.nbytes for v in views)
-                head[:] = np.frombuffer(pack_header(ref, nbytes, payload_checksum(views)), dtype=np.uint8)
+                head[:] = np.frombuffer(pack_header(ref, sum(v.nbytes for v in views), payload_checksum(views)),
+                                        dtype=np.uint8)
+                keys.append(ref.key)
                 ptrs.append([head.ctypes.data] + [v.ctypes.data for v in views])
                 sizes.append([HEADER_BYTES] + [v.nbytes for v in views])
-            codes.extend(self._mc.batch_put_from_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes, self._put_cfg))
+            put = iter(self._mc.batch_put_from_multi_buffers(keys, ptrs, sizes, self._put_cfg) if keys else [])
+            codes.extend(failed[i] if i in failed else next(put) for i in range(len(chunk)))
         return codes
+
+    def _chunks(self, items: list):
+        """`items` in runs of at most max_batch blocks whose encoded values fit one bounce buffer."""
+        start = 0
+        while start < len(items):
+            end, stored = start, 0
+            while end < len(items) and end - start < self.max_batch:
+                stored += items[end][0].stored
+                if stored > BOUNCE_BYTES and end > start:
+                    break
+                end += 1
+            yield items[start:end]
+            start = end
+
+    def _encode_all(self, chunk: list, codecs: list) -> list:
+        """Each block's encoded value (or what encoding raised), None where it has no codec."""
+        def one(i: int):
+            try:
+                views = chunk[i][1]
+                return codecs[i].encode(views[0] if len(views) == 1 else np.concatenate([v.reshape(-1) for v in views]))
+            except Exception as exc:  # noqa: BLE001 - a block that cannot be encoded is not published
+                return exc
+
+        todo = [i for i, codec in enumerate(codecs) if codec is not None]
+        blobs: list = [None] * len(chunk)
+        for i, blob in zip(todo, self._map(one, todo)):
+            blobs[i] = blob
+        return blobs
+
+    def _bounce_buffer(self, op: str, nbytes: int) -> np.ndarray:
+        """The registered buffer encoded values of `op` ("get", "put") pass through, at least `nbytes`."""
+        held = self._bounce.get(op)
+        if nbytes == 0 or (held is not None and held[1].nbytes >= nbytes):
+            return held[1] if held is not None else self._hbuf[:0]
+        if held is not None:
+            self._mc.unregister_buffer(held[1].ctypes.data)
+        region = mmap.mmap(-1, max(nbytes, BOUNCE_BYTES))
+        buf = np.frombuffer(region, dtype=np.uint8)
+        self._register(buf)
+        self._bounce[op] = (region, buf)
+        return buf
 
     def put_raw(self, key: str, data: bytes) -> int:
         """Store arbitrary bytes under a key (tests: a foreign or corrupt value)."""
@@ -315,7 +426,10 @@ class MooncakeTier(Tier):
 
     def stats(self) -> dict:
         return {"master": self.master, "local_hostname": self.local_hostname, "protocol": self.protocol,
-                "index_blocks": self.index_blocks, "entries": self.held}
+                "index_blocks": self.index_blocks, "entries": self.held,
+                "compressed": {tag: {"blocks": n, "logical_bytes": logical, "stored_bytes": stored,  # entries of
+                                     "ratio": round(logical / stored, 3) if stored else None}  # encoded values
+                               for tag, (n, logical, stored) in sorted(self.compressed.items()) if n}}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Unmount this host's segment from the cluster; bounded, so an unreachable master cannot hold
@@ -323,6 +437,7 @@ class MooncakeTier(Tier):
         if self._closed:
             return
         self._closed = True
+        self._codec_pool.shutdown(wait=False)
 
         def unmount() -> None:
             try:

@@ -19,12 +19,24 @@ Arms (medians over `--repeats`, fresh keys for every put):
   B's local copies so the next repeat fetches again.
 Ratios are peer time / daemon time (>= 1 would mean the daemon adds nothing).
 
+`--compression PROFILE` (a codec profile: built-in `k4v2`, ..., or a file in
+tools/bench/profiles): both daemons run with `[compression] remote = true`, and
+each repeat adds the daemon put and get of `--blocks` SmolLM2-shaped blocks
+(bf16 normal values, `--codec-block-tokens` tokens each) twice: in a namespace
+that did not opt in (exact) and in one that opted into PROFILE (published
+encoded by A's put thread, decoded by B's get thread). Reported in KV bytes
+(the blocks' own size) per second, and compressed / exact.
+
+`--link-rate RATE` (tc's units, e.g. 10gbit) shapes the veth pair like a NIC of
+that speed; unshaped it runs at memory speed, faster than any network.
+
 `--vllm`: TTFT of a prompt (default 8000 tokens) on an engine of host B when
 the prefix is: cold (no connector), a remote hit (an engine on host A computed
 it; B's daemon fetches it from the cluster), a host hit (the same prefix again,
 now in B's arena). One OpenMP thread per engine, SmolLM2-135M, block size 128.
 
-    python tools/bench/bench_remote.py [--blocks 128] [--block-bytes 2MiB] [--repeats 5] [--vllm] [--json]
+    python tools/bench/bench_remote.py [--blocks 128] [--block-bytes 2MiB] [--repeats 5] [--vllm]
+        [--compression PROFILE] [--link-rate 10gbit] [--json]
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import numpy as np  # noqa: E402
 
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from kvstore.tools.harness.remote_env import Master, make_hosts, remote_config, remove_hosts  # noqa: E402
+from kvstore.tools.harness.remote_env import Master, limit_link, make_hosts, remote_config, remove_hosts  # noqa: E402
 from kvstore.tools.harness.daemon_proc import start_daemon  # noqa: E402
 
 PEER = r"""
@@ -121,6 +133,58 @@ def published(client) -> int:
     return client.stats()["counters"].get("remote_published_blocks", 0)
 
 
+def daemon_round(ca, cb, ns: str, hs: list, parents: list, payloads: list, check: bool) -> tuple[float, float]:
+    """(put s, get s) of one chain through the daemons: A's put until published, B's acquire from the
+    cluster; then B forgets its copies, so the next round fetches again."""
+    n = len(hs)
+    before = published(ca)
+    t0 = time.perf_counter()
+    assert ca.put(ns, list(zip(hs, parents, payloads))) == n
+    while published(ca) < before + n:
+        time.sleep(0.0005)
+    put_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ext = cb.acquire(ns, hs)
+    get_s = time.perf_counter() - t0
+    assert all(e is not None for e in ext), "daemon B did not get every block"
+    if check:  # the bytes are right (checked once, outside the timing)
+        got = cb.get(ns, hs[:4])
+        assert all(np.array_equal(g, p) for g, p in zip(got, payloads[:4]))
+    cb.release(ns, hs)
+    cb.remove(ns, hs[:1])
+    return put_s, get_s
+
+
+def codec_rounds(args, ca, cb, out: dict) -> dict:
+    """The exact and compressed arms on SmolLM2-shaped blocks (`--compression`), appended to `out`."""
+    from kvstore.codec import from_float32
+    from kvstore.compression import Compression
+    from kvstore.config import CompressionConfig
+    from kvstore.tools.bench.bench_disk import PROFILES, codec_namespace
+
+    spec = {"exact": codec_namespace(args.codec_block_tokens), "codec": codec_namespace(args.codec_block_tokens,
+                                                                                       args.compression)}
+    codec = Compression(CompressionConfig(remote=True, profile_dir=PROFILES)).codec(spec["codec"])
+    size = spec["exact"].block_bytes
+    rng = np.random.default_rng(7)
+    payloads = [from_float32(rng.standard_normal(size // 2, np.float32), "bfloat16") for _ in range(args.blocks)]
+    for r in range(args.repeats):
+        for arm, ns_def in spec.items():
+            ns = ca.register(ns_def)
+            cb.register(ns_def)
+            hs, parents, _ = chain(16, 1000 + r * 2 + (arm == "codec"), args.blocks)
+            put_s, get_s = daemon_round(ca, cb, ns, hs, parents, payloads, check=arm == "exact" and r == 0)
+            out.setdefault(f"{arm}_put_s", []).append(put_s)
+            out.setdefault(f"{arm}_get_s", []).append(get_s)
+    gb = args.blocks * size / 1e9
+    med = {k: statistics.median(out[k]) for k in ("exact_put_s", "exact_get_s", "codec_put_s", "codec_get_s")}
+    return {"profile": args.compression, "block_bytes": size, "codec_ratio": round(size / codec.stored_bytes, 3),
+            "put_exact_kv_GBps": gb / med["exact_put_s"], "put_kv_GBps": gb / med["codec_put_s"],
+            "get_exact_kv_GBps": gb / med["exact_get_s"], "get_kv_GBps": gb / med["codec_get_s"],
+            "put_vs_exact": med["exact_put_s"] / med["codec_put_s"],
+            "get_vs_exact": med["exact_get_s"] / med["codec_get_s"]}
+
+
 def transfers(args, a, b, master, da, db) -> dict:
     n, size = args.blocks, args.block_bytes
     ns_def = Namespace("bench-remote", "bfloat16", 1, 1, 1, 16, size)
@@ -135,21 +199,10 @@ def transfers(args, a, b, master, da, db) -> dict:
                 out["peer_put_s"].append(peer_a.run("put", f"r{r}"))
                 out["peer_get_s"].append(peer_b.run("get", f"r{r}"))
                 hs, parents, payloads = chain(size, r, n)
-                before = published(ca)
-                t0 = time.perf_counter()
-                assert ca.put(ns, list(zip(hs, parents, payloads))) == n
-                while published(ca) < before + n:
-                    time.sleep(0.0005)
-                out["daemon_put_s"].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                ext = cb.acquire(ns, hs)
-                out["daemon_get_s"].append(time.perf_counter() - t0)
-                assert all(e is not None for e in ext), "daemon B did not get every block"
-                if r == 0:  # the bytes are right (checked once, outside the timing)
-                    got = cb.get(ns, hs[:4])
-                    assert all(np.array_equal(g, p) for g, p in zip(got, payloads[:4]))
-                cb.release(ns, hs)
-                cb.remove(ns, hs[:1])  # B forgets its copies: the next repeat fetches from the cluster again
+                put_s, get_s = daemon_round(ca, cb, ns, hs, parents, payloads, check=r == 0)
+                out["daemon_put_s"].append(put_s)
+                out["daemon_get_s"].append(get_s)
+            codec = codec_rounds(args, ca, cb, out) if args.compression else None
     finally:
         peer_a.close()
         peer_b.close()
@@ -160,6 +213,8 @@ def transfers(args, a, b, master, da, db) -> dict:
     res["peer_get_GBps"], res["daemon_get_GBps"] = gb / res["peer_get_s"], gb / res["daemon_get_s"]
     res["put_vs_mooncake"] = res["peer_put_s"] / res["daemon_put_s"]
     res["get_vs_mooncake"] = res["peer_get_s"] / res["daemon_get_s"]
+    if codec is not None:
+        res["codec"] = codec
     return res
 
 
@@ -216,6 +271,12 @@ def vllm_ttft(args, work: str, da, db) -> dict:
     return out
 
 
+def codec_block_bytes(args) -> int:
+    from kvstore.tools.bench.bench_disk import codec_namespace
+
+    return codec_namespace(args.codec_block_tokens).block_bytes
+
+
 def bench(args) -> dict:
     import pytest
 
@@ -225,18 +286,27 @@ def bench(args) -> dict:
     except pytest.skip.Exception as exc:
         raise SystemExit(f"bench_remote: {exc}") from None
     a, b = hosts
+    if args.link_rate:
+        limit_link(hosts, args.link_rate)
     master = Master(a.prefix, a.addr, log_path=work / "master.log").start()
     daemons = []
     try:
         seg = max(args.blocks * args.block_bytes * (args.repeats + 1), 1 << 30)
+        if args.compression:  # room for the exact arm's SmolLM2 blocks too
+            seg += args.blocks * codec_block_bytes(args) * (args.repeats + 1)
         cfg = remote_config(work / "remote.toml", master, segment_size=seg, transfer_timeout=120.0)
+        if args.compression:
+            from kvstore.tools.bench.bench_disk import PROFILES
+
+            with open(cfg, "a") as f:
+                f.write(f"[compression]\nremote = true\nprofile_dir = {json.dumps(PROFILES)}\n")
         host_bytes = str(max(4 * args.blocks * args.block_bytes, 2 << 30))
         for name, h in (("benchA", a), ("benchB", b)):
             daemons.append(start_daemon(work, "--config", cfg, name=name, prefix=h.prefix, host_bytes=host_bytes,
                                         page_bytes="256KiB", log_path=str(work / f"{name}.log")))
         da, db = daemons
         res = {"blocks": args.blocks, "block_bytes": args.block_bytes, "repeats": args.repeats,
-               "link": "veth between two network namespaces, TCP", **transfers(args, a, b, master, da, db)}
+               "link": f"veth between two network namespaces, TCP, {args.link_rate or 'unshaped'}", **transfers(args, a, b, master, da, db)}
         if args.vllm:
             res["vllm"] = vllm_ttft(args, str(work), da, db)
         return res
@@ -255,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", action="store_true", help="also TTFT of an engine on host B: cold, remote hit, host hit")
     p.add_argument("--length", type=int, default=8000, help="--vllm prompt tokens")
     p.add_argument("--vllm-repeats", type=int, default=3, help="--vllm prompts (one remote and one host hit each)")
+    p.add_argument("--compression", default="", metavar="PROFILE",
+                   help="add exact and compressed daemon arms on SmolLM2-shaped blocks with this codec profile")
+    p.add_argument("--codec-block-tokens", type=int, default=128, help="tokens per block of the codec arms")
+    p.add_argument("--link-rate", default="", help="shape the link between the hosts (tc rate, e.g. 10gbit)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     res = bench(args)
@@ -265,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         for op in ("put", "get"):
             print(f"  {op}: Mooncake's client {res[f'peer_{op}_GBps']:.2f} GB/s, through the daemons "
                   f"{res[f'daemon_{op}_GBps']:.2f} GB/s -> {res[f'{op}_vs_mooncake']:.2f}x")
+        if "codec" in res:
+            c = res["codec"]
+            print(f"  {c['block_bytes'] >> 10} KiB SmolLM2 blocks, {c['profile']} at {c['codec_ratio']}x, KV GB/s: put "
+                  f"{c['put_exact_kv_GBps']:.2f} exact, {c['put_kv_GBps']:.2f} compressed ({c['put_vs_exact']:.2f}x); "
+                  f"get {c['get_exact_kv_GBps']:.2f} exact, {c['get_kv_GBps']:.2f} compressed ({c['get_vs_exact']:.2f}x)")
         if "vllm" in res:
             v = res["vllm"]
             print(f"  vLLM {v['prompt_tokens']} tokens on host B: cold {v['ttft_cold_s'] * 1000:.0f} ms, remote hit "

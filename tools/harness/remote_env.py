@@ -79,6 +79,14 @@ def make_hosts() -> tuple[Host, Host]:
     return Host(a, f"{net}.1"), Host(b, f"{net}.2")
 
 
+def limit_link(hosts, rate: str) -> None:
+    """Shape both ends of the hosts' veth pair to `rate` (tc's units: "10gbit"), like a real NIC."""
+    for h, side in zip(hosts, ("va", "vb")):
+        dev = side + h.netns[3:]
+        subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                        "burst", "4mb", "latency", "50ms"], check=True, capture_output=True, text=True, timeout=10)
+
+
 def remove_hosts(hosts) -> None:
     for h in hosts:
         subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=10)
