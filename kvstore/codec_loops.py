@@ -96,6 +96,39 @@ def _rotate(tile, scale):
             tile[i, t] = tile[i, t] * scale
 
 @jit
+def _plane_bytes(blob, p0, N, D, P):
+    """A bit plane's bytes blob[p0 + t * D/8 + c8] into P[c8, t] (so the bits unpack along the tokens);
+    eight at a time as one little-endian word where a token's bytes are whole words."""
+    if D % 64 == 0:
+        W = blob[p0 : p0 + N * D // 8].view(np.uint64)
+        wpt = D // 64
+        for c8 in range(D // 8):
+            w, sh = c8 // 8, np.uint64(8 * (c8 % 8))
+            for t in range(N):
+                P[c8, t] = np.uint8((W[t * wpt + w] >> sh) & np.uint64(0xFF))
+    else:
+        for t in range(N):
+            for c8 in range(D // 8):
+                P[c8, t] = blob[p0 + t * (D // 8) + c8]
+
+@jit
+def _put_plane_bytes(P, out, p0, N, D):
+    """The inverse of `_plane_bytes`: P[c8, t] to out[p0 + t * D/8 + c8]."""
+    if D % 64 == 0:
+        W = out[p0 : p0 + N * D // 8].view(np.uint64)
+        wpt = D // 64
+        for w in range(wpt):
+            for t in range(N):
+                word = np.uint64(0)
+                for i in range(8):
+                    word |= np.uint64(P[w * 8 + i, t]) << np.uint64(8 * i)
+                W[t * wpt + w] = word
+    else:
+        for t in range(N):
+            for c8 in range(D // 8):
+                out[p0 + t * (D // 8) + c8] = P[c8, t]
+
+@jit
 def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out):
     """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // n_in) * s_to
     + (t % n_in) * s_ti[k] + c * s_c[k]] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
@@ -111,17 +144,28 @@ def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rota
     inv = np.empty(N, np.float32)
     fbuf = np.empty(1, np.float32)
     ubuf = fbuf.view(np.uint32)
+    P = np.empty((D // 8, N), np.uint8)
     plane = N * D // 8
     for k in range(base.size):
-        cs = s_c[k]
-        for t in range(N):
-            row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
-            if bf16:
-                for c in range(D):
-                    tile_u[c, t] = np.uint32(x16[row + c * cs]) << 16
-            else:
-                for c in range(D):
-                    tile[c, t] = x[row + c * cs]
+        cs, ts = s_c[k], s_ti[k]
+        if ts == 1 and n_in == N:  # tokens contiguous in the block (a transposed key): along them
+            for c in range(D):
+                o = base[k] + c * cs
+                if bf16:
+                    for t in range(N):
+                        tile_u[c, t] = np.uint32(x16[o + t]) << 16
+                else:
+                    for t in range(N):
+                        tile[c, t] = x[o + t]
+        else:  # channels contiguous: a transpose
+            for t in range(N):
+                row = base[k] + (t // n_in) * s_to + (t % n_in) * ts
+                if bf16:
+                    for c in range(D):
+                        tile_u[c, t] = np.uint32(x16[row + c * cs]) << 16
+                else:
+                    for c in range(D):
+                        tile[c, t] = x[row + c * cs]
         if rotate:
             _rotate(tile, scale)
         for t in range(N):
@@ -153,12 +197,13 @@ def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rota
                 q[c, t] = np.uint8(v)
         start = off + 4 * N
         for j in range(b):
+            P[:] = 0
             for c8 in range(D // 8):
-                for t in range(N):
-                    byte = 0
-                    for i in range(8):
-                        byte |= ((q[c8 * 8 + i, t] >> j) & 1) << i
-                    out[start + j * plane + t * (D // 8) + c8] = byte
+                for i in range(8):
+                    c = c8 * 8 + i
+                    for t in range(N):
+                        P[c8, t] |= ((q[c, t] >> j) & 1) << i
+            _put_plane_bytes(P, out, start + j * plane, N, D)
 
 @jit
 def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out16):
@@ -171,6 +216,8 @@ def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate
     fbuf = np.empty(1, np.float32)
     ubuf = fbuf.view(np.uint32)
     tile_u = tile.view(np.uint32)
+    P = np.empty((D // 8, N), np.uint8)
+    r16 = np.empty((D, N), np.uint16)
     plane = N * D // 8
     for k in range(base.size):
         off = offsets[k]
@@ -182,20 +229,30 @@ def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate
         start = off + 4 * N
         q[:] = 0
         for j in range(b):
+            _plane_bytes(blob, start + j * plane, N, D, P)  # P[c8, t]: bit i = bit j of q[8 c8 + i, t]
             for c8 in range(D // 8):
-                for t in range(N):
-                    byte = blob[start + j * plane + t * (D // 8) + c8]
-                    for i in range(8):
-                        q[c8 * 8 + i, t] |= ((byte >> i) & 1) << j
+                for i in range(8):
+                    c = c8 * 8 + i
+                    for t in range(N):
+                        q[c, t] |= ((P[c8, t] >> i) & 1) << j
         for c in range(D):
             for t in range(N):
                 y = np.float32(q[c, t]) * sc[t]
                 tile[c, t] = y + low[t]
         if rotate:
             _rotate(tile, scale)
-        cs = s_c[k]
-        for t in range(N):
-            row = base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k]
+        for c in range(D):  # round to bfloat16 here, along the tokens (vectorized)...
+            for t in range(N):
+                u = tile_u[c, t]
+                r16[c, t] = np.uint16((u + (((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF))) >> np.uint32(16))
+        cs, ts = s_c[k], s_ti[k]
+        if ts == 1 and n_in == N:  # ...then write: tokens contiguous in the block (a transposed key)
             for c in range(D):
-                u = np.int64(tile_u[c, t])
-                out16[row + c * cs] = np.uint16((u + (((u >> 16) & 1) + 0x7FFF)) >> 16)
+                o = base[k] + c * cs
+                for t in range(N):
+                    out16[o + t] = r16[c, t]
+        else:  # channels contiguous: a transpose
+            for t in range(N):
+                row = base[k] + (t // n_in) * s_to + (t % n_in) * ts
+                for c in range(D):
+                    out16[row + c * cs] = r16[c, t]
