@@ -93,7 +93,7 @@ def decode_tables(blobs: Sequence[np.ndarray], blob_addrs: Sequence[int], layer_
     flag. `blobs[b]`: block b's encoded bytes as host memory (its header is read and its checksum
     verified here: CorruptBlock refuses the whole launch); `blob_addrs[b]`: where the kernel reads them
     (a device copy, or the same host memory); `layer_addrs`: int64 [blocks, layers]."""
-    if layout.key_strides() != (layout.strides()[3], 1):  # a CPU backend's layout (keys transposed): no GPU here
+    if layout.order in ("HKTVND", "AMX"):  # a CPU backend's layout (keys transposed, or tiled): no GPU here
         raise ValueError(f"the Triton decoder reads keys laid out like values, not order {layout.order}")
     layer_addrs = np.asarray(layer_addrs, np.int64)
     if layer_addrs.shape != (len(blobs), layout.num_layers) or len(blob_addrs) != len(blobs):

@@ -127,25 +127,57 @@ def model_name(vllm_config: "VllmConfig", model_id: str = "") -> str:
     return name
 
 
+VEC_LAYOUT = ("vec", "vec16")  # vLLM's CPU kernels that lay a block out alike (tests/test_codec.py writes through both)
+
+
+def cpu_attn_kernels(kv_cache_config: "KVCacheConfig") -> str:
+    """The kind of kernels vLLM's CPU attention runs for this engine's KV ("vec", "vec16", "amx", "neon",
+    ...; "" without an attention group). They decide how a block is laid out in memory."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if hasattr(spec, "head_size") and hasattr(spec, "dtype"):
+            try:
+                return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
+            except NotImplementedError:  # an fp8 cache the host cannot run: the engine fails on its own
+                return ""
+    return ""
+
+
 def _base_layout(kv_cache_config: "KVCacheConfig") -> str:
+    """`<device>/<vLLM's KV layout>`; on CPU with kernels that lay a block out otherwise than the `vec`
+    ones (AMX, NEON, ...), `/isa-<kind>` too: an AMX host and an AVX-512 one have the same model and KV
+    layout name but different bytes in a block, so they must not share blocks (through the remote tier)."""
     from vllm.platforms import current_platform
 
-    return f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
+    base = f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout or 'default'}"
+    if current_platform.device_type == "cpu":
+        isa = cpu_attn_kernels(kv_cache_config)
+        if isa and isa not in VEC_LAYOUT:
+            base += f"/isa-{isa}"
+    return base
 
 
 def codec_layout_unknown(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
-    """Why the codec cannot read this engine's blocks ("" where it can). On CPU, the attention kernel's kind
-    decides how a block is laid out: the codec knows the `vec` kernels' (kvstore/codec.py, HKTVND), not
-    AMX's, vec16's or the other ISAs'; a block decoded in the wrong layout would be served wrong."""
+    """Why the codec cannot read this engine's blocks ("" where it can): a shape it does not store (a head
+    size that is not a power of two), or, on CPU, kernels whose block layout it does not know (it knows
+    the `vec` and `vec16` kernels', kvstore/codec.py HKTVND, and the AMX ones', AMX); a block decoded in
+    the wrong layout would be served wrong."""
     from vllm.platforms import current_platform
 
-    if current_platform.device_type != "cpu":
-        return ""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from kvstore.codec import BlockLayout
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
-    return "" if isa == "vec" else f"vLLM's CPU attention runs its {isa!r} kernels here, whose block layout the codec does not know"
+    isa = cpu_attn_kernels(kv_cache_config) if current_platform.device_type == "cpu" else ""
+    if isa and isa not in VEC_LAYOUT + ("amx",):
+        return f"vLLM's CPU attention runs its {isa!r} kernels here, whose block layout the codec does not know"
+    try:
+        BlockLayout(1, spec.num_kv_heads, spec.block_size, spec.head_size, _dtype_name(spec.dtype),
+                    "AMX" if isa == "amx" else "HNC")
+    except ValueError as exc:
+        return f"the codec cannot store this KV shape ({exc})"
+    return ""
 
 
 def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", boundary_interval: int = 0):

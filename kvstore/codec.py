@@ -54,7 +54,7 @@ DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
 # a layer's slice of a block, outermost dim first (C = K|V halves of a token's row, KV = K|V planes);
 # appended only: a blob's header stores the index
-ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKTVND")
+ORDERS = ("HNC", "NHC", "KVNHD", "KVHND", "HKTVND", "AMX")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: exact
 EXACT = 16
 MAGIC, VERSION = b"KVQ1", 1
@@ -76,9 +76,12 @@ class BlockLayout:
     Per layer, layer after layer, the block's slice in memory order: `HNC`
     (vLLM >= 0.32 on CUDA: heads, tokens, then K and V halves of the last dim,
     as flash-attn splits it), `NHC`, the older K/V planes `KVNHD` / `KVHND`,
-    or `HKTVND` (vLLM's CPU_ATTN with its `vec` kernels: the same [H, N, 2D]
-    bytes, which it cuts per head into a key half and a value half; the keys
-    are stored transposed, [D, N], channel after channel, the values [N, D]).
+    or `HKTVND` (vLLM's CPU_ATTN with its `vec` and `vec16` kernels: the same
+    [H, N, 2D] bytes, which it cuts per head into a key half and a value half;
+    the keys are stored transposed, [D, N], channel after channel, the values
+    [N, D]), or `AMX` (its AMX kernels, bfloat16: the same halves in VNNI
+    tiles, keys as rows of 16 tokens by channel pairs, values as columns of 16
+    channels by token pairs; `axes` says where each element is).
     `splits` > 1: the attention kernel cut the block into that many kernel
     blocks, each laid out alone (`HNC` only).
     """
@@ -104,6 +107,8 @@ class BlockLayout:
             raise ValueError("a split block needs the HNC order and block_tokens divisible by splits")
         if self.head_size & (self.head_size - 1) or (self.block_tokens * self.head_size) % 8:
             raise ValueError("head_size must be a power of two and block_tokens * head_size a multiple of 8")
+        if self.order == "AMX" and (self.dtype != "bfloat16" or self.block_tokens % 16 or self.head_size % 16):
+            raise ValueError("the AMX layout holds bfloat16 blocks of 16 tokens and channels at a time")
 
     @property
     def elt_bytes(self) -> int:
@@ -133,6 +138,8 @@ class BlockLayout:
             return N * H * D, D, 0, H * D, N
         if self.order == "HKTVND":  # the values' strides; the keys': key_strides()
             return N * D, 2 * N * D, 0, D, N
+        if self.order == "AMX":  # K/V and head strides; tokens and channels: axes()
+            return N * D, 2 * N * D, 0, 0, N
         return H * N * D, N * D, 0, D, N  # KVHND
 
     def key_strides(self) -> tuple[int, int]:
@@ -140,6 +147,17 @@ class BlockLayout:
         if self.order == "HKTVND":
             return 1, self.block_tokens
         return self.strides()[3], 1
+
+    def axes(self) -> tuple[tuple[int, int, int, int, int, int], tuple[int, int, int, int, int, int]]:
+        """Where token t, channel c of a group is, from the group's first element, for the keys and for
+        the values: (tn, t_outer, t_inner, cn, c_outer, c_inner) means (t // tn) * t_outer + (t % tn) *
+        t_inner + (c // cn) * c_outer + (c % cn) * c_inner."""
+        N, D = self.block_tokens, self.head_size
+        if self.order == "AMX":
+            return (16, 16 * D, 2, 2, 32, 1), (2, 32, 1, 16, 16 * N, 2)
+        _, _, s_to, s_ti, n_in = self.strides()
+        k_ti, k_c = self.key_strides()
+        return (n_in, s_to, k_ti, D, 0, k_c), (n_in, s_to, s_ti, D, 0, 1)
 
     @classmethod
     def from_namespace(cls, ns: "Namespace") -> "BlockLayout | None":
@@ -151,10 +169,13 @@ class BlockLayout:
         kind = name[1] if len(name) > 1 else name[0]
         if "mla" in name[2:] or ns.dtype not in DTYPES:
             return None
+        isa = [part[4:] for part in name[2:] if part.startswith("isa-")]  # CPU kernels other than vec's
+        if isa and (isa != ["amx"] or name[0] != "cpu"):
+            return None
         order = {"default": "HNC", "LBHNC": "HNC", "BLHNC": "HNC", "LHBNC": "HNC", "BHLNC": "HNC",
                  "LBNHC": "NHC", "BLNHC": "NHC", "NHD": "KVNHD", "HND": "KVHND"}.get(kind)
         if name[0] == "cpu" and order == "HNC":
-            order = "HKTVND"
+            order = "AMX" if isa else "HKTVND"
         if order is None:
             return None
         try:
@@ -279,14 +300,14 @@ def fwht(x: np.ndarray) -> np.ndarray:
 
 
 def _kv_views(flat: np.ndarray, layout: BlockLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Strided views of a block's keys and values, each [layers, heads, token outer, token inner, channel]."""
-    s_kv, s_h, s_to, s_ti, n_in = layout.strides()
-    k_ti, k_c = layout.key_strides()
+    """Strided views of a block's keys and values, each [layers, heads, N / tn, tn, D / cn, cn] (`axes`)."""
+    s_kv, s_h = layout.strides()[:2]
+    L, H, N, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_size
     e = flat.itemsize
-    shape = (layout.num_layers, layout.num_kv_heads, layout.block_tokens // n_in, n_in, layout.head_size)
     views = []
-    for start, ti, c in ((0, k_ti, k_c), (s_kv, s_ti, 1)):
-        strides = (layout.layer_elems * e, s_h * e, s_to * e, ti * e, c * e)
+    for start, (tn, t_out, t_in, cn, c_out, c_in) in zip((0, s_kv), layout.axes()):
+        shape = (L, H, N // tn, tn, D // cn, cn)
+        strides = (layout.layer_elems * e, s_h * e, t_out * e, t_in * e, c_out * e, c_in * e)
         views.append(np.lib.stride_tricks.as_strided(flat[start:], shape, strides, writeable=flat.flags.writeable))
     return views[0], views[1]
 
@@ -294,17 +315,18 @@ def _kv_views(flat: np.ndarray, layout: BlockLayout) -> tuple[np.ndarray, np.nda
 def to_canonical(payload: np.ndarray, layout: BlockLayout) -> np.ndarray:
     """float32 [groups, tokens, channels] of a payload (uint8, block_bytes long)."""
     x = to_float32(np.ascontiguousarray(payload).view(np.uint8), layout.dtype)
-    keys, values = _kv_views(x, layout)
-    return np.stack((keys, values), axis=2).reshape(layout.num_groups, layout.block_tokens, layout.head_size)
+    L, H, N, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_size
+    keys, values = (v.reshape(L, H, N, D) for v in _kv_views(x, layout))
+    return np.stack((keys, values), axis=2).reshape(layout.num_groups, N, D)
 
 
 def from_canonical(x: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:
     """Write float32 [groups, tokens, channels] into `out` (uint8, block_bytes) in the block's layout."""
     raw = from_float32(x, layout.dtype).view({2: np.uint16, 4: np.uint32}[layout.elt_bytes])
     keys, values = _kv_views(out.view(raw.dtype), layout)
-    raw = raw.reshape(layout.num_layers, layout.num_kv_heads, 2, *keys.shape[2:])
-    keys[...] = raw[:, :, 0]
-    values[...] = raw[:, :, 1]
+    raw = raw.reshape(layout.num_layers, layout.num_kv_heads, 2, layout.block_tokens, layout.head_size)
+    keys[...] = raw[:, :, 0].reshape(keys.shape)
+    values[...] = raw[:, :, 1].reshape(values.shape)
 
 
 # -- encode / decode -------------------------------------------------------------------------
@@ -322,15 +344,12 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     channel = channel_groups(layout, flags)
     fast = _fast_groups(bits, channel)
     if fast.size:
-        _, _, s_to, _, n_in = layout.strides()
-        t_stride, c_stride = _group_strides(layout, fast)
         bf16 = layout.dtype == "bfloat16"  # read as bits in the loops; the others converted here
         x32 = np.zeros(0, np.float32) if bf16 else to_float32(payload, layout.dtype)
         x16 = payload.view(np.uint16) if bf16 else np.zeros(0, np.uint16)
         codec_fast.encode_groups(x32, x16, _group_bases(layout)[fast], bits[fast].astype(np.int64),
-                                 offsets[fast], s_to, t_stride, c_stride, n_in, layout.block_tokens, layout.head_size,
-                                 budget.rotate,
-                                 np.float32(1.0 / math.sqrt(layout.head_size)), out)
+                                 offsets[fast], _group_axes(layout, fast), layout.block_tokens, layout.head_size,
+                                 budget.rotate, np.float32(1.0 / math.sqrt(layout.head_size)), out)
     x = None
     for b in np.unique(bits):
         for by_channel in (False, True):
@@ -364,11 +383,9 @@ def _group_bases(layout: BlockLayout) -> np.ndarray:
     return (g // (2 * H)) * layout.layer_elems + ((g // 2) % H) * s_h + (g % 2) * s_kv
 
 
-def _group_strides(layout: BlockLayout, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(token inner, channel) element strides of each of `groups` (int64 arrays)."""
-    k, v = layout.key_strides(), (layout.strides()[3], 1)
-    is_key = (groups % 2) == 0
-    return (np.where(is_key, k[0], v[0]).astype(np.int64), np.where(is_key, k[1], v[1]).astype(np.int64))
+def _group_axes(layout: BlockLayout, groups: np.ndarray) -> np.ndarray:
+    """int64 [len(groups), 6]: each group's `BlockLayout.axes` (its keys' or its values')."""
+    return np.array(layout.axes(), np.int64)[groups % 2]
 
 
 def _encode_groups(x: np.ndarray, b: int, by_channel: bool, rotate: bool, layout: BlockLayout) -> np.ndarray:
@@ -447,10 +464,8 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
     if fast.size == 0:
         from_canonical(x, layout, out)
         return out
-    _, _, s_to, _, n_in = layout.strides()
-    t_stride, c_stride = _group_strides(layout, fast)
-    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast], s_to, t_stride,
-                             c_stride, n_in, layout.block_tokens, layout.head_size, rotate,
+    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast],
+                             _group_axes(layout, fast), layout.block_tokens, layout.head_size, rotate,
                              np.float32(1.0 / math.sqrt(layout.head_size)), out.view(np.uint16))
     return out
 

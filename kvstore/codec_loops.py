@@ -129,11 +129,22 @@ def _put_plane_bytes(P, out, p0, N, D):
                 out[p0 + t * (D // 8) + c8] = P[c8, t]
 
 @jit
-def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out):
-    """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // n_in) * s_to
-    + (t % n_in) * s_ti[k] + c * s_c[k]] (float32, the whole block; or, when x16 is not empty, the bfloat16 bits
-    in x16), its bytes go to out[offsets[k]:] (meta: N float16 scales, N float16 minimums; then
-    bits[k] planes of N * D / 8 bytes)."""
+def _offsets(base, ax, N, D, rows, cols):
+    """Group axes ax (kvstore.codec.BlockLayout.axes) -> rows[t], cols[c]: token t, channel c of the group
+    is element base + rows[t] + cols[c]. Returns whether its tokens are contiguous (rows[t] = base + t)."""
+    tn, t_out, t_in, cn, c_out, c_in = ax[0], ax[1], ax[2], ax[3], ax[4], ax[5]
+    for t in range(N):
+        rows[t] = base + (t // tn) * t_out + (t % tn) * t_in
+    for c in range(D):
+        cols[c] = (c // cn) * c_out + (c % cn) * c_in
+    return t_in == 1 and tn >= N
+
+@jit
+def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
+    """Encode the token-quantized groups: group k's elements sit at x[base[k] + (t // tn) * t_outer
+    + (t % tn) * t_inner + (c // cn) * c_outer + (c % cn) * c_inner] (axes[k] = those six; x float32, the
+    whole block; or, when x16 is not empty, the bfloat16 bits in x16), its bytes go to out[offsets[k]:]
+    (meta: N float16 scales, N float16 minimums; then bits[k] planes of N * D / 8 bytes)."""
     tile = np.empty((D, N), np.float32)
     tile_u = tile.view(np.uint32)
     bf16 = x16.size > 0
@@ -145,27 +156,28 @@ def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rota
     fbuf = np.empty(1, np.float32)
     ubuf = fbuf.view(np.uint32)
     P = np.empty((D // 8, N), np.uint8)
+    rows = np.empty(N, np.int64)
+    cols = np.empty(D, np.int64)
     plane = N * D // 8
     for k in range(base.size):
-        cs, ts = s_c[k], s_ti[k]
-        if ts == 1 and n_in == N:  # tokens contiguous in the block (a transposed key): along them
+        if _offsets(base[k], axes[k], N, D, rows, cols):  # tokens contiguous (a transposed key): along them
             for c in range(D):
-                o = base[k] + c * cs
+                o = rows[0] + cols[c]
                 if bf16:
                     for t in range(N):
                         tile_u[c, t] = np.uint32(x16[o + t]) << 16
                 else:
                     for t in range(N):
                         tile[c, t] = x[o + t]
-        else:  # channels contiguous: a transpose
+        else:  # a transpose
             for t in range(N):
-                row = base[k] + (t // n_in) * s_to + (t % n_in) * ts
+                row = rows[t]
                 if bf16:
                     for c in range(D):
-                        tile_u[c, t] = np.uint32(x16[row + c * cs]) << 16
+                        tile_u[c, t] = np.uint32(x16[row + cols[c]]) << 16
                 else:
                     for c in range(D):
-                        tile[c, t] = x[row + c * cs]
+                        tile[c, t] = x[row + cols[c]]
         if rotate:
             _rotate(tile, scale)
         for t in range(N):
@@ -206,9 +218,9 @@ def encode_groups(x, x16, base, bits, offsets, s_to, s_ti, s_c, n_in, N, D, rota
             _put_plane_bytes(P, out, start + j * plane, N, D)
 
 @jit
-def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate, scale, out16):
+def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
     """The inverse for bfloat16 blocks: group k's bytes at blob[offsets[k]:] become bfloat16 bits
-    written to out16[base[k] + (t // n_in) * s_to + (t % n_in) * s_ti[k] + c * s_c[k]] (uint16)."""
+    written to out16 (uint16) where `encode_groups` reads them."""
     tile = np.empty((D, N), np.float32)
     q = np.empty((D, N), np.uint8)
     sc = np.empty(N, np.float32)
@@ -218,6 +230,8 @@ def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate
     tile_u = tile.view(np.uint32)
     P = np.empty((D // 8, N), np.uint8)
     r16 = np.empty((D, N), np.uint16)
+    rows = np.empty(N, np.int64)
+    cols = np.empty(D, np.int64)
     plane = N * D // 8
     for k in range(base.size):
         off = offsets[k]
@@ -245,14 +259,13 @@ def decode_groups(blob, offsets, bits, base, s_to, s_ti, s_c, n_in, N, D, rotate
             for t in range(N):
                 u = tile_u[c, t]
                 r16[c, t] = np.uint16((u + (((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF))) >> np.uint32(16))
-        cs, ts = s_c[k], s_ti[k]
-        if ts == 1 and n_in == N:  # ...then write: tokens contiguous in the block (a transposed key)
+        if _offsets(base[k], axes[k], N, D, rows, cols):  # ...then write: tokens contiguous (a transposed key)
             for c in range(D):
-                o = base[k] + c * cs
+                o = rows[0] + cols[c]
                 for t in range(N):
                     out16[o + t] = r16[c, t]
-        else:  # channels contiguous: a transpose
+        else:  # a transpose
             for t in range(N):
-                row = base[k] + (t // n_in) * s_to + (t % n_in) * ts
+                row = rows[t]
                 for c in range(D):
-                    out16[row + c * cs] = r16[c, t]
+                    out16[row + cols[c]] = r16[c, t]

@@ -199,6 +199,7 @@ def test_budgets_and_layouts_refuse_bad_values():
 
 
 @pytest.mark.parametrize("layout,order", [("cpu/default", "HKTVND"), ("cpu/LBHNC", "HKTVND"), ("cuda/LBHNC", "HNC"),
+                                          ("cpu/LBHNC/isa-amx", "AMX"), ("cpu/LBHNC/isa-neon", None),
                                           ("cuda/default", "HNC"), ("cuda/BLHNC", "HNC"),
                                           ("cuda/BLNHC", "NHC"), ("cuda/NHD", "KVNHD"), ("cuda/BLHNC/mla", None),
                                           ("boundary", None)])
@@ -208,35 +209,59 @@ def test_namespace_layouts_map_to_codec_orders(layout, order):
     assert (got.order if got else None) == order
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_attn_layout_reads_keys_and_values_where_its_kernel_writes_them(dtype):
-    """vLLM's CPU_ATTN writes a layer's [B, H, N, 2D] cache through its own kernel
-    (`cpu_attn_reshape_and_cache`, as vllm/v1/attention/backends/cpu_attn.py calls it): a block written
-    there reads back, through the codec's layout for a cpu namespace, as the keys and values written."""
+def kernel_block(isa: str, dtype: str, n: int, D: int = 64, H: int = 2, L: int = 2):
+    """A block of L layers written by vLLM's CPU_ATTN kernels of kind `isa` (`cpu_attn_reshape_and_cache`,
+    as vllm/v1/attention/backends/cpu_attn.py calls it) into its [B, H, N, 2D] caches: (payload, the
+    keys and values written, [L * H * 2, N, D] float32)."""
     ops = pytest.importorskip("vllm._custom_ops", reason="vllm is not installed")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    nb, n, D, H, L = 3, 32, 64, 2, 2  # the kernel's blocks: multiples of 32 tokens, heads of 32 and more
-    isa = _get_attn_isa(torch_dtype, n, D)
-    if isa != "vec":
-        pytest.skip(f"the {isa} kernels lay keys out otherwise: the codec knows the vec kernels' layout only")
     gen = torch.Generator().manual_seed(0)
     layers, want = [], []
     for _ in range(L):
-        cache = torch.zeros(nb, H, n, 2 * D, dtype=torch_dtype)
-        key_cache, value_cache = cache.view(nb, H, 2 * n, D).chunk(2, dim=2)
+        cache = torch.zeros(3, H, n, 2 * D, dtype=torch_dtype)
+        key_cache, value_cache = cache.view(3, H, 2 * n, D).chunk(2, dim=2)
         key, value = (torch.randn(n, H, D, generator=gen).to(torch_dtype) for _ in range(2))
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, 2 * n), isa)  # block 1
         layers.append(cache[1].contiguous())
         want.append(torch.stack((key.transpose(0, 1), value.transpose(0, 1)), dim=1))  # [H, K/V, N, D]
     payload = np.concatenate([t.view(torch.uint8).numpy().reshape(-1) for t in layers])
-    layout = BlockLayout.from_namespace(Namespace("m", dtype, L, H, D, n, payload.size, layout="cpu/LBHNC"))
+    return payload, torch.stack(want).float().numpy().reshape(L * H * 2, n, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa,n", [("vec", 32), ("vec16", 16), ("vec16", 32)])
+def test_cpu_attn_layout_reads_keys_and_values_where_its_kernel_writes_them(dtype, isa, n):
+    """A block written by vLLM's `vec` kernels (blocks of 32 tokens and more) or `vec16` ones (what vLLM
+    runs for other block sizes) reads back, through the codec's layout for a cpu namespace, as the keys
+    and values written."""
+    payload, want = kernel_block(isa, dtype, n)
+    layout = BlockLayout.from_namespace(Namespace("m", dtype, 2, 2, 64, n, payload.size, layout="cpu/LBHNC"))
     got = to_canonical(payload, layout)
-    np.testing.assert_array_equal(got, torch.stack(want).float().numpy().reshape(L * H * 2, n, D))
+    np.testing.assert_array_equal(got, want)
     back = np.zeros_like(payload)
     from_canonical(got, layout, back)
     np.testing.assert_array_equal(back, payload)
+
+
+@pytest.mark.parametrize("n,D", [(32, 64), (64, 128), (128, 64)])
+def test_amx_kernels_blocks_read_back_through_their_own_layout(n, D):
+    """vLLM's AMX kernels (bfloat16, blocks of 32 tokens and more, on hosts with AMX; their cache writes run
+    anywhere) put the same bytes elsewhere in a block: read as a `vec` block they are wrong, read through
+    the AMX layout (a namespace `cpu/.../isa-amx`, as connectors/vllm_meta.py names it) they are the keys
+    and values written, and a compressed block decodes back into the kernel's layout."""
+    payload, want = kernel_block("amx", "bfloat16", n, D)
+    vec = Namespace("m", "bfloat16", 2, 2, D, n, payload.size, layout="cpu/LBHNC")
+    assert not np.array_equal(to_canonical(payload, BlockLayout.from_namespace(vec)), want)
+    amx = Namespace("m", "bfloat16", 2, 2, D, n, payload.size, layout="cpu/LBHNC/isa-amx")
+    layout = BlockLayout.from_namespace(amx)
+    assert amx.id != vec.id and layout.order == "AMX"
+    np.testing.assert_array_equal(to_canonical(payload, layout), want)
+    back = np.zeros_like(payload)
+    from_canonical(want, layout, back)
+    np.testing.assert_array_equal(back, payload)
+    budget = Budget.uniform(layout, 8, 8)  # nearly exact: every element lands where the kernel had it
+    got = to_canonical(decode(encode(payload, layout, budget), layout), layout)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
 def test_a_namespace_whose_block_size_does_not_match_its_shape_is_not_compressed():

@@ -201,18 +201,41 @@ def test_an_engine_that_opts_in_to_compression_has_namespaces_of_its_own():
         ConnectorConfig.from_extra({"compression": "../etc/passwd"})
 
 
-@pytest.mark.parametrize("block_size,head_size,known", [(32, 64, True), (16, 64, False), (32, 48, False)])
+@pytest.mark.parametrize("block_size,head_size,known", [(32, 64, True), (16, 64, True), (32, 48, False)])
 def test_compression_only_where_the_codec_knows_the_cpu_kernels_block_layout(block_size, head_size, known):
     """vLLM's CPU attention picks its kernels by block and head size (and AMX): the codec reads the `vec`
-    kernels' blocks only, so the connector stores exact blocks for the others (vllm.py logs why)."""
+    and `vec16` kernels' blocks, of power-of-two heads; the connector stores exact blocks for the others
+    (vllm.py logs why)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16)
     cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
     engine = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
-    if known and _get_attn_isa(torch.bfloat16, block_size, head_size) != "vec":
+    if known and _get_attn_isa(torch.bfloat16, block_size, head_size) not in ("vec", "vec16"):
         pytest.skip("this host's CPU attention runs other kernels (AMX) at this size")
     why = codec_layout_unknown(engine, cfg)
     assert (why == "") == known, why
     if not known:
-        assert "kernels" in why
+        assert "power of two" in why
+
+
+def test_an_engine_on_other_cpu_kernels_gets_namespaces_of_its_own(monkeypatch):
+    """An engine whose CPU attention runs AMX kernels (a host with AMX; simulated by vLLM's own choice
+    function answering "amx") lays its blocks out otherwise: its namespaces name the kernels, so it never
+    shares blocks with a `vec` engine of the same model; the codec reads them. Kernels it does not know
+    (NEON) get namespaces of their own too, and no compression."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a", "b"], spec)])
+    engine = vllm_config(tp=1)
+    engine.model_config.use_mla = False
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "vec")
+    vec = engine_namespaces(engine, cfg)
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "amx")
+    amx = engine_namespaces(engine, cfg)
+    assert amx[0].layout == vec[0].layout + "/isa-amx" and amx[0].id != vec[0].id
+    assert codec_layout_unknown(engine, cfg) == ""  # the codec reads AMX blocks (tests/test_codec.py)
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")
+    assert engine_namespaces(engine, cfg)[0].layout == vec[0].layout + "/isa-neon"
+    assert "'neon' kernels" in codec_layout_unknown(engine, cfg)
