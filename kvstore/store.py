@@ -294,14 +294,17 @@ class TieredStore:
         nbytes = ns.block_bytes
         # Pages for a batch are taken from the free list in one call (the pages the block-by-block
         # allocations would get, in order); when they run out, room is made block by block.
-        free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
-                    if not per_block else ())
-        try:
-            return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
-        finally:
-            unused = list(free)
-            if unused:
-                target.free_unused(unused)
+        # Nothing is written into the reserved pages before the reply: the host index writes the deletions
+        # of the records of the pages it hands out once, at the end (tiers/host.py `settling_once`).
+        with self.host.settling_once():
+            free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
+                        if not per_block else ())
+            try:
+                return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
+            finally:
+                unused = list(free)
+                if unused:
+                    target.free_unused(unused)
 
     def _reserve_blocks(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str,
                         prefer: str | None, per_block: bool, free: Iterator) -> list[Entry | None]:

@@ -398,3 +398,34 @@ def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_tu
         store.close()
     finally:
         remove_stale_arena(path)
+
+
+def test_a_reserve_into_a_full_tier_writes_its_victims_deletions_once_before_it_returns(store_factory):
+    """On the daemon's loop, with a tier below, room for a batch is made block by block (each victim
+    demoted, its record deleted): the deletions are written in one transaction at the end of the
+    reserve, not one a block, and before it returns, so no record points at the pages it handed out
+    (the client writes them after the reply)."""
+    import asyncio
+
+    from kvstore.keys import hash_blocks
+
+    store = store_factory(8 * 8192, 8192, persistent=True, disk_bytes=64 * 8192)
+    index = store.host.index
+    ns = store.register_namespace(type(NS)("victims", "bf16", 1, 1, 8, 16, 8192))
+    old, new = hash_blocks(np.arange(16 * 8), 16), hash_blocks(np.arange(16 * 6) + 10_000, 16)
+    assert all(store.reserve(ns, list(zip(old, [None] + old[:-1])), owner=1))
+    store.commit(ns, old, owner=1)
+    assert len(index.records()) == 8
+    commits: list[int] = []
+    real = index._commit
+    index._commit = lambda *a: (commits.append(len(index._deletes)), real(*a))[1]
+
+    async def reserve() -> list:
+        return store.reserve(ns, list(zip(new, [None] + new[:-1])), owner=1)
+
+    entries = asyncio.run(reserve())
+    assert all(entries)
+    assert commits[0] == 6  # the six victims' deletions, in one transaction
+    held = {tuple(map(tuple, rec["e"])) for rec in index.records().values()}
+    assert len(held) == 2 and not held & {tuple(map(tuple, e.location)) for e in entries}
+    assert store.lookup(ns, old).tiers == ("host",) * 2 + ("disk",) * 6  # the victims: the chain's leaves

@@ -44,6 +44,7 @@ persistent, every committed block has a record whose checksum its bytes match
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -93,6 +94,7 @@ class HostArena(Tier):
         self.capacity_bytes = num_pages * page_bytes
         self.persistent = persistent
         self.index: HostIndex | None = None
+        self._settle_later = 0  # inside `settling_once`: allocations leave the queued deletions to its end
         self._recovered: tuple[list, list] | None = None
         self._lost: dict[int, Extents] = {}  # the locations the last `failed_writes` reported, by id
         self.adopted_blocks = 0
@@ -190,14 +192,28 @@ class HostArena(Tier):
 
     # -- the store's tier interface (tiers/base.py) ----------------------------------
     def allocate(self, nbytes: int):
-        if self.index is not None and self.index.has_deletes:
+        if self.index is not None and self.index.has_deletes and not self._settle_later:
             self.index.settle()  # no record may point at pages we hand out
         return self.pages.allocate(nbytes)
 
     def allocate_many(self, nbytes: int, count: int) -> list:
-        if self.index is not None and self.index.has_deletes:
+        if self.index is not None and self.index.has_deletes and not self._settle_later:
             self.index.settle()
         return self.pages.allocate_many(nbytes, count)
+
+    @contextlib.contextmanager
+    def settling_once(self):
+        """Allocations inside write the queued deletions of the records of freed pages once, at the end,
+        instead of each before its pages are handed out (one index transaction for a reserve of many
+        blocks into a full tier, not one a block). Only for code that writes nothing into the pages it
+        allocates before the end (a reserve: its client writes after the reply)."""
+        self._settle_later += 1
+        try:
+            yield
+        finally:
+            self._settle_later -= 1
+            if not self._settle_later and self.index is not None and self.index.has_deletes:
+                self.index.settle()
 
     def free_unused(self, allocations: Sequence) -> None:
         self.pages.free_unused(allocations)

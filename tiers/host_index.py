@@ -38,7 +38,10 @@ Rules that make an adopted block safe to serve:
 - A record is deleted before its pages are handed out again: `forget` queues
   the deletion (written with the turn, or at once), and the arena's
   `allocate` commits what is still queued first (`settle`), so no record ever
-  points at pages that hold another block.
+  points at pages that hold another block. A reserve, which writes nothing
+  into its pages before its reply, settles once at its end instead
+  (tiers/host.py `settling_once`): one transaction for a batch whose room was
+  made block by block, not one a block.
 - The checksum is added to the record later, by the hasher, once no block has
   been committed, freed or acquired for `QUIET_S` (or the oldest unchecked
   record is `CHECK_LAG_S` old): hashing reads every byte, and on a
