@@ -21,7 +21,7 @@ import pytest
 from kvstore.store import TieredStore
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
-from tests.helpers import chain_hashes, namespace, payload_bytes
+from tests.helpers import chain_hashes, namespace, payload_bytes, poll
 from kvstore.tiers.disk import DATA_FILE, DiskSlot, DiskTier, record_key
 from kvstore.tiers.disk_alloc import PageAllocator
 from kvstore.tiers.disk_writer import DiskWriter
@@ -181,6 +181,23 @@ def test_disk_chain_is_promoted_root_first(harness):
     assert st["host"]["promotions_in"] == 4 and st["disk"]["promotions_out"] == 4
     assert st["disk"]["hits"] == 4
     assert store.check() == []
+
+
+def test_idle_staging_goes_back_to_the_system_once_the_writes_are_done(harness, monkeypatch):
+    """The staging buffers a burst of demotions filled (prefaulted: resident) are unmapped down to
+    KEEP_BYTES once the writes are done and collected; the budget itself stays available."""
+    import kvstore.tiers.disk_alloc as disk_alloc
+
+    monkeypatch.setattr(disk_alloc, "KEEP_BYTES", 2 * BLOCK)
+    disk = harness.store.disk
+    poll(lambda: disk.stats()["staging_held_bytes"] == 16 * BLOCK, 10, "the namespace's prewarmed staging")
+    harness.spill(chain_hashes(1, 6))
+    harness.store.flush()
+    disk.reap()
+    assert disk.stats()["staging_held_bytes"] <= 2 * BLOCK
+    harness.spill(chain_hashes(2, 6))  # and demotions take new buffers again
+    assert harness.get(chain_hashes(2, 6)) == [payload_bytes(h, BLOCK) for h in chain_hashes(2, 6)]
+    assert harness.store.check() == []
 
 
 def test_promotion_from_staging_before_the_write_lands(harness):

@@ -404,7 +404,8 @@ class DiskTier(Tier):
         """Recycle the staging buffers of finished writes and settle their slots (a slot keeps no job once
         its write is durable: a million disk blocks would keep a million jobs); failed ones wait in
         `take_failed`."""
-        for job in self.writer.take_finished():
+        finished = self.writer.take_finished()
+        for job in finished:
             self.staging.give(job.buf)
             if job.error is not None:
                 self._failed.append(job)
@@ -412,6 +413,8 @@ class DiskTier(Tier):
             slot, job.slot = job.slot, None
             if isinstance(slot, DiskSlot) and slot.job is job:
                 slot.checksum, slot.job = job.checksum, None
+        if finished and not self.writer.pending_writes:
+            self.staging.shrink()  # the burst is written: its idle buffers go back to the system
 
     def take_failed(self) -> list[DiskWrite]:
         """Writes that failed since the last call (their bytes are lost; the owner drops the blocks)."""
@@ -520,6 +523,7 @@ class DiskTier(Tier):
             "pending_writes": self.pending_writes,
             "formatted_bytes": self.formatted_bytes,
             "staging_bytes": self.staging.used_bytes,
+            "staging_held_bytes": self.staging.held_bytes,  # in use and idle (prefaulted: resident)
             "bytes_written": w.bytes_written,
             "bytes_read": c.bytes_read,
             "writes": w.writes,

@@ -5,7 +5,11 @@ to the data file.
 
 `StagingPool` holds the bounce buffers that demotions copy into: anonymous
 mmaps (page aligned, as O_DIRECT needs), prefaulted at creation, recycled by
-size, bounded by a byte budget.
+size, bounded by a byte budget. Idle ones beyond KEEP_BYTES are given back to
+the system when the owner collects finished writes and none is queued
+(`shrink`): a burst of demotions may fill the whole budget, resident, and the
+daemon would otherwise keep it for good (at 10^5 blocks of 4 KiB, 132 MiB:
+a third of its memory).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import defaultdict
 from kvstore.tiers.pages import PageAllocator  # noqa: F401  (re-exported for kvstore.tiers.disk)
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
+KEEP_BYTES = 64 << 20  # idle staging kept once the writer's queue is empty (the rest is unmapped)
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -73,6 +78,13 @@ class StagingPool:
             buf = new_buffer(size)
             with self._lock:
                 self._idle[size].append(buf)
+
+    def shrink(self, keep_bytes: int | None = None) -> None:
+        """Unmap idle buffers until the pool holds at most `keep_bytes` (KEEP_BYTES; buffers in use stay)."""
+        keep_bytes = KEEP_BYTES if keep_bytes is None else keep_bytes
+        with self._lock:
+            if self.held_bytes > keep_bytes:
+                self._trim(self.held_bytes - keep_bytes)
 
     def _trim(self, excess: int) -> None:
         for bufs in self._idle.values():

@@ -10,7 +10,8 @@ down to the disk tier. Then, against that daemon:
 
 - `rss_bytes_per_block`: the daemon's anonymous resident memory (`RssAnon`:
   not the arena, which is shared memory, nor LMDB's file maps) after the fill
-  less before it, over N;
+  less before it, over N; `staging_held_bytes`: what of it the disk tier's
+  staging buffers hold (a fixed budget, trimmed to 64 MiB once idle);
 - `lookup_p50_ms` / `lookup_p99_ms`: single-client `lookup`s of 32 blocks, a
   random 32-block piece of a random chain each (every block present, in the
   host or the disk tier), `--lookups` of them; with Mooncake installed, the
@@ -269,6 +270,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             if stored != n or st["blocks"] != n:
                 raise SystemExit(f"the daemon holds {st['blocks']} of {n} blocks ({stored} stored)")
             row["rss_bytes_per_block"] = round((rss_anon(d.proc.pid) - rss0) / n, 1)
+            row["staging_held_bytes"] = st["tiers"]["disk"].get("staging_held_bytes", 0)  # in that RSS, not per block
             samples = [chain_hashes(1, c, lengths[c]) for c in sample_ids]
             master = mc_store = None
             mc_keys = None
