@@ -37,13 +37,14 @@ EXACT = Namespace(**{**LOSSY.to_dict(), "codec": ""})
 MIXED_BITS = [[[8, 4], [4, 2]], [[3, 2], [4, 3]]]  # per layer, KV head: (key, value) bits
 
 
-def compressing_config(tmp_path, master) -> str:
-    """remote_config plus `[compression] remote = true` with the profile "mixed" (its first block exact)."""
+def compressing_config(tmp_path, master, **remote) -> str:
+    """remote_config (with `remote`'s keys) plus `[compression] remote = true` with the profile "mixed"
+    (its first block exact)."""
     folder = tmp_path / "profiles"
     folder.mkdir(exist_ok=True)
     (folder / "mixed.json").write_text(json.dumps({"format": "kvstore-codec-profile/1", "name": "mixed",
                                                    "bits": MIXED_BITS, "sink_blocks": 1}))
-    path = remote_config(tmp_path / "remote.toml", master)
+    path = remote_config(tmp_path / "remote.toml", master, **remote)
     with open(path, "a") as f:
         f.write(f"[compression]\nremote = true\nprofile_dir = {json.dumps(str(folder))}\n")
     return path
@@ -490,3 +491,28 @@ import time; time.sleep(30)
         assert c.lookup(c.register(EXACT), hs).hits == 0  # the engine that did not opt in: none of them
     assert db.stats()["counters"]["remote_checksum_failures"] >= 1
     assert db.check() == []
+
+
+def test_blocks_published_as_they_leave_the_arena_go_encoded_and_come_back_decoded(tmp_path, mooncake, started):
+    """publish = "evicted": a block's bytes are copied out as it leaves the arena and published later,
+    encoded where its namespace compresses; the same daemon finds them in the cluster afterwards."""
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = compressing_config(tmp_path, master, publish="evicted")
+    d = start_daemon(tmp_path, "--config", cfg, name="zevict", host_bytes="128KiB", page_bytes="16KiB",
+                     log_path=str(tmp_path / "d.log"))  # an arena of 8 blocks, no disk
+    started.append(d)
+    hs, parents = chain(33, 4)
+    payloads = kv_payloads(33, 4)
+    others, other_parents = chain(34, 8)
+    with d.client() as c:
+        ns = c.register(LOSSY)
+        assert c.put(ns, list(zip(hs, parents, payloads))) == 4
+        assert c.put(ns, list(zip(others, other_parents, kv_payloads(34, 8)))) == 8  # the first chain leaves
+        counters = wait_counter(d, "remote_published_blocks", 4)["counters"]
+        assert counters["remote_published_compressed_blocks"] == 3  # its sink block went exact
+        assert c.lookup(ns, hs).tiers == ("remote",) * 4
+        got = c.get(ns, hs)
+        assert np.array_equal(got[0], payloads[0])
+        assert all(np.array_equal(g, lossy(p)) for g, p in zip(got[1:], payloads[1:]))
+    assert d.check() == []
