@@ -30,9 +30,12 @@ config's `publish` policy picks what is sent:
   that proved reusable);
 - "none": this host only reads.
 A block whose namespace compresses on this tier is published encoded, under its
-own key (the put thread encodes). Publishing pins the blocks of one batch (owner `PUBLISHER`) while Mooncake
-reads them out of the arena. The queue holds at most `queue_blocks`; past that
-blocks are not published (counted `remote_publish_dropped_backlog`).
+own key (the put thread encodes). Publishing pins the blocks of one batch
+(owner `PUBLISHER`) while Mooncake reads them out of the arena; the checksums
+taken for their headers become their host index checksums (the hasher skips
+them: one pass over the bytes, not two). The queue holds at most
+`queue_blocks`; past that blocks are not published (counted
+`remote_publish_dropped_backlog`).
 
 Faults. Each kind of cluster call (query, get, put) has its own daemon thread,
 so a slow put never delays a lookup and a hung call never holds up exit. Every
@@ -379,11 +382,13 @@ class RemoteSharing:
     async def _publish_batch(self) -> None:
         batch = [self._pending.popitem(last=False) for _ in range(min(self.batch_blocks, len(self._pending)))]
         items, pinned, staged = [], [], []
+        sources: list[Entry | None] = []  # per item: the host block it is read from (None: the staging buffer)
         for key, staged_at in batch:
             if staged_at is not None:
                 extents, parent, codec = staged_at
                 staged.append(extents)
                 items.append((self._ref(key, parent, codec), [self._staging_buf[o : o + n] for o, n in extents], codec))
+                sources.append(None)
                 continue
             e = self.index.get(key)
             if e is None or not e.committed or e.tier != "host":
@@ -394,13 +399,21 @@ class RemoteSharing:
             codec = self._block_codec(e)
             items.append((self._ref(key, e.parent[1] if e.parent is not None else None, codec),
                           self.host.segments(e.location), codec))
+            sources.append(e)
         if not items:
             return
+        sums: list = []  # each exact block's xxh3, taken for its header: the host index need not take it again
+        self.host.busy()  # the host index's hasher waits meanwhile: these blocks are hashed here
         try:
-            codes = await self.call("put", self.tier.put_from, items)
+            codes = await self.call("put", self.tier.put_from, items, sums)
         except RemoteUnavailable:
             codes = None
         finally:
+            if len(sums) == len(items):  # (the put ran to the end)
+                for e, x in zip(sources, sums):
+                    if e is not None and x is not None:
+                        self.host.offer_checksum(e.location, e.key, x)
+            self.host.busy()
             for e in pinned:
                 self.index.unpin_failed(e, PUBLISHER)
             for extents in staged:

@@ -516,3 +516,28 @@ def test_blocks_published_as_they_leave_the_arena_go_encoded_and_come_back_decod
         assert np.array_equal(got[0], payloads[0])
         assert all(np.array_equal(g, lossy(p)) for g, p in zip(got[1:], payloads[1:]))
     assert d.check() == []
+
+
+def test_a_published_block_is_hashed_once(tmp_path, mooncake, started):
+    """The publisher takes each block's xxh3 for its header; the host index records it as the block's
+    checksum instead of hashing the block again. A restart without the remote tier then verifies the
+    kept blocks against those checksums and serves them: they were right."""
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = remote_config(tmp_path / "remote.toml", master)
+    d = start_daemon(tmp_path, "--config", cfg, name="zhashonce", log_path=str(tmp_path / "a.log"))
+    started.append(d)
+    ns, hs, payloads = put_chain(d, 40, 6)
+    wait_counter(d, "remote_published_blocks", 6)
+    deadline = time.monotonic() + 15
+    while (host := d.stats()["tiers"]["host"])["unchecked_records"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host["checksums_written"] == host["checksums_offered"] == 6
+    assert d.stop(keep_arena=True) == 0
+    again = start_daemon(tmp_path, name="zhashonce", log_path=str(tmp_path / "b.log"))  # no remote tier
+    started.append(again)
+    with again.client() as c:
+        assert c.lookup(c.register(NS), hs).tiers == ("host",) * 6
+        assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs), payloads))
+    host = again.stats()["tiers"]["host"]
+    assert host["verified_blocks"] == 6 and host["corrupt_blocks"] == 0

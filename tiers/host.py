@@ -230,6 +230,11 @@ class HostArena(Tier):
         if self.index is not None:
             self.index.record_many(blocks)
 
+    def offer_checksum(self, location: Extents, key: tuple, x: int) -> None:
+        """A pinned block's xxh3_64, taken by a reader of its bytes: the index need not hash it again."""
+        if self.index is not None:
+            self.index.offer_checksum(key, location, x)
+
     def busy(self) -> None:
         if self.index is not None:
             self.index.busy()
@@ -303,7 +308,8 @@ class HostArena(Tier):
                        unverified_blocks=idx.num_unverified, verified_blocks=idx.verified_blocks,
                        corrupt_blocks=idx.corrupt_blocks,
                        pending_records=idx.num_pending, unchecked_records=idx.num_unchecked,
-                       records_written=idx.records_written, checksums_written=idx.checksums_written)
+                       records_written=idx.records_written, checksums_written=idx.checksums_written,
+                       checksums_offered=idx.checksums_offered)
         return out
 
     # -- bytes (the store's transfers, TCP inline payloads) ----------------------

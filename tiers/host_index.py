@@ -45,8 +45,10 @@ Rules that make an adopted block safe to serve:
 - The checksum is added to the record later, by the hasher, once no block has
   been committed, freed or acquired for `QUIET_S` (or the oldest unchecked
   record is `CHECK_LAG_S` old): hashing reads every byte, and on a
-  memory-bound host it would slow the puts and gets it ran beside. A clean
-  stop checks every block first (`flush`).
+  memory-bound host it would slow the puts and gets it ran beside. A block the
+  remote publisher sends gets the xxh3 the publisher took of it, pinned, for
+  its header (`offer_checksum`), and is not read again; publishing counts as
+  busy meanwhile. A clean stop checks every block first (`flush`).
 - Serve first, verify as you go: at adoption every record is checked (extents
   inside the arena, no overlap, length) but no byte is read, so a restart
   serves at once whatever the arena's size. A record with a checksum is
@@ -199,6 +201,7 @@ class HostIndex:
         self._closing = False
         self.records_written = 0
         self.checksums_written = 0
+        self.checksums_offered = 0  # of them, taken by a reader that hashed the block anyway (not the hasher)
         self.adopted_unchecked = 0
         self._hasher = threading.Thread(target=self._hash_loop, name="kvstore-host-hash", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-host-index", daemon=True)
@@ -320,6 +323,17 @@ class HostIndex:
                 unchecked.pop(key, None)
                 pending[key] = item
         self._queue(items)
+
+    def offer_checksum(self, key: tuple, extents: list, x: int) -> None:
+        """The xxh3_64 of a committed block's bytes at `extents` (that very list), taken while it was pinned
+        by a reader that hashed them anyway (the remote publisher): written like the hasher's, which then
+        skips the block. Ignored unless the block's record is written and waits for its checksum."""
+        item = self._unchecked.get(key)
+        if item is not None and item.extents is extents and not item.hashing:
+            item.hashing = True
+            self.checksums_offered += 1
+            self._sums.append([(item, x)])
+            self._index_wake.set()
 
     def forget(self, key: tuple) -> None:
         """The block leaves the tier: drop its pending record, or queue its record's deletion
@@ -460,7 +474,7 @@ class HostIndex:
         unchecked (a block freed meanwhile has neither), delete the queued ones, one transaction.
         `new`: [(item, record key, packed record, whether it holds the checksum)]; `sums`: [(item,
         record key, packed record with the checksum)]."""
-        sums = [r for r in sums if self._unchecked.get(r[0].key) is r[0]]
+        sums = list({id(r[0]): r for r in sums if self._unchecked.get(r[0].key) is r[0]}.values())  # (one each)
         # A checked new record (`flush`) whose unchecked version the index thread wrote meanwhile is a checksum.
         sums += [r[:3] for r in new if r[3] and self._unchecked.get(r[0].key) is r[0]]
         new = [r for r in new if self._pending.get(r[0].key) is r[0]]

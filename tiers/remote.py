@@ -346,10 +346,12 @@ class MooncakeTier(Tier):
             return [fn(job) for job in jobs]
         return list(self._codec_pool.map(fn, jobs))
 
-    def put_from(self, items: list[tuple[RemoteRef, list[np.ndarray], object]]) -> list[int]:
+    def put_from(self, items: list[tuple[RemoteRef, list[np.ndarray], object]],
+                 checksums: list | None = None) -> list[int]:
         """Publish blocks from host-memory views (header + payload), each encoded first where it comes
         with a codec (kvstore.compression.StoredCodec; its ref then names that codec); 0 (or
-        ALREADY_EXISTS) = stored, < 0 failed."""
+        ALREADY_EXISTS) = stored, < 0 failed. `checksums`, where given, gets each exact block's
+        xxh3_64 (the header's), None for an encoded one."""
         codes: list[int] = []
         base = self.max_batch * HEADER_BYTES  # the second header region: puts
         for chunk in self._chunks([(ref, views) for ref, views, _ in items]):
@@ -362,13 +364,17 @@ class MooncakeTier(Tier):
                     if not isinstance(blob, np.ndarray) or blob.size != ref.stored:
                         log.warning("remote tier: encoding %s failed: %s", ref.key, blob)
                         failed[i] = -1
+                        if checksums is not None:
+                            checksums.append(None)
                         continue
                     views = [bounce[pos : pos + ref.stored]]
                     views[0][:] = blob
                     pos += ref.stored
                 head = self._hbuf[base + i * HEADER_BYTES : base + (i + 1) * HEADER_BYTES]
-                head[:] = np.frombuffer(pack_header(ref, sum(v.nbytes for v in views), payload_checksum(views)),
-                                        dtype=np.uint8)
+                x = payload_checksum(views)
+                if checksums is not None:
+                    checksums.append(None if ref.codec is not None else x)
+                head[:] = np.frombuffer(pack_header(ref, sum(v.nbytes for v in views), x), dtype=np.uint8)
                 keys.append(ref.key)
                 ptrs.append([head.ctypes.data] + [v.ctypes.data for v in views])
                 sizes.append([HEADER_BYTES] + [v.nbytes for v in views])
