@@ -50,6 +50,7 @@ All other methods run on the store's thread.
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -81,6 +82,28 @@ class RecoveredBlock(NamedTuple):
     location: object
     attention: float | None
     stamp: float
+
+
+ENCODE_THREADS = min(4, os.cpu_count() or 1)  # a batch's blocks are encoded (decoded) on this many threads at once
+
+
+class CompressedTally:
+    """The compressed blocks a tier holds, per codec tag: how many, their decoded and their stored bytes."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, list[int]] = {}
+
+    def count(self, tag: str, sign: int, logical: int, stored: int) -> None:
+        """A block encoded with `tag` came in (+1) or left (-1)."""
+        row = self._rows.setdefault(tag, [0, 0, 0])
+        row[0] += sign
+        row[1] += sign * logical
+        row[2] += sign * stored
+
+    def stats(self) -> dict:
+        return {tag: {"blocks": n, "logical_bytes": logical, "stored_bytes": stored,
+                      "ratio": round(logical / stored, 3) if stored else None}
+                for tag, (n, logical, stored) in sorted(self._rows.items()) if n}
 
 
 class Tier:

@@ -87,7 +87,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
+from kvstore.tiers.base import BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
@@ -164,7 +164,7 @@ class DiskTier(Tier):
         os.makedirs(path, mode=0o700, exist_ok=True)
         self.path = path
         self.decoder = decoder  # expands an encoded block into host memory (kvstore/compression.py)
-        self.compressed: dict[str, list[int]] = {}  # codec tag -> [blocks, logical bytes, stored bytes] held
+        self.compressed = CompressedTally()
         self._lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one owner per folder, until close()
@@ -263,10 +263,7 @@ class DiskTier(Tier):
         self.release(location.extents, None if key is None else record_key(key))
 
     def _held_compressed(self, slot: DiskSlot, sign: int) -> None:
-        row = self.compressed.setdefault(slot.codec, [0, 0, 0])  # type: ignore[arg-type]
-        row[0] += sign
-        row[1] += sign * slot.logical
-        row[2] += sign * sum(n for _, n in slot.extents)
+        self.compressed.count(slot.codec, sign, slot.logical, sum(n for _, n in slot.extents))  # type: ignore[arg-type]
 
     def locate(self, location: DiskSlot) -> list:
         return location.extents
@@ -535,9 +532,7 @@ class DiskTier(Tier):
             "scanning": self._scan is not None,
             "scan_s": self.scan_s,
             "dropped_records": c.dropped_records,
-            "compressed": {tag: {"blocks": n, "logical_bytes": logical, "stored_bytes": stored,
-                                 "ratio": round(logical / stored, 3) if stored else None}
-                           for tag, (n, logical, stored) in sorted(self.compressed.items()) if n},
+            "compressed": self.compressed.stats(),
         }
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvstore.tiers.base import ENCODE_THREADS
 from kvstore.tiers.disk_alloc import StagingPool, round_up
 
 log = logging.getLogger("kvstore.tiers.disk")
@@ -87,7 +88,6 @@ class RecordStore:
     meta: object
 
 
-ENCODE_THREADS = min(4, os.cpu_count() or 1)  # a batch's blocks are encoded on this many threads at once
 
 
 @dataclass(slots=True)

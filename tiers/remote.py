@@ -62,7 +62,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import xxhash
 
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import ENCODE_THREADS, CompressedTally, Tier
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ MAGIC, VERSION = b"KVSR", 1
 ENCODED = 1  # header flag: the payload is an encoded block (kvstore/codec.py), not the block's bytes
 NO_PARENT = bytes(16)
 BOUNCE_BYTES = 32 << 20  # a registered buffer for encoded values, per kind of call (grown for a bigger block)
-ENCODE_THREADS = min(4, os.cpu_count() or 1)  # a call's blocks are encoded (decoded) on this many threads at once
 ALREADY_EXISTS = -705  # Mooncake's code for a put of a key someone else put first: the block is there
 _LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # dependency order
 
@@ -221,7 +220,7 @@ class MooncakeTier(Tier):
         self.max_batch = max_batch
         self.held = 0  # remote entries the store indexes
         self.decoder = decoder  # expands an encoded value into host memory (kvstore/compression.py)
-        self.compressed: dict[str, list[int]] = {}  # codec tag -> [entries, logical bytes, stored bytes] indexed
+        self.compressed = CompressedTally()  # the remote entries indexed here whose values are encoded
         self.capacity_bytes = self.page_bytes = 0
         self._mc = mc.MooncakeDistributedStore()
         rc = self._mc.setup(self.local_hostname, metadata_server, segment_bytes, buffer_bytes, protocol, device_name,
@@ -290,10 +289,7 @@ class MooncakeTier(Tier):
 
     def count_compressed(self, ref: RemoteRef, sign: int) -> None:
         """An entry of an encoded value indexed (+1) or forgotten (-1)."""
-        row = self.compressed.setdefault(ref.codec, [0, 0, 0])  # type: ignore[arg-type]
-        row[0] += sign
-        row[1] += sign * ref.logical
-        row[2] += sign * ref.stored
+        self.compressed.count(ref.codec, sign, ref.logical, ref.stored)  # type: ignore[arg-type]
 
     def check(self, locations) -> list[str]:
         n = len(list(locations))
@@ -354,12 +350,11 @@ class MooncakeTier(Tier):
         xxh3_64 (the header's), None for an encoded one."""
         codes: list[int] = []
         base = self.max_batch * HEADER_BYTES  # the second header region: puts
-        for chunk in self._chunks([(ref, views) for ref, views, _ in items]):
-            codecs = [codec for _, _, codec in items[len(codes) : len(codes) + len(chunk)]]
-            blobs = self._encode_all(chunk, codecs)
-            bounce = self._bounce_buffer("put", sum(ref.stored for ref, _ in chunk))
+        for chunk in self._chunks(items):
+            blobs = self._encode_all(chunk)
+            bounce = self._bounce_buffer("put", sum(ref.stored for ref, *_ in chunk))
             keys, ptrs, sizes, failed, pos = [], [], [], {}, 0
-            for i, ((ref, views), blob) in enumerate(zip(chunk, blobs)):
+            for i, ((ref, views, _), blob) in enumerate(zip(chunk, blobs)):
                 if ref.codec is not None:
                     if not isinstance(blob, np.ndarray) or blob.size != ref.stored:
                         log.warning("remote tier: encoding %s failed: %s", ref.key, blob)
@@ -383,7 +378,8 @@ class MooncakeTier(Tier):
         return codes
 
     def _chunks(self, items: list):
-        """`items` in runs of at most max_batch blocks whose encoded values fit one bounce buffer."""
+        """`items` ((ref, ...) tuples) in runs of at most max_batch blocks whose encoded values fit one
+        bounce buffer."""
         start = 0
         while start < len(items):
             end, stored = start, 0
@@ -395,16 +391,16 @@ class MooncakeTier(Tier):
             yield items[start:end]
             start = end
 
-    def _encode_all(self, chunk: list, codecs: list) -> list:
-        """Each block's encoded value (or what encoding raised), None where it has no codec."""
+    def _encode_all(self, chunk: list) -> list:
+        """Each (ref, views, codec) block's encoded value (or what encoding raised), None without a codec."""
         def one(i: int):
+            _, views, codec = chunk[i]
             try:
-                views = chunk[i][1]
-                return codecs[i].encode(views[0] if len(views) == 1 else np.concatenate([v.reshape(-1) for v in views]))
+                return codec.encode(views[0] if len(views) == 1 else np.concatenate([v.reshape(-1) for v in views]))
             except Exception as exc:  # noqa: BLE001 - a block that cannot be encoded is not published
                 return exc
 
-        todo = [i for i, codec in enumerate(codecs) if codec is not None]
+        todo = [i for i, (_, _, codec) in enumerate(chunk) if codec is not None]
         blobs: list = [None] * len(chunk)
         for i, blob in zip(todo, self._map(one, todo)):
             blobs[i] = blob
@@ -432,10 +428,7 @@ class MooncakeTier(Tier):
 
     def stats(self) -> dict:
         return {"master": self.master, "local_hostname": self.local_hostname, "protocol": self.protocol,
-                "index_blocks": self.index_blocks, "entries": self.held,
-                "compressed": {tag: {"blocks": n, "logical_bytes": logical, "stored_bytes": stored,  # entries of
-                                     "ratio": round(logical / stored, 3) if stored else None}  # encoded values
-                               for tag, (n, logical, stored) in sorted(self.compressed.items()) if n}}
+                "index_blocks": self.index_blocks, "entries": self.held, "compressed": self.compressed.stats()}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Unmount this host's segment from the cluster; bounded, so an unreachable master cannot hold
