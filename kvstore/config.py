@@ -176,9 +176,11 @@ class CompressionConfig:
     disk: bool = False  # blocks demoted to the disk tier are stored compressed
     remote: bool = False  # blocks published to the remote tier are stored compressed (and found so)
     profile_dir: str = ""  # where `<name>.json` codec profiles are (built-in names need none)
+    exact_when_busy: bool = True  # a block demoted while the disk tier's encoders are behind is stored exact
 
     def __post_init__(self) -> None:
         _require(isinstance(self.disk, bool), "compression.disk must be true or false")
+        _require(isinstance(self.exact_when_busy, bool), "compression.exact_when_busy must be true or false")
         _require(isinstance(self.remote, bool), "compression.remote must be true or false")
         _require(isinstance(self.profile_dir, str), "compression.profile_dir must be a path")
         _require(not self.profile_dir or os.path.isdir(self.profile_dir),
@@ -409,7 +411,8 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "index_blocks": ("index_blocks", None),
         "required": ("required", None),
     },
-    "compression": {"disk": ("disk", None), "remote": ("remote", None), "profile_dir": ("profile_dir", str)},
+    "compression": {"disk": ("disk", None), "remote": ("remote", None), "profile_dir": ("profile_dir", str),
+                    "exact_when_busy": ("exact_when_busy", None)},
     "events": {key: (key, None) for key in (
         "endpoint", "bind", "replay_endpoint", "topic", "encoding", "token_ids", "tenants", "buffer_batches",
         "max_queue_events", "hwm")},

@@ -235,6 +235,9 @@ class Placement:
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
         codec = self.codec_for(e, below)
+        if codec is not None and self.compression.config.exact_when_busy and below.encoders_behind():
+            codec = None  # stored exact rather than wait for the encoders (a demotion holds up a reserve)
+            self.counters[f"{below.name}_stored_exact_busy"] += 1
         nbytes = e.nbytes if codec is None else codec.stored_bytes
         if not below.fits(nbytes):
             return False

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 import uuid
 
 import numpy as np
@@ -19,8 +20,8 @@ from kvstore.config import CompressionConfig
 from kvstore.errors import NamespaceError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.base import BlockMeta
-from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.base import ENCODE_THREADS, BlockMeta
+from kvstore.tiers.disk import DATA_FILE, ENCODE_BACKLOG, DiskTier
 from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes
 
@@ -37,16 +38,18 @@ def payload(h: bytes) -> bytes:
 
 
 class Harness:
-    def __init__(self, folder, compress=True, profile_dir="", decoder=decode_into, host_blocks=4):
+    def __init__(self, folder, compress=True, profile_dir="", decoder=decode_into, host_blocks=4,
+                 exact_when_busy=False):
+        """`exact_when_busy` off: every opted-in demotion is encoded, however busy the encoders."""
         self.folder, self.compress, self.profile_dir, self.decoder = str(folder), compress, profile_dir, decoder
-        self.host_blocks = host_blocks
+        self.host_blocks, self.exact_when_busy = host_blocks, exact_when_busy
         self.open()
 
     def open(self) -> None:
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
         disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=self.decoder)
         self.store = TieredStore([host, disk], compression=Compression(
-            CompressionConfig(disk=self.compress, profile_dir=self.profile_dir)))
+            CompressionConfig(disk=self.compress, profile_dir=self.profile_dir, exact_when_busy=self.exact_when_busy)))
 
     def close(self) -> None:
         self.store.close()
@@ -152,6 +155,42 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
     assert store.check() == []
 
 
+@pytest.mark.parametrize("exact_when_busy", [True, False])
+def test_a_demotion_while_the_encoders_are_behind_is_stored_exact_unless_told_to_wait(tmp_path, exact_when_busy):
+    """The encoders' threads are held busy while blocks are demoted: the first ENCODE_BACKLOG blocks queue
+    for them, the later ones are stored exact (counted), and are durable before the encoders are let go;
+    with `exact_when_busy` off every one waits and is encoded. Each block reads back as what its record
+    says it is."""
+    h = Harness(tmp_path / "disk", exact_when_busy=exact_when_busy)
+    try:
+        store, n = h.store, ENCODE_BACKLOG + 3
+        gate = threading.Event()
+        held = [store.disk.writer.encoders.submit(gate.wait, 30) for _ in range(ENCODE_THREADS)]
+        roots = [chain_hashes(200 + i, 1) for i in range(n + h.host_blocks)]
+        for chain in roots:
+            h.put(LOSSY_NS, chain)
+        exact = [e.location for e in store.index.entries.values() if e.tier == "disk" and e.location.codec is None]
+        assert len(exact) == (n - ENCODE_BACKLOG if exact_when_busy else 0)
+        assert store.disk.writer.wait_for(lambda: not any(slot.pending for slot in exact), 30)
+        gate.set()
+        assert all(f.result() for f in held)
+        store.disk.flush()
+        hashes = [chain[0] for chain in roots]
+        on_disk = [x for x, t in zip(hashes, store.lookup(LOSSY_NS.id, hashes).tiers) if t == "disk"]
+        assert len(on_disk) == n
+        codecs = [store.index.entries[(LOSSY_NS.id, x)].location.codec for x in on_disk]
+        encoded = n - codecs.count(None)
+        assert encoded == (ENCODE_BACKLOG if exact_when_busy else n)
+        assert store.shared.counters["disk_stored_exact_busy"] == n - encoded
+        (row,) = store.disk.stats()["compressed"].values()
+        assert row["blocks"] == encoded
+        assert [h.get(LOSSY_NS, [x])[0] for x in on_disk] == [payload(x) if c is None else lossy(x)
+                                                              for x, c in zip(on_disk, codecs)]
+        assert store.check() == []
+    finally:
+        h.close()
+
+
 def test_a_decoder_that_refuses_makes_a_miss():
     """The codec's own checksum: a blob that the tier's checksum passed but that does not decode."""
     blob = encode(np.frombuffer(payload(b"x" * 16), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2))
@@ -248,8 +287,8 @@ class FailingCodec:
 
 
 def test_a_block_that_fails_to_encode_fails_alone(tmp_path):
-    """The disk writer encodes a batch's blocks on several threads at once: one whose encoding raises is a
-    failed write (reported, never recorded), and the others of its batch are stored and read back decoded."""
+    """The disk tier encodes blocks on several threads at once: one whose encoding raises is a failed write
+    (reported, never recorded), and the others queued with it are stored and read back decoded."""
     codec = Compression(CompressionConfig(disk=True)).for_block(LOSSY_NS, 1, "disk")
     hashes = chain_hashes(7, 6)
     failing = FailingCodec(codec, payload(hashes[2]))
@@ -257,15 +296,13 @@ def test_a_block_that_fails_to_encode_fails_alone(tmp_path):
     try:
         disk.scanned(wait=True)  # a new tier: nothing to read, then its pages are free
         slots = {}
-        with disk.writer._cv:  # (the writer waits for it: the six writes make one batch)
-            for i, h in enumerate(hashes):
-                meta = BlockMeta((LOSSY_NS.id, h), hashes[i - 1] if i else None, i, None, 0.0)
-                data = np.frombuffer(payload(h), np.uint8)
-                slots[h] = disk.write_from(disk.allocate(codec.stored_bytes), [data], meta,
-                                           failing if i == 2 else codec)
+        for i, h in enumerate(hashes):
+            meta = BlockMeta((LOSSY_NS.id, h), hashes[i - 1] if i else None, i, None, 0.0)
+            data = np.frombuffer(payload(h), np.uint8)
+            slots[h] = disk.write_from(disk.allocate(codec.stored_bytes), [data], meta, failing if i == 2 else codec)
         disk.flush()
         assert disk.failed_writes() == [(LOSSY_NS.id, hashes[2])]
-        assert disk.writer.counters.write_errors == 1 and disk.writer.counters.batches == 1
+        assert disk.writer.counters.write_errors == 1 and disk.writer.counters.writes == 5
         for h in hashes[:2] + hashes[3:]:
             want, got = np.empty(BLOCK, np.uint8), np.empty(BLOCK, np.uint8)
             assert decode_into(codec.encode(np.frombuffer(payload(h), np.uint8)), [want])

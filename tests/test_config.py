@@ -45,6 +45,7 @@ def test_toml_then_flags(tmp_path):
     ('[gpu]\nsize = "1GiB"\n', "unknown key gpu.size"),
     ('[host]\npersistent = "yes"\n', "host.persistent must be true or false"),
     ('[compression]\nremote = "yes"\n', "compression.remote must be true or false"),
+    ('[compression]\nexact_when_busy = 1\n', "compression.exact_when_busy must be true or false"),
     ('[compression]\nprofile_dir = "/nonexistent/kvstore"\n', "is not a folder"),
 ])
 def test_bad_values_are_named(tmp_path, text, fragment):

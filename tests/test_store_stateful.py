@@ -20,8 +20,10 @@ leaves of their tier demoted, the tree rule across every pair of tiers,
 refcounts never negative, and `check()` clean. A mutant store that demotes
 non-leaves breaks the tree rule across gpu/host, and the model catches it.
 
-With `compress` (`[compression] disk = true`, the namespace opted into `k4v2`)
-the disk tier stores blocks encoded: a block read back after it went through
+With `compress` (`[compression] disk = true`, the namespace opted into `k4v2`,
+`exact_when_busy = false`: which blocks are encoded must not depend on the
+encoders' timing, or hypothesis could not replay a run) the disk tier stores
+blocks encoded: a block read back after it went through
 the disk is the codec's image of what the model held (decode(encode(x)), never
 anything else), and from then on the model holds that image.
 """
@@ -121,7 +123,7 @@ class StoreMachine(RuleBasedStateMachine):
         clock = lambda: float(next(ticks))  # noqa: E731  (deterministic: the policies' decay must not see real time)
         self.store = TieredStore(make_tiers(CHAINS[self.chain], self.folder, self.kept_arena), policy=self.policy,
                                  clock=clock, wall_clock=clock,
-                                 compression=Compression(CompressionConfig(disk=self.compress)))
+                                 compression=Compression(CompressionConfig(disk=self.compress, exact_when_busy=False)))
         self.ns = self.store.register_namespace(LOSSY_NS if self.compress else NS)
         self.writable = [t.name for t in self.store.chain if t.client_readable]
         if not self.watch_demotions:

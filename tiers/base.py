@@ -229,6 +229,11 @@ class Tier:
         records in the background (`scanning`) gives its blocks through `scanned` instead."""
         return [], []
 
+    def encoders_behind(self) -> bool:
+        """A tier that encodes blocks (`write_from(..., codec=)`) off the caller's thread: whether a block
+        handed to it now would wait for its encoders."""
+        return False
+
     @property
     def scanning(self) -> bool:
         """The tier still reads its records in the background: it takes no block until `scanned`

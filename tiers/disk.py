@@ -87,7 +87,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.tiers.base import BlockMeta, CompressedTally, RecoveredBlock, Tier
+from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
@@ -99,6 +99,7 @@ FORMAT_VERSION = 1
 DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
 LOCK_FILE = "owner.lock"
+ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks not encoded: one a thread
 
 
 @dataclass(slots=True, eq=False)
@@ -284,6 +285,11 @@ class DiskTier(Tier):
             self._held_compressed(slot, +1)
         self.submit(job)
         return slot
+
+    def encoders_behind(self) -> bool:
+        """The encoders have more queued than they can start on now: a block demoted now would wait
+        for them (the store then stores it exact, where `[compression] exact_when_busy`)."""
+        return self.writer.encode_backlog >= ENCODE_BACKLOG
 
     def read_blocks(self, location: DiskSlot) -> bool:
         location.known_checksum()  # settle a finished write here, on the owner thread

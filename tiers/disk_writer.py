@@ -4,8 +4,12 @@ thread that works it off (tiers/disk.py owns the writer; nothing else touches it
 The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
 deletes, writes the data, fdatasyncs once, and commits the new records in one
-LMDB transaction (group commit); a batch's blocks stored compressed are
-encoded first, on a few threads at once. When nothing is queued and nobody waits in
+LMDB transaction (group commit). A block stored compressed is handed to the
+encoders (ENCODE_THREADS threads) when it is queued, so they work ahead of the
+writer; a batch writes its exact blocks first, then the encoded ones as their
+encodings come in. `encode_backlog` (blocks queued to the encoders and not yet
+encoded) is what the tier looks at to store a demotion exact rather than wait
+for them (tiers/disk.py `encoders_behind`). When nothing is queued and nobody waits in
 `flush`, it zero-fills the data file from the `formatted_bytes` watermark, so
 that later block writes are overwrites (see tiers/disk.py, "Formatting").
 
@@ -29,7 +33,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +46,8 @@ from kvstore.tiers.base import ENCODE_THREADS
 from kvstore.tiers.disk_alloc import StagingPool, round_up
 
 log = logging.getLogger("kvstore.tiers.disk")
+
+ENCODER_NICE = 19  # the encoders' nice value (the daemon's other threads keep theirs)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,7 +63,8 @@ class DiskWrite:
     done: bool = False
     error: str | None = None
     slot: object = None  # the tier's location of the block, settled by the owner once the write is done
-    encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (writer thread)
+    encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (an encoder thread)
+    encoded: Future | None = None  # the encoding under way: the encoded block, or what encoding raised
     stored: int | None = None  # bytes written when encoded (the extents' total)
 
     def view(self) -> np.ndarray:
@@ -115,7 +122,8 @@ class DiskWriter:
         self._written: np.ndarray | None = None  # pages holding block data (the writer's, once formatting starts)
         self._zero_buf: mmap.mmap | None = None
         self._enc_buf: mmap.mmap | None = None  # the encoded block of the write in progress
-        self._encoders: ThreadPoolExecutor | None = None  # made at the first batch with blocks to encode
+        self._encoders: ThreadPoolExecutor | None = None  # made at the first block to encode
+        self._encoding: deque[Future] = deque()  # the owner's encodings, oldest first, done ones dropped lazily
         self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
         self._inflight_puts = 0
         self._num_writes_queued = 0  # queued ops other than "del"
@@ -129,7 +137,32 @@ class DiskWriter:
 
     # -- the owner's side ---------------------------------------------------------------
     def put(self, job: DiskWrite) -> None:
+        """Queue a block write; a block to encode goes to the encoders now (its staging buffer is filled)."""
+        if job.encode is not None:
+            job.encoded = self.encoders.submit(_encode, job)
+            job.encoded.add_done_callback(self._wake)
+            self._encoding.append(job.encoded)
         self._submit(("put", job))
+
+    @property
+    def encoders(self) -> ThreadPoolExecutor:
+        """The encoders' threads (made at the first block to encode)."""
+        if self._encoders is None:
+            self._encoders = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kvstore-disk-encode",
+                                                initializer=_lower_priority)
+        return self._encoders
+
+    def _wake(self, _encoded: Future) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def encode_backlog(self) -> int:
+        """Blocks handed to the encoders and not encoded yet (owner thread)."""
+        encoding = self._encoding
+        while encoding and encoding[0].done():
+            encoding.popleft()
+        return sum(1 for f in encoding if not f.done())
 
     def delete(self, key: bytes) -> None:
         self._submit(("del", key))
@@ -226,6 +259,10 @@ class DiskWriter:
                     done = [op[1] for op in batch if op[0] == "put"]
                     for job in done:
                         job.error = job.error or f"{type(exc).__name__}: {exc}"
+            for job in done:  # an encoder still reading the staging buffer of a block not written (replaced, failed)
+                if job.encoded is not None:
+                    job.encoded.result()
+                    job.encoded = None
             with self._cv:
                 for job in done:
                     job.done = True
@@ -291,16 +328,27 @@ class DiskWriter:
                     txn.put(key, value, db=records.namespaces)
                 for key in deleted:
                     txn.delete(key, db=records.blocks)
+        # The blocks ready to write: exact ones, then encoded ones whose encoding is done. One whose encoding
+        # is not done goes back to the head of the queue: neither the disk nor the blocks written with it wait
+        # for an encoder. With none ready, the batch waits for an encoding or for a write queued after it.
+        waiting = [job for job in puts if job.encoded is not None and not job.encoded.done()]
+        if waiting and len(waiting) == len(puts):
+            with self._cv:
+                queued = self._num_writes_queued
+                self._cv.wait_for(lambda: self._num_writes_queued > queued or any(job.encoded.done() for job in waiting))
+        deferred = [job for job in waiting if not job.encoded.done()]
         written = []
-        encoded = self._encode_many([job for job in puts if job.encode is not None])
-        for job in puts:
+        for job in sorted(puts, key=lambda job: job.encoded is not None):
+            if job in deferred:
+                continue
             try:
-                self._write_job(job, encoded.get(id(job)))
+                self._write_job(job)
                 written.append(job)
             except OSError as exc:
                 self.counters.write_errors += 1
                 job.error = f"write failed: {exc}"
                 log.error("disk tier: %s", job.error)
+
         if written:
             os.fdatasync(self.data.fd)
             self.counters.fsyncs += 1
@@ -310,6 +358,12 @@ class DiskWriter:
                                x=job.checksum)
                     txn.put(job.key, msgpack.packb(rec))
         self.counters.batches += 1
+        if deferred:  # (last: a batch that fails fails them with it)
+            with self._cv:
+                self._ops.extendleft(("put", job) for job in reversed(deferred))
+                self._num_writes_queued += len(deferred)
+                self._inflight_puts -= len(deferred)
+            jobs = [job for job in jobs if job not in deferred]
         for nbytes in warm:  # after the writes: they do not wait for it
             try:
                 self.staging.prewarm(nbytes)
@@ -317,19 +371,10 @@ class DiskWriter:
                 log.warning("disk tier: staging buffers not prefaulted: %s", exc)
         return jobs
 
-    def _encode_many(self, jobs: list[DiskWrite]) -> dict[int, np.ndarray | Exception]:
-        """id(job) -> its encoded block (or what encoding raised), the jobs encoded on ENCODE_THREADS threads
-        (the codec's loops release the GIL: kvstore/codec_fast.py); {} for fewer than two jobs."""
-        if len(jobs) < 2 or ENCODE_THREADS < 2:
-            return {}
-        if self._encoders is None:
-            self._encoders = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kvstore-disk-encode")
-        return dict(zip(map(id, jobs), self._encoders.map(_encode, jobs)))
-
-    def _write_job(self, job: DiskWrite, encoded: np.ndarray | Exception | None = None) -> None:
+    def _write_job(self, job: DiskWrite) -> None:
         mv, payload = memoryview(job.buf), job.view()
-        if job.encode is not None:  # the staging buffer holds the exact block: store it encoded
-            blob = _encode(job) if encoded is None else encoded
+        if job.encoded is not None:  # the staging buffer holds the exact block: store it encoded
+            blob, job.encoded = job.encoded.result(), None
             if isinstance(blob, Exception):  # this block fails, not the batch
                 raise OSError(errno.EIO, f"encoding failed: {blob}")
             if blob.size != sum(n for _, n in job.extents):
@@ -387,6 +432,14 @@ class DiskWriter:
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
             mv, offset = mv[n:], offset + n
+
+
+def _lower_priority() -> None:
+    """An encoder thread runs on the CPU time the daemon's loop and the writer leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENCODER_NICE)
+    except OSError as exc:
+        log.debug("disk tier: encoder thread priority unchanged: %s", exc)
 
 
 def _encode(job: DiskWrite) -> np.ndarray | Exception:
