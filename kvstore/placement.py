@@ -70,6 +70,7 @@ class Placement:
                  shared: Shared, compression: Compression | None = None) -> None:
         self.chain = list(chain)
         self.compression = compression  # which demotions store a block compressed (None: none do)
+        self.stored_exact: Callable[[Key], None] | None = None  # told of each block stored exact for a busy codec
         self.tiers: dict[str, Tier] = {t.name: t for t in self.chain}
         self.index = index
         self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
@@ -235,9 +236,9 @@ class Placement:
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
         codec = self.codec_for(e, below)
-        if codec is not None and self.compression.config.exact_when_busy and below.encoders_behind():
-            codec = None  # stored exact rather than wait for the encoders (a demotion holds up a reserve)
-            self.counters[f"{below.name}_stored_exact_busy"] += 1
+        busy = codec is not None and self.compression.config.exact_when_busy and below.encoders_behind()
+        if busy:  # stored exact rather than wait for the encoders (a demotion holds up a reserve)
+            codec = None
         nbytes = e.nbytes if codec is None else codec.stored_bytes
         if not below.fits(nbytes):
             return False
@@ -256,6 +257,10 @@ class Placement:
             below.free(alloc)
             return False
         self.move(e, below.name, location)
+        if busy:
+            self.counters[f"{below.name}_stored_exact_busy"] += 1
+            if self.stored_exact is not None:
+                self.stored_exact(e.key)  # (kvstore/compaction.py: encoded once the tier is idle)
         return True
 
     def codec_for(self, e: Entry, dst: Tier) -> StoredCodec | None:

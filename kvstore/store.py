@@ -44,6 +44,7 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
 
+from kvstore.compaction import Compactor
 from kvstore.compression import Compression
 from kvstore.eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
@@ -116,6 +117,10 @@ class TieredStore:
         if "gpu" in self.tiers:
             self.demoter = GpuDemoter(self.placement, self.index, self.shared)
             listeners.add(self.demoter)
+        self.compactor: Compactor | None = None  # encodes, when the disk is idle, blocks stored exact while it was busy
+        if compression is not None and "disk" in compression.tiers and "disk" in self.tiers:
+            self.compactor = Compactor(self.placement, self.index)
+            self.placement.stored_exact = self.compactor.add
         self._persisted_ns: set[str] = set()
         self._recovering: asyncio.Task | None = None
         self.recovery = Recovery(self.index, self.placement, self.register_namespace)
@@ -508,6 +513,8 @@ class TieredStore:
             self._recovering.cancel()
         if self.demoter is not None:
             await self.demoter.stop()
+        if self.compactor is not None:
+            await self.compactor.stop()
         if self.sharing is not None:
             await self.sharing.stop()
 
@@ -570,7 +577,7 @@ class TieredStore:
         compare exactly."""
         self.recovery.finish()
         self.flush()
-        return check(self.index, self.placement, self.promoter)
+        return check(self.index, self.placement, self.promoter, self.compactor)
 
     def iter_entries(self) -> Iterable[Entry]:
         return self.index.entries.values()

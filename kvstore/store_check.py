@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Sequence
 
+from kvstore.compaction import Compactor
 from kvstore.entry import RANK, TIERS, Key, children_of
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
@@ -95,7 +96,7 @@ def describe_blocks(placement: Placement, ns_id: str, hashes: Sequence[bytes]) -
     } for e in found]
 
 
-def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[str]:
+def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor: Compactor | None = None) -> list[str]:
     """Every inconsistency between index, tiers, policies, refcounts and prefix tree (empty = clean).
     The caller flushes the tiers first, so that persistent tiers' indexes compare exactly."""
     entries, tiers, policies = index.entries, placement.tiers, placement.policies
@@ -135,6 +136,8 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
     problems += _check_copies(index)
     problems += _check_tally(index)
     held = promoter.held_pages()
+    if compactor is not None:  # a compaction in flight holds its new pages; the record follows them once durable
+        held += [("disk", slot) for slot in compactor.held_pages()]
     for tier in placement.chain:
         in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
         copies = {k: entries[k].copies[tier.name] for k in index.copies.get(tier.name, ()) if k in entries}
@@ -147,7 +150,10 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter) -> list[s
         if tier.persistent:
             if not tier.client_readable:  # blocks arrive there committed (the host arena has reservations)
                 problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
-            problems += tier.check_records({**{k: e.location for k, e in in_tier.items() if e.committed}, **copies})
+            placed = {**{k: e.location for k, e in in_tier.items() if e.committed}, **copies}
+            if compactor is not None and tier is compactor.disk:
+                placed.update(compactor.records())
+            problems += tier.check_records(placed)
     return problems
 
 

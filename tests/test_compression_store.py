@@ -21,7 +21,7 @@ from kvstore.errors import NamespaceError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta
-from kvstore.tiers.disk import DATA_FILE, ENCODE_BACKLOG, DiskTier
+from kvstore.tiers.disk import DATA_FILE, ENCODE_BACKLOG, DiskTier, record_key
 from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes
 
@@ -155,6 +155,29 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
     assert store.check() == []
 
 
+def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
+    """Demote n one-block chains while the encoders' threads are held busy; checks that the blocks stored
+    exact are durable before the encoders are let go. The n hashes now on disk."""
+    store, gate = h.store, threading.Event()
+    held = [store.disk.writer.encoders.submit(gate.wait, 30) for _ in range(ENCODE_THREADS)]
+    roots = [chain_hashes(salt + i, 1)[0] for i in range(n + h.host_blocks)]
+    for x in roots:
+        h.put(LOSSY_NS, [x])
+    exact = [e.location for e in store.index.entries.values() if e.tier == "disk" and e.location.codec is None]
+    assert len(exact) == (n - ENCODE_BACKLOG if h.exact_when_busy else 0)
+    assert store.disk.writer.wait_for(lambda: not any(slot.pending for slot in exact), 30)
+    gate.set()
+    assert all(f.result() for f in held)
+    store.disk.flush()
+    on_disk = [x for x, t in zip(roots, store.lookup(LOSSY_NS.id, roots).tiers) if t == "disk"]
+    assert len(on_disk) == n
+    return on_disk
+
+
+def codecs_of(store: TieredStore, hashes) -> list[str | None]:
+    return [store.index.entries[(LOSSY_NS.id, x)].location.codec for x in hashes]
+
+
 @pytest.mark.parametrize("exact_when_busy", [True, False])
 def test_a_demotion_while_the_encoders_are_behind_is_stored_exact_unless_told_to_wait(tmp_path, exact_when_busy):
     """The encoders' threads are held busy while blocks are demoted: the first ENCODE_BACKLOG blocks queue
@@ -164,21 +187,8 @@ def test_a_demotion_while_the_encoders_are_behind_is_stored_exact_unless_told_to
     h = Harness(tmp_path / "disk", exact_when_busy=exact_when_busy)
     try:
         store, n = h.store, ENCODE_BACKLOG + 3
-        gate = threading.Event()
-        held = [store.disk.writer.encoders.submit(gate.wait, 30) for _ in range(ENCODE_THREADS)]
-        roots = [chain_hashes(200 + i, 1) for i in range(n + h.host_blocks)]
-        for chain in roots:
-            h.put(LOSSY_NS, chain)
-        exact = [e.location for e in store.index.entries.values() if e.tier == "disk" and e.location.codec is None]
-        assert len(exact) == (n - ENCODE_BACKLOG if exact_when_busy else 0)
-        assert store.disk.writer.wait_for(lambda: not any(slot.pending for slot in exact), 30)
-        gate.set()
-        assert all(f.result() for f in held)
-        store.disk.flush()
-        hashes = [chain[0] for chain in roots]
-        on_disk = [x for x, t in zip(hashes, store.lookup(LOSSY_NS.id, hashes).tiers) if t == "disk"]
-        assert len(on_disk) == n
-        codecs = [store.index.entries[(LOSSY_NS.id, x)].location.codec for x in on_disk]
+        on_disk = demote_while_busy(h, n)
+        codecs = codecs_of(store, on_disk)
         encoded = n - codecs.count(None)
         assert encoded == (ENCODE_BACKLOG if exact_when_busy else n)
         assert store.shared.counters["disk_stored_exact_busy"] == n - encoded
@@ -186,6 +196,66 @@ def test_a_demotion_while_the_encoders_are_behind_is_stored_exact_unless_told_to
         assert row["blocks"] == encoded
         assert [h.get(LOSSY_NS, [x])[0] for x in on_disk] == [payload(x) if c is None else lossy(x)
                                                               for x, c in zip(on_disk, codecs)]
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_blocks_stored_exact_while_busy_are_encoded_once_the_disk_is_idle(tmp_path):
+    """The compactor encodes them in place: every block on disk ends up encoded, the exact pages go back,
+    each reads back as the codec's image, and a restart finds the encoded records (`check()`: no page
+    leaked, every record on its block's pages)."""
+    h = Harness(tmp_path / "disk", exact_when_busy=True)
+    try:
+        store, n = h.store, ENCODE_BACKLOG + 3
+        on_disk = demote_while_busy(h, n, salt=300)
+        stored = -(-encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2)) // PAGE) * PAGE
+        assert store.disk.used_bytes == ENCODE_BACKLOG * stored + 3 * BLOCK
+        asyncio.run(store.compactor.run_until_idle())
+        assert codecs_of(store, on_disk) == [codecs_of(store, on_disk)[0]] * n and None not in codecs_of(store, on_disk)
+        assert store.shared.counters["disk_compacted"] == 3
+        assert store.disk.used_bytes == n * stored
+        (row,) = store.disk.stats()["compressed"].values()
+        assert row["blocks"] == n
+        assert store.check() == []
+        h.close()
+        h.open()  # the records read back from the index: the encoded ones, on their own pages
+        store = h.store
+        store.wait_recovered()
+        assert list(store.lookup(LOSSY_NS.id, on_disk).tiers) == ["disk"] * n
+        slots = [store.index.entries[(LOSSY_NS.id, x)].location for x in on_disk]
+        assert all(sum(k for _, k in slot.extents) == encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2))
+                   for slot in slots) and None not in codecs_of(store, on_disk)
+        assert [h.get(LOSSY_NS, [x])[0] for x in on_disk] == [lossy(x) for x in on_disk]
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(tmp_path):
+    """The block goes while its encoded copy is being written: the new pages are freed, its record is
+    gone once the writes land, and `check()` is clean before and after."""
+    h = Harness(tmp_path / "disk", exact_when_busy=True)
+    try:
+        store, n = h.store, ENCODE_BACKLOG + 1
+        on_disk = demote_while_busy(h, n, salt=400)
+        (x,) = [x for x, c in zip(on_disk, codecs_of(store, on_disk)) if c is None]
+        compactor, key = store.compactor, (LOSSY_NS.id, x)
+
+        async def race() -> bool:
+            task = asyncio.create_task(compactor.compact(key))
+            while key not in compactor.in_flight:
+                await asyncio.sleep(0.001)
+            assert store.check() == []  # (it flushes: the new record is written, the block still exact)
+            assert store.remove(LOSSY_NS.id, [x]) == 1
+            return await task
+
+        used = store.disk.used_bytes
+        assert not asyncio.run(race())
+        assert not compactor.in_flight and store.shared.counters["disk_compacted"] == 0
+        assert store.disk.used_bytes == used - BLOCK
+        store.disk.flush()
+        assert record_key(key) not in store.disk.index_records()
         assert store.check() == []
     finally:
         h.close()
