@@ -3,7 +3,10 @@
 With `[compression] exact_when_busy` (the default) a block of an opted-in
 namespace demoted to disk while every encoder thread has a block waiting is
 stored exact (kvstore/placement.py `move_down`): a demotion never waits for the
-codec. Placement hands such blocks to the compactor, which encodes them later,
+codec. Placement hands such blocks to the compactor (and so does a restart's
+recovery, for the exact disk blocks of opted-in namespaces it adopts: those a
+stop interrupted, and those stored before the namespace's daemon compressed),
+which encodes them later,
 one at a time, when the disk tier has no write queued and its encoders are
 free (a block an encoder thread at a time), so the disk ends up holding what it
 would have held had the encoders kept up. Per block:
@@ -69,7 +72,11 @@ class Compactor:
         """A block of an opted-in namespace was stored exact on disk; start compacting when idle (on the
         loop; outside one, `run_until_idle`)."""
         self.waiting.append(key)
-        if self._task is None:
+        self.kick()
+
+    def kick(self) -> None:
+        """Start the compaction task if blocks wait and none runs (on the loop; outside one, nothing)."""
+        if self._task is None and self.waiting:
             try:
                 self._task = asyncio.get_running_loop().create_task(self._run())
             except RuntimeError:

@@ -263,6 +263,13 @@ class Placement:
                 self.stored_exact(e.key)  # (kvstore/compaction.py: encoded once the tier is idle)
         return True
 
+    def adopted(self, e: Entry) -> None:
+        """A block recovered into its tier: one stored exact where its tier would store it encoded goes to
+        the compactor (kvstore/compaction.py)."""
+        if (self.stored_exact is not None and getattr(e.location, "codec", 1) is None
+                and self.codec_for(e, self.tiers[e.tier]) is not None):
+            self.stored_exact(e.key)
+
     def codec_for(self, e: Entry, dst: Tier) -> StoredCodec | None:
         """How `dst` stores `e` when it is demoted there: compressed (kvstore/compression.py) or None."""
         if self.compression is None:

@@ -267,7 +267,9 @@ class Recovery:
             if e is not None:
                 self._indexed(key)
             return False
-        adopted.append((b.stamp, index.adopt(key, parent, b.nbytes, tier.name, b.location, b.attention)))
+        e = index.adopt(key, parent, b.nbytes, tier.name, b.location, b.attention)
+        adopted.append((b.stamp, e))
+        self.placement.adopted(e)
         self._indexed(key)
         r.adopted += 1
         return True

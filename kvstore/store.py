@@ -496,6 +496,8 @@ class TieredStore:
             self.recovery.finish()
         if self.recovery.active:
             self._recovering = asyncio.get_running_loop().create_task(self._recover())
+        if self.compactor is not None:
+            self.compactor.kick()  # (blocks a recovery handed it before the loop ran)
 
     async def _recover(self) -> None:
         while self.recovery.step(RECOVERY_STEP_BLOCKS):

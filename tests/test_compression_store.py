@@ -232,6 +232,27 @@ def test_blocks_stored_exact_while_busy_are_encoded_once_the_disk_is_idle(tmp_pa
         h.close()
 
 
+def test_a_restart_hands_the_blocks_left_exact_to_the_compactor(tmp_path):
+    """Stopped before its compaction: the next start's recovery finds the exact records of the opted-in
+    namespace and compacts them; an exact namespace's blocks stay exact."""
+    h = Harness(tmp_path / "disk", exact_when_busy=True)
+    try:
+        n = ENCODE_BACKLOG + 3
+        on_disk = demote_while_busy(h, n, salt=500)
+        h.spill(EXACT_NS, chain_hashes(501, 2))
+        h.close()
+        h.open()
+        store = h.store
+        store.wait_recovered()
+        assert None in codecs_of(store, on_disk) and len(store.compactor.waiting) >= 3
+        asyncio.run(store.compactor.run_until_idle())
+        assert None not in codecs_of(store, on_disk)
+        assert all(store.index.entries[(EXACT_NS.id, x)].location.codec is None for x in chain_hashes(501, 2))
+        assert store.check() == []
+    finally:
+        h.close()
+
+
 def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(tmp_path):
     """The block goes while its encoded copy is being written: the new pages are freed, its record is
     gone once the writes land, and `check()` is clean before and after."""
