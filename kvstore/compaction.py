@@ -108,6 +108,10 @@ class Compactor:
             except asyncio.CancelledError:
                 pass
 
+    def stats(self) -> dict:
+        return {"waiting_blocks": len(self.waiting), "in_flight_blocks": len(self.in_flight),
+                "compacted_blocks": self.counters.get("disk_compacted", 0)}
+
     def held_pages(self) -> list:
         """The new slots of compactions in flight (`check` counts their pages)."""
         return [c.new for c in self.in_flight.values()]

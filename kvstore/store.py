@@ -561,6 +561,7 @@ class TieredStore:
             "tiers": tier_rows(self.placement, self.absent),
             "counters": dict(self.shared.counters),
             **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
+            **({"compaction": self.compactor.stats()} if self.compactor is not None else {}),
             "by_namespace": namespace_rows(self.placement),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
             "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now

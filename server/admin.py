@@ -111,6 +111,15 @@ class StoreCollector:
                 stored.add_metric([tier, tag], row["stored_bytes"])
                 count.add_metric([tier, tag], row["blocks"])
             yield from (logical, stored, count)
+        if "compaction" in s:  # the disk tier compresses: what demotions stored exact and compaction encoded since
+            c = s["counters"]
+            yield CounterMetricFamily("kvstore_disk_stored_exact_busy",
+                                      "Opted-in blocks demoted exact because every encoder thread was busy",
+                                      value=c.get("disk_stored_exact_busy", 0))
+            yield CounterMetricFamily("kvstore_disk_compacted", "Blocks stored exact, encoded later in place",
+                                      value=c.get("disk_compacted", 0))
+            yield GaugeMetricFamily("kvstore_disk_compaction_waiting", "Blocks stored exact waiting for compaction",
+                                    value=s["compaction"]["waiting_blocks"])
         host = s["tiers"].get("host", {})
         if "pending_records" in host:  # the arena is kept across restarts
             yield GaugeMetricFamily("kvstore_host_pending_records",

@@ -211,7 +211,9 @@ def test_blocks_stored_exact_while_busy_are_encoded_once_the_disk_is_idle(tmp_pa
         on_disk = demote_while_busy(h, n, salt=300)
         stored = -(-encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2)) // PAGE) * PAGE
         assert store.disk.used_bytes == ENCODE_BACKLOG * stored + 3 * BLOCK
+        assert store.stats()["compaction"] == {"waiting_blocks": 3, "in_flight_blocks": 0, "compacted_blocks": 0}
         asyncio.run(store.compactor.run_until_idle())
+        assert store.stats()["compaction"] == {"waiting_blocks": 0, "in_flight_blocks": 0, "compacted_blocks": 3}
         assert codecs_of(store, on_disk) == [codecs_of(store, on_disk)[0]] * n and None not in codecs_of(store, on_disk)
         assert store.shared.counters["disk_compacted"] == 3
         assert store.disk.used_bytes == n * stored

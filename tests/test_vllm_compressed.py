@@ -84,6 +84,11 @@ def test_compressed_disk_hit_reaches_only_the_engine_that_opted_in(tmp_path):
         assert exact.cached(0) == 0 and exact.counter(0, "vllm:external_prefix_cache_hits") == 0
         assert exact.cached(1) == HIT and exact.counter(1, "vllm:external_prefix_cache_hits") == 0
         assert list(disk_stats(daemon)["compressed"]) == [tag]  # E's blocks are stored exact
+        metrics = dict(line.rsplit(" ", 1) for line in daemon.http("/metrics")[1].decode().splitlines()
+                       if line.startswith("kvstore_disk_"))
+        counters = daemon.stats()["counters"]  # (read after: counters only grow)
+        for name in ("disk_stored_exact_busy", "disk_compacted"):
+            assert 0 <= float(metrics[f"kvstore_{name}_total"]) <= counters.get(name, 0)
         match = next((i for i, (a, b) in enumerate(zip(hit.tokens(0), exact.tokens(1))) if a != b),
                      len(hit.tokens(0)))
         print(f"greedy match {match}/{len(hit.tokens(0))} tokens")  # the quality benchmarks judge the rest
