@@ -12,8 +12,9 @@ free (a block an encoder thread at a time), so the disk ends up holding what it
 would have held had the encoders kept up. Per block:
 
 1. on the loop: the block is still an exact, durable, committed disk block
-   that no reader holds; pages for its encoded size are allocated (free ones
-   only: compaction never evicts);
+   that no reader holds; pages for its encoded size are allocated (in a full
+   tier, its steady state, the policy's victims make room as for a demotion:
+   the swap frees more than that);
 2. in a thread: its exact bytes are read and verified (`DiskTier.read_into`);
 3. on the loop: if it is still where it was, the tier writes it again, encoded,
    into the new pages and under the same record key (the new record replaces the
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.entry import Entry, Key
+from kvstore.errors import CapacityError
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
 from kvstore.tiers.base import ENCODE_THREADS
@@ -130,8 +132,9 @@ class Compactor:
         codec = placement.codec_for(e, disk)
         if codec is None:
             return self._skip()
-        alloc = disk.allocate(codec.stored_bytes)
-        if alloc is None:
+        try:  # a full tier (its steady state) makes room as a demotion does: the encoded copy frees more
+            alloc = placement.allocate("disk", codec.stored_bytes, protect=key)
+        except CapacityError:
             self.counters["disk_compaction_no_room"] += 1
             return False
         old, buf = e.location, np.empty(e.nbytes, np.uint8)

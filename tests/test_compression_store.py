@@ -163,7 +163,8 @@ def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
     roots = [chain_hashes(salt + i, 1)[0] for i in range(n + h.host_blocks)]
     for x in roots:
         h.put(LOSSY_NS, [x])
-    exact = [e.location for e in store.index.entries.values() if e.tier == "disk" and e.location.codec is None]
+    exact = [e.location for e in store.index.entries.values()
+             if e.key[0] == LOSSY_NS.id and e.tier == "disk" and e.location.codec is None]
     assert len(exact) == (n - ENCODE_BACKLOG if h.exact_when_busy else 0)
     assert store.disk.writer.wait_for(lambda: not any(slot.pending for slot in exact), 30)
     gate.set()
@@ -229,6 +230,31 @@ def test_blocks_stored_exact_while_busy_are_encoded_once_the_disk_is_idle(tmp_pa
         assert all(sum(k for _, k in slot.extents) == encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2))
                    for slot in slots) and None not in codecs_of(store, on_disk)
         assert [h.get(LOSSY_NS, [x])[0] for x in on_disk] == [lossy(x) for x in on_disk]
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_compaction_makes_room_in_a_full_disk_tier(tmp_path):
+    """A disk tier is full in its steady state: the compactor evicts for an encoded copy's page as a
+    demotion would, and every opted-in block left on disk ends up encoded."""
+    h = Harness(tmp_path / "disk", exact_when_busy=True)
+    try:
+        store, n = h.store, ENCODE_BACKLOG + 3
+        for salt in range(700, 800):  # exact blocks of another namespace, until the disk is nearly full
+            if store.disk.free_bytes < BLOCK:
+                break
+            h.put(EXACT_NS, chain_hashes(salt, 2))
+        on_disk = demote_while_busy(h, n, salt=600)  # (the newest: the disk evicts the exact namespace's)
+        rest = store.disk.allocate(store.disk.free_bytes) if store.disk.free_bytes else None  # now it is full
+        evictions = store.stats()["tiers"]["disk"]["evictions"]
+        asyncio.run(store.compactor.run_until_idle())
+        if rest is not None:
+            store.disk.release(rest, None)
+        assert store.shared.counters["disk_compacted"] == 3
+        assert store.stats()["tiers"]["disk"]["evictions"] > evictions
+        left = [x for x in on_disk if (LOSSY_NS.id, x) in store.index.entries]
+        assert len(left) == n and None not in codecs_of(store, left)
         assert store.check() == []
     finally:
         h.close()
