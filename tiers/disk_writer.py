@@ -5,11 +5,13 @@ The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
 deletes, writes the data, fdatasyncs once, and commits the new records in one
 LMDB transaction (group commit). A block stored compressed is handed to the
-encoders (ENCODE_THREADS threads) when it is queued, so they work ahead of the
-writer; a batch writes its exact blocks first, then the encoded ones as their
-encodings come in. `encode_backlog` (blocks queued to the encoders and not yet
-encoded) is what the tier looks at to store a demotion exact rather than wait
-for them (tiers/disk.py `encoders_behind`). When nothing is queued and nobody waits in
+encoders (ENCODE_THREADS threads, at the lowest CPU priority) when it is
+queued, so they work ahead of the writer; a batch writes its exact blocks and
+the encoded ones whose encoding is done, and puts the others back at the head
+of the queue (a batch with nothing ready waits for an encoding, or for a
+write queued after it). `encode_backlog` (blocks handed to the encoders and
+not encoded yet) is what the tier looks at to store a demotion exact rather
+than wait for them (tiers/disk.py `encoders_behind`). When nothing is queued and nobody waits in
 `flush`, it zero-fills the data file from the `formatted_bytes` watermark, so
 that later block writes are overwrites (see tiers/disk.py, "Formatting").
 
@@ -348,7 +350,6 @@ class DiskWriter:
                 self.counters.write_errors += 1
                 job.error = f"write failed: {exc}"
                 log.error("disk tier: %s", job.error)
-
         if written:
             os.fdatasync(self.data.fd)
             self.counters.fsyncs += 1
