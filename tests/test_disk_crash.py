@@ -34,15 +34,15 @@ BLOCK = 64 * 1024
 NS = namespace("crash-model", BLOCK, dtype="bf16")
 
 
-def acknowledged(disk_path: str) -> tuple[dict[bytes, bytes | None], list[bytes]]:
+def acknowledged(disk_path: str, ns_id: str = NS.id) -> tuple[dict[bytes, bytes | None], list[bytes]]:
     """Open the index read-only (it must open cleanly): records as {hash: parent}, and the prefix-closed ones."""
     env = lmdb.open(os.path.join(disk_path, "index.lmdb"), subdir=True, readonly=True, max_dbs=4, lock=True)
     try:
         parents = {}
         with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
             for key, raw in txn.cursor():
-                ns_id, h = msgpack.unpackb(key)
-                assert ns_id == NS.id
+                rec_ns, h = msgpack.unpackb(key)
+                assert rec_ns == ns_id
                 parents[h] = msgpack.unpackb(raw)["p"]
     finally:
         env.close()
