@@ -11,7 +11,6 @@ pages), and SIGKILL the daemon after a random number of acknowledged puts.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import signal
 import threading
