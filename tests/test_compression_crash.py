@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -107,6 +109,10 @@ def test_kill_9_while_compressing_demotions_and_compactions_then_restart(tmp_pat
             stats = d.stats()
             encoded += sum(r["blocks"] for r in stats["tiers"]["disk"].get("compressed", {}).values())
             compacted += stats["counters"].get("disk_compacted", 0)
+            if round_no == 0:  # what `kvstore stats` shows of it
+                human = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", d.socket_path],
+                                       capture_output=True, text=True, timeout=60).stdout
+                assert "compressed k4v2@" in human and "stored exact while the encoders were busy:" in human
             d.proc.send_signal(signal.SIGKILL)
             assert d.proc.wait(timeout=30) == -signal.SIGKILL
             storm.thread.join(timeout=30)

@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"         compressed {codec}: {row['blocks']} blocks, {_mib(row['stored_bytes'])} stored for "
                   f"{_mib(row['logical_bytes'])} of KV ({row['ratio']}x)")
     c = stats["counters"]
+    if "compaction" in stats:  # the disk tier compresses
+        k = stats["compaction"]
+        print(f"         stored exact while the encoders were busy: {c.get('disk_stored_exact_busy', 0)}; "
+              f"compacted since: {k['compacted_blocks']}; waiting {k['waiting_blocks']}")
     print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
           f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")
     for line in namespace_lines(stats.get("by_namespace", {})):
