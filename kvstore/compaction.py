@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.entry import Entry, Key
-from kvstore.errors import CapacityError
+from kvstore.errors import KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
 from kvstore.tiers.base import ENCODE_THREADS
@@ -90,6 +90,8 @@ class Compactor:
     async def _run(self) -> None:
         try:
             await self.run_until_idle()
+        except Exception:  # noqa: BLE001 - compaction is an optimisation: it never takes the daemon down
+            log.exception("disk compaction stopped (the blocks stay exact until the next one is stored)")
         finally:
             self._task = None
 
@@ -134,7 +136,7 @@ class Compactor:
             return self._skip()
         try:  # a full tier (its steady state) makes room as a demotion does: the encoded copy frees more
             alloc = placement.allocate("disk", codec.stored_bytes, protect=key)
-        except CapacityError:
+        except KVStoreError:  # (CapacityError: nothing evictable)
             self.counters["disk_compaction_no_room"] += 1
             return False
         old, buf = e.location, np.empty(e.nbytes, np.uint8)
