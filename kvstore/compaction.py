@@ -68,6 +68,7 @@ class Compactor:
         self.disk = placement.tiers["disk"]
         self.waiting: deque[Key] = deque()  # blocks stored exact while the encoders were busy, oldest first
         self.in_flight: dict[Key, InFlight] = {}
+        self._reading: dict[Key, list] = {}  # the pages allocated for a block whose exact bytes are being read
         self._task: asyncio.Task | None = None
 
     def add(self, key: Key) -> None:
@@ -117,8 +118,8 @@ class Compactor:
                 "compacted_blocks": self.counters.get("disk_compacted", 0)}
 
     def held_pages(self) -> list:
-        """The new slots of compactions in flight (`check` counts their pages)."""
-        return [c.new for c in self.in_flight.values()]
+        """The pages of compactions in flight (`check` counts them): allocated, or written."""
+        return [*self._reading.values(), *(c.new for c in self.in_flight.values())]
 
     def records(self) -> dict[Key, object]:
         """Where the tier's record of each block in flight points once its new write is durable."""
@@ -129,7 +130,7 @@ class Compactor:
         """Encode one block stored exact (steps 1-4 above); whether it now is."""
         e = self.index.get(key)
         disk, placement = self.disk, self.placement
-        if e is None or not self._holds(e) or key in self.in_flight:
+        if e is None or not self._holds(e) or key in self.in_flight or key in self._reading:
             return self._skip()
         codec = placement.codec_for(e, disk)
         if codec is None:
@@ -140,11 +141,13 @@ class Compactor:
             self.counters["disk_compaction_no_room"] += 1
             return False
         old, buf = e.location, np.empty(e.nbytes, np.uint8)
+        self._reading[key] = alloc
         try:
             ok = await asyncio.get_running_loop().run_in_executor(None, disk.read_into, old, [buf])
-        except (OSError, asyncio.CancelledError):
-            disk.release(alloc, None)
+        except BaseException:  # (OSError, a cancellation)
+            disk.release(self._reading.pop(key), None)
             raise
+        del self._reading[key]
         if not ok or self.index.get(key) is not e or not self._holds(e) or e.location is not old:
             disk.release(alloc, None)
             return self._skip()

@@ -293,6 +293,8 @@ def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(t
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
+            await asyncio.sleep(0)  # it allocated the encoded copy's pages and reads the block in a thread
+            assert compactor.held_pages() and store.check() == []  # (the new pages are counted, not leaked)
             while key not in compactor.in_flight:
                 await asyncio.sleep(0.001)
             assert store.check() == []  # (it flushes: the new record is written, the block still exact)
