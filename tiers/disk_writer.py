@@ -129,6 +129,7 @@ class DiskWriter:
         self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
         self._inflight_puts = 0
         self._num_writes_queued = 0  # queued ops other than "del"
+        self._num_ready_queued = 0  # queued ops the writer can do without waiting for an encoder
         self._flushing = 0
         self._cv = threading.Condition()
         self._busy = False
@@ -183,6 +184,8 @@ class DiskWriter:
             self._ops.append(op)
             if op[0] != "del":
                 self._num_writes_queued += 1
+            if _ready(op):
+                self._num_ready_queued += 1
             self._cv.notify_all()
 
     def take_finished(self) -> list[DiskWrite]:
@@ -300,6 +303,8 @@ class DiskWriter:
                 batch.append(op)
                 if op[0] != "del":
                     self._num_writes_queued -= 1
+                if _ready(op):
+                    self._num_ready_queued -= 1
                 if op[0] == "put":
                     nbytes += op[1].nbytes
             self._busy = True
@@ -332,12 +337,11 @@ class DiskWriter:
                     txn.delete(key, db=records.blocks)
         # The blocks ready to write: exact ones, then encoded ones whose encoding is done. One whose encoding
         # is not done goes back to the head of the queue: neither the disk nor the blocks written with it wait
-        # for an encoder. With none ready, the batch waits for an encoding or for a write queued after it.
+        # for an encoder. With none ready, the batch waits for an encoding, or for queued work it can do now.
         waiting = [job for job in puts if job.encoded is not None and not job.encoded.done()]
         if waiting and len(waiting) == len(puts):
             with self._cv:
-                queued = self._num_writes_queued
-                self._cv.wait_for(lambda: self._num_writes_queued > queued or any(job.encoded.done() for job in waiting))
+                self._cv.wait_for(lambda: self._num_ready_queued > 0 or any(job.encoded.done() for job in waiting))
         deferred = [job for job in waiting if not job.encoded.done()]
         written = []
         for job in sorted(puts, key=lambda job: job.encoded is not None):
@@ -433,6 +437,11 @@ class DiskWriter:
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
             mv, offset = mv[n:], offset + n
+
+
+def _ready(op: tuple) -> bool:
+    """A queued operation the writer can do without waiting for an encoder (all but blocks to encode)."""
+    return op[0] != "put" or op[1].encoded is None
 
 
 def _lower_priority() -> None:
