@@ -18,18 +18,15 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
-from kvstore.client import KVClient
 from kvstore.codec import BlockLayout, Budget, decode, encode, from_float32
-from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.tools.harness.daemon_proc import start_daemon
-from tests.helpers import chain_hashes, poll
-from tests.test_disk_crash import acknowledged
+from tests.helpers import poll
+from tests.test_disk_crash import Storm, acknowledged, verify
 
 LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HKTVND")  # what "cpu/LBHNC" is to the codec
 NS = Namespace("crash-lossy", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cpu/LBHNC", codec="k4v2")
@@ -62,38 +59,6 @@ def served_right(h: bytes, data: np.ndarray) -> bool:
     return data.tobytes() in images(h)
 
 
-class Storm:
-    """Puts random chains and reads back earlier ones from a thread until the daemon dies."""
-
-    def __init__(self, socket_path: str, salt: int, read_from: list[list[bytes]]) -> None:
-        self.client = KVClient(socket_path=socket_path, timeout_s=10)
-        self.ns_id = self.client.register(NS)
-        self.salt, self.read_from = salt, read_from
-        self.chains: list[list[bytes]] = []
-        self.acked = self.reads = 0
-        self.wrong: list[bytes] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        rng = random.Random(self.salt)
-        try:
-            while True:
-                hashes = chain_hashes(self.salt, rng.randint(1, 6))
-                self.salt += 1
-                self.chains.append(hashes)
-                self.client.put(self.ns_id, [(h, p, payload(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
-                self.acked += 1
-                if rng.random() < 0.5:
-                    pick = rng.choice(self.read_from + self.chains)
-                    got = self.client.get(self.ns_id, pick)
-                    self.wrong += [h for h, data in zip(pick, got) if data is not None and not served_right(h, data)]
-                    self.reads += 1
-        except (KVStoreError, OSError) as exc:  # the daemon was killed under us
-            self.error = exc
-
-
 @pytest.mark.slow
 def test_kill_9_while_compressing_demotions_and_compactions_then_restart(tmp_path):
     config = tmp_path / "kvstore.toml"
@@ -106,19 +71,11 @@ def test_kill_9_while_compressing_demotions_and_compactions_then_restart(tmp_pat
     for round_no in range(4):
         d = start_daemon(tmp_path, "--config", str(config), host_bytes="1MiB", page_bytes="16KiB", disk=True)
         try:
-            with KVClient(socket_path=d.socket_path, timeout_s=30) as client:
-                ns_id = client.register(NS)
-                must = set(must_serve)
-                for hashes in chains:
-                    for h, data in zip(hashes, client.get(ns_id, hashes)):
-                        assert data is not None or h not in must, f"acknowledged block {h.hex()[:16]} is lost"
-                        assert data is None or served_right(h, data), f"block {h.hex()[:16]} served wrong"
-                        must.discard(h)
-                assert not must
+            verify(d.socket_path, must_serve, chains, NS, served_right)
             assert d.check() == []
             stats = d.stats()
             assert stats["tiers"]["disk"]["checksum_failures"] == 0, "a torn block reached the index"
-            storm = Storm(d.socket_path, 1000 * (round_no + 1), list(chains))
+            storm = Storm(d.socket_path, 1000 * (round_no + 1), list(chains), NS, payload, served_right)
             target = rng.randint(30, 120)
             poll(lambda: storm.acked >= target or storm.error is not None, 60, f"{target} acknowledged puts")
             assert storm.error is None, storm.error

@@ -27,6 +27,7 @@ import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_for, poll
 from kvstore.tools.harness.daemon_proc import start_daemon
 
@@ -68,18 +69,30 @@ def acknowledged(disk_path: str, ns_id: str = NS.id) -> tuple[dict[bytes, bytes 
     return parents, [h for h in parents if servable(h)]
 
 
+def exact(h: bytes, data: np.ndarray) -> bool:
+    """Whether a block was served as what was put (this file's payloads)."""
+    return np.array_equal(data, payload_for(h, BLOCK))
+
+
+def put_payload(h: bytes) -> np.ndarray:
+    return payload_for(h, BLOCK)
+
+
 class Storm:
     """Puts random chains from a thread until the daemon dies; counts acknowledged puts.
 
     With `read_from`, it also reads back random chains (promotions, record deletions, evictions
-    under a small disk: slot reuse) and records any served block whose bytes are wrong.
+    under a small disk: slot reuse) and records any served block that `right(hash, bytes)` refuses.
+    `ns`, `payload` (a hash's block) and `right`: this file's unless given (tests/test_compression_crash.py).
     """
 
-    def __init__(self, socket_path: str, first_salt: int, read_from: list[list[bytes]] | None = None) -> None:
+    def __init__(self, socket_path: str, first_salt: int, read_from: list[list[bytes]] | None = None,
+                 ns: Namespace = NS, payload=put_payload, right=exact) -> None:
         self.client = KVClient(socket_path=socket_path, timeout_s=10)
-        self.ns_id = self.client.register(NS)
+        self.ns_id = self.client.register(ns)
         self.salt = first_salt
         self.read_from = read_from
+        self.payload, self.right = payload, right
         self.chains: list[list[bytes]] = []
         self.acked = 0
         self.reads = 0
@@ -95,29 +108,25 @@ class Storm:
                 hashes = chain_hashes(self.salt, rng.randint(1, 6))
                 self.salt += 1
                 self.chains.append(hashes)
-                blocks, parent = [], None
-                for h in hashes:
-                    blocks.append((h, parent, payload_for(h, BLOCK)))
-                    parent = h
-                self.client.put(self.ns_id, blocks)
+                self.client.put(self.ns_id, [(h, p, self.payload(h)) for h, p in zip(hashes, [None] + hashes[:-1])])
                 self.acked += 1
                 if self.read_from is not None and rng.random() < 0.5:
                     pick = rng.choice(self.read_from + self.chains)
-                    for h, data in zip(pick, self.client.get(self.ns_id, pick)):
-                        if data is not None and not np.array_equal(data, payload_for(h, BLOCK)):
-                            self.wrong.append(h)
+                    got = self.client.get(self.ns_id, pick)
+                    self.wrong += [h for h, data in zip(pick, got) if data is not None and not self.right(h, data)]
                     self.reads += 1
         except (KVStoreError, OSError) as exc:  # the daemon was killed under us
             self.error = exc
 
 
-def verify(socket_path: str, must_serve: list[bytes], chains: list[list[bytes]]) -> int:
-    """Every block of `must_serve` is served intact and nothing of `chains` is served wrong; returns the
+def verify(socket_path: str, must_serve: list[bytes], chains: list[list[bytes]], ns: Namespace = NS,
+           right=exact) -> int:
+    """Every block of `must_serve` is served and `right`, and nothing of `chains` is served wrong; returns the
     number of blocks served. Chains are read root first (a deep block alone is not promoted)."""
     must = set(must_serve)
     served = 0
     with KVClient(socket_path=socket_path, timeout_s=30) as client:
-        ns_id = client.register(NS)
+        ns_id = client.register(ns)
         for hashes in chains:
             for h, data in zip(hashes, client.get(ns_id, hashes)):
                 if data is None:
@@ -125,7 +134,7 @@ def verify(socket_path: str, must_serve: list[bytes], chains: list[list[bytes]])
                     continue
                 served += 1
                 must.discard(h)
-                assert np.array_equal(data, payload_for(h, BLOCK)), f"block {h.hex()[:16]} served with wrong bytes"
+                assert right(h, data), f"block {h.hex()[:16]} served with wrong bytes"
     assert not must, f"{len(must)} acknowledged blocks belong to no chain the test put"
     return served
 
