@@ -86,7 +86,7 @@ class Compactor:
                 pass  # no loop (tests, tools driving the store directly)
 
     def idle_disk(self) -> bool:
-        return not self.disk.pending_writes and not self.disk.encoders_behind() and self.disk.writer.encode_backlog == 0
+        return not self.disk.pending_writes and self.disk.writer.encode_backlog == 0
 
     async def _run(self) -> None:
         try:

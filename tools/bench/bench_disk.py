@@ -105,17 +105,20 @@ def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = No
         store.flush()
         write_gbps = n * block_bytes / (time.perf_counter() - t0) / 1e9
         assert store.stats()["tiers"]["disk"]["blocks"] == n
-        compaction = {}
-        if compress and exact_when_busy:  # the idle disk's compaction encodes the rest (kvstore/compaction.py)
+        info: dict = {}
+        if compress:  # the blocks the demotion stored encoded; with exact_when_busy, the compaction encodes the rest
             encoded = sum(r["blocks"] for r in disk.stats()["compressed"].values())
-            t0 = time.perf_counter()
-            asyncio.run(store.compactor.run_until_idle())
-            compaction["compaction_s"] = time.perf_counter() - t0
-            compacted = sum(r["blocks"] for r in disk.stats()["compressed"].values())
-            compaction["compacted_share"] = compacted / n
-            assert store.shared.counters["disk_compacted"] == compacted - encoded
-            # (the shares reported below are those the demotion left)
-            compaction["encoded_before"] = encoded
+            assert exact_when_busy or encoded == n, "not every block was stored encoded"
+            stored = store.compression.codec(ns).stored_bytes
+            info["encoded_share"] = encoded / n
+            info["disk_ratio"] = n * block_bytes / (encoded * stored + (n - encoded) * block_bytes)
+            if exact_when_busy:  # (kvstore/compaction.py)
+                t0 = time.perf_counter()
+                asyncio.run(store.compactor.run_until_idle())
+                info["compaction_s"] = time.perf_counter() - t0
+                compacted = sum(r["blocks"] for r in disk.stats()["compressed"].values())
+                info["compacted_share"] = compacted / n
+                assert store.shared.counters["disk_compacted"] == compacted - encoded
 
         async def promote_all() -> None:
             for i in range(0, n, 32):
@@ -132,17 +135,10 @@ def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = No
         if not compress:
             assert np.array_equal(np.frombuffer(host.read(sample.location), np.uint8), payload)
         assert store.check() == []
-        info = {"direct_io": disk.direct, "direct_io_fallback_reason": disk.direct_reason}
-        if compress:
-            rows = disk.stats()["compressed"].values()
-            assert exact_when_busy or sum(r["blocks"] for r in rows) == n, "not every block was stored encoded"
-            encoded = compaction.pop("encoded_before", n)
-            info["encoded_share"] = encoded / n
-            stored = codec.stored_bytes if (codec := store.compression.codec(ns)) else block_bytes
-            info["disk_ratio"] = n * block_bytes / (encoded * stored + (n - encoded) * block_bytes)
-            info.update(compaction)
-            if encoded:
-                info["codec_ratio"] = round(sum(r["logical_bytes"] for r in rows) / sum(r["stored_bytes"] for r in rows), 3)
+        info.update(direct_io=disk.direct, direct_io_fallback_reason=disk.direct_reason)
+        rows = disk.stats()["compressed"].values()
+        if compress and rows:
+            info["codec_ratio"] = round(sum(r["logical_bytes"] for r in rows) / sum(r["stored_bytes"] for r in rows), 3)
         return write_gbps, read_gbps, info
     finally:
         store.close(persist=False)
