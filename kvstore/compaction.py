@@ -175,7 +175,7 @@ class Compactor:
         if self.index.get(key) is e and e.tier == "disk" and e.location is c.old:
             e.location = c.new
         elif self.index.get(key) is e and e.copies and e.copies.get("disk") is c.old:
-            e.copies["disk"] = c.new
+            self.index.replace_copy(e, "disk", c.new)
         else:  # the block left the tier: the deletion of its record was queued after the new write
             disk.free(c.new, None)
             return self._skip()

@@ -12,7 +12,9 @@ State, written by this object only:
   accepts and forgets;
 - reservations per owner: uncommitted entries, invisible to readers;
 - copies: per persistent tier, the blocks that kept a copy of their bytes
-  there when they moved to a faster tier (oldest first), and `Entry.copies`.
+  there when they moved to a faster tier (oldest first), and `Entry.copies`;
+  a copy that holds the block encoded (kvstore/compression.py) is listed apart
+  (`encoded_copies`): placement drops those last (kvstore/placement.py).
 - the tally (`held`, `device_bytes`): committed blocks and their bytes per
   (namespace, tier), and per device of a tier that has devices, kept as
   entries are committed, adopted, moved and removed, so that stats and metrics
@@ -51,6 +53,7 @@ class BlockIndex:
         self.ghost_pins: dict[Owner, Counter] = defaultdict(Counter)
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
         self.copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # per tier, oldest first
+        self.encoded_copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # (the same, encoded)
 
     # -- reading ----------------------------------------------------------------------
     def get(self, key: Key) -> Entry | None:
@@ -193,7 +196,7 @@ class BlockIndex:
             self._count(e, -1)
         if keep_copy:
             e.copies = {**(e.copies or {}), old: e.location}
-            self.copies[old][e.key] = None
+            self._copy_list(old, e.location)[e.key] = None
         else:
             self.listeners.removed(e, old)
         e.tier, e.location = tier, location
@@ -211,7 +214,7 @@ class BlockIndex:
         location = e.copies.pop(tier)  # type: ignore[union-attr]
         if not e.copies:
             e.copies = None
-        del self.copies[tier][e.key]
+        del self._copy_list(tier, location)[e.key]
         return location
 
     def drop_copy(self, e: Entry, tier: str) -> object:
@@ -223,12 +226,27 @@ class BlockIndex:
     def add_copy(self, e: Entry, tier: str, location: object) -> None:
         """`e`, in a faster tier, also has its bytes at `location` in `tier` (restart recovery)."""
         e.copies = {**(e.copies or {}), tier: location}
-        self.copies[tier][e.key] = None
+        self._copy_list(tier, location)[e.key] = None
         self.listeners.stored(e, tier)
 
-    def oldest_copy(self, tier: str) -> Entry | None:
-        copies = self.copies.get(tier)
+    def replace_copy(self, e: Entry, tier: str, location: object) -> None:
+        """`e`'s copy in `tier` is at `location` now (the compactor encoded it in place)."""
+        del self._copy_list(tier, e.copies[tier])[e.key]  # type: ignore[index]
+        e.copies[tier] = location  # type: ignore[index]
+        self._copy_list(tier, location)[e.key] = None
+
+    def oldest_copy(self, tier: str, encoded: bool = False) -> Entry | None:
+        """The oldest copy in `tier` of exact bytes, or (`encoded`) of an encoded block."""
+        copies = (self.encoded_copies if encoded else self.copies).get(tier)
         return self.entries[next(iter(copies))] if copies else None
+
+    def copy_keys(self, tier: str) -> list[Key]:
+        """Every block with a copy in `tier`."""
+        return [*self.copies.get(tier, ()), *self.encoded_copies.get(tier, ())]
+
+    def _copy_list(self, tier: str, location: object) -> dict[Key, None]:
+        """Where a copy at `location` is listed: apart when it holds the block encoded (a disk slot's codec)."""
+        return (self.copies if getattr(location, "codec", None) is None else self.encoded_copies)[tier]
 
     def report_all(self, tiers: Sequence[str]) -> None:
         """Report every committed block as stored in each tier holding it (after a `cleared`).

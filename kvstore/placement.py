@@ -21,7 +21,12 @@ result. The rules it keeps, for every pair of tiers:
   `<tier>_writes_saved`). Copies are in no policy: a tier that needs room
   drops its copies first, oldest first, before it evicts a block, so the
   blocks a tier holds, and every policy decision, are those of exclusive
-  tiers.
+  tiers. A copy that holds its block encoded is the exception: it is dropped
+  last, once no block can be evicted (counted as
+  `<tier>_encoded_copies_dropped`). The block in the faster tier is the
+  codec's image of it, and the codec is not idempotent: encoding the image
+  again would add error with each round trip, where going back to the copy
+  adds none.
 - A block whose bytes a tier lost (a write that failed after the tier took
   them) or that fails to verify is *discarded* with its subtree whatever its
   pins; the pins become ghost pins. A block a tier kept across a restart is
@@ -205,6 +210,11 @@ class Placement:
             done = policy.evict(shortfall, evictable, take)
         except PolicyError as exc:
             raise KVStoreError(str(exc)) from None
+        # Last, the encoded copies: a block going back to its encoded copy keeps the one encoding it has.
+        while not done and (copy := self.index.oldest_copy(tier, encoded=True)) is not None:
+            self.drop_copy(copy, tier)
+            self.counters[f"{tier}_encoded_copies_dropped"] += 1
+            done = shortfall() <= 0
         if not done:
             raise CapacityError(f"{tier} tier is full of pinned, uncommitted or non-leaf blocks")
 

@@ -24,7 +24,7 @@ from kvstore.promotion import Promoter
 def tier_rows(placement: Placement, absent: dict[str, str]) -> dict[str, dict]:
     """Per tier (absent ones too): its blocks, bytes, hits, moves, and the tier's own stats."""
     per_tier: dict[str, dict] = {}
-    counters, copies, index = placement.counters, placement.index.copies, placement.index
+    counters, index = placement.counters, placement.index
     held: dict[str, list[int]] = {name: [0, 0] for name in TIERS}
     for (_, tier), (blocks, nbytes) in index.held.items():
         held[tier][0] += blocks
@@ -55,7 +55,8 @@ def tier_rows(placement: Placement, absent: dict[str, str]) -> dict[str, dict]:
                 # (its blocks less the writes still queued: a count, not a pass over the blocks)
                 pending = row.get("pending_writes", row.get("pending_records", 0))
                 row["durable_blocks"] = max(0, held[name][0] - pending)
-                row["copies"] = len(copies[name])
+                row["copies"] = len(index.copies[name]) + len(index.encoded_copies[name])
+                row["encoded_copies"] = len(index.encoded_copies[name])
         per_tier[name] = row
     return per_tier
 
@@ -140,7 +141,7 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
         held += [("disk", slot) for slot in compactor.held_pages()]
     for tier in placement.chain:
         in_tier = {k: e for k, e in entries.items() if e.tier == tier.name}
-        copies = {k: entries[k].copies[tier.name] for k in index.copies.get(tier.name, ()) if k in entries}
+        copies = {k: entries[k].copies[tier.name] for k in index.copy_keys(tier.name) if k in entries}
         num_committed = sum(1 for e in in_tier.values() if e.committed)
         if len(policies[tier.name]) != num_committed:
             problems.append(f"policy of {tier.name} tracks {len(policies[tier.name])} blocks, "
@@ -180,11 +181,14 @@ def _check_tally(index: BlockIndex) -> list[str]:
 def _check_copies(index: BlockIndex) -> list[str]:
     """Copies sit in persistent tiers slower than their block, and the per-tier index lists exactly them."""
     problems = []
-    listed = {(tier, key) for tier, keys in index.copies.items() for key in keys}
+    listed = {(tier, key) for tier in index.copies for key in index.copy_keys(tier)}
     for key, e in index.entries.items():
         for tier in e.copies or ():
             if (tier, key) not in listed:
                 problems.append(f"copy of {key} in {tier} is not in the copies index")
+            elif (key in index.encoded_copies[tier]) != (getattr(e.copies[tier], "codec", None) is not None) or (
+                    key in index.encoded_copies[tier] and key in index.copies[tier]):
+                problems.append(f"copy of {key} in {tier} is listed apart from the copies of its kind (exact, encoded)")
             if tier not in index.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
                 problems.append(f"copy of {key} in {tier} is not in a slower persistent tier")
         if e.copies == {}:

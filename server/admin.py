@@ -118,6 +118,10 @@ class StoreCollector:
                                       value=c.get("disk_stored_exact_busy", 0))
             yield CounterMetricFamily("kvstore_disk_compacted", "Blocks stored exact, encoded later in place",
                                       value=c.get("disk_compacted", 0))
+            yield CounterMetricFamily("kvstore_disk_encoded_copies_dropped",
+                                      "Encoded disk copies of promoted blocks dropped for room (such a block is "
+                                      "encoded again, from its decoded image, when demoted)",
+                                      value=c.get("disk_encoded_copies_dropped", 0))
             yield GaugeMetricFamily("kvstore_disk_compaction_waiting", "Blocks stored exact waiting for compaction",
                                     value=s["compaction"]["waiting_blocks"])
         host = s["tiers"].get("host", {})

@@ -1,8 +1,9 @@
 """SIGKILL while a compressing disk tier demotes, encodes and compacts: nothing acknowledged is lost, and
 every block served is its exact bytes or the codec's image of them, never anything else.
 
-A block promoted from disk and demoted again without a kept copy is encoded again, from its image (the codec
-is not idempotent): a block may be served as its exact bytes or as any of the first IMAGES images.
+A block promoted from disk goes back to its kept encoded copy, but a full disk that can evict nothing drops
+that copy, and the block is then encoded again from its image (the codec is not idempotent): a block may be
+served as its exact bytes or as any of the first IMAGES images.
 
 A real daemon (a 1 MiB host arena over a 4 MiB disk tier of 4 KiB pages, `[compression] disk = true`,
 `exact_when_busy` on as by default) serves a namespace opted into `k4v2`. Each round: restart on the same
@@ -44,8 +45,8 @@ _images: dict[bytes, list[bytes]] = {}
 
 def images(h: bytes) -> list[bytes]:
     """What a block may be served as: its bytes, and the codec's image of them, and of that, ... The codec is
-    not idempotent: a block promoted from disk (decoded) and demoted again without a kept copy is encoded
-    anew, from the image."""
+    not idempotent: a block promoted from disk (decoded) whose encoded copy was dropped (a full disk that
+    could evict no block) is encoded anew when demoted, from the image."""
     if h not in _images:
         y, out = payload(h), []
         for _ in range(IMAGES + 1):

@@ -39,15 +39,15 @@ def payload(h: bytes) -> bytes:
 
 class Harness:
     def __init__(self, folder, compress=True, profile_dir="", decoder=decode_into, host_blocks=4,
-                 exact_when_busy=False):
+                 exact_when_busy=False, disk_pages=256):
         """`exact_when_busy` off: every opted-in demotion is encoded, however busy the encoders."""
         self.folder, self.compress, self.profile_dir, self.decoder = str(folder), compress, profile_dir, decoder
-        self.host_blocks, self.exact_when_busy = host_blocks, exact_when_busy
+        self.host_blocks, self.exact_when_busy, self.disk_pages = host_blocks, exact_when_busy, disk_pages
         self.open()
 
     def open(self) -> None:
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
-        disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=self.decoder)
+        disk = DiskTier(self.folder, self.disk_pages * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=self.decoder)
         self.store = TieredStore([host, disk], compression=Compression(
             CompressionConfig(disk=self.compress, profile_dir=self.profile_dir, exact_when_busy=self.exact_when_busy)))
 
@@ -153,6 +153,67 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
     assert store.shared.counters["disk_checksum_failures"] == 1
     assert store.lookup(LOSSY_NS.id, hashes).hits == 1
     assert store.check() == []
+
+
+def test_a_promoted_block_goes_back_to_its_encoded_copy_and_is_never_encoded_twice(tmp_path):
+    """A block promoted from disk is the codec's image of its encoded copy. A full disk drops that copy only
+    once it can evict no block (an exact copy would go first), so the block goes back to it without a
+    write, and reads back as its first image: encoding the image again would not give the same bytes
+    (rotated groups), and the error would grow with every round trip."""
+    h = Harness(tmp_path / "disk", disk_pages=12)  # 12 encoded blocks
+    try:
+        store, disk, ns_id = h.store, h.store.disk, LOSSY_NS.id
+        a, *fill = [chain_hashes(400 + i, 1)[0] for i in range(1 + 11 + h.host_blocks)]
+        for x in [a, *fill]:
+            h.put(LOSSY_NS, [x])
+        disk.flush()
+        assert list(store.lookup(ns_id, [a]).tiers) == ["disk"] and disk.free_bytes == 0
+        (pinned,) = asyncio.run(store.prepare_read(store.pin(ns_id, [a], "r"), "r"))  # promoted, held in host
+        assert pinned.tier == "host" and pinned.copies["disk"].codec is not None
+        more = [chain_hashes(500 + i, 1)[0] for i in range(3 * h.host_blocks)]
+        for x in more:  # every demotion into the full disk needs room
+            h.put(LOSSY_NS, [x])
+        store.release(ns_id, [a], "r")
+        store.placement.demote(store.index.entries[(ns_id, a)])  # (the host's policy keeps a block it saw hit)
+        disk.flush()
+        assert list(store.lookup(ns_id, [a]).tiers) == ["disk"]
+        counters = store.shared.counters
+        assert counters["disk_writes_saved"] == 1 and counters["disk_encoded_copies_dropped"] == 0
+        assert h.get(LOSSY_NS, [a]) == [lossy(a)]
+        image = np.frombuffer(lossy(a), np.uint8)
+        assert decode(encode(image, LAYOUT, Budget.uniform(LAYOUT, 4, 2)), LAYOUT).tobytes() != lossy(a)
+        assert store.stats()["tiers"]["disk"]["encoded_copies"] == 1  # `a` in host again, its copy kept
+        assert store.check() == []
+    finally:
+        h.close()
+
+
+def test_a_full_disk_drops_an_encoded_copy_once_it_can_evict_no_block(tmp_path):
+    """Every block on disk pinned by a reader: a demotion into the full disk takes the page of a promoted
+    block's encoded copy (counted), and that block, demoted again, is encoded anew from its image."""
+    h = Harness(tmp_path / "disk", disk_pages=4)
+    try:
+        store, disk, ns_id = h.store, h.store.disk, LOSSY_NS.id
+        a, *fill = [chain_hashes(700 + i, 1)[0] for i in range(1 + 3 + h.host_blocks)]
+        for x in [a, *fill]:
+            h.put(LOSSY_NS, [x])
+        disk.flush()
+        asyncio.run(store.prepare_read(store.pin(ns_id, [a], "r"), "r"))
+        on_disk = [x for x in fill if list(store.lookup(ns_id, [x]).tiers) == ["disk"]]
+        assert disk.free_bytes == 0 and len(on_disk) == 3
+        store.pin(ns_id, on_disk, "r")
+        h.put(LOSSY_NS, [chain_hashes(800, 1)[0]])  # a host victim goes down: only `a`'s copy can make room
+        assert store.shared.counters["disk_encoded_copies_dropped"] == 1
+        assert store.index.entries[(ns_id, a)].copies is None
+        store.release(ns_id, [a, *on_disk], "r")
+        store.placement.demote(store.index.entries[(ns_id, a)])
+        disk.flush()
+        assert store.shared.counters["disk_writes_saved"] == 0
+        image = decode(encode(np.frombuffer(lossy(a), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2)), LAYOUT)
+        assert h.get(LOSSY_NS, [a]) == [image.tobytes()]
+        assert store.check() == []
+    finally:
+        h.close()
 
 
 def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:

@@ -87,7 +87,7 @@ def test_compressed_disk_hit_reaches_only_the_engine_that_opted_in(tmp_path):
         metrics = dict(line.rsplit(" ", 1) for line in daemon.http("/metrics")[1].decode().splitlines()
                        if line.startswith("kvstore_disk_"))
         counters = daemon.stats()["counters"]  # (read after: counters only grow)
-        for name in ("disk_stored_exact_busy", "disk_compacted"):
+        for name in ("disk_stored_exact_busy", "disk_compacted", "disk_encoded_copies_dropped"):
             assert 0 <= float(metrics[f"kvstore_{name}_total"]) <= counters.get(name, 0)
         match = next((i for i, (a, b) in enumerate(zip(hit.tokens(0), exact.tokens(1))) if a != b),
                      len(hit.tokens(0)))

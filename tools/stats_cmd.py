@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         k = stats["compaction"]
         print(f"         stored exact while the encoders were busy: {c.get('disk_stored_exact_busy', 0)}; "
               f"compacted since: {k['compacted_blocks']}; waiting {k['waiting_blocks']}")
+        print(f"         encoded copies of promoted blocks: {stats['tiers']['disk'].get('encoded_copies', 0)} kept; "
+              f"{c.get('disk_encoded_copies_dropped', 0)} dropped for room")
     print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
           f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")
     for line in namespace_lines(stats.get("by_namespace", {})):
