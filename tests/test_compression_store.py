@@ -373,6 +373,41 @@ def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(t
         h.close()
 
 
+def test_a_block_promoted_while_its_compaction_is_written_keeps_the_encoded_copy(tmp_path):
+    """The block is promoted (read from its exact pages) while its encoded copy is being written: the copy
+    it left on disk becomes the encoded one, listed with the encoded copies, and the block goes back to it
+    when demoted (no write) and reads back as the codec's image."""
+    h = Harness(tmp_path / "disk", exact_when_busy=True)
+    try:
+        store, n = h.store, ENCODE_BACKLOG + 1
+        on_disk = demote_while_busy(h, n, salt=450)
+        (x,) = [x for x, c in zip(on_disk, codecs_of(store, on_disk)) if c is None]
+        compactor, key = store.compactor, (LOSSY_NS.id, x)
+
+        async def race() -> bool:
+            task = asyncio.create_task(compactor.compact(key))
+            while key not in compactor.in_flight:
+                await asyncio.sleep(0.001)
+            (e,) = await store.prepare_read(store.pin(LOSSY_NS.id, [x], "r"), "r")
+            assert e.tier == "host" and e.copies["disk"].codec is None
+            assert bytes(store.host.read(e.location)) == payload(x)  # read from the exact pages
+            store.release(LOSSY_NS.id, [x], "r")
+            return await task
+
+        assert asyncio.run(race())
+        e = store.index.entries[key]
+        assert e.tier == "host" and e.copies["disk"].codec is not None
+        assert list(store.index.encoded_copies["disk"]) == [key] and key not in store.index.copies["disk"]
+        assert store.check() == []
+        store.placement.demote(e)
+        assert store.shared.counters["disk_writes_saved"] == 1
+        store.disk.flush()
+        assert h.get(LOSSY_NS, [x]) == [lossy(x)]
+        assert store.check() == []
+    finally:
+        h.close()
+
+
 def test_a_decoder_that_refuses_makes_a_miss():
     """The codec's own checksum: a blob that the tier's checksum passed but that does not decode."""
     blob = encode(np.frombuffer(payload(b"x" * 16), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2))
