@@ -42,6 +42,7 @@ from kvstore.connectors.vllm_meta import (
     codec_layout_unknown,
     engine_layout,
     engine_namespaces,
+    hybrid_codec_unknown,
     hybrid_namespaces,
     layer_order,
     required_layout,
@@ -94,10 +95,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     codec = ""
                 namespaces = engine_namespaces(vllm_config, kv_cache_config, self.config.model_id, codec)
             else:
-                if self.config.compression:
-                    log.warning("kvstore connector: compression is for dense attention KV; this hybrid model's "
-                                "blocks are stored exact")
-                per_rank = hybrid_namespaces(vllm_config, kv_cache_config, self.layout, self.config.model_id)
+                codec = self.config.compression
+                why = hybrid_codec_unknown(vllm_config, kv_cache_config, self.layout, codec) if codec else ""
+                if why:
+                    log.warning("kvstore connector: compression off (%s): blocks are stored exact", why)
+                    codec = ""
+                elif codec:
+                    log.info("kvstore connector: this hybrid model's spine blocks are stored with %s; its "
+                             "attachments (windows, states) exact", codec)
+                per_rank = hybrid_namespaces(vllm_config, kv_cache_config, self.layout, self.config.model_id, codec)
         except ValueError as exc:
             log.warning("kvstore connector disabled: %s", exc)
             return

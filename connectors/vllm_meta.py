@@ -159,16 +159,17 @@ def _base_layout(kv_cache_config: "KVCacheConfig") -> str:
     return base
 
 
-def codec_layout_unknown(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+def codec_layout_unknown(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", spec=None) -> str:
     """Why the codec cannot read this engine's blocks ("" where it can): a shape it does not store (a head
     size that is not a power of two), or, on CPU, kernels whose block layout it does not know (it knows
     the `vec` and `vec16` kernels', kvstore/codec.py HKTVND, and the AMX ones', AMX); a block decoded in
-    the wrong layout would be served wrong."""
+    the wrong layout would be served wrong. `spec`: the KV cache spec of the layers stored (default: the
+    first group's)."""
     from vllm.platforms import current_platform
 
     from kvstore.codec import BlockLayout
 
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if spec is None else spec
     isa = cpu_attn_kernels(kv_cache_config) if current_platform.device_type == "cpu" else ""
     if isa and isa not in VEC_LAYOUT + ("amx",):
         return f"vLLM's CPU attention runs its {isa!r} kernels here, whose block layout the codec does not know"
@@ -246,9 +247,43 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     return names * vllm_config.parallel_config.tensor_parallel_size if replicated else names
 
 
-def hybrid_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layout, model_id: str = "") -> list[list[Namespace]]:
+def hybrid_codec_unknown(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layout, codec: str) -> str:
+    """Why a hybrid engine's spine blocks cannot be stored with `codec` ("" where they can). The spine holds
+    the attention KV of its groups' layers, one layer's page after another as in a dense block, so the
+    codec reads it as a dense block of those layers where every spine group has the same KV shape and no
+    latent (MLA) layers. A calibrated profile gives bits per layer of the whole model, not of the spine:
+    only the built-in uniform profiles (k4v2, k4v3, kivi-k4v2, ...) apply. The attachments (windows,
+    recurrent state) are always stored exact."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvstore.codec import BlockLayout
+    from kvstore.codec_profile import uniform_profile
+
+    groups = kv_cache_config.kv_cache_groups
+    specs = [groups[layout.groups[s.group].group].kv_cache_spec for s in layout.spine]
+    if any(isinstance(spec, MLAAttentionSpec) for spec in specs):
+        return "the spine holds latent (MLA) KV, which the codec does not store"
+    shapes = {(spec.num_kv_heads, spec.head_size, spec.dtype) for spec in specs}
+    if len(shapes) != 1:
+        return f"the spine's groups differ in KV shape {sorted(map(str, shapes))}"
+    why = codec_layout_unknown(vllm_config, kv_cache_config, specs[0])
+    if why:
+        return why
+    (spine, *_), *_ = hybrid_namespaces(vllm_config, kv_cache_config, layout, codec=codec)
+    shape = BlockLayout.from_namespace(spine)
+    if shape is None:
+        return f"the codec cannot read the spine's {spine.block_bytes} B blocks as {spine.num_layers} layers of KV"
+    if uniform_profile(codec, shape) is None:
+        return (f"profile {codec!r} is not a built-in uniform one; a calibrated profile's bits are per layer of "
+                f"the whole model, the spine holds {spine.num_layers} of its layers")
+    return ""
+
+
+def hybrid_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layout, model_id: str = "",
+                      codec: str = "") -> list[list[Namespace]]:
     """A hybrid engine's namespaces per TP rank: [spine] or [spine, attachment] (anchored to the spine);
-    their layout string carries a digest of `layout.describe()`, so engines share only identical layouts."""
+    their layout string carries a digest of `layout.describe()`, so engines share only identical layouts.
+    `codec`: the spine's opt-in to lossy storage (see `hybrid_codec_unknown`); attachments stay exact."""
     import dataclasses
 
     import xxhash
@@ -272,12 +307,13 @@ def hybrid_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
             tp_rank=rank,
             tp_size=tp_size,
             revision=str(vllm_config.model_config.revision or ""),
+            codec=codec,
         )
         names = [spine]
         if layout.attachment:
             names.append(dataclasses.replace(spine, block_bytes=layout.attachment_bytes, layout=base + "/attachment",
                                              num_layers=len({layout.groups[s.group].group for s in layout.attachment}),
-                                             anchor=spine.id))
+                                             anchor=spine.id, codec=""))
         out.append(names)
     return out
 

@@ -31,7 +31,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvstore.connectors import hybrid  # noqa: E402
 from kvstore.connectors.copy_plan import kv_geometry  # noqa: E402
-from kvstore.connectors.vllm_meta import codec_layout_unknown, engine_namespaces, hybrid_namespaces  # noqa: E402
+from kvstore.connectors.vllm_meta import (  # noqa: E402
+    codec_layout_unknown,
+    engine_namespaces,
+    hybrid_codec_unknown,
+    hybrid_namespaces,
+)
 from tests.test_copy_plan import STORE_BYTES, executor_for, read_payload, scattered_extents  # noqa: E402
 
 B = 32
@@ -199,6 +204,37 @@ def test_an_engine_that_opts_in_to_compression_has_namespaces_of_its_own():
     assert ConnectorConfig.from_extra({"compression": "smollm2-135m-3b"}).compression == "smollm2-135m-3b"
     with pytest.raises(ValueError, match="codec profile"):
         ConnectorConfig.from_extra({"compression": "../etc/passwd"})
+
+
+def test_a_hybrid_engine_that_opts_in_stores_its_spine_encoded_and_its_attachments_exact():
+    """The spine (here the full-attention layer) is read by the codec as a dense block of its layers; the
+    attachments (windows) stay exact. Its namespaces are apart from the exact engine's, attachments
+    included (anchored to the lossy spine). What cannot be compressed says why: a calibrated profile (bits
+    per layer of the whole model), an MLA spine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvstore.codec import BlockLayout
+
+    if _get_attn_isa(torch.bfloat16, B, 64) not in ("vec", "vec16"):
+        pytest.skip("this host's CPU attention runs other kernels (AMX) at this size")
+    groups = gemma_like()
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, s) for _, s, layers in groups])
+    engine = vllm_config(tp=1)
+    engine.model_config.use_mla = False
+    layout = hybrid.layout_from_groups(groups)
+    assert hybrid_codec_unknown(engine, cfg, layout, "k4v2") == ""
+    ((spine, attachment),) = hybrid_namespaces(engine, cfg, layout, codec="k4v2")
+    ((exact_spine, exact_attachment),) = hybrid_namespaces(engine, cfg, layout)
+    assert spine.codec == "k4v2" and attachment.codec == "" and attachment.anchor == spine.id
+    assert {spine.id, attachment.id}.isdisjoint({exact_spine.id, exact_attachment.id})
+    shape = BlockLayout.from_namespace(spine)
+    assert shape is not None and shape.num_layers == 1 and shape.block_bytes == spine.block_bytes == PAGE
+    assert BlockLayout.from_namespace(attachment) is None  # (never asked: it has no codec)
+    assert "not a built-in uniform" in hybrid_codec_unknown(engine, cfg, layout, "smollm2-135m-3b")
+    mla = [(0, SlidingWindowSpec(**ATT, sliding_window=64), ["l0"]),
+           (1, MLAAttentionSpec(block_size=B, num_kv_heads=1, head_size=576, dtype=torch.bfloat16), ["l1"])]
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, s) for _, s, layers in mla])
+    assert "MLA" in hybrid_codec_unknown(engine, cfg, hybrid.layout_from_groups(mla), "k4v2")
 
 
 @pytest.mark.parametrize("block_size,head_size,known", [(32, 64, True), (16, 64, True), (32, 48, False)])
