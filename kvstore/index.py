@@ -196,7 +196,7 @@ class BlockIndex:
             self._count(e, -1)
         if keep_copy:
             e.copies = {**(e.copies or {}), old: e.location}
-            self._copy_list(old, e.location)[e.key] = None
+            self.copy_list(old, e.location)[e.key] = None
         else:
             self.listeners.removed(e, old)
         e.tier, e.location = tier, location
@@ -214,7 +214,7 @@ class BlockIndex:
         location = e.copies.pop(tier)  # type: ignore[union-attr]
         if not e.copies:
             e.copies = None
-        del self._copy_list(tier, location)[e.key]
+        del self.copy_list(tier, location)[e.key]
         return location
 
     def drop_copy(self, e: Entry, tier: str) -> object:
@@ -226,14 +226,14 @@ class BlockIndex:
     def add_copy(self, e: Entry, tier: str, location: object) -> None:
         """`e`, in a faster tier, also has its bytes at `location` in `tier` (restart recovery)."""
         e.copies = {**(e.copies or {}), tier: location}
-        self._copy_list(tier, location)[e.key] = None
+        self.copy_list(tier, location)[e.key] = None
         self.listeners.stored(e, tier)
 
     def replace_copy(self, e: Entry, tier: str, location: object) -> None:
         """`e`'s copy in `tier` is at `location` now (the compactor encoded it in place)."""
-        del self._copy_list(tier, e.copies[tier])[e.key]  # type: ignore[index]
+        del self.copy_list(tier, e.copies[tier])[e.key]  # type: ignore[index]
         e.copies[tier] = location  # type: ignore[index]
-        self._copy_list(tier, location)[e.key] = None
+        self.copy_list(tier, location)[e.key] = None
 
     def oldest_copy(self, tier: str, encoded: bool = False) -> Entry | None:
         """The oldest copy in `tier` of exact bytes, or (`encoded`) of an encoded block."""
@@ -244,8 +244,8 @@ class BlockIndex:
         """Every block with a copy in `tier`."""
         return [*self.copies.get(tier, ()), *self.encoded_copies.get(tier, ())]
 
-    def _copy_list(self, tier: str, location: object) -> dict[Key, None]:
-        """Where a copy at `location` is listed: apart when it holds the block encoded (a disk slot's codec)."""
+    def copy_list(self, tier: str, location: object) -> dict[Key, None]:
+        """Where a copy at `location` belongs: apart when it holds the block encoded (a disk slot's codec)."""
         return (self.copies if getattr(location, "codec", None) is None else self.encoded_copies)[tier]
 
     def report_all(self, tiers: Sequence[str]) -> None:

@@ -186,7 +186,7 @@ def _check_copies(index: BlockIndex) -> list[str]:
         for tier in e.copies or ():
             if (tier, key) not in listed:
                 problems.append(f"copy of {key} in {tier} is not in the copies index")
-            elif (key in index.encoded_copies[tier]) != (getattr(e.copies[tier], "codec", None) is not None) or (
+            elif key not in index.copy_list(tier, e.copies[tier]) or (
                     key in index.encoded_copies[tier] and key in index.copies[tier]):
                 problems.append(f"copy of {key} in {tier} is listed apart from the copies of its kind (exact, encoded)")
             if tier not in index.copies or RANK[tier] <= RANK[e.tier] or not e.committed:

@@ -342,15 +342,21 @@ def test_a_restart_hands_the_blocks_left_exact_to_the_compactor(tmp_path):
         h.close()
 
 
+def one_block_left_exact(h: Harness, salt: int) -> bytes:
+    """Demote ENCODE_BACKLOG + 1 blocks while the encoders are busy: the hash of the one stored exact."""
+    on_disk = demote_while_busy(h, ENCODE_BACKLOG + 1, salt=salt)
+    (x,) = [x for x, c in zip(on_disk, codecs_of(h.store, on_disk)) if c is None]
+    return x
+
+
 def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(tmp_path):
     """The block goes while its encoded copy is being written: the new pages are freed, its record is
     gone once the writes land, and `check()` is clean before and after."""
     h = Harness(tmp_path / "disk", exact_when_busy=True)
     try:
-        store, n = h.store, ENCODE_BACKLOG + 1
-        on_disk = demote_while_busy(h, n, salt=400)
-        (x,) = [x for x, c in zip(on_disk, codecs_of(store, on_disk)) if c is None]
-        compactor, key = store.compactor, (LOSSY_NS.id, x)
+        store, compactor = h.store, h.store.compactor
+        x = one_block_left_exact(h, salt=400)
+        key = (LOSSY_NS.id, x)
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
@@ -379,10 +385,9 @@ def test_a_block_promoted_while_its_compaction_is_written_keeps_the_encoded_copy
     when demoted (no write) and reads back as the codec's image."""
     h = Harness(tmp_path / "disk", exact_when_busy=True)
     try:
-        store, n = h.store, ENCODE_BACKLOG + 1
-        on_disk = demote_while_busy(h, n, salt=450)
-        (x,) = [x for x, c in zip(on_disk, codecs_of(store, on_disk)) if c is None]
-        compactor, key = store.compactor, (LOSSY_NS.id, x)
+        store, compactor = h.store, h.store.compactor
+        x = one_block_left_exact(h, salt=450)
+        key = (LOSSY_NS.id, x)
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
