@@ -62,7 +62,7 @@ class ARCPolicy(EvictionPolicy):
                 leaves.update(key, "t2", next(self._tick))
 
     def on_remove(self, key: Key) -> None:
-        queue = self._leaves.queue.get(key)
+        queue = self._leaves.queue_of(key)
         if queue is None:
             return
         self._leaves.remove(key)
@@ -82,14 +82,14 @@ class ARCPolicy(EvictionPolicy):
         first, second = ("t1", "t2") if self._leaves.count["t1"] > self._p else ("t2", "t1")
         pending: dict = {}
         chosen = self._leaves.pick(first, n_bytes, evictable, pending=pending)
-        freed = sum(self._leaves.nbytes[k] for k in chosen)
+        freed = sum(self._leaves.nbytes_of(k) for k in chosen)
         if not chosen:  # nothing evictable in the preferred list
             chosen = self._leaves.pick(second, n_bytes - freed, evictable, pending=pending)
         return chosen or None
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         names = {"t1": "T1 (seen once)", "t2": "T2 (seen again)"}
-        return [names.get(self._leaves.queue.get(k, ""), None) for k in keys]
+        return [names.get(self._leaves.queue_of(k), None) for k in keys]
 
     def __contains__(self, key: Key) -> bool:
         return key in self._leaves

@@ -81,7 +81,7 @@ from typing import Callable, Sequence
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
                                check_early_fraction, sampled)
-from kvstore.eviction.leaves import GhostTable, LeafQueues
+from kvstore.eviction.leaves import GhostTable, Leaf, LeafQueues
 
 HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5
@@ -155,6 +155,17 @@ class AttentionGate:
         return min(1.0, max(0.0, (r_hi - r_lo) / (r_hi + r_lo)))
 
 
+class _Block(Leaf):
+    """A tracked block: its `Leaf` (the priority is `val[lead]`) and, per expert (one in all for a fixed
+    half-life), its time-free log values. `freq` and `cost` lists are shared between blocks (one per
+    commit's clock reading and per block shape) and never mutated: they are replaced."""
+
+    __slots__ = ("freq", "cost", "val")
+    freq: list[float]  # log2 F_b + tau_i
+    cost: list[float]  # log2 (C_b / S_b), with expert i's depth weight
+    val: list[float]  # log2 V_b + tau_i (own value, tree rule applied)
+
+
 def _credited(freq: list[float], taus: list[float], credit: float) -> list[float]:
     """F_b <- F_b * 2^(-dt/h_i) + credit under every expert i, in the time-free log domain
     (log2 F_b + tau_i); a count decayed below 2^FORGET_LOG2 of the credit starts over, as in the
@@ -170,11 +181,7 @@ class AttentionPolicy(EvictionPolicy):
         super().__init__(**({"clock": clock} if clock else {}))
         self.params = params
         self.gate = AttentionGate()
-        self._leaves = LeafQueues()  # priority: the block's V under the leading expert (`_val[key][lead]`)
-        # Per block, one entry per expert (one in all for a fixed half-life), time-free log values:
-        self._freq: dict[Key, list[float]] = {}  # log2 F_b + tau_i
-        self._cost: dict[Key, list[float]] = {}  # log2 (C_b / S_b), with expert i's depth weight
-        self._val: dict[Key, list[float]] = {}  # log2 V_b + tau_i (own value, tree rule applied)
+        self._leaves = LeafQueues(_Block)  # per block its F, C and V per expert; its priority: V of the leader
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         # key -> log F per expert (a list), or for a block that had an estimate a tuple
@@ -241,7 +248,9 @@ class AttentionPolicy(EvictionPolicy):
         if lead != self._lead:
             self._lead = lead
             self.rekeys += 1
-            self._leaves.rekey({key: v[lead] for key, v in self._val.items()})
+            for block in self._leaves.tracked.values():
+                block.prio = block.val[lead]
+            self._leaves.rekey()
 
     # -- the value --------------------------------------------------------
     def value(self, key: Key, kids: dict[Key, list] | None = None) -> float:
@@ -253,19 +262,19 @@ class AttentionPolicy(EvictionPolicy):
         tracked children of every key, `_children()`; built here when not given).
         """
         kids = self._children() if kids is None else kids
-        prio = self._leaves.prio
-        best = prio[key]
+        tracked = self._leaves.tracked
+        best = tracked[key].prio
         stack = list(kids.get(key, ()))
         while stack:
             child = stack.pop()
-            best = max(best, prio[child])  # type: ignore[type-var]
+            best = max(best, tracked[child].prio)  # type: ignore[type-var]
             stack.extend(kids.get(child, ()))
         return best  # type: ignore[return-value]
 
     def _children(self) -> dict[Key, list]:
         kids: dict[Key, list] = {}
-        for key, parent in self._leaves.parent.items():
-            if parent is not None:
+        for key, block in self._leaves.tracked.items():
+            if (parent := block.parent) is not None:
                 kids.setdefault(parent, []).append(key)
         return kids
 
@@ -273,24 +282,24 @@ class AttentionPolicy(EvictionPolicy):
         """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
         return self.params.attention_weight * (self.gate.value() if self.params.gate else 1.0)
 
-    def _own(self, key: Key, freq: list[float]) -> list[float]:
+    def _own(self, key: Key, freq: list[float], cost: list[float]) -> list[float]:
         a = self._att.get(key)
         if a is None:
-            return [f + c for f, c in zip(freq, self._cost[key])]
+            return [f + c for f, c in zip(freq, cost)]
         w = math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
-        return [f + c + w for f, c in zip(freq, self._cost[key])]
+        return [f + c + w for f, c in zip(freq, cost)]
 
-    def _lift(self, key: Key, top: list[float]) -> bool:
-        """Raise key's values to at least `top` (per expert), the heap if the leader's rose;
-        False if none rose."""
-        cur = self._val[key]
+    def _lift(self, key: Key, block: _Block, top: list[float]) -> bool:
+        """Raise the values of `key` (its record `block`) to at least `top` (per expert), the heap if
+        the leader's rose; False if none rose."""
+        cur = block.val
         new = [*map(max, cur, top)]
         if new == cur:
             return False
-        self._val[key] = new
+        block.val = new
         lead = self._lead
         if new[lead] != cur[lead]:
-            self._leaves.reprioritise(key, new[lead])
+            self._leaves.reprioritise(key, new[lead], block)
         return True
 
     # -- events -------------------------------------------------------------
@@ -303,8 +312,7 @@ class AttentionPolicy(EvictionPolicy):
         The usual block (first seen, no estimate) takes `_insert`'s steps inline."""
         taus = self._taus()
         inner = {info.parent for info in infos} if len(infos) > 1 else ()
-        experts, ghost_pop, costs, freqs, cost_of, vals = \
-            self.experts, self._ghost.pop, self._costs, self._freq, self._cost, self._val
+        experts, ghost_pop, costs = self.experts, self._ghost.pop, self._costs
         bits = experts.sample_bits if experts is not None else 0
         add = self._leaves.add
         fresh = self._first_freq(taus)
@@ -314,13 +322,12 @@ class AttentionPolicy(EvictionPolicy):
             if ghost is not None or info.attention is not None:
                 self._insert(info, taus, key not in inner, ghost)
                 continue
-            freqs[key] = fresh
             if experts is not None and sampled(key, bits) and experts.inserted(key):
                 self._follow()
             cost = costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
-            cost_of[key] = cost
-            own = vals[key] = [*map(_add, fresh, cost)]
-            add(key, info.parent, info.nbytes, "v", own[self._lead], key not in inner)
+            own = [*map(_add, fresh, cost)]
+            block = add(key, info.parent, info.nbytes, "v", own[self._lead], key not in inner)
+            block.freq, block.cost, block.val = fresh, cost, own
 
     def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True, ghost: object = None) -> None:
         """Enter one block; `ghost`: what the ghost table held of it (taken out already), else it is
@@ -336,19 +343,17 @@ class AttentionPolicy(EvictionPolicy):
                 if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
                     self.gate.hit[old_a >= 0.5] += 1
             freq = _credited(ghost, taus, self.params.ghost_credit)
-        self._freq[key] = freq
         experts = self.experts
         if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
         cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
-        self._cost[key] = cost
         if info.attention is not None:
             self._set_attention(key, info.attention)
-            own = self._own(key, freq)
+            own = self._own(key, freq, cost)
         else:
             own = [*map(_add, freq, cost)]
-        self._val[key] = own
-        self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push, final value
+        block = self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push
+        block.freq, block.cost, block.val = freq, cost, own
 
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
@@ -356,56 +361,58 @@ class AttentionPolicy(EvictionPolicy):
         if self.experts is not None and self.experts.accessed(keys):
             self._follow()
         lead = self._lead
-        leaves, vals, freqs, costs, att = self._leaves, self._val, self._freq, self._cost, self._att
-        tracked, reprioritise, prio, inner = leaves.queue, leaves.reprioritise, leaves.prio, leaves.children
+        leaves, att = self._leaves, self._att
+        tracked, reprioritise = leaves.tracked, leaves.reprioritise
         # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away.
         # Blocks committed together share one F list (`_first_freq`), and so do the blocks a hit credited
         # together: a list credited once here is reused for the next block holding that same list.
         lc, log2, forget = math.log2(credit), math.log2, FORGET_LOG2
         top: list[float] | None = None
         was = now = None  # the last F list credited, and what it became
+        get = tracked.get
         for key in reversed(keys):  # tail first, carrying the max up the chain
-            if key not in tracked:
+            block = get(key)
+            if block is None:
                 continue
-            freq = freqs[key]
+            freq = block.freq
             if freq is not was:
                 was, now = freq, [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
                                   for f, tau in zip(freq, taus)]
-            freq = freqs[key] = now
+            block.freq = now
             if att and key in att:
                 if key in self._unhit:
                     self._unhit.discard(key)
                     self.gate.hit[att[key] >= 0.5] += 1
-                own = self._own(key, freq)
+                own = self._own(key, now, block.cost)
             else:
-                own = map(_add, freq, costs[key])  # (consumed once, below: no list of its own)
-            top = [*map(max, own, vals[key])] if top is None else [*map(max, own, vals[key], top)]
-            vals[key] = top
-            if key in inner:  # (`reprioritise` of a block with children: no heap entry)
-                prio[key] = top[lead]
+                own = map(_add, now, block.cost)  # (consumed once, below: no list of its own)
+            top = block.val = [*map(max, own, block.val)] if top is None else [*map(max, own, block.val, top)]
+            if block.children:  # (`reprioritise` of a block with children: no heap entry)
+                block.prio = top[lead]
             else:
-                reprioritise(key, top[lead])
+                reprioritise(key, top[lead], block)
         if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
-            up = leaves.parent.get
-            parent = up(keys[0]) if keys[0] in tracked else None
-            while parent is not None and parent in tracked:
-                cur = vals[parent]
+            block = get(keys[0])
+            parent = block.parent if block is not None else None
+            while parent is not None and (block := get(parent)) is not None:
+                cur = block.val
                 new = [*map(max, cur, top)]
                 if new == cur:
                     break
-                vals[parent] = new
+                block.val = new
                 if new[lead] != cur[lead]:
-                    if parent in inner:  # (`reprioritise` of a block with children: no heap entry)
-                        prio[parent] = new[lead]
+                    if block.children:  # (`reprioritise` of a block with children: no heap entry)
+                        block.prio = new[lead]
                     else:
-                        reprioritise(parent, new[lead])
-                parent = up(parent)
+                        reprioritise(parent, new[lead], block)
+                parent = block.parent
 
     def on_feedback(self, key: Key, attention: float) -> None:
-        if key not in self._leaves:
+        block = self._leaves.get(key)
+        if block is None:
             return
         self._set_attention(key, attention)
-        self._lift(key, self._own(key, self._freq[key]))
+        self._lift(key, block, self._own(key, block.freq, block.cost))
 
     def _set_attention(self, key: Key, attention: float) -> None:
         try:
@@ -423,28 +430,27 @@ class AttentionPolicy(EvictionPolicy):
 
     def on_remove(self, key: Key) -> None:
         leaves = self._leaves
-        if key not in leaves.queue:
+        block = leaves.tracked.get(key)
+        if block is None:
             return
-        parent = leaves.parent[key]
-        vals = self._val
-        val = vals.pop(key)
-        if parent is not None and parent in leaves.queue:  # the tree rule, applied before it becomes a leaf
-            cur = vals[parent]  # (`_lift`, inline: eviction removes one block at a time)
-            new = [*map(max, cur, val)]
+        parent = block.parent
+        up = leaves.tracked.get(parent) if parent is not None else None
+        if up is not None:  # the tree rule, applied before it becomes a leaf
+            cur = up.val  # (`_lift`, inline: eviction removes one block at a time)
+            new = [*map(max, cur, block.val)]
             if new != cur:
-                vals[parent] = new
+                up.val = new
                 lead = self._lead
                 if new[lead] != cur[lead]:
-                    leaves.reprioritise(parent, new[lead])
+                    leaves.reprioritise(parent, new[lead], up)
         leaves.remove(key)
-        del self._cost[key]
-        freq = self._freq.pop(key)
+        freq = block.freq
         a = self._att.pop(key, None) if self._att else None
         if a is not None:
-            self._ghost.remember(key, (freq, a, key in self._unhit), len(leaves.queue))
+            self._ghost.remember(key, (freq, a, key in self._unhit), len(leaves))
             self._unhit.discard(key)
         else:  # no estimate (the common case without an attention signal): the counts alone
-            self._ghost.remember(key, freq, len(leaves.queue))
+            self._ghost.remember(key, freq, len(leaves))
         if self.experts is not None:
             self.experts.removed(key)
 

@@ -25,9 +25,12 @@ the attention policy. It mirrors the prefix tree as far as the policy sees it
 - a heap is rebuilt once it holds twice as many entries as keys, so its size
   stays O(tracked keys) and each operation O(log n).
 
-Children counts are kept even for untracked parents (a child can sit in a
-tier whose policy has not seen the parent yet), so a parent arriving later
-knows it is not a leaf.
+A tracked key's state is one `Leaf` record (a policy's own per-key state goes in
+a subclass's slots): a tier of 10^6 blocks costs one dictionary entry and one
+small object a block here, not an entry in each of six dictionaries. Children
+counts are kept even for untracked parents (a child can sit in a tier whose
+policy has not seen the parent yet), so a parent arriving later knows it is not
+a leaf.
 """
 
 from __future__ import annotations
@@ -40,114 +43,161 @@ from typing import Callable
 from kvstore.eviction.base import Key
 
 
-class LeafQueues:
-    """Tracked keys, their tree links, and one lazy min-heap of leaves per queue."""
+class Leaf:
+    """A tracked key's state: its queue, priority, size, parent, count of tracked children, and the token
+    of its live heap entry (None while it is no leaf). One object a key, not an entry in six
+    dictionaries (the store holds a tier's every block here); a policy keeps its own per-key state in a
+    subclass's slots (`LeafQueues(record=...)`; `add` returns the record)."""
 
-    def __init__(self) -> None:
-        self.queue: dict[Key, str] = {}
-        self.prio: dict[Key, object] = {}
-        self.nbytes: dict[Key, int] = {}
-        self.parent: dict[Key, Key | None] = {}
-        self.children: Counter = Counter()
+    __slots__ = ("queue", "prio", "nbytes", "parent", "children", "token")
+
+    def __init__(self, queue: str, prio: object, nbytes: int, parent: Key | None, children: int) -> None:
+        self.queue, self.prio, self.nbytes, self.parent, self.children = queue, prio, nbytes, parent, children
+        self.token: int | None = None
+
+
+class LeafQueues:
+    """Tracked keys (a `Leaf` each), their tree links, and one lazy min-heap of leaves per queue."""
+
+    def __init__(self, record: type[Leaf] = Leaf) -> None:
+        self.tracked: dict[Key, Leaf] = {}
+        self._record = record
+        self._loose: dict[Key, int] = {}  # tracked children of keys not tracked themselves
         self.count: Counter = Counter()  # queue -> keys in it (leaves or not)
         self.bytes: Counter = Counter()  # queue -> bytes in it
-        self._token: dict[Key, int] = {}
         self._heaps: dict[str, list] = {}
         self._tokens = itertools.count()
         self._lent: list[tuple[str, tuple]] = []  # (queue, heap entry) of the last pick's victims
         self._rekeyed = 0  # rekeys so far: heap entries taken out before one are not put back after it
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.queue
+        return key in self.tracked
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return len(self.tracked)
+
+    def get(self, key: Key) -> Leaf | None:
+        return self.tracked.get(key)
+
+    def queue_of(self, key: Key) -> str | None:
+        rec = self.tracked.get(key)
+        return rec.queue if rec is not None else None
+
+    def nbytes_of(self, key: Key) -> int:
+        return self.tracked[key].nbytes
+
+    def parent_of(self, key: Key) -> Key | None:
+        rec = self.tracked.get(key)
+        return rec.parent if rec is not None else None
 
     def is_leaf(self, key: Key) -> bool:
-        return not self.children.get(key)
+        rec = self.tracked.get(key)
+        return not (rec.children if rec is not None else self._loose.get(key))
 
-    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True) -> None:
-        """Track `key`. `leaf=False`: the caller adds a child of it next (a chain inserted in one
-        call), so no heap entry is made for it: it would be stale at once."""
-        if key in self.queue:
+    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True) -> Leaf:
+        """Track `key`; its record. `leaf=False`: the caller adds a child of it next (a chain inserted in
+        one call), so no heap entry is made for it: it would be stale at once."""
+        tracked = self.tracked
+        rec = tracked.get(key)
+        if rec is not None:
             self.update(key, queue, prio)
-            return
-        self.queue[key], self.prio[key], self.nbytes[key], self.parent[key] = queue, prio, nbytes, parent
+            return rec
+        loose = self._loose
+        rec = tracked[key] = self._record(queue, prio, nbytes, parent, loose.pop(key, 0) if loose else 0)
         self.count[queue] += 1
         self.bytes[queue] += nbytes
-        children = self.children
         if parent is not None:
-            children[parent] = children.get(parent, 0) + 1  # (`+= 1` would call Counter.__missing__ first)
-            self._token.pop(parent, None)  # no longer a leaf
-        if leaf and key not in children:  # a leaf (the Counter holds no zero counts)
-            self._push(key, queue, prio)
+            up = tracked.get(parent)
+            if up is not None:
+                up.children += 1
+                up.token = None  # no longer a leaf
+            else:
+                loose[parent] = loose.get(parent, 0) + 1
+        if leaf and not rec.children:
+            self._push(rec, key)
+        return rec
 
     def update(self, key: Key, queue: str, prio: object) -> None:
-        old = self.queue[key]
+        rec = self.tracked[key]
+        old = rec.queue
         if old != queue:
-            nbytes = self.nbytes[key]
+            nbytes = rec.nbytes
             self.count[old] -= 1
             self.bytes[old] -= nbytes
             self.count[queue] += 1
             self.bytes[queue] += nbytes
-            self.queue[key] = queue
-        self.prio[key] = prio
-        if key not in self.children:
-            self._push(key, queue, prio)
+            rec.queue = queue
+        rec.prio = prio
+        if not rec.children:
+            self._push(rec, key)
 
-    def reprioritise(self, key: Key, prio: object) -> None:
-        """`update` for a key that stays in its queue (the attention policy's hits)."""
-        self.prio[key] = prio
-        if key not in self.children:
-            self._push(key, self.queue[key], prio)
+    def reprioritise(self, key: Key, prio: object, rec: Leaf | None = None) -> None:
+        """`update` for a key that stays in its queue (the attention policy's hits; `rec`: its record,
+        where the caller holds it)."""
+        rec = self.tracked[key] if rec is None else rec
+        rec.prio = prio
+        if not rec.children:
+            self._push(rec, key)
 
     def remove(self, key: Key) -> None:
-        queue = self.queue.pop(key, None)
-        if queue is None:
+        rec = self.tracked.pop(key, None)
+        if rec is None:
             return
-        del self.prio[key]
-        nbytes = self.nbytes.pop(key)
-        self.count[queue] -= 1
-        self.bytes[queue] -= nbytes
-        self._token.pop(key, None)
-        parent = self.parent.pop(key)
+        self.count[rec.queue] -= 1
+        self.bytes[rec.queue] -= rec.nbytes
+        rec.token = None
+        if rec.children:  # (its children stay tracked: the count waits for its return)
+            self._loose[key] = rec.children
+        parent = rec.parent
         if parent is not None:
-            children = self.children
-            left = children[parent] - 1
-            if left > 0:
-                children[parent] = left
+            up = self.tracked.get(parent)
+            if up is not None:
+                up.children -= 1
+                if not up.children:
+                    self._push(up, parent)  # it just became a leaf
             else:
-                children.pop(parent)  # (Counter's `del` is a Python-level method)
-                if parent in self.queue:
-                    self._push(parent, self.queue[parent], self.prio[parent])  # it just became a leaf
+                loose = self._loose
+                left = loose[parent] - 1
+                if left > 0:
+                    loose[parent] = left
+                else:
+                    del loose[parent]
 
-    def _push(self, key: Key, queue: str, prio: object) -> None:
-        """A leaf's new heap entry (`queue`, `prio`: its current ones); older entries go stale."""
-        token = self._token[key] = next(self._tokens)
+    def _push(self, rec: Leaf, key: Key) -> None:
+        """A leaf's new heap entry (its current queue and priority); older entries go stale."""
+        token = rec.token = next(self._tokens)
+        queue = rec.queue
         heap = self._heaps.get(queue)
         if heap is None:
             heap = self._heaps[queue] = []
-        heapq.heappush(heap, (prio, token, key))
+        heapq.heappush(heap, (rec.prio, token, key))
         if len(heap) > 2 * self.count[queue] + 1024:
             self._rebuild(queue)
 
-    def rekey(self, prio: dict[Key, object]) -> None:
-        """Give tracked keys new priorities at once (`prio`: key -> priority) and rebuild the
-        heaps from the leaves: O(tracked keys), for a policy that changes its whole order."""
-        self.prio.update(prio)
-        mine = self.prio
+    def rekey(self, prio: dict[Key, object] | None = None) -> None:
+        """Give tracked keys new priorities at once (`prio`: key -> priority; None: the caller set the
+        records' `prio` already) and rebuild the heaps from the leaves: O(tracked keys), for a policy
+        that changes its whole order."""
+        tracked = self.tracked
+        if prio is not None:
+            for key, p in prio.items():
+                tracked[key].prio = p
         self._lent.clear()  # every live leaf is in the new heaps
         self._rekeyed += 1
         heaps: dict[str, list] = {queue: [] for queue in self._heaps}
-        for key, token in self._token.items():
-            heaps.setdefault(self.queue[key], []).append((mine[key], token, key))
+        for key, rec in tracked.items():
+            if rec.token is not None:
+                heaps.setdefault(rec.queue, []).append((rec.prio, rec.token, key))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps
 
+    def _live(self, entry: tuple) -> bool:
+        rec = self.tracked.get(entry[2])
+        return rec is not None and rec.token == entry[1]
+
     def _rebuild(self, queue: str) -> None:
-        token = self._token
-        heap = [(p, token[k], k) for p, t, k in self._heaps[queue] if token.get(k) == t]
+        heap = [entry for entry in self._heaps[queue] if self._live(entry)]
         heapq.heapify(heap)
         self._heaps[queue] = heap
 
@@ -168,7 +218,7 @@ class LeafQueues:
         evictable *now*). `pending` counts, per parent, children already named
         by the caller in this round (it is updated).
         """
-        token = self._token
+        tracked = self.tracked
         if self._lent:
             self._return_lent()
         heap = self._heaps.get(queue)
@@ -182,12 +232,13 @@ class LeafQueues:
         while heap and freed < n_bytes and (limit is None or len(chosen) < limit):
             entry = heapq.heappop(heap)
             key = entry[2]
-            if token.get(key) != entry[1]:
+            rec = tracked.get(key)
+            if rec is None or rec.token != entry[1]:
                 continue  # stale: re-prioritised, no longer a leaf, or gone
             if key not in exclude and evictable(key):
                 chosen.append(key)
                 lent.append((queue, entry))
-                freed += self.nbytes[key]
+                freed += rec.nbytes
                 if self.exposes_parent(key, pending):
                     break
             else:
@@ -198,9 +249,8 @@ class LeafQueues:
 
     def _return_lent(self) -> None:
         """The last answer's victims the caller did not take go back into their heaps."""
-        token = self._token
         for q, entry in self._lent:
-            if token.get(entry[2]) == entry[1]:
+            if self._live(entry):
                 heapq.heappush(self._heaps[q], entry)
         self._lent.clear()
 
@@ -218,7 +268,7 @@ class LeafQueues:
         leaf is no removed victim's parent)."""
         if self._lent:
             self._return_lent()
-        token, pop = self._token, heapq.heappop
+        tracked, pop = self.tracked, heapq.heappop
         rekeyed = self._rekeyed
         held: list = []
         try:
@@ -229,7 +279,8 @@ class LeafQueues:
                         return False
                     entry = pop(heap)
                     key = entry[2]
-                    if token.get(key) != entry[1]:
+                    rec = tracked.get(key)
+                    if rec is None or rec.token != entry[1]:
                         continue  # stale
                     if evictable(key):
                         break
@@ -237,7 +288,7 @@ class LeafQueues:
                 try:
                     take(key)
                 except BaseException:
-                    if token.get(key) == entry[1]:  # not taken: back where `pick` would keep it
+                    if self._live(entry):  # not taken: back where `pick` would keep it
                         self._lent.append((queue, entry))
                     raise
             return True
@@ -245,16 +296,18 @@ class LeafQueues:
             if held and rekeyed == self._rekeyed:  # (a rekey put every live leaf into new heaps)
                 heap = self._heaps[queue]
                 for entry in held:
-                    if token.get(entry[2]) == entry[1]:
+                    if self._live(entry):
                         heapq.heappush(heap, entry)
 
     def exposes_parent(self, key: Key, pending: dict) -> bool:
         """Count `key` as named; true when that names the last child of a tracked parent."""
-        parent = self.parent.get(key)
+        rec = self.tracked.get(key)
+        parent = rec.parent if rec is not None else None
         if parent is None:
             return False
         named = pending[parent] = pending.get(parent, 0) + 1
-        return parent in self.queue and named >= self.children.get(parent, 0)
+        up = self.tracked.get(parent)
+        return up is not None and named >= up.children
 
 
 class GhostTable:

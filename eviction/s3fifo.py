@@ -55,7 +55,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 freq[key] = min(freq[key] + 1, MAX_FREQ)
 
     def on_remove(self, key: Key) -> None:
-        queue = self._leaves.queue.get(key)
+        queue = self._leaves.queue_of(key)
         if queue is None:
             return
         self._leaves.remove(key)
@@ -67,7 +67,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         queues = {"s": "small", "m": "main"}
-        return [f"{queues[self._leaves.queue[k]]} freq {self._freq[k]}" if k in self._freq else None for k in keys]
+        return [f"{queues[self._leaves.queue_of(k)]} freq {self._freq[k]}" if k in self._freq else None for k in keys]
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         leaves, freq = self._leaves, self._freq
@@ -94,9 +94,9 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             chosen.append(key)
             chosen_set.add(key)
-            freed += leaves.nbytes[key]
+            freed += leaves.nbytes_of(key)
             if queue == "s":
-                small_chosen += leaves.nbytes[key]
+                small_chosen += leaves.nbytes_of(key)
             if leaves.exposes_parent(key, pending):
                 break  # its parent is a leaf next; let the store ask again
         return chosen or None

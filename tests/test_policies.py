@@ -198,7 +198,7 @@ def test_attention_values_are_monotone_along_chains():
     for seq in (branch[2:], chain[1:]):
         for k in reversed(seq):
             before = p.value(k)
-            parent = p._leaves.parent[k]
+            parent = p._leaves.parent_of(k)
             p.on_remove(k)
             assert p.value(parent) >= before
 
@@ -437,7 +437,7 @@ def test_leaf_queues_rekey_reorders_every_leaf_at_once():
     assert q.pick("v", 300, lambda k: True) == ["b"]  # b (1) exposes a: the answer ends there
     q.rekey({"a": 9, "b": 8, "c": 2, "d": 1})
     assert q.pick("v", 300, lambda k: True) == ["d", "c", "b"]  # a is internal: never named
-    assert q.prio["a"] == 9
+    assert q.get("a").prio == 9
 
 
 @pytest.mark.parametrize("name", ["lru", "lfu", "arc", "s3fifo", "attention", "attention, every key sampled"])
