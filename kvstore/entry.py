@@ -3,7 +3,7 @@
 
 An `Entry` is one block: where it sits (`tier`, `location`), its place in the
 prefix tree (`parent`, `depth`, `child_keys`), how many of its children sit in
-each tier (`child_counts`, indexed by `RANK`), its pins and its write state, the copies
+each tier (`tier_children`: one int, a `CHILD_BITS`-bit count per tier rank), its pins and its write state, the copies
 it left in slower persistent tiers when it was promoted out of them (`copies`),
 and what inspection tools and KV events show of it (`hits`, `last_access`,
 `tokens`). Only the block index (kvstore/index.py) creates, re-tiers or
@@ -11,7 +11,9 @@ removes entries; the other parts read them.
 
 The tree rule "a child never sits in a faster tier than its parent" is kept
 with the per-tier child counts: a block is a leaf *of tier t* when no child
-lives in t or a faster tier. It concerns where a block sits, not its copies.
+lives in t or a faster tier (`is_leaf_in`: one mask). The counts are packed in
+one int, not a list, because every block holds them: a list of five counts
+cost 96 bytes a block, the int 0-32. It concerns where a block sits, not its copies.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from kvstore.wire import RANK, TIERS
 
 Owner = Hashable
 Key = tuple  # (namespace id, block hash)
+CHILD_BITS = 32  # one tier's count in `Entry.tier_children` (a block has far fewer than 2^32 children)
+CHILD = {t: 1 << (CHILD_BITS * RANK[t]) for t in TIERS}  # one child in tier t, added to `tier_children`
+UP_TO = {t: (1 << (CHILD_BITS * (RANK[t] + 1))) - 1 for t in TIERS}  # the counts of t and faster tiers
 
 
 @dataclass(slots=True)
@@ -40,7 +45,7 @@ class Entry:
     owner: Owner | None  # reserving owner while uncommitted
     committed: bool = False
     pins: int = 0
-    child_counts: list = field(default_factory=lambda: [0] * len(TIERS))  # resident children per tier rank
+    tier_children: int = 0  # resident children per tier: CHILD_BITS bits per tier rank (`CHILD[tier]` is one)
     attention: float | None = None
     child_keys: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
     copies: dict | None = None  # tier name -> location of a copy kept in a slower, persistent tier
@@ -78,7 +83,21 @@ def children_of(entry: Entry) -> tuple | set:
 
 def is_leaf_in(entry: Entry, tier: str) -> bool:
     """No child of `entry` sits in `tier` or a faster one."""
-    return not any(entry.child_counts[: RANK[tier] + 1])
+    return not entry.tier_children & UP_TO[tier]
+
+
+def child_counts(entry: Entry) -> list[int]:
+    """`entry`'s children per tier, in `TIERS` order (inspection and `check`)."""
+    packed, mask = entry.tier_children, (1 << CHILD_BITS) - 1
+    return [(packed >> (CHILD_BITS * RANK[t])) & mask for t in TIERS]
+
+
+def millisecond_clock() -> float:
+    """`time.monotonic` in whole milliseconds: the store's default time for policies and hits. The
+    blocks of one burst (a commit, the demotions one reserve makes) then share one reading, and the
+    default policy one list of insert counts for them (eviction/attention.py `_first_freq`), not one a
+    block (128 B a block demoted to disk). A millisecond is nothing to half-lives of 30 s and more."""
+    return time.monotonic_ns() // 1_000_000 / 1000
 
 
 @dataclass(slots=True)
@@ -96,7 +115,7 @@ class Shared:
     """What the store's parts share, made once by the store: they read the clocks and namespaces,
     add to the counters and report to the listeners; none of them owns these."""
 
-    clock: Callable[[], float] = time.monotonic  # policies' and hits' time
+    clock: Callable[[], float] = millisecond_clock  # policies' and hits' time
     wall_clock: Callable[[], float] = time.time  # stamps persistent tiers record
     namespaces: dict[str, Namespace] = field(default_factory=dict)  # registered by the store only
     counters: Counter = field(default_factory=Counter)  # store-wide event counts (stats()["counters"])

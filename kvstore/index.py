@@ -33,10 +33,9 @@ from collections import Counter, defaultdict
 from typing import Callable, Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import RANK, TIERS, Entry, Key, Owner, children_of, link_child, unlink_child
+from kvstore.entry import CHILD, Entry, Key, Owner, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
 
-_NUM_TIERS = len(TIERS)  # an entry's per-tier child counts
 
 
 class BlockIndex:
@@ -91,10 +90,10 @@ class BlockIndex:
                 owner: Owner) -> Entry:
         """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
         if parent is None:
-            e = Entry(key, None, 0, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
+            e = Entry(key, None, 0, nbytes, tier, location, owner)
         else:
-            e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner, False, 0, [0] * _NUM_TIERS)
-            parent.child_counts[RANK[tier]] += 1
+            e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner)
+            parent.tier_children += CHILD[tier]
             if parent.child_keys is None:  # (`link_child` of a first child)
                 parent.child_keys = key
             else:
@@ -130,7 +129,7 @@ class BlockIndex:
     def _link(self, e: Entry, parent: Entry | None) -> Entry:
         self.entries[e.key] = e
         if parent is not None:
-            parent.child_counts[RANK[e.tier]] += 1
+            parent.tier_children += CHILD[e.tier]
             link_child(parent, e.key)
         return e
 
@@ -167,7 +166,7 @@ class BlockIndex:
 
     def remove(self, e: Entry) -> None:
         """Take out an entry without children, whose pages and copies placement gave back."""
-        if any(e.child_counts):
+        if e.tier_children:
             raise KVStoreError("internal: removing a block that still has children")
         if e.committed:
             self._count(e, -1)
@@ -180,7 +179,7 @@ class BlockIndex:
         del self.entries[key]
         parent = self.entries.get(e.parent) if e.parent is not None else None
         if parent is not None:
-            parent.child_counts[RANK[e.tier]] -= 1
+            parent.tier_children -= CHILD[e.tier]
             if parent.child_keys == key:  # (`unlink_child` of an only child)
                 parent.child_keys = None
             else:
@@ -204,8 +203,7 @@ class BlockIndex:
             self._count(e, 1)
         parent = self.parent_of(e)
         if parent is not None:
-            parent.child_counts[RANK[old]] -= 1
-            parent.child_counts[RANK[tier]] += 1
+            parent.tier_children += CHILD[tier] - CHILD[old]
         if not from_copy:
             self.listeners.stored(e, tier)
 

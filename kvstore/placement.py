@@ -233,7 +233,7 @@ class Placement:
         below = self._below[entry.tier]
         if below is not None and self.move_down(entry, below):
             return
-        if not any(entry.child_counts):
+        if not entry.tier_children:
             self.drop(entry)
         elif self.drop_subtree(entry) is None:  # its children sit in slower tiers and go with it
             raise CapacityError(f"a {entry.tier} block whose subtree below is pinned or being written cannot be dropped")
@@ -322,7 +322,7 @@ class Placement:
     # -- dropping --------------------------------------------------------------------------
     def drop(self, e: Entry) -> None:
         """Give back the pages of a block without children (its copies' too) and remove it."""
-        if any(e.child_counts):
+        if e.tier_children:
             raise KVStoreError("internal: dropping a block that still has children")
         if e.copies:
             for tier in list(e.copies):

@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
 from kvstore.eviction.base import make_policy
-from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of
+from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of, millisecond_clock
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
@@ -73,7 +73,7 @@ class TieredStore:
         self,
         tiers: Tier | Sequence[Tier],
         policy: str = "lru",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = millisecond_clock,
         wall_clock: Callable[[], float] = time.time,
         read_threads: int = 4,
         absent: dict[str, str] | None = None,

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from typing import Sequence
 
 from kvstore.compaction import Compactor
-from kvstore.entry import RANK, TIERS, Key, children_of
+from kvstore.entry import RANK, TIERS, Key, child_counts, children_of
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
 from kvstore.promotion import Promoter
@@ -128,10 +128,11 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
         if not e.committed and (key not in index.reserved_by_owner.get(e.owner, ()) or not tiers[e.tier].client_readable):
             problems.append(f"uncommitted {key} belongs to no live reservation in a client-readable tier")
     for key, e in entries.items():
-        if e.child_counts != children.get(key, [0] * len(TIERS)):
-            problems.append(f"child counts of {key} are {e.child_counts}, tree says {children.get(key)}")
+        counts = child_counts(e)
+        if counts != children.get(key, [0] * len(TIERS)):
+            problems.append(f"child counts of {key} are {counts}, tree says {children.get(key)}")
         kids = children_of(e)
-        if sum(e.child_counts) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
+        if sum(counts) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
             problems.append(f"children index of {key} does not match its children's parent links")
     problems += _check_pins(index)
     problems += _check_copies(index)
