@@ -102,15 +102,36 @@ LOCK_FILE = "owner.lock"
 ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks not encoded: one a thread
 
 
-@dataclass(slots=True, eq=False)
 class DiskSlot:
-    """Where a disk block's bytes are. While `job` is not done, they are also in its staging buffer."""
+    """Where a disk block's bytes are. While `job` is not done, they are also in its staging buffer.
 
-    extents: list
-    checksum: int | None
-    job: DiskWrite | None = None
-    codec: str | None = None  # the tag of the codec its bytes are encoded with; None: exact
-    logical: int = 0  # an encoded block's own size (decoded)
+    The disk tier holds most of a host's blocks, so a slot is small: a block in one extent (nearly all
+    of them) keeps it as one int, offset << 32 | length, and `extents` unpacks it ([[offset, length]]
+    as two lists and two ints were 168 B a block)."""
+
+    __slots__ = ("_where", "checksum", "job", "codec", "logical")
+
+    def __init__(self, extents: list, checksum: int | None, job: DiskWrite | None = None, codec: str | None = None,
+                 logical: int = 0) -> None:
+        """`codec`: the tag of the codec its bytes are encoded with (None: exact); `logical`: an encoded
+        block's own size (decoded)."""
+        if len(extents) == 1 and 0 <= extents[0][1] < 1 << 32:
+            offset, length = extents[0]
+            self._where: int | list = offset << 32 | length
+        else:
+            self._where = extents
+        self.checksum, self.job, self.codec, self.logical = checksum, job, codec, logical
+
+    @property
+    def extents(self) -> list:
+        """[[offset, length], ...] in the data file (a new list for a block in one extent)."""
+        where = self._where
+        if type(where) is int:
+            return [[where >> 32, where & 0xFFFFFFFF]]
+        return where
+
+    def __repr__(self) -> str:
+        return f"DiskSlot({self.extents}, {self.checksum}, codec={self.codec})"
 
     @property
     def pending(self) -> bool:
