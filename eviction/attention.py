@@ -282,12 +282,12 @@ class AttentionPolicy(EvictionPolicy):
         """w_eff: ATTENTION_WEIGHT scaled by the gate (unscaled with params.gate False)."""
         return self.params.attention_weight * (self.gate.value() if self.params.gate else 1.0)
 
-    def _own(self, key: Key, freq: list[float], cost: list[float]) -> list[float]:
+    def _own(self, key: Key, freq: list[float], cost: list[float]) -> tuple[float, ...]:
         a = self._att.get(key)
         if a is None:
-            return [f + c for f, c in zip(freq, cost)]
+            return tuple(map(_add, freq, cost))
         w = math.log2(1.0 + self.attention_weight() * (2.0 * a - 1.0))
-        return [f + c + w for f, c in zip(freq, cost)]
+        return tuple(f + c + w for f, c in zip(freq, cost))
 
     def _lift(self, key: Key, block: _Block, top: Sequence[float]) -> bool:
         """Raise the values of `key` (its record `block`) to at least `top` (per expert), the heap if
@@ -349,7 +349,7 @@ class AttentionPolicy(EvictionPolicy):
         cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
         if info.attention is not None:
             self._set_attention(key, info.attention)
-            own = tuple(self._own(key, freq, cost))
+            own = self._own(key, freq, cost)
         else:
             own = tuple(map(_add, freq, cost))
         block = self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push
