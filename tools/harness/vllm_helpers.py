@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
 CONNECTOR_CLASS = "KVStoreConnector"
 CONNECTOR_MODULE = "kvstore.connectors.vllm"
+# What vLLM logs when it turns its hybrid KV cache manager off (sliding layers then keep every token)
+HMA_OFF_LINES = ("Turning off hybrid kv cache manager", "Hybrid KV cache manager is disabled")
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -105,6 +107,11 @@ class EngineResult:
     @property
     def log(self) -> str:
         return self.stdout + self.stderr
+
+    @property
+    def hma_off(self) -> bool:
+        """vLLM turned its hybrid KV cache manager off in this engine."""
+        return any(line in self.log for line in HMA_OFF_LINES)
 
     def outputs(self, run: int) -> list[dict]:
         return self.runs[run]["outputs"]
