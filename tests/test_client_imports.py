@@ -18,3 +18,29 @@ def test_the_client_loads_no_daemon_module():
     loaded = json.loads(out.stdout)
     assert "kvstore.client" in loaded and "kvstore.wire" in loaded
     assert [m for m in loaded if m.startswith(DAEMON_ONLY)] == []
+
+
+def _subcommands(parser) -> set[str]:
+    return {name for action in parser._subparsers._group_actions for name in action.choices}
+
+
+def test_every_command_is_mapped_to_the_module_that_registers_it():
+    from kvstore.tools import cli
+
+    assert _subcommands(cli.build_parser()) == set(cli.COMMANDS)  # help: every command
+    for command, module in cli.COMMANDS.items():
+        alone = _subcommands(cli.build_parser([command, "--help"]))
+        assert command in alone, (command, module)
+        assert alone == {c for c, m in cli.COMMANDS.items() if m == module}
+
+
+def test_serve_loads_no_other_command():
+    code = ("import json, sys; from kvstore.tools import cli; cli.build_parser(['serve', '--name', 'x']); "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    assert "kvstore.tools.serve_cmd" in loaded
+    others = [m for m in loaded if m.startswith("kvstore.tools.") and m.endswith(
+        ("stats_cmd", "blocks_cmd", "inspect_cmd", "top_cmd", "events_cmd", "replay", "gen_trace", "proxy_cmd"))]
+    assert others == []
+    assert "kvstore.server.pd_proxy" not in loaded and "aiohttp" not in loaded

@@ -1,5 +1,7 @@
 """The `kvstore` command. Each subcommand lives in a module with `register(subparsers)`
-and `run(args) -> int`; COMMAND_MODULES lists them. Logging is configured here only.
+and `run(args) -> int`; COMMANDS maps each command to its module. A command line that names one
+imports only that module (`kvstore serve` does not load the proxy's or the replay's, a quarter of a
+second of the daemon's start); help and errors load them all. Logging is configured here only.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import importlib.metadata
 import logging
 import sys
 
-COMMAND_MODULES = [f"kvstore.tools.{name}" for name in ("serve_cmd", "stats_cmd", "blocks_cmd", "inspect_cmd", "top_cmd",
-                                                          "events_cmd", "replay", "gen_trace", "proxy_cmd")]
+COMMANDS = {"serve": "serve_cmd", "stats": "stats_cmd", "ls": "blocks_cmd", "evict": "blocks_cmd",
+            "inspect": "inspect_cmd", "top": "top_cmd", "events": "events_cmd", "replay": "replay",
+            "gen-trace": "gen_trace", "proxy": "proxy_cmd"}
+COMMAND_MODULES = [f"kvstore.tools.{name}" for name in dict.fromkeys(COMMANDS.values())]
 
 
 def version() -> str:
@@ -22,17 +26,22 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: with only its command's subparser when its first word is a command
+    (the options before it take no value), else with every command's."""
     parser = argparse.ArgumentParser(prog="kvstore", description="A tiered KV-cache store for LLM inference engines.")
     parser.add_argument("--version", action="version", version=f"kvstore {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    modules = [f"kvstore.tools.{COMMANDS[command]}"] if command in COMMANDS else COMMAND_MODULES
+    for name in modules:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", None) or "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
