@@ -94,6 +94,9 @@ DEPTH_OFF_ABOVE_S = 1000.0
 ATTENTION_WEIGHT = 0.5
 GATE_MIN_BLOCKS = 1000
 GATE_HALVING = 65536
+# A ghost (eviction/ghosts.py) is a removed block's log F per expert and, last, its estimate A in [0, 1]:
+# negated (-0.0 for 0) while the gate still waits for the block's first re-reference, NaN when it had none.
+_NO_ESTIMATE = math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +187,6 @@ class AttentionPolicy(EvictionPolicy):
         self._leaves = LeafQueues(_Block)  # per block its F, C and V per expert; its priority: V of the leader
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
-        # key -> log F per expert (a list), or for a block that had an estimate a tuple
-        # (log F per expert, A, whether the gate still waits for its first re-reference)
-        self._ghost = GhostTable(params.ghost_factor)
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
@@ -194,6 +194,8 @@ class AttentionPolicy(EvictionPolicy):
                                         early_fraction=params.early_fraction)
                         if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
+        # key -> log F per expert, then the block's estimate (`_as_ghost`)
+        self._ghost = GhostTable(params.ghost_factor, width=len(halves) + 1)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
                          for h in halves]
         self._lead = self.experts.lead if self.experts is not None else 0
@@ -338,11 +340,12 @@ class AttentionPolicy(EvictionPolicy):
         if ghost is None:
             freq = self._first_freq(taus)
         else:
-            if type(ghost) is tuple:
-                ghost, old_a, waiting = ghost
-                if waiting:  # re-referenced after eviction: reuse the gate must see, or it only sees what we kept
-                    self.gate.hit[old_a >= 0.5] += 1
-            freq = _credited(ghost, taus, self.params.ghost_credit)
+            est = ghost[-1]
+            if math.copysign(1.0, est) < 0:  # (NaN, no estimate, is positive)
+                # re-referenced after eviction while the gate waited for it: reuse the gate must see,
+                # or it only sees what we kept
+                self.gate.hit[-est >= 0.5] += 1
+            freq = _credited(ghost[:-1], taus, self.params.ghost_credit)
         experts = self.experts
         if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
@@ -446,11 +449,12 @@ class AttentionPolicy(EvictionPolicy):
         leaves.remove(key)
         freq = block.freq
         a = self._att.pop(key, None) if self._att else None
+        ghost = self._ghost
         if a is not None:
-            self._ghost.remember(key, (freq, a, key in self._unhit), len(leaves))
+            ghost.remember(key, (*freq, -a if key in self._unhit else a), len(leaves))
             self._unhit.discard(key)
         else:  # no estimate (the common case without an attention signal): the counts alone
-            self._ghost.remember(key, freq, len(leaves))
+            ghost.ghosts.put(key, (*freq, _NO_ESTIMATE), ghost.factor * len(leaves))  # (`remember`, inline)
         if self.experts is not None:
             self.experts.removed(key)
 

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Callable
 
 from kvstore.eviction.base import Key
+from kvstore.eviction.ghosts import Ghosts
 
 
 class Leaf:
@@ -312,23 +313,21 @@ class LeafQueues:
 
 class GhostTable:
     """What a policy remembers of keys that left its tier: at most `factor` x (resident
-    keys) entries, oldest dropped first (ARC/LRFU-style history). `factor` may be
+    keys) entries, oldest dropped first (ARC/LRFU-style history), each `width` floats
+    (eviction/ghosts.py: a float when `width` is 1, else a tuple). `factor` may be
     math.inf (remember everything; for evaluation)."""
 
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, width: int = 1) -> None:
         self.factor = factor
-        self._items: OrderedDict[Key, object] = OrderedDict()
-        # pop(key, default): what was remembered of `key`, forgotten now (the OrderedDict's own method:
-        # a policy asks on every insert)
-        self.pop = self._items.pop
+        self.ghosts = Ghosts(width)
+        # pop(key, default): what was remembered of `key`, forgotten now (a policy asks on every insert)
+        self.pop = self.ghosts.pop
 
-    def remember(self, key: Key, value: object, resident: int) -> None:
-        items = self._items
-        items[key] = value
-        limit = self.factor * resident
-        while len(items) > limit:
-            items.popitem(last=False)
+    def remember(self, key: Key, value: float | tuple, resident: int) -> None:
+        self.ghosts.put(key, value, self.factor * resident)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.ghosts)
 
+    def __contains__(self, key: Key) -> bool:
+        return key in self.ghosts

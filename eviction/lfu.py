@@ -40,7 +40,7 @@ class LFUPolicy(EvictionPolicy):
         self._tick = itertools.count()
 
     def on_insert(self, info: BlockInfo) -> None:
-        count = self._ghost.pop(info.key, 0) + 1  # type: ignore[operator]
+        count = int(self._ghost.pop(info.key, 0)) + 1  # type: ignore[call-overload]
         self._hits[info.key] = count
         self._leaves.add(info.key, info.parent, info.nbytes, "lfu", (count, next(self._tick)))
 

@@ -1,0 +1,176 @@
+"""Ghosts: what a policy remembers of keys that left its tier, oldest first, in flat arrays.
+
+A policy's history holds many more keys than its tier: the default policy keeps
+up to 16 x its resident blocks (eviction/attention.py; LFU 4 x). As an
+OrderedDict of keys a ghost cost ~120 B of table and node, and it kept the
+key's tuple and hash bytes alive (~110 B) long after the block was gone: a tier
+written through 20 times over held ~5.9 KB a resident block, most of it
+history. (The half-life experts' miniature caches keep their OrderedDicts: they
+replay sampled reads, and there the arrays' Python-level probing cost more than
+their ~1.2 KB a resident block is worth.)
+
+Here a ghost is the key's fingerprint (its 64-bit `hash`) and `width` floats,
+appended to a log in the order they are remembered, with an open-addressing
+table (linear probing, at most half full) from fingerprint to log position. A
+ghost taken back (`pop`) or forgotten (`trim`, from the log's oldest end) is
+only marked dead: its table slot stays until the log is full, and then the log
+is rewritten with its live ghosts, in order, plus half as many free positions,
+and the table rebuilt (both vectorised, amortised over the puts that filled
+it; at least MIN_FREE of them, so a small table does not pay NumPy's per-call
+cost every few puts). A position is 8 * width + 1 B (int64 fingerprint,
+float64 values, a live byte) plus 8-16 B of table (int32 slots): a ghost costs
+1-1.5 positions, about 50-85 B for the default policy's (4 floats).
+
+Two keys with the same fingerprint share one ghost. With 64-bit hashes the odds
+are about (ghosts held) / 2^64 per key remembered or looked up, and the cost is
+one block's history credit, never a wrong byte: a policy ranks, it does not
+index.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from typing import Hashable
+
+import numpy as np
+
+MIN_FREE = 2048  # free log positions after a compaction at least (it costs ~0.1 ms however small)
+
+
+class Ghosts:
+    """Fingerprints with `width` floats each, oldest first. `pop` gives a float when `width` is 1,
+    else a tuple of `width` floats, exactly as put."""
+
+    __slots__ = ("width", "_record", "_val", "_find_in", "_head", "_tail", "_n")
+
+    def __init__(self, width: int = 1) -> None:
+        if width < 1:
+            raise ValueError("width must be at least 1")
+        self.width = width
+        self._record = struct.Struct(f"{width}d")
+        self._layout(MIN_FREE, np.zeros(0, np.int64), np.zeros((0, width)))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key: Hashable) -> bool:
+        h = hash(key)
+        slots, fp, live, mask = self._find_in
+        i = h & mask
+        while s := slots[i]:
+            if fp[s - 1] == h and live[s - 1]:
+                return True
+            i = (i + 1) & mask
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its arrays."""
+        slots, fp, live, _ = self._find_in
+        return 4 * len(slots) + 8 * len(fp) + len(live) + len(self._val)
+
+    def pop(self, key: Hashable, default: object = None) -> object:
+        """What was remembered of `key`, forgotten now; `default` if nothing was."""
+        h = hash(key)
+        slots, fp, live, mask = self._find_in
+        i = h & mask
+        while s := slots[i]:  # a policy asks on every insert, and nearly always in vain
+            if fp[s - 1] == h and live[s - 1]:
+                live[s - 1] = 0
+                self._n -= 1
+                value = self._record.unpack_from(self._val, (s - 1) * self._record.size)
+                return value[0] if self.width == 1 else value
+            i = (i + 1) & mask
+        return default
+
+    def put(self, key: Hashable, value: float | tuple, limit: float | None = None) -> None:
+        """Remember `value` for `key` as the newest ghost (a key already remembered keeps its place and
+        takes the new value, as an OrderedDict's item would); then `trim(limit)` if given. A value of
+        another width is a ValueError, and nothing changes."""
+        h = hash(key)
+        slots, fp, live, mask = self._find_in
+        i = h & mask
+        while s := slots[i]:
+            if fp[s - 1] == h and live[s - 1]:
+                pos = s - 1
+                break
+            i = (i + 1) & mask
+        else:  # not remembered: the newest, in the first free slot of its probe
+            pos = self._tail
+            if pos == len(live):
+                self._compact()
+                slots, fp, live, mask = self._find_in
+                pos = self._tail
+                i = h & mask
+                while slots[i]:
+                    i = (i + 1) & mask
+        record = self._record
+        try:  # the value first: a wrong width raises before anything changed
+            if self.width == 1:
+                record.pack_into(self._val, pos * 8, value)
+            else:
+                record.pack_into(self._val, pos * record.size, *value)  # type: ignore[misc]
+        except (struct.error, TypeError) as exc:
+            raise ValueError(f"a ghost of this table is {self.width} floats: {exc}") from None
+        n = self._n
+        if not s:  # (a new ghost)
+            self._tail = pos + 1
+            slots[i] = pos + 1
+            fp[pos] = h
+            live[pos] = 1
+            n += 1
+        if limit is not None and n > limit:  # trim(limit), inline: each put of a full table forgets one
+            head = self._head
+            while n > limit:
+                if live[head]:
+                    live[head] = 0
+                    n -= 1
+                head += 1
+            self._head = head
+        self._n = n
+
+    def trim(self, limit: float) -> None:
+        """Forget the oldest ghosts until at most `limit` are left."""
+        live, head, n = self._find_in[2], self._head, self._n
+        while n > limit:
+            if live[head]:
+                live[head] = 0
+                n -= 1
+            head += 1
+        self._head, self._n = head, n
+
+    def _compact(self) -> None:
+        """The live ghosts, in order, at the start of a log of 1.5 times as many positions (at least
+        MIN_FREE more)."""
+        _, fp, live, _ = self._find_in
+        head, tail = self._head, self._tail
+        kept = np.frombuffer(live, np.uint8)[head:tail].astype(bool)
+        fps = np.frombuffer(fp, np.int64)[head:tail][kept]
+        vals = np.frombuffer(self._val, np.float64).reshape(-1, self.width)[head:tail][kept]
+        self._layout(len(fps) + max(len(fps) // 2, MIN_FREE), fps, vals)
+
+    def _layout(self, positions: int, fps: np.ndarray, vals: np.ndarray) -> None:
+        """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table."""
+        n, w = len(fps), self.width
+        fp = np.zeros(positions, np.int64)
+        fp[:n] = fps
+        val = np.zeros((positions, w))
+        val[:n] = vals
+        live = np.zeros(positions, np.uint8)
+        live[:n] = 1
+        size = 1 << (2 * positions - 1).bit_length()  # a power of two, at least twice the positions
+        table = np.zeros(size, np.int32)
+        mask = size - 1
+        want = fps & mask  # linear probing, all at once: in each round every ghost still waiting asks
+        waiting = np.arange(n)  # for its next slot, and one of those asking for a free slot gets it
+        while len(waiting):
+            at = want[waiting]
+            free = table[at] == 0
+            table[at[free]] = waiting[free] + 1  # (of two asking for one slot, one write is the last)
+            waiting = waiting[table[at] != waiting + 1]
+            want[waiting] = (want[waiting] + 1) & mask
+        # (slots, fingerprints, live flags, mask): what a lookup reads, in one attribute
+        self._find_in = (array("i", table.tobytes()), array("q", fp.tobytes()), bytearray(live.tobytes()), mask)
+        self._val = bytearray(val.tobytes())
+        self._head, self._tail, self._n = 0, n, n

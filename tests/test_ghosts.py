@@ -1,0 +1,102 @@
+"""The policies' history (eviction/ghosts.py) against an OrderedDict, its memory, and the default
+policy's ghosts of blocks that had an attention estimate."""
+
+import math
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvstore.eviction.attention import AttentionPolicy
+from kvstore.eviction.base import BlockInfo
+from kvstore.eviction.ghosts import Ghosts
+from kvstore.eviction.leaves import GhostTable
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 300), st.floats(allow_nan=False)),
+    st.tuples(st.just("pop"), st.integers(0, 300), st.just(0.0)),
+    st.tuples(st.just("trim"), st.integers(0, 200), st.just(0.0)),
+), max_size=600)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_ghosts_behave_as_an_ordered_dict_with_oldest_first_trimming(ops):
+    g, model = Ghosts(), OrderedDict()
+    for op, key, value in ops:
+        if op == "put":
+            g.put(key, value)
+            model[key] = value
+        elif op == "pop":
+            assert g.pop(key, "none") == model.pop(key, "none")
+        else:
+            g.trim(key)
+            while len(model) > key:
+                model.popitem(last=False)
+        assert len(g) == len(model)
+    assert all(k in g for k in model) and not any(k in g for k in range(301) if k not in model)
+    for key, value in list(model.items()):  # and the order: trimming one at a time drops the oldest
+        g.trim(len(model) - 1)
+        model.popitem(last=False)
+        assert key not in g and len(g) == len(model)
+
+
+def test_a_wide_ghost_comes_back_exactly_and_a_wrong_width_changes_nothing():
+    g = Ghosts(4)
+    values = (0.1, -1e-300, math.inf, -0.0)
+    g.put(("ns", b"k"), values)
+    with pytest.raises(ValueError):
+        g.put(("ns", b"other"), (1.0, 2.0))
+    assert len(g) == 1 and ("ns", b"other") not in g
+    back = g.pop(("ns", b"k"))
+    assert back == values and math.copysign(1.0, back[3]) < 0 and g.pop(("ns", b"k")) is None
+
+
+def test_a_churned_history_holds_its_limit_in_bounded_bytes():
+    """100x the limit remembered, a tenth taken back: the table keeps the newest `limit` and stays
+    within 2 positions of ~(8 * width + 17) B per ghost."""
+    g = Ghosts(4)
+    limit = 20_000
+    for i in range(100 * limit // 10):
+        g.put(i, (float(i), 0.0, 0.0, 0.0))
+        if i % 10 == 0:
+            g.pop(i - 5)
+        g.trim(limit)
+    assert len(g) == limit
+    newest = 100 * limit // 10 - 1
+    assert g.pop(newest) == (float(newest), 0.0, 0.0, 0.0) and newest - 3 * limit not in g
+    assert g.nbytes <= 2 * limit * (8 * 4 + 17) + 16 * limit  # ring up to 1.5x, table up to 4 slots a position
+
+
+def test_the_ghost_table_bounds_by_resident_keys():
+    t = GhostTable(2.0)
+    for i in range(50):
+        t.remember(i, float(i), resident=10)
+    assert len(t) == 20 and 29 not in t and 30 in t and t.pop(49) == 49.0
+
+
+def _info(key, parent=None, attention=None):
+    return BlockInfo(key, parent, 0, 4096, 16, attention=attention)
+
+
+@pytest.mark.parametrize("estimate", [0.0, 0.75])
+def test_an_evicted_block_with_an_estimate_counts_for_the_gate_once_it_returns(estimate):
+    """The ghost of a block that had an estimate and no hit keeps A and that it was waiting: its
+    return is the re-reference the gate counts (on A's side), once; a block without one counts nothing."""
+    t = [0.0]
+    p = AttentionPolicy(clock=lambda: t[0])
+    p.on_insert(_info("a", attention=estimate))
+    p.on_insert(_info("b"))
+    p.on_insert(_info("stays"))  # the history holds 16 x the resident blocks
+    side = estimate >= 0.5
+    before = list(p.gate.hit)
+    for key in ("a", "b"):
+        p.on_remove(key)
+    t[0] += 1.0
+    p.on_insert(_info("a"))
+    p.on_insert(_info("b"))
+    after = list(p.gate.hit)
+    assert after[side] == before[side] + 1 and after[not side] == before[not side]
+    p.on_remove("a")  # not waiting any more (it came back with no new estimate): nothing more to count
+    p.on_insert(_info("a"))
+    assert list(p.gate.hit) == after
