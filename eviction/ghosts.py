@@ -29,8 +29,8 @@ index.
 
 from __future__ import annotations
 
+import mmap
 import struct
-from array import array
 from typing import Hashable
 
 import numpy as np
@@ -68,7 +68,7 @@ class Ghosts:
     def nbytes(self) -> int:
         """The bytes of its arrays."""
         slots, fp, live, _ = self._find_in
-        return 4 * len(slots) + 8 * len(fp) + len(live) + len(self._val)
+        return slots.nbytes + fp.nbytes + live.nbytes + self._val.nbytes
 
     def pop(self, key: Hashable, default: object = None) -> object:
         """What was remembered of `key`, forgotten now; `default` if nothing was."""
@@ -151,17 +151,18 @@ class Ghosts:
         self._layout(len(fps) + max(len(fps) // 2, MIN_FREE), fps, vals)
 
     def _layout(self, positions: int, fps: np.ndarray, vals: np.ndarray) -> None:
-        """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table."""
+        """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table. Each is an
+        anonymous mapping of its own: given back to the kernel as soon as a compaction drops it (freed
+        heap memory of this size is not, and a churned daemon's RSS kept every generation's)."""
         n, w = len(fps), self.width
-        fp = np.zeros(positions, np.int64)
-        fp[:n] = fps
-        val = np.zeros((positions, w))
-        val[:n] = vals
-        live = np.zeros(positions, np.uint8)
-        live[:n] = 1
-        size = 1 << (2 * positions - 1).bit_length()  # a power of two, at least twice the positions
-        table = np.zeros(size, np.int32)
+        size = 1 << (2 * positions - 1).bit_length()  # table slots: a power of two, at least twice the positions
         mask = size - 1
+        slots, fp, live, val = _mapped(size, "i"), _mapped(positions, "q"), _mapped(positions, "B"), \
+            _mapped(positions * w, "d")
+        np.frombuffer(fp, np.int64)[:n] = fps
+        np.frombuffer(val, np.float64)[:n * w] = vals.reshape(-1)
+        np.frombuffer(live, np.uint8)[:n] = 1
+        table = np.frombuffer(slots, np.int32)
         want = fps & mask  # linear probing, all at once: in each round every ghost still waiting asks
         waiting = np.arange(n)  # for its next slot, and one of those asking for a free slot gets it
         while len(waiting):
@@ -170,7 +171,12 @@ class Ghosts:
             table[at[free]] = waiting[free] + 1  # (of two asking for one slot, one write is the last)
             waiting = waiting[table[at] != waiting + 1]
             want[waiting] = (want[waiting] + 1) & mask
-        # (slots, fingerprints, live flags, mask): what a lookup reads, in one attribute
-        self._find_in = (array("i", table.tobytes()), array("q", fp.tobytes()), bytearray(live.tobytes()), mask)
-        self._val = bytearray(val.tobytes())
+        del table
+        self._find_in = (slots, fp, live, mask)  # what a lookup reads, in one attribute
+        self._val = val
         self._head, self._tail, self._n = 0, n, n
+
+
+def _mapped(count: int, fmt: str) -> memoryview:
+    """`count` zeroed items of struct format `fmt` in an anonymous mapping (unmapped with the last view)."""
+    return memoryview(mmap.mmap(-1, max(1, count) * struct.calcsize(fmt))).cast(fmt)

@@ -27,6 +27,11 @@ down to the disk tier. Then, against that daemon:
   `write_full_disk`: the disk tier's block writes, fsyncs and backpressure
   waits (a demotion that waited for the disk writer to free staging room)
   during those rounds;
+- with `--churn F`, `rss_bytes_per_block_churned`: the same memory figure
+  once F x N more blocks (new chains, `churn_blocks`, in `churn_s`) have been
+  written through the full daemon, each evicting one: what the policies
+  remember of evicted blocks (their ghost tables, up to 16 x the resident
+  blocks) is in it, as in a daemon that has run for a while;
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line, found once
@@ -43,7 +48,7 @@ tier's folder is made under `KVSTORE_BENCH_DIR` (default: the system's temp
 folder); 10^6 blocks take a few minutes and ~5 GiB there, 10^7 ten times that.
 
     python tools/bench/bench_scale.py [--json] [--max-blocks 1000000] [--policy attention] [--host-blocks 65536]
-        [--lookups 3000] [--batch 512] [--rounds 3] [--no-mooncake]
+        [--lookups 3000] [--batch 512] [--rounds 3] [--churn 0] [--no-mooncake]
 """
 
 from __future__ import annotations
@@ -302,6 +307,14 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             row["write_full_disk"] = {k: disk1.get(k, 0) - disk0.get(k, 0)  # what the disk tier did meanwhile
                                       for k in ("writes", "fsyncs", "backpressure_waits")}
             wait_settled(client)
+            if args.churn:  # written through: the policies' history fills, as a long-running daemon's does
+                t0 = time.perf_counter()
+                row["churn_blocks"] = put_chains(client, ns, 200, chain_lengths(int(args.churn * n), args.chain),
+                                                 args.batch, payload)
+                row["churn_s"] = round(time.perf_counter() - t0, 1)
+                wait_settled(client)
+                held = client.stats()["blocks"]
+                row["rss_bytes_per_block_churned"] = round((rss_anon(d.proc.pid) - rss0) / held, 1)
             before = sum(client.lookup(ns, hs).hits for hs in samples)
         t0 = time.perf_counter()
         d.proc.send_signal(signal.SIGTERM)
@@ -338,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=512, help="blocks per request")
     ap.add_argument("--lookups", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--churn", type=float, default=0.0,
+                    help="after the per-block figures, write this many times N more blocks through the full "
+                         "daemon and report its memory per indexed block again")
     ap.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                     help="no lookups against mooncake_master")
     args = ap.parse_args(argv)
