@@ -78,6 +78,9 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     socket_path: str = field(default_factory=default_socket_path)
@@ -93,9 +96,12 @@ class ServerConfig:
     admin_token_file: str = ""  # the admin plane's bearer token, read from here (a Secret); "": a new one each start
     max_frame_bytes: int = 64 * MiB
     max_batch_blocks: int = 8192
+    event_loop: str = "auto"  # "auto": uvloop where it is installed, else asyncio's; "uvloop"; "asyncio"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.socket_path, str) and self.socket_path != "", "server.socket must be a path")
+        _require(self.event_loop in EVENT_LOOPS,
+                 f"server.event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         _require(len(self.socket_path.encode()) < 104, f"server.socket path too long for AF_UNIX: {self.socket_path}")
         for name in ("tcp_port", "admin_port"):
             port = getattr(self, name)
@@ -374,6 +380,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "admin_token_file": ("admin_token_file", str),
         "max_frame": ("max_frame_bytes", "size"),
         "max_batch_blocks": ("max_batch_blocks", None),
+        "event_loop": ("event_loop", str),
     },
     "gpu": {
         "enabled": ("enabled", None),

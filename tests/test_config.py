@@ -35,6 +35,7 @@ def test_toml_then_flags(tmp_path):
     ('[server]\nadmin_port = 70000\n', "admin_port"),
     ('[server]\ntcp_port = 9999\n', "tcp_token"),
     ('[server]\nbogus = 1\n', "unknown key server.bogus"),
+    ('[server]\nevent_loop = "trio"\n', "server.event_loop must be one of auto, uvloop, asyncio"),
     ('colour = "red"\n', "unknown config key"),
     ('policy = "random"\n', "policy must be one of"),
     ('name = "../etc"\n', "name must be"),

@@ -140,6 +140,20 @@ def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_obje
     assert 'python_gc_collections_total{generation="0"}' in text
 
 
+@pytest.mark.parametrize("choice,serves_on", [("auto", "uvloop"), ("asyncio", "asyncio")])
+def test_the_daemon_serves_on_the_event_loop_configured(daemon_factory, tmp_path, choice, serves_on):
+    """[server] event_loop: uvloop (a dependency) unless asyncio's own is asked for; both serve."""
+    config = tmp_path / "loop.toml"
+    config.write_text(f'[server]\nevent_loop = "{choice}"\n')
+    d = daemon_factory("--config", str(config))
+    assert d.stats()["event_loop"] == serves_on
+    hashes, parents = chain(7, 3)
+    with KVClient(d.socket_path) as c:
+        ns = c.register(namespace(block_bytes=4096))
+        assert c.put(ns, [(h, p, np.full(4096, i, np.uint8)) for i, (h, p) in enumerate(zip(hashes, parents))]) == 3
+        assert c.lookup(ns, hashes).hits == 3 and bytes(c.get(ns, hashes)[2]) == bytes([2]) * 4096
+
+
 def test_stats_cli(daemon):
     out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--json", "--socket", daemon.socket_path],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)

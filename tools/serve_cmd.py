@@ -163,6 +163,12 @@ def host_warnings(config) -> list[str]:
             read_token_file(config.server.admin_token_file, "server.admin_token_file")
         except ConfigError as exc:
             warnings.append(str(exc))
+    from kvstore.server.daemon import event_loop_of
+
+    try:
+        event_loop_of(config.server.event_loop)
+    except ConfigError as exc:
+        warnings.append(str(exc))
     return warnings
 
 
