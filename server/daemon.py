@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import importlib.util
 import logging
 import os
 import signal
@@ -408,11 +409,9 @@ def event_loop_of(choice: str) -> str:
     (docs/benchmarks.md, "Scale")."""
     if choice == "asyncio":
         return "asyncio"
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("uvloop") is None:
         if choice == "uvloop":
-            raise ConfigError('server.event_loop = "uvloop", but uvloop is not installed (pip install uvloop)') from None
+            raise ConfigError('server.event_loop = "uvloop", but uvloop is not installed (pip install uvloop)')
         return "asyncio"
     return "uvloop"
 
