@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import importlib.util
+import itertools
 import logging
 import os
 import signal
