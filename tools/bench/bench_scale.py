@@ -48,7 +48,7 @@ tier's folder is made under `KVSTORE_BENCH_DIR` (default: the system's temp
 folder); 10^6 blocks take a few minutes and ~5 GiB there, 10^7 ten times that.
 
     python tools/bench/bench_scale.py [--json] [--max-blocks 1000000] [--policy attention] [--host-blocks 65536]
-        [--lookups 3000] [--batch 512] [--rounds 3] [--churn 0] [--no-mooncake]
+        [--lookups 3000] [--batch 512] [--rounds 3] [--churn 0] [--event-loop auto] [--no-mooncake]
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def wait_settled(client: KVClient, timeout_s: float = 600) -> None:
         time.sleep(0.1)
 
 
-def write_config(folder: str, n: int, host_blocks: int, policy: str) -> tuple[str, int, int]:
+def write_config(folder: str, n: int, host_blocks: int, policy: str, event_loop: str = "auto") -> tuple[str, int, int]:
     """A TOML config for a daemon of n blocks: (its path, host blocks, disk blocks). The host tier's
     size is given on the command line (start_daemon's flags override the file)."""
     host = min(n, host_blocks)
@@ -130,7 +130,8 @@ def write_config(folder: str, n: int, host_blocks: int, policy: str) -> tuple[st
     path = os.path.join(folder, "kvstore.toml")
     with open(path, "w") as f:
         f.write(f'policy = "{policy}"\n[disk]\npath = "{os.path.join(folder, "disk")}"\n'
-                f'capacity = {disk * BLOCK_BYTES}\npage_size = {BLOCK_BYTES}\n')
+                f'capacity = {disk * BLOCK_BYTES}\npage_size = {BLOCK_BYTES}\n'
+                f'[server]\nevent_loop = "{event_loop}"\n')
     return path, host, disk
 
 
@@ -253,12 +254,13 @@ def disk_recovery(folder: str, disk_blocks: int, policy: str) -> float:
 
 def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
     folder = tempfile.mkdtemp(dir=tmp)
-    config, host_blocks, disk_blocks = write_config(folder, n, args.host_blocks, args.policy)
+    config, host_blocks, disk_blocks = write_config(folder, n, args.host_blocks, args.policy, args.event_loop)
     lengths = chain_lengths(n, args.chain)
     payload = np.ones(BLOCK_BYTES, np.uint8)
     rng = random.Random(n)
     sample_ids = sorted(rng.sample(range(len(lengths)), min(SAMPLE_CHAINS, len(lengths))))
-    row: dict = {"blocks": n, "host_blocks": host_blocks, "disk_blocks": disk_blocks, "policy": args.policy}
+    row: dict = {"blocks": n, "host_blocks": host_blocks, "disk_blocks": disk_blocks, "policy": args.policy,
+                 "event_loop": args.event_loop}
     flags = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False, disk=True)
     d: DaemonProc = start_daemon(folder, "--config", config, **flags)
     try:
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=512, help="blocks per request")
     ap.add_argument("--lookups", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                    help="the daemon's [server] event_loop")
     ap.add_argument("--churn", type=float, default=0.0,
                     help="after the per-block figures, write this many times N more blocks through the full "
                          "daemon and report its memory per indexed block again")
