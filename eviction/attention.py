@@ -194,7 +194,7 @@ class AttentionPolicy(EvictionPolicy):
                                         early_fraction=params.early_fraction)
                         if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
-        # key -> log F per expert, then the block's estimate (`_as_ghost`)
+        # key -> log F per expert, then the block's estimate (see _NO_ESTIMATE)
         self._ghost = GhostTable(params.ghost_factor, width=len(halves) + 1)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
                          for h in halves]

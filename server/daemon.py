@@ -405,8 +405,8 @@ def _buffer_frames_of(reader: asyncio.StreamReader, max_frame_bytes: int) -> Non
 
 def event_loop_of(choice: str) -> str:
     """The event loop `server.event_loop` runs the daemon on: uvloop (libuv; "auto" where it is
-    installed) or asyncio's own. uvloop answers a 32-block lookup 6-8% sooner here
-    (docs/benchmarks.md, "Scale")."""
+    installed) or asyncio's own. uvloop answers a 32-block lookup 3-9% sooner here
+    (docs/benchmarks.md, "The event loop")."""
     if choice == "asyncio":
         return "asyncio"
     if importlib.util.find_spec("uvloop") is None:
