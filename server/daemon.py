@@ -278,6 +278,7 @@ class Daemon:
         session = Session(owner=next(self._ids), transport=transport)
         self.sessions[session.owner] = session
         hello_by = asyncio.get_running_loop().time() + self.config.server.tcp_hello_timeout_s
+        small_buffer = transport == "tcp"  # until its hello (`_buffer_frames_of`)
         try:
             while not self._stopped.is_set():
                 body = await self._next_frame(session, reader, writer, hello_by)
@@ -294,8 +295,9 @@ class Daemon:
                         self.errors["tcp_auth_failed"] += 1
                         writer.transport.pause_reading()  # else what it sends during the delay piles up here
                         await asyncio.sleep(AUTH_FAIL_DELAY_S)
-                    elif transport == "tcp":
+                    elif small_buffer:
                         _buffer_frames_of(reader, self.config.server.max_frame_bytes)
+                        small_buffer = False
                     writer.write(pack_frame(reply))
                 finally:
                     session.busy = False
