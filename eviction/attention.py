@@ -449,12 +449,11 @@ class AttentionPolicy(EvictionPolicy):
         leaves.remove(key)
         freq = block.freq
         a = self._att.pop(key, None) if self._att else None
-        ghost = self._ghost
         if a is not None:
-            ghost.remember(key, (*freq, -a if key in self._unhit else a), len(leaves))
+            self._ghost.remember(key, (*freq, -a if key in self._unhit else a), len(leaves))
             self._unhit.discard(key)
         else:  # no estimate (the common case without an attention signal): the counts alone
-            ghost.ghosts.put(key, (*freq, _NO_ESTIMATE), ghost.factor * len(leaves))  # (`remember`, inline)
+            self._ghost.remember(key, (*freq, _NO_ESTIMATE), len(leaves))
         if self.experts is not None:
             self.experts.removed(key)
 

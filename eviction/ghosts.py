@@ -55,14 +55,7 @@ class Ghosts:
         return self._n
 
     def __contains__(self, key: Hashable) -> bool:
-        h = hash(key)
-        slots, fp, live, mask = self._find_in
-        i = h & mask
-        while s := slots[i]:
-            if fp[s - 1] == h and live[s - 1]:
-                return True
-            i = (i + 1) & mask
-        return False
+        return self._probe(hash(key))[1] != 0
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +68,7 @@ class Ghosts:
         h = hash(key)
         slots, fp, live, mask = self._find_in
         i = h & mask
-        while s := slots[i]:  # a policy asks on every insert, and nearly always in vain
+        while s := slots[i]:  # (`_probe`, inline: a policy asks on every insert, and nearly always in vain)
             if fp[s - 1] == h and live[s - 1]:
                 live[s - 1] = 0
                 self._n -= 1
@@ -89,22 +82,15 @@ class Ghosts:
         takes the new value, as an OrderedDict's item would); then `trim(limit)` if given. A value of
         another width is a ValueError, and nothing changes."""
         h = hash(key)
-        slots, fp, live, mask = self._find_in
-        i = h & mask
-        while s := slots[i]:
-            if fp[s - 1] == h and live[s - 1]:
-                pos = s - 1
-                break
-            i = (i + 1) & mask
+        i, s = self._probe(h)
+        if s:
+            pos = s - 1
         else:  # not remembered: the newest, in the first free slot of its probe
             pos = self._tail
-            if pos == len(live):
+            if pos == len(self._find_in[2]):
                 self._compact()
-                slots, fp, live, mask = self._find_in
+                i, _ = self._probe(h)
                 pos = self._tail
-                i = h & mask
-                while slots[i]:
-                    i = (i + 1) & mask
         record = self._record
         try:  # the value first: a wrong width raises before anything changed
             if self.width == 1:
@@ -113,22 +99,15 @@ class Ghosts:
                 record.pack_into(self._val, pos * record.size, *value)  # type: ignore[misc]
         except (struct.error, TypeError) as exc:
             raise ValueError(f"a ghost of this table is {self.width} floats: {exc}") from None
-        n = self._n
         if not s:  # (a new ghost)
+            slots, fp, live, _ = self._find_in
             self._tail = pos + 1
             slots[i] = pos + 1
             fp[pos] = h
             live[pos] = 1
-            n += 1
-        if limit is not None and n > limit:  # trim(limit), inline: each put of a full table forgets one
-            head = self._head
-            while n > limit:
-                if live[head]:
-                    live[head] = 0
-                    n -= 1
-                head += 1
-            self._head = head
-        self._n = n
+            self._n += 1
+        if limit is not None and self._n > limit:
+            self.trim(limit)
 
     def trim(self, limit: float) -> None:
         """Forget the oldest ghosts until at most `limit` are left."""
@@ -139,6 +118,17 @@ class Ghosts:
                 n -= 1
             head += 1
         self._head, self._n = head, n
+
+    def _probe(self, h: int) -> tuple[int, int]:
+        """(slot, its entry) of the live ghost with fingerprint `h`; else (the first free slot of its
+        probe, 0)."""
+        slots, fp, live, mask = self._find_in
+        i = h & mask
+        while s := slots[i]:
+            if fp[s - 1] == h and live[s - 1]:
+                return i, s
+            i = (i + 1) & mask
+        return i, 0
 
     def _compact(self) -> None:
         """The live ghosts, in order, at the start of a log of 1.5 times as many positions (at least

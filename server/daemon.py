@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
 import itertools
 import logging
 import os
@@ -58,8 +57,8 @@ import uuid
 from collections import Counter
 
 from kvstore.chain import open_store
-from kvstore.config import Config
-from kvstore.errors import ConfigError, KVStoreError, ProtocolError, ShuttingDown
+from kvstore.config import Config, event_loop_of
+from kvstore.errors import KVStoreError, ProtocolError, ShuttingDown
 from kvstore.promotion import PRESENT_MISS
 from kvstore.protocol import HEADER, pack_frame, parse_request, unpack_body
 from kvstore.store import TieredStore
@@ -135,7 +134,7 @@ class Daemon:
         self.admin_port: int | None = None
         self.events = EventPublisher(config.events, self.store.shared.namespaces) if config.events.enabled else None
         self._flusher: asyncio.Task | None = None
-        self.event_loop = ""  # the loop it serves on, once started (`event_loop_of`)
+        self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
     def full_stats(self) -> dict:
         """The store's stats with the daemon's sessions and error counts (admin /stats and /metrics)."""
@@ -403,19 +402,6 @@ def _buffer_frames_of(reader: asyncio.StreamReader, max_frame_bytes: int) -> Non
     64 MiB limit two such peers grew the daemon by 17 MiB before it hung up). asyncio.StreamReader
     has no public setter for its limit."""
     reader._limit = max_frame_bytes + HEADER.size  # type: ignore[attr-defined]
-
-
-def event_loop_of(choice: str) -> str:
-    """The event loop `server.event_loop` runs the daemon on: uvloop (libuv; "auto" where it is
-    installed) or asyncio's own. uvloop answers a 32-block lookup 3-9% sooner here
-    (docs/benchmarks.md, "The event loop")."""
-    if choice == "asyncio":
-        return "asyncio"
-    if importlib.util.find_spec("uvloop") is None:
-        if choice == "uvloop":
-            raise ConfigError('server.event_loop = "uvloop", but uvloop is not installed (pip install uvloop)')
-        return "asyncio"
-    return "uvloop"
 
 
 def serve(config: Config) -> int:

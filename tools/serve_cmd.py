@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from kvstore.config import load_config, parse_size
+from kvstore.config import event_loop_of, load_config, parse_size
 from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,6 @@ def host_warnings(config) -> list[str]:
             read_token_file(config.server.admin_token_file, "server.admin_token_file")
         except ConfigError as exc:
             warnings.append(str(exc))
-    from kvstore.server.daemon import event_loop_of
-
     try:
         event_loop_of(config.server.event_loop)
     except ConfigError as exc:

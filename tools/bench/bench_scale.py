@@ -68,6 +68,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from kvstore.client import KVClient  # noqa: E402
+from kvstore.config import EVENT_LOOPS  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon  # noqa: E402
 
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=512, help="blocks per request")
     ap.add_argument("--lookups", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+    ap.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                     help="the daemon's [server] event_loop")
     ap.add_argument("--churn", type=float, default=0.0,
                     help="after the per-block figures, write this many times N more blocks through the full "
