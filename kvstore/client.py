@@ -23,8 +23,11 @@ side (tiers/arena.py), never the store: an engine worker loads no daemon code.
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import socket
 import threading
+import time
 from collections import deque
 from typing import Any, Sequence
 
@@ -39,6 +42,35 @@ from kvstore.wire import Extents, LookupResult, WaitResult
 from kvstore.tiers.arena import copy_bytes  # noqa: F401  (re-exported: connectors/ reach tiers only through kvstore)
 
 
+# A wait for a reply polls the socket this long before it sleeps in the kernel. Where the daemon answers
+# within it (a lookup, a ping, a small acquire), neither side pays for waking a sleeping process: on this
+# project's VMs that is ~18 us each way of a ~45 us round trip, and it cut a 32-block lookup's latency
+# from ~100 to ~50 us (docs/benchmarks.md, Scale, "A reply awaited"). A reply that takes longer costs
+# the spin's CPU once and is then waited for asleep.
+SPIN_US = 100.0
+MAX_SPIN_US = 10_000.0
+
+
+def _arrived(sock: socket.socket, view: memoryview, spin_s: float) -> int:
+    """Read into `view` what has arrived on `sock` (in timeout mode, so non-blocking underneath), without
+    the poll Python's timeout mode makes before each read; poll for up to `spin_s` while nothing has.
+    0 if nothing came."""
+    fd, deadline = sock.fileno(), -math.inf
+    while True:
+        try:
+            k = os.readv(fd, [view])
+        except BlockingIOError:
+            now = time.perf_counter()
+            if deadline == -math.inf:
+                deadline = now + spin_s
+            if now >= deadline:
+                return 0
+            continue
+        if k == 0:
+            raise EOFError("connection closed by the daemon")
+        return k
+
+
 class KVClient:
     def __init__(
         self,
@@ -51,9 +83,13 @@ class KVClient:
         name: str = "",
         connect: bool = True,
         copy_threads: int = 2,
+        spin_us: float = SPIN_US,
     ) -> None:
         if not isinstance(copy_threads, int) or copy_threads < 1:
             raise ValueError(f"copy_threads must be a positive integer, got {copy_threads!r}")
+        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= MAX_SPIN_US:
+            raise ValueError(f"spin_us must be a number of microseconds in 0..{MAX_SPIN_US:g}, got {spin_us!r}")
+        self._spin_s = spin_us / 1e6  # how long a wait for a reply polls before it sleeps (SPIN_US)
         self.copy_threads = copy_threads  # local clients' copy threads (kvstore/transports.py)
         self.socket_path = socket_path or default_socket_path()
         self.tcp = tcp
@@ -163,7 +199,7 @@ class KVClient:
 
     def _read_reply(self, msgid: int, op: str) -> tuple[BaseException | None, Any]:
         try:
-            (length,) = HEADER.unpack(self._recv_exactly(HEADER.size))
+            (length,) = HEADER.unpack(self._recv_exactly(HEADER.size, self._spin_s))
             reply = unpack_body(self._recv_exactly(length))
         except (OSError, EOFError, ProtocolError) as exc:  # socket.timeout is an OSError
             self.close()
@@ -182,12 +218,14 @@ class KVClient:
             raise ProtocolError(f"reply {rid} does not match request {msgid}")
         return None, result
 
-    def _recv_exactly(self, n: int) -> bytes:
+    def _recv_exactly(self, n: int, spin_s: float = 0.0) -> bytes:
+        """The next `n` bytes. What has arrived is read at once; for the rest the socket's timeout
+        applies, after polling for up to `spin_s` while nothing has arrived (a reply's first bytes)."""
         sock = self._sock
         assert sock is not None
         buf = bytearray(n)
         view = memoryview(buf)
-        got = 0
+        got = _arrived(sock, view, spin_s) if sock.gettimeout() and type(sock) is socket.socket else 0  # (not TLS)
         while got < n:
             k = sock.recv_into(view[got:])
             if k == 0:

@@ -330,6 +330,69 @@ def test_the_chain_comes_from_the_config_and_stats_say_why_a_tier_is_absent(daem
     assert reason == (None if ok else why)
 
 
+def test_spin_us_must_be_a_bounded_number_of_microseconds():
+    for bad in (-1, "50", True, 1e9):
+        with pytest.raises(ValueError, match="spin_us"):
+            KVClient("/nonexistent.sock", spin_us=bad, connect=False)
+
+
+def test_a_reply_is_polled_for_briefly_then_awaited_asleep_within_the_timeout(daemon):
+    """The client polls for a reply for `spin_us`, then sleeps in the kernel: a reply that comes after the
+    spin is still read whole, and a daemon that does not answer is unavailable after the timeout, not
+    waited for in the spin."""
+    import threading
+    import time
+
+    with KVClient(daemon.socket_path, timeout_s=0.5, spin_us=200) as c:
+        ns = c.register(NS)
+        hs, ps = chain(9, 4)
+        payloads = [np.full(NS.block_bytes, i, np.uint8) for i in range(4)]
+        assert c.put(ns, list(zip(hs, ps, payloads))) == 4
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # answers 0.1 s late: long after the 200 us spin
+        threading.Timer(0.1, os.kill, (daemon.proc.pid, signal.SIGCONT)).start()
+        t0 = time.monotonic()
+        assert c.lookup(ns, hs).hits == 4
+        assert time.monotonic() - t0 >= 0.09
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable):
+                c.ping()
+            assert 0.45 <= time.monotonic() - t0 < 2.0
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        outs = [np.empty(NS.block_bytes, np.uint8) for _ in hs]
+        assert c.get_into(ns, hs, outs) == [True] * 4  # reconnected
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    with KVClient(daemon.socket_path, spin_us=0) as c:  # no spin: the same replies
+        assert c.lookup(ns, hs).hits == 4
+
+
+def test_polling_reads_what_arrived_and_gives_up_after_the_spin():
+    """`_arrived`: what is there is read at once, nothing is waited for `spin_s` at most, a closed peer is
+    EOF."""
+    import socket
+    import time
+
+    from kvstore.client import _arrived
+
+    a, b = socket.socketpair()
+    a.settimeout(5)  # the client's sockets: timeout mode, non-blocking underneath
+    buf = bytearray(16)
+    try:
+        b.sendall(b"reply")
+        assert _arrived(a, memoryview(buf), 0.0) == 5 and bytes(buf[:5]) == b"reply"
+        t0 = time.perf_counter()
+        assert _arrived(a, memoryview(buf), 0.02) == 0
+        assert 0.02 <= time.perf_counter() - t0 < 1.0
+        b.close()
+        with pytest.raises(EOFError):
+            _arrived(a, memoryview(buf), 0.02)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_connection_storm_is_queued_not_refused(daemon):
     """Protocol fuzzing: local connects failed with EAGAIN under connection storms (the Unix
     listener's backlog was asyncio's 100). With the daemon stopped (it accepts nothing), 600 clients

@@ -17,7 +17,9 @@ down to the disk tier. Then, against that daemon:
   host or the disk tier), `--lookups` of them; with Mooncake installed, the
   same number of `batch_is_exist` calls of 32 keys against a
   `mooncake_master` holding N keys, interleaved one by one
-  (`lookups_vs_mooncake`: our lookups per second over theirs);
+  (`lookups_vs_mooncake`: our lookups per second over theirs); the client
+  polls for each reply for `--client-spin-us` before it sleeps (KVClient's
+  `spin_us`, `client_spin_us` in the row; Mooncake's client does not poll);
 - `read_us_per_block`: bench_control_plane's read, a `lookup` of every
   `--batch` blocks then one pipelined `get_into` of them, of chains the host
   tier holds; median of `--rounds` rounds, wall microseconds per block;
@@ -48,7 +50,7 @@ tier's folder is made under `KVSTORE_BENCH_DIR` (default: the system's temp
 folder); 10^6 blocks take a few minutes and ~5 GiB there, 10^7 ten times that.
 
     python tools/bench/bench_scale.py [--json] [--max-blocks 1000000] [--policy attention] [--host-blocks 65536]
-        [--lookups 3000] [--batch 512] [--rounds 3] [--churn 0] [--event-loop auto] [--no-mooncake]
+        [--lookups 3000] [--batch 512] [--rounds 3] [--churn 0] [--event-loop auto] [--client-spin-us 100] [--no-mooncake]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
-from kvstore.client import KVClient  # noqa: E402
+from kvstore.client import SPIN_US, KVClient  # noqa: E402
 from kvstore.config import EVENT_LOOPS  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon  # noqa: E402
@@ -261,11 +263,11 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
     rng = random.Random(n)
     sample_ids = sorted(rng.sample(range(len(lengths)), min(SAMPLE_CHAINS, len(lengths))))
     row: dict = {"blocks": n, "host_blocks": host_blocks, "disk_blocks": disk_blocks, "policy": args.policy,
-                 "event_loop": args.event_loop}
+                 "event_loop": args.event_loop, "client_spin_us": args.client_spin_us}
     flags = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False, disk=True)
     d: DaemonProc = start_daemon(folder, "--config", config, **flags)
     try:
-        with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
+        with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
             ns = client.register(NS)
             time.sleep(0.5)  # the disk writer prefaults its staging buffers for the namespace
             rss0 = rss_anon(d.proc.pid)
@@ -328,7 +330,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         t1 = time.perf_counter()
         d = start_daemon(folder, "--config", config, "--log-level", "INFO", name=d.name, log_path=log, **flags)
         start_s = time.perf_counter() - t1
-        with KVClient(d.socket_path, name="bench-scale", timeout_s=600) as client:
+        with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
             ns = client.register(NS)
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
             while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
@@ -354,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=512, help="blocks per request")
     ap.add_argument("--lookups", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--client-spin-us", type=float, default=SPIN_US,
+                    help="how long the client polls for a reply before it sleeps (KVClient spin_us; 0: it sleeps)")
     ap.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                     help="the daemon's [server] event_loop")
     ap.add_argument("--churn", type=float, default=0.0,
