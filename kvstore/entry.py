@@ -32,6 +32,9 @@ Key = tuple  # (namespace id, block hash)
 CHILD_BITS = 32  # one tier's count in `Entry.tier_children` (a block has far fewer than 2^32 children)
 CHILD = {t: 1 << (CHILD_BITS * RANK[t]) for t in TIERS}  # one child in tier t, added to `tier_children`
 UP_TO = {t: (1 << (CHILD_BITS * (RANK[t] + 1))) - 1 for t in TIERS}  # the counts of t and faster tiers
+# The counts of a block with one child (nearly every block of a chain): one shared int per tier, kept
+# by `add_children`, not an int object of 28-36 B in every block.
+_ONE_CHILD = {c: c for c in CHILD.values()}
 
 
 @dataclass(slots=True)
@@ -52,6 +55,12 @@ class Entry:
     hits: int = 0  # times acquired (for `kvstore inspect`)
     last_access: float = 0.0  # the store's clock at the commit or the latest hit
     tokens: bytes | None = None  # the block's token ids (<u4), when the writer sent them and KV events are on
+
+
+def add_children(parent: Entry, delta: int) -> None:
+    """Add `delta` (a sum of +-`CHILD[tier]`) to `parent`'s packed child counts."""
+    packed = parent.tier_children + delta
+    parent.tier_children = _ONE_CHILD.get(packed, packed)
 
 
 def link_child(parent: Entry, key: Key) -> None:

@@ -33,7 +33,7 @@ from collections import Counter, defaultdict
 from typing import Callable, Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import CHILD, Entry, Key, Owner, children_of, link_child, unlink_child
+from kvstore.entry import CHILD, Entry, Key, Owner, add_children, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
 
 
@@ -93,7 +93,7 @@ class BlockIndex:
             e = Entry(key, None, 0, nbytes, tier, location, owner)
         else:
             e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner)
-            parent.tier_children += CHILD[tier]
+            add_children(parent, CHILD[tier])
             if parent.child_keys is None:  # (`link_child` of a first child)
                 parent.child_keys = key
             else:
@@ -129,7 +129,7 @@ class BlockIndex:
     def _link(self, e: Entry, parent: Entry | None) -> Entry:
         self.entries[e.key] = e
         if parent is not None:
-            parent.tier_children += CHILD[e.tier]
+            add_children(parent, CHILD[e.tier])
             link_child(parent, e.key)
         return e
 
@@ -179,7 +179,7 @@ class BlockIndex:
         del self.entries[key]
         parent = self.entries.get(e.parent) if e.parent is not None else None
         if parent is not None:
-            parent.tier_children -= CHILD[e.tier]
+            add_children(parent, -CHILD[e.tier])
             if parent.child_keys == key:  # (`unlink_child` of an only child)
                 parent.child_keys = None
             else:
@@ -203,7 +203,7 @@ class BlockIndex:
             self._count(e, 1)
         parent = self.parent_of(e)
         if parent is not None:
-            parent.tier_children += CHILD[tier] - CHILD[old]
+            add_children(parent, CHILD[tier] - CHILD[old])
         if not from_copy:
             self.listeners.stored(e, tier)
 

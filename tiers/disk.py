@@ -114,13 +114,14 @@ class DiskSlot:
     def __init__(self, extents: list, checksum: int | None, job: DiskWrite | None = None, codec: str | None = None,
                  logical: int = 0) -> None:
         """`codec`: the tag of the codec its bytes are encoded with (None: exact); `logical`: an encoded
-        block's own size (decoded)."""
+        block's own size (decoded); 0 for an exact block."""
         if len(extents) == 1 and 0 <= extents[0][1] < 1 << 32:
             offset, length = extents[0]
             self._where: int | list = offset << 32 | length
         else:
             self._where = extents
-        self.checksum, self.job, self.codec, self.logical = checksum, job, codec, logical
+        # (an exact block's size is its Entry's: 0 here, a shared int, not an int of its own per block)
+        self.checksum, self.job, self.codec, self.logical = checksum, job, codec, logical if codec is not None else 0
 
     @property
     def extents(self) -> list:
