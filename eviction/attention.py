@@ -166,7 +166,16 @@ class _Block(Leaf):
     __slots__ = ("freq", "cost", "val")
     freq: list[float]  # log2 F_b + tau_i
     cost: list[float]  # log2 (C_b / S_b), with expert i's depth weight
-    val: tuple[float, ...]  # log2 V_b + tau_i (own value, tree rule applied; a tuple: 32 B less than a list)
+    # log2 V_b + tau_i (own value, tree rule applied; a tuple: 32 B less than a list), or None while it is
+    # the block's own F + C (`_val`): a block inserted and not hit or lifted since, as most blocks of a
+    # disk tier are, holds no tuple of its own (136 B) and its priority is that sum for the leader.
+    val: tuple[float, ...] | None
+
+
+def _val(block: _Block) -> tuple[float, ...]:
+    """`block`'s V per expert (`val`, or its own F + C where it holds none)."""
+    val = block.val
+    return tuple(map(_add, block.freq, block.cost)) if val is None else val
 
 
 def _credited(freq: list[float], taus: list[float], credit: float) -> list[float]:
@@ -251,7 +260,8 @@ class AttentionPolicy(EvictionPolicy):
             self._lead = lead
             self.rekeys += 1
             for block in self._leaves.tracked.values():
-                block.prio = block.val[lead]
+                val = block.val
+                block.prio = block.freq[lead] + block.cost[lead] if val is None else val[lead]
             self._leaves.rekey()
 
     # -- the value --------------------------------------------------------
@@ -294,7 +304,7 @@ class AttentionPolicy(EvictionPolicy):
     def _lift(self, key: Key, block: _Block, top: Sequence[float]) -> bool:
         """Raise the values of `key` (its record `block`) to at least `top` (per expert), the heap if
         the leader's rose; False if none rose."""
-        cur = block.val
+        cur = _val(block)
         new = tuple(map(max, cur, top))
         if new == cur:
             return False
@@ -327,9 +337,9 @@ class AttentionPolicy(EvictionPolicy):
             if experts is not None and sampled(key, bits) and experts.inserted(key):
                 self._follow()
             cost = costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
-            own = tuple(map(_add, fresh, cost))
-            block = add(key, info.parent, info.nbytes, "v", own[self._lead], key not in inner)
-            block.freq, block.cost, block.val = fresh, cost, own
+            lead = self._lead
+            block = add(key, info.parent, info.nbytes, "v", fresh[lead] + cost[lead], key not in inner)
+            block.freq, block.cost, block.val = fresh, cost, None  # V is its own F + C (`_val`)
 
     def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True, ghost: object = None) -> None:
         """Enter one block; `ghost`: what the ghost table held of it (taken out already), else it is
@@ -350,12 +360,14 @@ class AttentionPolicy(EvictionPolicy):
         if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
         cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
+        lead = self._lead
         if info.attention is not None:
             self._set_attention(key, info.attention)
-            own = self._own(key, freq, cost)
+            own: tuple[float, ...] | None = self._own(key, freq, cost)
+            prio = own[lead]  # type: ignore[index]
         else:
-            own = tuple(map(_add, freq, cost))
-        block = self._leaves.add(key, info.parent, info.nbytes, "v", own[self._lead], leaf)  # one heap push
+            own, prio = None, freq[lead] + cost[lead]  # V is its own F + C (`_val`)
+        block = self._leaves.add(key, info.parent, info.nbytes, "v", prio, leaf)  # one heap push
         block.freq, block.cost, block.val = freq, cost, own
 
     def on_access(self, keys: Sequence[Key]) -> None:
@@ -377,7 +389,7 @@ class AttentionPolicy(EvictionPolicy):
             block = get(key)
             if block is None:
                 continue
-            freq = block.freq
+            freq, val = block.freq, block.val
             if freq is not was:
                 was, now = freq, [lc + tau if f - tau < forget else log2(2.0 ** (f - tau) + credit) + tau
                                   for f, tau in zip(freq, taus)]
@@ -389,7 +401,9 @@ class AttentionPolicy(EvictionPolicy):
                 own = self._own(key, now, block.cost)
             else:
                 own = map(_add, now, block.cost)  # (consumed once, below: no list of its own)
-            top = block.val = tuple(map(max, own, block.val)) if top is None else tuple(map(max, own, block.val, top))
+            if val is None:  # its own F + C (`_val`), F as it was before this hit
+                val = map(_add, freq, block.cost)
+            top = block.val = tuple(map(max, own, val)) if top is None else tuple(map(max, own, val, top))
             if block.children:  # (`reprioritise` of a block with children: no heap entry)
                 block.prio = top[lead]
             else:
@@ -398,7 +412,7 @@ class AttentionPolicy(EvictionPolicy):
             block = get(keys[0])
             parent = block.parent if block is not None else None
             while parent is not None and (block := get(parent)) is not None:
-                cur = block.val
+                cur = _val(block)
                 new = tuple(map(max, cur, top))
                 if new == cur:
                     break
@@ -439,8 +453,8 @@ class AttentionPolicy(EvictionPolicy):
         parent = block.parent
         up = leaves.tracked.get(parent) if parent is not None else None
         if up is not None:  # the tree rule, applied before it becomes a leaf
-            cur = up.val  # (`_lift`, inline: eviction removes one block at a time)
-            new = tuple(map(max, cur, block.val))
+            cur = _val(up)  # (`_lift`, inline: eviction removes one block at a time)
+            new = tuple(map(max, cur, _val(block)))
             if new != cur:
                 up.val = new
                 lead = self._lead
