@@ -333,6 +333,61 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         remove_stale_arena(path)
 
 
+def test_a_reopened_arena_keeps_the_well_formed_records_and_deletes_the_others():
+    """At open the placement index keeps a record only if its key and fields are well formed, its extents
+    lie inside the arena on page boundaries, its length matches and no earlier record (in key order)
+    claims its pages; every other record is deleted, and its pages stay free."""
+    from kvstore.keys import hash_blocks
+    from kvstore.store import TieredStore
+    from kvstore.tiers.host import HostArena, remove_stale_arena
+
+    page, pages = 8192, 64
+    path = f"/dev/shm/kvtest-{os.urandom(8).hex()}"
+    ns_small = type(NS)("records", "bf16", 1, 1, 8, 16, page)
+    try:
+        store = TieredStore([HostArena(path, pages * page, page, prefault=False, persistent=True)])
+        ns = store.register_namespace(ns_small)
+        roots = hash_blocks(np.arange(16 * 3), 16)
+        got = store.reserve(ns, [(h, None) for h in roots], owner=1)
+        for e, h in zip(got, roots):
+            store.host.write(e.location, np.frombuffer(h * (page // 16), np.uint8))
+        store.commit(ns, roots, owner=1)
+        taken = {store.index.entries[(ns, h)].location[0][0] // page for h in roots}
+        store.close()
+        free = [p * page for p in range(pages) if p not in taken]
+        good = {"e": [[free[0], page], [free[1], page]], "n": 2 * page, "p": None, "d": 0, "a": None, "t": 0.0,
+                "x": None}  # two extents: kept
+        bad = {
+            "outside the arena": {**good, "e": [[pages * page, page]], "n": page},
+            "off a page boundary": {**good, "e": [[free[2] + 100, page]], "n": page},
+            "length not the extents'": {**good, "e": [[free[2], page]], "n": page // 2},
+            "empty extent": {**good, "e": [[free[2], 0]], "n": 0},
+            "checksum not an int": {**good, "e": [[free[2], page]], "n": page, "x": "abc"},
+            "no extents field": {"n": page, "x": None},
+        }
+        overlaps = {**good, "e": [[min(taken) * page, page]], "n": page}  # a root's page
+        env = lmdb.open(index_path(path), subdir=True, max_dbs=4, lock=True)
+        with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+            txn.put(msgpack.packb([ns, b"\x00" * 16]), msgpack.packb(good))
+            for i, rec in enumerate(bad.values()):
+                txn.put(msgpack.packb([ns, bytes([0xF0 + i]) * 16]), msgpack.packb(rec))
+            txn.put(msgpack.packb([7, b"\xfe" * 16]), msgpack.packb(good))  # a namespace id that is no string
+            txn.put(msgpack.packb([ns, b"\xfe" * 16]), b"\xc1")  # not msgpack
+            txn.put(msgpack.packb([ns, b"\xff" * 16]), msgpack.packb(overlaps))  # last in key order: it goes
+        env.close()
+        arena = HostArena(path, pages * page, page, prefault=False, persistent=True)
+        try:
+            kept = {b.key[1]: b.location for b in arena.recover()[1]}
+            assert set(kept) == set(roots) | {b"\x00" * 16}
+            assert kept[b"\x00" * 16] == good["e"]
+            assert len(arena.index.records()) == len(kept)  # the others were deleted
+            assert arena.pages.free_pages == pages - len(taken) - 2  # their pages are free
+        finally:
+            arena.close(unlink=False)
+    finally:
+        remove_stale_arena(path)
+
+
 def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_turn():
     """The daemon's case: a store used on a running asyncio loop writes the records of the blocks a
     turn committed, and the deletions of the blocks it freed, in one transaction when the turn ends,
