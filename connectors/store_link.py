@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-from kvstore.client import KVClient
+from kvstore.client import SPIN_US, KVClient
 from kvstore.errors import DaemonUnavailable, KVStoreError
 from kvstore.keys import Namespace
 
@@ -38,8 +38,10 @@ class StoreLink:
         retry_s: float,
         name: str,
         clock: Callable[[], float] = time.monotonic,
+        spin_us: float = SPIN_US,
     ) -> None:
         self.socket_path = socket_path
+        self.spin_us = spin_us  # KVClient's: how long a call polls for its reply before it sleeps
         self.namespaces = namespaces
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -61,7 +63,7 @@ class StoreLink:
         if self._clock() < self._next_try:
             return None
         try:
-            client = KVClient(self.socket_path, timeout_s=self.timeout_s, name=self.name)
+            client = KVClient(self.socket_path, timeout_s=self.timeout_s, name=self.name, spin_us=self.spin_us)
             try:
                 self.ns_ids = [client.register(ns) for ns in self.namespaces]
             except BaseException:

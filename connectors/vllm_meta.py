@@ -17,8 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kvstore.client import MAX_SPIN_US, SPIN_US
 from kvstore.config import default_socket_path
 from kvstore.keys import Namespace
 
@@ -44,6 +43,7 @@ class ConnectorConfig:
     socket: str = ""  # daemon socket; default: $KVSTORE_SOCKET or the per-user default
     timeout_s: float = 5.0  # per RPC; past it the daemon counts as unavailable
     retry_s: float = 2.0  # how often to try reconnecting while the daemon is away
+    spin_us: float = SPIN_US  # how long a call polls for its reply before it sleeps (0: it sleeps at once)
     load_async: bool = False  # report hits as asynchronous loads (completion through get_finished)
     save: bool = True  # store newly computed blocks
     load: bool = True  # look up and load hits
@@ -75,6 +75,8 @@ class ConnectorConfig:
         cfg = cls(**extra)
         if cfg.timeout_s <= 0 or cfg.retry_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_s >= 0")
+        if isinstance(cfg.spin_us, bool) or not isinstance(cfg.spin_us, (int, float)) or not 0 <= cfg.spin_us <= MAX_SPIN_US:
+            raise ValueError(f"spin_us must be a number of microseconds in 0..{MAX_SPIN_US:g}")
         if not 0 <= cfg.wait_s <= 600:
             raise ValueError("wait_s must be in 0..600 seconds")
         if cfg.copy_executor not in ("auto", "dma", "kernel"):

@@ -330,7 +330,7 @@ class WaitedLoads:
         link = getattr(self._local, "link", None)
         if link is None:
             link = StoreLink(self.config.socket_path, [self.namespace], self.config.timeout_s, self.config.retry_s,
-                             "vllm-worker-wait")
+                             "vllm-worker-wait", spin_us=self.config.spin_us)
             self._local.link = link
             with self.report.lock:
                 self._links.append(link)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from kvstore.client import SPIN_US  # noqa: E402
 from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
 from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
@@ -313,3 +314,22 @@ def test_an_injected_save_failure_aborts_its_reservations(daemon):
     assert stats["blocks"] == 0 and stats["reserved_blocks"] == 0
     with pytest.raises(ValueError, match="fractions in 0..1"):
         ConnectorConfig.from_extra({"fail_saves": 1.5})
+
+
+def test_spin_us_reaches_both_sides_clients_and_is_validated(daemon):
+    """`spin_us` (how long a call polls for its reply before it sleeps) is what the scheduler's and the
+    worker's clients use; 0 (sleep at once) serves the same hit."""
+    sched, make_worker = make_sides(daemon, spin_us=0)
+    worker, kv = make_worker(5)
+    tokens = list(range(3000, 3000 + 3 * BT))
+    req = request("a", tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    run_step(sched, worker, sched_output(new=[("a", [1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    assert sched.link.client()._spin_s == 0 and worker.link.client()._spin_s == 0
+    req_b = request("b", tokens + [5])
+    assert sched.get_num_new_matched_tokens(req_b, 0) == (3 * BT, False)
+    assert make_sides(daemon)[0].link.client()._spin_s == SPIN_US / 1e6
+    for bad in (-1, True, "100", 1e9):
+        with pytest.raises(ValueError, match="spin_us"):
+            ConnectorConfig.from_extra({"spin_us": bad})
