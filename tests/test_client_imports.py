@@ -44,3 +44,13 @@ def test_serve_loads_no_other_command():
         ("stats_cmd", "blocks_cmd", "inspect_cmd", "top_cmd", "events_cmd", "replay", "gen_trace", "proxy_cmd"))]
     assert others == []
     assert "kvstore.server.pd_proxy" not in loaded and "aiohttp" not in loaded
+    assert "importlib.metadata" not in loaded  # (the version is looked up for --version only)
+
+
+def test_the_daemon_loads_its_admin_plane_only_when_it_serves_one():
+    """aiohttp (the admin plane) is a seventh of a restart: a daemon without an admin port never loads it."""
+    code = "import json, sys, kvstore.server.daemon; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    assert "kvstore.server.daemon" in loaded
+    assert "kvstore.server.admin" not in loaded and "aiohttp" not in loaded

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import logging
 import sys
 
@@ -20,17 +19,31 @@ COMMAND_MODULES = [f"kvstore.tools.{name}" for name in dict.fromkeys(COMMANDS.va
 
 def version() -> str:
     """The installed distribution's version (a source checkout that was never installed says so)."""
+    import importlib.metadata  # (here: ~25 ms that every other command line, a restart's too, need not pay)
+
     try:
         return importlib.metadata.version("kvstore")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """`--version`, looked up when it is asked for, not when the parser is built."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS,
+                 help: str = "show the version and exit") -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"kvstore {version()}")  # (on stdout, as argparse's own version action)
+        parser.exit()
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser for `argv`: with only its command's subparser when its first word is a command
     (the options before it take no value), else with every command's."""
     parser = argparse.ArgumentParser(prog="kvstore", description="A tiered KV-cache store for LLM inference engines.")
-    parser.add_argument("--version", action="version", version=f"kvstore {version()}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     command = next((a for a in argv or () if not a.startswith("-")), None)
     modules = [f"kvstore.tools.{COMMANDS[command]}"] if command in COMMANDS else COMMAND_MODULES
