@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client import MAX_SPIN_US, SPIN_US
+from kvstore.client import SPIN_US, check_spin_us
 from kvstore.config import default_socket_path
 from kvstore.keys import Namespace
 
@@ -75,8 +75,7 @@ class ConnectorConfig:
         cfg = cls(**extra)
         if cfg.timeout_s <= 0 or cfg.retry_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_s >= 0")
-        if isinstance(cfg.spin_us, bool) or not isinstance(cfg.spin_us, (int, float)) or not 0 <= cfg.spin_us <= MAX_SPIN_US:
-            raise ValueError(f"spin_us must be a number of microseconds in 0..{MAX_SPIN_US:g}")
+        check_spin_us(cfg.spin_us)
         if not 0 <= cfg.wait_s <= 600:
             raise ValueError("wait_s must be in 0..600 seconds")
         if cfg.copy_executor not in ("auto", "dma", "kernel"):

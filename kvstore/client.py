@@ -51,6 +51,12 @@ SPIN_US = 100.0
 MAX_SPIN_US = 10_000.0
 
 
+def check_spin_us(spin_us: object) -> None:
+    """ValueError unless `spin_us` is a number of microseconds in 0..MAX_SPIN_US."""
+    if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= MAX_SPIN_US:
+        raise ValueError(f"spin_us must be a number of microseconds in 0..{MAX_SPIN_US:g}, got {spin_us!r}")
+
+
 def _arrived(sock: socket.socket, view: memoryview, spin_s: float) -> int:
     """Read into `view` what has arrived on `sock` (in timeout mode, so non-blocking underneath), without
     the poll Python's timeout mode makes before each read; poll for up to `spin_s` while nothing has.
@@ -87,8 +93,7 @@ class KVClient:
     ) -> None:
         if not isinstance(copy_threads, int) or copy_threads < 1:
             raise ValueError(f"copy_threads must be a positive integer, got {copy_threads!r}")
-        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= MAX_SPIN_US:
-            raise ValueError(f"spin_us must be a number of microseconds in 0..{MAX_SPIN_US:g}, got {spin_us!r}")
+        check_spin_us(spin_us)
         self._spin_s = spin_us / 1e6  # how long a wait for a reply polls before it sleeps (SPIN_US)
         self.copy_threads = copy_threads  # local clients' copy threads (kvstore/transports.py)
         self.socket_path = socket_path or default_socket_path()
