@@ -44,7 +44,7 @@ from kvstore.tiers.arena import copy_bytes  # noqa: F401  (re-exported: connecto
 
 # A wait for a reply polls the socket this long before it sleeps in the kernel. Where the daemon answers
 # within it (a lookup, a ping, a small acquire), neither side pays for waking a sleeping process: on this
-# project's VMs that is ~20 us each way of a 41 us round trip, and it cut a 32-block lookup's latency
+# project's VMs that is ~20 us each way of a 33-41 us round trip, and it cut a 32-block lookup's latency
 # from 100-116 to 65-68 us in a probe (docs/benchmarks.md, Scale, "A reply awaited"). A reply that takes
 # longer costs the spin's CPU once and is then waited for asleep.
 SPIN_US = 100.0
