@@ -20,7 +20,7 @@ from kvstore.connectors.vllm_meta import ConnectorConfig  # noqa: E402
 from kvstore.connectors.vllm_scheduler import SchedulerSide  # noqa: E402
 from kvstore.connectors.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.keys import ExtraKeys, hash_blocks  # noqa: E402
-from tests.connector_sides import BT, LAYERS, NB, L, kv_tensors, make_sides, namespace, run_step  # noqa: E402
+from tests.connector_sides import BT, LAYERS, NB, L, admit, kv_tensors, make_sides, namespace, run_step  # noqa: E402
 from tests.connector_sides import sides, whole_step_sides  # noqa: E402,F401  (fixtures)
 from kvstore.tools.harness.connector_standins import blocks, report_step, request, sched_output  # noqa: E402
 
@@ -305,10 +305,7 @@ def test_an_injected_save_failure_aborts_its_reservations(daemon):
     sched, make_worker = make_sides(daemon, fail_saves=1.0)
     worker, _ = make_worker(1)
     tokens = list(range(2000, 2000 + 3 * BT))
-    req = request("a", tokens)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
-    meta = run_step(sched, worker, sched_output(new=[("a", [1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    meta = run_step(sched, worker, admit(sched, "a", tokens, [1, 2, 3], 0))
     assert len(meta.saves) == 3 and worker.faults.injected_saves == 1
     stats = sched.link.client().stats()
     assert stats["blocks"] == 0 and stats["reserved_blocks"] == 0
@@ -320,12 +317,9 @@ def test_spin_us_reaches_both_sides_clients_and_is_validated(daemon):
     """`spin_us` (how long a call polls for its reply before it sleeps) is what the scheduler's and the
     worker's clients use; 0 (sleep at once) serves the same hit."""
     sched, make_worker = make_sides(daemon, spin_us=0)
-    worker, kv = make_worker(5)
+    worker, _ = make_worker(5)
     tokens = list(range(3000, 3000 + 3 * BT))
-    req = request("a", tokens)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
-    run_step(sched, worker, sched_output(new=[("a", [1, 2, 3], 0)], scheduled={"a": len(tokens)}))
+    run_step(sched, worker, admit(sched, "a", tokens, [1, 2, 3], 0))
     assert sched.link.client()._spin_s == 0 and worker.link.client()._spin_s == 0
     req_b = request("b", tokens + [5])
     assert sched.get_num_new_matched_tokens(req_b, 0) == (3 * BT, False)
