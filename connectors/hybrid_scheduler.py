@@ -74,8 +74,7 @@ class HybridSchedulerSide:
         self.block_tokens = layout.block_tokens
         self.num_ranks = len(namespaces)
         self.slots = len(namespaces[0])  # SPINE, or SPINE and ATTACHMENT
-        self.link = StoreLink(config.socket_path, [ns for rank in namespaces for ns in rank], config.timeout_s,
-                              config.retry_s, "vllm-scheduler", spin_us=config.spin_us)
+        self.link = StoreLink.of(config, [ns for rank in namespaces for ns in rank], "vllm-scheduler")
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[HybridLoad] = []
         self._step = 0

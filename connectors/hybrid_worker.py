@@ -66,8 +66,7 @@ class HybridWorkerSide:
     def __init__(self, config: ConnectorConfig, namespaces: list[Namespace], layout: HybridLayout,
                  num_blocks: int) -> None:
         self.config, self.layout, self.num_blocks = config, layout, num_blocks
-        self.link = StoreLink(config.socket_path, namespaces, config.timeout_s, config.retry_s, "vllm-worker",
-                              spin_us=config.spin_us)
+        self.link = StoreLink.of(config, namespaces, "vllm-worker")
         self.engine: EngineKV | None = None
         self.geometries: list[KVGeometry] = []
         self.faults = FaultInjector(config.fail_loads, config.fault_seed, config.fail_saves)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from kvstore.client import SPIN_US, KVClient
 from kvstore.errors import DaemonUnavailable, KVStoreError
 from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from kvstore.connectors.vllm_meta import ConnectorConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +57,11 @@ class StoreLink:
         self.generation = 0  # bumped per new connection: pins belong to one generation
         self.num_failures = 0
         self._posted: list[tuple[int, str, KVClient]] = []  # requests sent whose replies are read later
+
+    @classmethod
+    def of(cls, config: "ConnectorConfig", namespaces: list[Namespace], name: str) -> "StoreLink":
+        """A connector side's link, as its config says: socket, timeout, retry and spin."""
+        return cls(config.socket_path, namespaces, config.timeout_s, config.retry_s, name, spin_us=config.spin_us)
 
     # -- connection -----------------------------------------------------------------
     def client(self) -> KVClient | None:

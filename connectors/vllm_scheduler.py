@@ -130,8 +130,7 @@ class SchedulerSide:
         self.device = device
         self.block_tokens = block_tokens
         self.num_ranks = num_workers or len(namespaces)
-        self.link = StoreLink(config.socket_path, namespaces, config.timeout_s, config.retry_s, "vllm-scheduler",
-                              spin_us=config.spin_us)
+        self.link = StoreLink.of(config, namespaces, "vllm-scheduler")
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
         self._step = 0

@@ -51,8 +51,7 @@ class WorkerSide:
         self.namespace = namespace
         self.layer_names = layer_names
         self.num_blocks = num_blocks
-        self.link = StoreLink(config.socket_path, [namespace], config.timeout_s, config.retry_s, "vllm-worker",
-                              spin_us=config.spin_us)
+        self.link = StoreLink.of(config, [namespace], "vllm-worker")
         self.engine: EngineKV | None = None
         self.report = LoadReport()
         self.faults = FaultInjector(config.fail_loads, config.fault_seed, config.fail_saves)

@@ -329,8 +329,7 @@ class WaitedLoads:
     def _thread_link(self) -> StoreLink:
         link = getattr(self._local, "link", None)
         if link is None:
-            link = StoreLink(self.config.socket_path, [self.namespace], self.config.timeout_s, self.config.retry_s,
-                             "vllm-worker-wait", spin_us=self.config.spin_us)
+            link = StoreLink.of(self.config, [self.namespace], "vllm-worker-wait")
             self._local.link = link
             with self.report.lock:
                 self._links.append(link)
