@@ -182,6 +182,8 @@ class Placement:
         being inserted. Raises CapacityError, having evicted what it could, when
         nothing more is evictable.
         """
+        if self.tiers[tier].scanning:  # it knows no free page yet, and holds no block to evict
+            raise CapacityError(f"the {tier} tier is still reading the records it kept (a restart)")
         while shortfall() > 0 and (copy := self.index.oldest_copy(tier)) is not None:
             self.drop_copy(copy, tier)  # a copy is redundant: its block sits in a faster tier
         policy = self.policies[tier]
@@ -252,7 +254,7 @@ class Placement:
         nbytes = e.nbytes if codec is None else codec.stored_bytes
         if not below.fits(nbytes):
             return False
-        if below.scanning:  # it knows no free page yet (tiers/disk_scan.py)
+        if below.scanning:  # it knows no free page yet (tiers/record_scan.py)
             self.counters[f"demotions_dropped_{below.name}_scanning"] += 1
             return False
         try:

@@ -1,17 +1,17 @@
 """Restart recovery: rebuild the block index from the tiers that persist, while the store serves.
 
 Each persistent tier, fastest first, reports its namespaces (re-registered at
-once, anchors first) and its block records: at once (`Tier.recover`: the host
-arena's placement index) or, for a tier that reads them in the background
-(`Tier.scanned`: the disk's LMDB index, millions of records), once they are
+once, anchors first) and its block records: at once (`Tier.recover`) or, for a
+tier that reads them in the background (`Tier.scanned`: the host arena's
+placement index and the disk's, millions of records each), once they are
 read. The daemon adopts them in steps while it serves (`Recovery.step`, a
 bounded number of records a call), unless there are only a few thousand;
 `finish` does it in one go (those few, a store built without a loop, tools,
 tests, `check`). Meanwhile a request adopts the records of the keys it names
 before it looks at them (`adopt_now`): a block whose record is read is a hit
-at once. A tier's free pages are known before it is adopted (the host arena's
-from its index at open, the disk's once its scan is done), so the store takes
-new blocks meanwhile.
+at once. A tier's free pages are known once its records are read, before they
+are adopted, so the store takes new blocks meanwhile (before then, the tier
+takes none: a put into it is refused, a demotion into it dropped).
 
 Rules, either way:
 - Blocks are adopted parents first, from the roots and from blocks already

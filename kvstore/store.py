@@ -500,7 +500,11 @@ class TieredStore:
             self.compactor.kick()  # (blocks a recovery handed it before the loop ran)
 
     async def _recover(self) -> None:
-        while self.recovery.step(RECOVERY_STEP_BLOCKS):
+        while True:
+            for tier in self.chain:  # the loop is busy: the kept blocks' checksums wait (for CHECK_LAG_S at most)
+                tier.busy()
+            if not self.recovery.step(RECOVERY_STEP_BLOCKS):
+                return
             await asyncio.sleep(RECOVERY_SCAN_POLL_S if self.recovery.scanning else 0)
 
     def wait_recovered(self) -> None:

@@ -1,4 +1,5 @@
-"""Serve first, verify as you go: a kept host arena is adopted without reading a byte (tiers/host_index.py).
+"""Serve first, verify as you go: a kept host arena is adopted without reading a byte (tiers/host_index.py),
+its records read while the store serves (tiers/host_scan.py).
 
 Each adopted block's checksum is verified before its bytes are first read (an
 acquire, a demotion) or by the index's hasher in the background; a block that
@@ -10,10 +11,16 @@ arena's bytes are altered between the stop and the restart.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
+import lmdb
 import numpy as np
+import pytest
 
+import kvstore.store as store_mod
 import kvstore.tiers.host_index as host_index
+import kvstore.tiers.host_scan as host_scan
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from tests.helpers import poll
@@ -152,6 +159,7 @@ def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch,
         f.seek(offset + 100)
         f.write(b"\xde\xad")
     store = reopen(store_factory, path, recover_in_background=True)
+    poll(lambda: store.recovery.step(1) and not store.recovery.scanning, 30, "the read of the records")
     monkeypatch.setattr(host_index, "QUIET_S", 0.0)
     store.host.index._hash_wake.set()
     poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
@@ -164,3 +172,71 @@ def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch,
     assert store.stats()["counters"]["host_checksum_failures"] == 1
     assert store.host.failed_checks() == []  # the verdict left with the block
     assert store.check() == []
+
+
+@pytest.fixture
+def held_scan(monkeypatch):
+    """The host arena's read of its kept records waits until the returned event is set."""
+    event = threading.Event()
+    scan = host_scan.HostScan._scan
+
+    def held(self):
+        event.wait(30)
+        return scan(self)
+
+    monkeypatch.setattr(host_scan.HostScan, "_scan", held)
+    yield event
+    event.set()
+
+
+def test_the_store_serves_while_the_kept_records_are_read_and_writes_over_none(monkeypatch, store_factory,
+                                                                               held_scan):
+    """The records are read in a thread while the store serves (a daemon past its ready line): a lookup
+    is a miss, a put into the arena is refused (it knows no free page: a kept block may sit on any); once
+    read, every kept block is a hit with its own bytes and the arena takes writes."""
+    path, hashes = kept_chain(store_factory)
+    monkeypatch.setattr(store_mod, "RECOVER_BEFORE_SERVING_BLOCKS", 0)  # as with millions of records
+    store = reopen(store_factory, path, recover_in_background=True)
+    ns = store.register_namespace(NS)
+    other = hash_blocks(np.arange(16 * 3) + 30_000, 16)
+
+    async def serve() -> None:
+        store.start()
+        assert store.host.scanning and store.host.stats()["scanning"]
+        assert store.lookup(ns, hashes).hits == 0  # not read yet: a miss, answered at once
+        assert store.reserve(ns, [(h, None) for h in other], owner="w") == [None] * 3
+        assert store.stats()["counters"]["put_capacity_rejects"] == 3 and store.host.pages.free_pages == 0
+        held_scan.set()
+        while store.recovery.active:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(serve())
+    assert not store.host.scanning and store.host.stats()["adopted_blocks"] == 6
+    assert read(store, hashes) == [payload(h) for h in hashes]
+    write_chain(store, ns, other)
+    assert store.lookup(ns, other).hits == 3 and read(store, hashes + other) == [payload(h) for h in hashes + other]
+    assert store.check() == []
+
+
+def test_records_that_cannot_be_read_start_the_arena_empty(monkeypatch, store_factory, caplog):
+    """An index whose records fail to read (a corrupt B-tree page) is replaced by an empty one: every
+    page free, the kept namespaces kept, a log line saying why; the store serves and keeps what it
+    writes from then on."""
+    path, hashes = kept_chain(store_factory)
+
+    def corrupt(self):
+        raise lmdb.CorruptedError("mdb_cursor_get: MDB_CORRUPTED")
+
+    monkeypatch.setattr(host_scan.HostScan, "_scan", corrupt)
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.host"):
+        store = reopen(store_factory, path)
+    assert "starting empty, not re-adopting the arena" in caplog.text and "MDB_CORRUPTED" in caplog.text
+    assert store.lookup(NS.id, hashes).hits == 0 and store.host.pages.free_pages == 16
+    assert NS.id in store.host.index.namespaces()[0]
+    write_chain(store, store.register_namespace(NS), hashes[:2])
+    assert read(store, hashes[:2]) == [payload(h) for h in hashes[:2]]
+    assert store.check() == []
+    store.close()
+    monkeypatch.undo()
+    store = reopen(store_factory, path)
+    assert store.lookup(NS.id, hashes).hits == 2 and store.check() == []

@@ -166,7 +166,8 @@ class Tier:
             self.placed(location, meta)
 
     def busy(self) -> None:
-        """Clients are reading (an acquire): background work that competes for memory may wait."""
+        """Clients are reading (an acquire), or the store adopts what the tiers kept: background work that
+        competes for memory or the GIL may wait."""
 
     def locate(self, location) -> list:
         """The page extents of a location (for `check`)."""

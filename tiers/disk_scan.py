@@ -1,9 +1,8 @@
-"""The disk tier's record scan: its index's block records read at open, in a thread of their own.
+"""The disk tier's record scan: its index's block records read at open, in a thread of their own
+(tiers/record_scan.py).
 
-A disk tier of millions of blocks takes seconds to minutes to read its index
-(a msgpack record per block); the daemon serves meanwhile, and the store
-adopts the blocks once they are read (kvstore/recovery.py). The scan reads one
-LMDB snapshot. A record becomes a `RecoveredBlock` when its key and fields are
+A disk tier of millions of blocks takes seconds to minutes to read its index.
+A record becomes a `RecoveredBlock` when its key and fields are
 well formed, it has a checksum, its extents lie inside the data file on page
 boundaries, its length matches them, and it overlaps no record read before it;
 the others are *bad*: the tier deletes them. `taken` marks the pages the good
@@ -15,7 +14,6 @@ not read yet points at.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -24,10 +22,9 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
+from kvstore.tiers.record_scan import RecordScan
 
 log = logging.getLogger("kvstore.tiers.disk")
-
-YIELD_EVERY = 256  # records between two releases of the GIL (the event loop waits for it meanwhile)
 
 
 class ScanResult(NamedTuple):
@@ -37,7 +34,7 @@ class ScanResult(NamedTuple):
     seconds: float
 
 
-class DiskScan:
+class DiskScan(RecordScan[ScanResult]):
     """One background read of a disk tier's block records."""
 
     def __init__(self, env: lmdb.Environment, db: object, page_bytes: int, num_pages: int,
@@ -45,39 +42,10 @@ class DiskScan:
         """`location(extents, checksum, codec, size)`: the tier's location of a recovered block (`codec`
         the tag of an encoded block's codec, else None; `size` the block's own size); `decodes`: whether
         the tier can decode encoded blocks (if not, their records are bad)."""
-        self._env, self._db = env, db
         self._decodes = decodes
         self.page_bytes, self.num_pages = page_bytes, num_pages
         self._location = location
-        self._result: ScanResult | None = None
-        self._error: BaseException | None = None
-        self._stopping = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvstore-disk-scan", daemon=True)
-        self._thread.start()
-
-    def result(self, wait: bool = False) -> ScanResult | None:
-        """The scan's result once it is done (None before, unless `wait`); re-raises its error."""
-        if wait:
-            self._done.wait()
-        elif not self._done.is_set():
-            return None
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def stop(self) -> None:
-        """Abandon the scan (the tier closes before it was done) and wait for its thread."""
-        self._stopping = True
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            self._result = self._scan()
-        except BaseException as exc:  # handed to the owner with the result
-            self._error = exc
-        finally:
-            self._done.set()
+        super().__init__(env, db, "kvstore-disk-scan")
 
     def _scan(self) -> ScanResult:
         t0 = time.monotonic()
@@ -87,11 +55,7 @@ class DiskScan:
         bad: list[bytes] = []
         unpack, location = msgpack.unpackb, self._location
         with self._env.begin(db=self._db) as txn:
-            for i, (rkey, raw) in enumerate(txn.cursor()):
-                if i % YIELD_EVERY == YIELD_EVERY - 1:
-                    if self._stopping:
-                        break
-                    time.sleep(0)
+            for rkey, raw in self._records(txn):
                 try:
                     ns_id, h = unpack(rkey)
                     rec = unpack(raw)

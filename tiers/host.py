@@ -23,8 +23,10 @@ outlive the process. A clean stop leaves both; the next start re-adopts an
 arena found at the path when it is a regular 0600 file of ours that no daemon
 holds, of the configured size, whose index is ours, private, readable and
 records the same geometry and the arena's inode: every record whose extents
-check is a block again, the rest of the pages are free. No byte is read at
-start (the arena is mapped, not prefaulted): each block's checksum is
+check is a block again, the rest of the pages are free. The records are read
+in a thread of their own (tiers/host_scan.py) while the daemon serves; until
+they are, the arena has no free page (`scanning`, `scanned`). No byte is read
+at start (the arena is mapped, not prefaulted): each block's checksum is
 verified before its bytes are first read (`verify`) or by the index's hasher
 in the background, and a block that fails is reported lost (`failed_checks`,
 `lost`) and dropped by the store, never served (tiers/host_index.py). Anything
@@ -67,6 +69,7 @@ from kvstore.tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this m
 )
 from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
+from kvstore.tiers.host_scan import HostScan
 from kvstore.tiers.pages import Extents, PageAllocator
 
 log = logging.getLogger(__name__)
@@ -95,7 +98,10 @@ class HostArena(Tier):
         self.persistent = persistent
         self.index: HostIndex | None = None
         self._settle_later = 0  # inside `settling_once`: allocations leave the queued deletions to its end
-        self._recovered: tuple[list, list] | None = None
+        self._scan: HostScan | None = None  # the kept records being read (a re-adopted arena)
+        self._namespaces: list[tuple[str, dict]] = []  # the namespaces the re-adopted index kept
+        self._num_records = 0  # the kept records found at open
+        self.scan_s: float | None = None  # how long reading them took
         self._lost: dict[int, Extents] = {}  # the locations the last `failed_writes` reported, by id
         self.adopted_blocks = 0
         self.adopted = persistent and self._adopt()  # else a new, empty arena of ours
@@ -180,15 +186,52 @@ class HostArena(Tier):
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         try:
             self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
-            namespaces, kept, used = self.index.load(self.capacity_bytes, self.page_bytes)
+            self._namespaces = self.index.namespaces()
+            self._num_records = self.index.num_records()
         except (ValueError, lmdb.Error, OSError) as exc:
             return f"its placement index is unusable: {exc}"
-        self.pages = PageAllocator(self.num_pages, self.page_bytes, used, label="host")
-        self._recovered = (namespaces, kept)
-        self.adopted_blocks = len(kept)
-        log.info("host tier: re-adopted the arena %s: %d blocks, %d MiB", self.path, len(kept),
-                 len(used) * self.page_bytes >> 20)
+        # No free page until the records are read (`scanned`): nothing is written over a kept block.
+        self.pages = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="host")
+        self._scan = HostScan(self.index.env, self.index.blocks_db, self.capacity_bytes, self.page_bytes)
+        log.info("host tier: re-adopting the arena %s: reading its %d records", self.path, self._num_records)
         return None
+
+    @property
+    def scanning(self) -> bool:
+        return self._scan is not None
+
+    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+        """The blocks kept in the re-adopted arena (once; None while its records are read, unless `wait`).
+        From then on the arena knows its free pages and allocates."""
+        if self._scan is None:
+            return []
+        try:
+            result = self._scan.result(wait)
+        except (lmdb.Error, ValueError, OSError) as exc:
+            self._scan = None
+            self._start_over(f"its placement index is unusable: {exc}")
+            return []
+        if result is None:
+            return None
+        self._scan = None
+        self.index.adopt(result)
+        self.pages = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="host")
+        self.adopted_blocks = len(result.blocks)
+        self.scan_s = result.seconds
+        log.info("host tier: re-adopted the arena %s: %d blocks, %d MiB (records read in %.3f s)", self.path,
+                 len(result.blocks), int(result.taken.sum()) * self.page_bytes >> 20, result.seconds)
+        return result.blocks
+
+    def _start_over(self, why: str) -> None:
+        """The kept records cannot be read: a new, empty index over the arena (every page free), the
+        namespaces the old one held restored in it."""
+        log.warning("host tier: starting empty, not re-adopting the arena %s: %s", self.path, why)
+        self.index.close(flush=False)
+        _remove_index(self.path)
+        self.index = HostIndex(index_path(self.path), self.buf, self._geometry(), self._unmap)
+        for ns_id, fields in self._namespaces:
+            self.index.put_namespace(ns_id, fields)
+        self.pages = PageAllocator(self.num_pages, self.page_bytes, label="host")
 
     # -- the store's tier interface (tiers/base.py) ----------------------------------
     def allocate(self, nbytes: int):
@@ -262,13 +305,11 @@ class HostArena(Tier):
 
     @property
     def num_kept_records(self) -> int:
-        return len(self._recovered[1]) if self._recovered else 0
+        return self._num_records
 
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
-        namespaces, kept = self._recovered or ([], [])
-        self._recovered = None
-        return namespaces, [RecoveredBlock(key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0))
-                            for key, rec in kept]
+        """The namespaces; the blocks come from the background read of the records (`scanned`)."""
+        return list(self._namespaces), []
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         if self.index is not None:
@@ -304,7 +345,8 @@ class HostArena(Tier):
         out["persistent"] = self.persistent
         if self.index is not None:
             idx = self.index
-            out.update(adopted_blocks=self.adopted_blocks, adopted_unchecked=idx.adopted_unchecked,
+            out.update(scanning=self._scan is not None, scan_s=self.scan_s,
+                       adopted_blocks=self.adopted_blocks, adopted_unchecked=idx.adopted_unchecked,
                        unverified_blocks=idx.num_unverified, verified_blocks=idx.verified_blocks,
                        corrupt_blocks=idx.corrupt_blocks,
                        pending_records=idx.num_pending, unchecked_records=idx.num_unchecked,
@@ -335,6 +377,7 @@ class HostArena(Tier):
         """Unmap and let go. A persistent arena is kept (its pending records written first) unless
         `unlink`; any other is removed unless `unlink` is False."""
         unlink = not self.persistent if unlink is None else unlink
+        self._stop_scan()
         if self.index is not None:
             self.index.close(flush=not unlink)
             self.index = None
@@ -353,9 +396,15 @@ class HostArena(Tier):
             _remove_index(self.path)
         self._file.close()  # after the unlink: no successor can take our live arena for a stale one meanwhile
 
+    def _stop_scan(self) -> None:
+        if self._scan is not None:
+            self._scan.stop()
+            self._scan = None
+
     def abandon(self) -> None:
         """Let go as a killed daemon would (tests): pending records unwritten, queued deletions
         uncommitted, nothing removed."""
+        self._stop_scan()
         if self.index is not None:
             self.index.close(flush=False)
             self.index = None

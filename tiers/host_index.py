@@ -50,8 +50,9 @@ Rules that make an adopted block safe to serve:
   its header (`offer_checksum`), and is not read again; publishing counts as
   busy meanwhile. A clean stop checks every block first (`flush`).
 - Serve first, verify as you go: at adoption every record is checked (extents
-  inside the arena, no overlap, length) but no byte is read, so a restart
-  serves at once whatever the arena's size. A record with a checksum is
+  inside the arena, no overlap, length) but no byte is read, and the records
+  are read in a thread of their own (tiers/host_scan.py, handed over by
+  `adopt`), so a restart serves at once whatever the arena's size. A record with a checksum is
   *unverified* until its bytes are hashed and compared: by the owner's thread
   before the block's bytes are first read (`verify`: a client's acquire, a
   demotion, a copy to another tier), or by the hasher in the background (at
@@ -67,6 +68,7 @@ Rules that make an adopted block safe to serve:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -75,12 +77,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import lmdb
 import msgpack
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from kvstore.tiers.host_scan import HostScanResult
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,7 @@ FORMAT_VERSION = 1
 BATCH_BYTES = 16 << 20  # hashed per batch at most: the hasher re-checks that the store is quiet between batches
 QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this long: checksums may be taken
 CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
+VERIFY_CHUNK = 64  # adopted blocks the hasher takes from the unverified ones at a time
 
 
 class IndexRefused(PermissionError):
@@ -165,7 +171,7 @@ class HostIndex:
         self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
                              writemap=True)
         try:
-            self._db_blocks = self.env.open_db(b"blocks")
+            self._db_blocks = self.blocks_db = self.env.open_db(b"blocks")
             self._db_ns = self.env.open_db(b"namespaces")
             self._db_meta = self.env.open_db(b"meta")
             self._check_meta({"version": FORMAT_VERSION, **geometry})
@@ -177,7 +183,7 @@ class HostIndex:
         self._recorded: dict[tuple, bytes] = {}  # key -> its record key, for the keys with a record
         self._unchecked: dict[tuple, _Pending] = {}  # recorded without a checksum (oldest first)
         self._deletes: list[bytes] = []  # record keys to delete before their pages are reused
-        # Adopted blocks not verified yet (filled by `load` only). The owner's `verify` and `forget` and the
+        # Adopted blocks not verified yet (filled by `adopt` only). The owner's `verify` and `forget` and the
         # hasher take items out with `pop`, atomic under the GIL: whoever pops an item decides it.
         self._unverified: dict[tuple, _Unverified] = {}
         # key -> extents of the blocks the hasher found altered, until the block leaves the tier (`forget`):
@@ -187,7 +193,7 @@ class HostIndex:
         # Held while a verification's verdict is recorded (a block leaves `_unverified` and, if altered,
         # enters `_altered` at once): a reader never sees an altered block in neither.
         self._verdict = threading.Lock()
-        self._adopted_at = 0.0  # monotonic time of `load`
+        self._adopted_at = 0.0  # monotonic time of `adopt`
         self.verified_blocks = 0
         self.corrupt_blocks = 0
         self._active_at = 0.0  # monotonic time of the last record or forget (the store is busy)
@@ -221,83 +227,38 @@ class HostIndex:
             diff = ", ".join(f"{k} {have.get(k)} -> {v}" for k, v in want.items() if have.get(k) != v)
             raise ValueError(f"the arena does not match the configuration or its index ({diff})")
 
-    # -- loading (at open, before the thread has anything to do) -------------------
-    def load(self, capacity_bytes: int, page_bytes: int) -> tuple[list, list, np.ndarray]:
-        """(namespaces, [(key, record)], used pages) of the records kept; the others are deleted.
-
-        A record is kept when its key and fields are well formed, its extents lie inside the arena
-        on page boundaries without overlapping another record's and its length matches. No byte is
-        read: a record with a checksum is kept *unverified* (`verify`, and the hasher).
-        """
-        num_pages = capacity_bytes // page_bytes
-        kept, bad, rkeys = [], [], []
-        first, last = [], []  # per extent of a kept record: its first and last page + 1
-        reasons: dict[str, int] = {}
-
-        def drop(rkey: bytes, why: str) -> None:
-            bad.append(rkey)
-            reasons[why] = reasons.get(why, 0) + 1
-
-        unpack = msgpack.unpackb
+    # -- re-adopting (at open: the records are read in the background, `HostScan`) ---------
+    def num_records(self) -> int:
         with self.env.begin(db=self._db_blocks) as txn:
-            for rkey, raw in txn.cursor():
-                try:
-                    ns_id, h = unpack(rkey)
-                    rec = unpack(raw)
-                    runs = _page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
-                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
-                            rec["x"] is None or isinstance(rec["x"], int)):
-                        raise ValueError("malformed record")
-                except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    drop(bytes(rkey), str(exc))
-                    continue
-                kept.append(((ns_id, h), rec))
-                rkeys.append(bytes(rkey))
-                for a, b in runs:
-                    first.append(a)
-                    last.append(b)
-        taken = _mark_pages(num_pages, first, last)
-        if taken is None:  # two records claim a page (never written so): drop the later ones, in key order
-            kept, rkeys, taken = self._without_overlaps(kept, rkeys, num_pages, page_bytes, drop)
-        if bad:
+            return txn.stat(self._db_blocks)["entries"]
+
+    def namespaces(self) -> list[tuple[str, dict]]:
+        with self.env.begin(db=self._db_ns) as txn:
+            return [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
+
+    def adopt(self, result: HostScanResult) -> None:
+        """Take over the records a scan (tiers/host_scan.py) kept (unverified, or unchecked where they have no checksum) and
+        delete the others. The owner's thread, before the arena hands out a page: a bad record's pages
+        are free, so its deletion is committed first."""
+        if result.bad:
             with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
-                for rkey in bad:
+                for rkey in result.bad:
                     txn.delete(rkey)
-            log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(bad),
-                        len(bad) + len(kept), "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        self._recorded = {key: rkey for (key, _), rkey in zip(kept, rkeys)}
-        now = self._adopted_at = time.monotonic()
-        for key, rec in kept:
-            if rec["x"] is None:  # checked in the background, like a new record
-                self._unchecked[key] = _Pending(key, rec["e"], rec["n"], (rec.get("p"), rec.get("d"), rec.get("a"),
-                                                                          rec.get("t")), now)
-            else:  # verified before its first read, or in the background
-                self._unverified[key] = _Unverified(rec["e"], rec["n"], rec["x"])
-        self.adopted_unchecked = len(self._unchecked)
-        if self._unchecked:
+            log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(result.bad),
+                        len(result.bad) + len(result.blocks),
+                        "; ".join(f"{n} {why}" for why, n in result.reasons.items()))
+        with self._lock:
+            result.recorded.update(self._recorded)  # (none: nothing is written into a tier still scanning)
+            self._recorded = result.recorded
+            self._unchecked = {**result.unchecked, **self._unchecked}
+        self._unverified = result.unverified
+        self._adopted_at = time.monotonic()
+        self.adopted_unchecked = len(result.unchecked)
+        if result.unchecked:
             log.info("host tier: %d re-adopted blocks had no checksum yet (killed before the store was quiet): "
-                     "adopted on their commit records, checked in the background", len(self._unchecked))
+                     "adopted on their commit records, checked in the background", len(result.unchecked))
         if self._unchecked or self._unverified:
             self._hash_wake.set()
-        with self.env.begin(db=self._db_ns) as txn:
-            namespaces = [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
-        return namespaces, kept, np.flatnonzero(taken)
-
-    @staticmethod
-    def _without_overlaps(kept: list, rkeys: list, num_pages: int, page_bytes: int, drop) -> tuple:
-        """`kept` less every record that claims a page a record before it claims (the slow path)."""
-        taken = np.zeros(num_pages, dtype=bool)
-        out, out_keys = [], []
-        for (key, rec), rkey in zip(kept, rkeys):
-            runs = _page_runs(rec["e"], rec["n"], page_bytes, num_pages * page_bytes)
-            if any(taken[a:b].any() for a, b in runs):
-                drop(rkey, "overlaps another block")
-                continue
-            for a, b in runs:
-                taken[a:b] = True
-            out.append((key, rec))
-            out_keys.append(rkey)
-        return out, out_keys, taken
 
     def put_namespace(self, ns_id: str, fields: dict) -> None:
         with self._lock, self.env.begin(write=True, db=self._db_ns) as txn:
@@ -544,18 +505,24 @@ class HostIndex:
         quiet; returns the bytes read. A block freed meanwhile was popped by `forget` before its pages
         could be reused, so a pop that succeeds after the hash means the hash is of the block's own bytes."""
         size = 0
-        for key, item in list(self._unverified.items()):  # a snapshot (one C-level copy, under the GIL)
-            if self._busy_for() > 0 or self._closing:
+        while size < BATCH_BYTES and not self._closing:
+            # The oldest few (one C-level copy, under the GIL): a copy of all of them per batch would cost
+            # the square of an arena's blocks (seconds of the GIL at 10^5).
+            some = list(itertools.islice(self._unverified.items(), VERIFY_CHUNK))
+            if not some:
                 break
-            ok = self._hash(item.extents) == item.checksum
-            with self._verdict:
-                if self._unverified.pop(key, None) is item:
-                    self._verified(ok)
-                    if not ok:
-                        self._altered[key] = item.extents
-            size += item.nbytes
-            if size >= BATCH_BYTES:
-                break
+            for key, item in some:
+                if self._busy_for() > 0 or self._closing:
+                    return size
+                ok = self._hash(item.extents) == item.checksum
+                with self._verdict:
+                    if self._unverified.pop(key, None) is item:
+                        self._verified(ok)
+                        if not ok:
+                            self._altered[key] = item.extents
+                size += item.nbytes
+                if size >= BATCH_BYTES:
+                    break
         return size
 
     def _hash(self, extents: list) -> int:
@@ -630,26 +597,3 @@ def _private_dir(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ValueError(f"{path} is not a private folder of uid {os.geteuid()} (uid {st.st_uid}, "
                          f"mode {stat.S_IMODE(st.st_mode):04o})")
-
-
-def _mark_pages(num_pages: int, first: list[int], last: list[int]) -> np.ndarray | None:
-    """The pages the runs [first, last) cover, as a bool per page; None when two runs overlap."""
-    count = np.zeros(num_pages + 1, dtype=np.int64)
-    np.add.at(count, np.asarray(first, dtype=np.int64), 1)
-    np.add.at(count, np.asarray(last, dtype=np.int64), -1)
-    cover = np.cumsum(count[:-1])
-    return None if (cover > 1).any() else cover > 0
-
-
-def _page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
-    """The [first, end) page numbers of each extent; ValueError for one outside the arena or a length
-    that does not match."""
-    runs, total = [], 0
-    for offset, length in extents:
-        if offset % page_bytes or length <= 0 or offset + length > capacity_bytes:
-            raise ValueError("extent outside the arena")
-        runs.append((offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
-        total += length
-    if total != nbytes:
-        raise ValueError("length does not match the extents")
-    return runs

@@ -1,24 +1,31 @@
 """Stop-to-serving time and blocks kept across a daemon restart with a full host tier.
 
-For each case: start a daemon (own process, host tier `--host-gib`, 256 KiB
-pages, optionally a disk tier as large), fill the host tier with chains of
-2 MiB blocks (distinct bytes per block) and wait until the daemon has recorded
+For each case: start a daemon (own process, host tier `--host-gib`, pages of
+256 KiB or the block's size if smaller, optionally a disk tier as large), fill
+the host tier with chains of `--block-kib` blocks (2 MiB: a Llama-8B-shaped
+16-token block; 64 KiB makes 16,384 blocks a GiB; distinct bytes per block) and
+wait until the daemon has recorded
 everything (host placement records with their checksums, which a restart then
 verifies; disk writes), stop it (SIGTERM or kill -9),
 start it again under the same name, and report:
 
 - stop_s: signal -> the old process has exited (a SIGTERM without a kept
   arena writes the host tier down to the disk tier here);
-- start_s: new process -> its "ready" line (recovery, and re-adoption with
-  every block's checksum verified, happen before it);
+- start_s: new process -> its "ready" line (a kept arena's records are read,
+  and its blocks adopted, before it where there are at most 4,096 of them,
+  else after it, while the daemon serves; no block's bytes are read before
+  it: each is verified before its first read, or in the background);
 - stop_to_serving_s: stop_s + start_s;
-- kept: blocks the new daemon holds (lookup), and where (host, disk);
+- kept_at_ready: blocks found by a lookup right after the ready line;
+  recovered_s: from the ready line until the daemon has adopted every block
+  (its stats show no recovery in progress);
+- kept: blocks the new daemon holds then (lookup), and where (host, disk);
 - read_back_s: `get` of every block (chains of 64, root first), all verified byte-identical.
 
 Cases: `before` is `--no-persistent-host` (the arena is removed at stop, what
 the daemon did before the arena was kept), `after` the default (kept arena).
 
-    python tools/bench/bench_restart.py [--host-gib 4] [--json] [--cases before,after] [--disk]
+    python tools/bench/bench_restart.py [--host-gib 4] [--block-kib 2048] [--json] [--cases before,after] [--disk]
 """
 
 from __future__ import annotations
@@ -40,9 +47,12 @@ from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from kvstore.tools.harness.daemon_proc import start_daemon  # noqa: E402
 
 MiB = 1 << 20
-BLOCK = 2 * MiB  # a Llama-8B-shaped 16-token block
-NS = Namespace("bench-restart", "bf16", 32, 8, 128, 16, BLOCK)
 CHAIN = 64
+
+
+def namespace(block: int) -> Namespace:
+    """16-token blocks of `block` bytes: 8 KV heads of 128, bf16, block // 64 KiB layers."""
+    return Namespace("bench-restart", "bf16", block // (64 << 10), 8, 128, 16, block)
 
 
 def payload(base: np.ndarray, i: int) -> np.ndarray:
@@ -52,6 +62,7 @@ def payload(base: np.ndarray, i: int) -> np.ndarray:
 
 
 def fill(client: KVClient, ns: str, n: int, base: np.ndarray) -> list[list[bytes]]:
+    """n blocks in chains of CHAIN, each block `base` with its number in its first 8 bytes."""
     chains = []
     for c in range(0, n, CHAIN):
         hs = hash_blocks(np.arange(min(CHAIN, n - c) * 16) + c * 1000, 16)
@@ -69,15 +80,17 @@ def settled(stats: dict) -> bool:
             and disk.get("pending_writes", 0) == 0)
 
 
-def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict:
+def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool, block: int) -> dict:
     folder = tempfile.mkdtemp(dir=tmp)
     host = str(int(host_gib * 1024) * MiB)
+    page = str(min(block, 256 << 10))
     extra = ["--no-persistent-host"] if case == "before" else []
     if disk:
         extra += ["--disk-path", os.path.join(folder, "disk"), "--disk-bytes", host]
-    d = start_daemon(folder, *extra, host_bytes=host, page_bytes="256KiB", disk=disk)
-    n = int(host_gib * 1024) * MiB // BLOCK
-    base = np.random.default_rng(0).integers(0, 256, BLOCK, dtype=np.uint8)
+    d = start_daemon(folder, *extra, host_bytes=host, page_bytes=page, disk=disk)
+    n = int(host_gib * 1024) * MiB // block
+    base = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8)
+    NS = namespace(block)
     try:
         with KVClient(d.socket_path, timeout_s=120) as c:
             ns = c.register(NS)
@@ -90,13 +103,18 @@ def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict
         stop_s = time.perf_counter() - t0
         d.cleanup(keep_arena=True)
         t1 = time.perf_counter()
-        d = start_daemon(folder, *extra, host_bytes=host, page_bytes="256KiB", disk=disk, name=d.name)
-        start_s = time.perf_counter() - t1
+        d = start_daemon(folder, *extra, host_bytes=host, page_bytes=page, disk=disk, name=d.name)
+        ready = time.perf_counter()
+        start_s = ready - t1
         with KVClient(d.socket_path, timeout_s=120) as c:
             ns = c.register(NS)
+            at_ready = sum(c.lookup(ns, hs).hits for hs in chains)
+            while "recovery" in c.stats():
+                time.sleep(0.01)
+            recovered_s = time.perf_counter() - ready
             tiers = [t for hs in chains for t in c.lookup(ns, hs).tiers]
             t2 = time.perf_counter()
-            out = np.empty((CHAIN, BLOCK), dtype=np.uint8)
+            out = np.empty((CHAIN, block), dtype=np.uint8)
             for ci, hs in enumerate(chains):
                 found = c.get_into(ns, hs, out[: len(hs)])
                 for j in range(len(hs)):
@@ -108,8 +126,9 @@ def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict
             problems = d.check()
         return {
             "case": case, "signal": signal.Signals(sig).name, "disk": disk, "host_gib": host_gib, "blocks": n,
-            "stop_s": round(stop_s, 3), "start_s": round(start_s, 3), "stop_to_serving_s": round(stop_s + start_s, 3),
-            "kept": len(tiers), "kept_host": tiers.count("host"), "kept_disk": tiers.count("disk"),
+            "block_bytes": block, "stop_s": round(stop_s, 3), "start_s": round(start_s, 3),
+            "stop_to_serving_s": round(stop_s + start_s, 3), "kept_at_ready": at_ready,
+            "recovered_s": round(recovered_s, 3), "kept": len(tiers), "kept_host": tiers.count("host"), "kept_disk": tiers.count("disk"),
             "read_back_s": round(read_s, 3), "check_problems": len(problems),
         }
     finally:
@@ -119,17 +138,20 @@ def run_case(tmp: str, case: str, sig: int, host_gib: float, disk: bool) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--host-gib", type=float, default=4.0)
+    ap.add_argument("--block-kib", type=int, default=2048, help="block size, a multiple of 64 KiB")
     ap.add_argument("--cases", default="before,after")
     ap.add_argument("--signals", default="TERM,KILL")
     ap.add_argument("--disk", action="store_true", help="also run each case with a disk tier as large as the host tier")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.block_kib <= 0 or args.block_kib % 64:
+        ap.error("--block-kib must be a positive multiple of 64")
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_BENCH_DIR")) as tmp:
         for disk in ([False, True] if args.disk else [False]):
             for case in args.cases.split(","):
                 for name in args.signals.split(","):
-                    row = run_case(tmp, case, getattr(signal, f"SIG{name}"), args.host_gib, disk)
+                    row = run_case(tmp, case, getattr(signal, f"SIG{name}"), args.host_gib, disk, args.block_kib << 10)
                     rows.append(row)
                     if not args.json:
                         print(row, flush=True)
