@@ -240,3 +240,27 @@ def test_records_that_cannot_be_read_start_the_arena_empty(monkeypatch, store_fa
     monkeypatch.undo()
     store = reopen(store_factory, path)
     assert store.lookup(NS.id, hashes).hits == 2 and store.check() == []
+
+
+def test_a_kill_while_the_kept_blocks_are_adopted_loses_none(store_factory):
+    """Killed while it adopts what the arena kept (the records read, some blocks adopted, new blocks
+    written beside them), the store loses nothing: the next start finds the kept blocks and the new ones."""
+    store = store_factory(32 * BLOCK, BLOCK, prefault=False, persistent=True)
+    ns = store.register_namespace(NS)
+    kept = [hash_blocks(np.arange(16 * 6) + 1000 * c, 16) for c in range(3)]
+    for hs in kept:
+        write_chain(store, ns, hs)
+    path = store.host.path
+    store.close()
+    store = reopen(store_factory, path, blocks=32, recover_in_background=True)
+    while store.recovery.stats()["host"]["adopted_blocks"] < 5:
+        store.recovery.step(2)
+    assert store.recovery.active and store.recovery.stats()["host"]["adopted_blocks"] < 18
+    new = hash_blocks(np.arange(16 * 6) + 9000, 16)
+    write_chain(store, ns, new)
+    store.host.abandon()  # kill -9
+    store = reopen(store_factory, path, blocks=32)
+    for hs in kept + [new]:
+        assert store.lookup(ns, hs).hits == 6
+        assert read(store, hs) == [payload(h) for h in hs]
+    assert store.check() == []
