@@ -274,3 +274,45 @@ def test_a_daemon_serves_before_its_disk_is_adopted_and_keeps_every_block(tmp_pa
         assert d.check() == []
     finally:
         d.stop()
+
+
+def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path):
+    """A disk record is kept only if its key and fields are well formed, it has a checksum, its extents lie
+    inside the data file on page boundaries, its length matches and no earlier record (in key order) claims
+    its pages; every other record is deleted, and its pages are free. (The host arena's: test_host_restart.)"""
+    import lmdb
+    import msgpack
+
+    from kvstore.tiers.disk import INDEX_DIR, DiskTier
+
+    pages, path = 16, str(tmp_path / "disk")
+    DiskTier(path, pages * PAGE, PAGE).close()  # its meta and data file
+    good = {"e": [[0, PAGE], [2 * PAGE, PAGE]], "n": 2 * PAGE, "x": 7, "p": None, "a": None, "t": 0.0}
+    second = {**good, "e": [[4 * PAGE, PAGE]], "n": PAGE}
+    bad = [
+        {**good, "e": [[pages * PAGE, PAGE]], "n": PAGE},  # outside the data file
+        {**good, "e": [[5 * PAGE + 100, PAGE]], "n": PAGE},  # off a page boundary
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE // 2},  # length not the extents'
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "x": None},  # no checksum
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "c": "no-such-codec", "z": PAGE},  # encoded, no decoder
+        {"n": PAGE, "x": 1},  # no extents
+    ]
+    env = lmdb.open(str(tmp_path / "disk" / INDEX_DIR), subdir=True, max_dbs=4, lock=True, map_size=1 << 34)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        txn.put(msgpack.packb([NS.id, b"\x00" * 16]), msgpack.packb(good))
+        txn.put(msgpack.packb([NS.id, b"\x01" * 16]), msgpack.packb(second))
+        for i, rec in enumerate(bad):
+            txn.put(msgpack.packb([NS.id, bytes([0xF0 + i]) * 16]), msgpack.packb(rec))
+        txn.put(msgpack.packb([7, b"\xfd" * 16]), msgpack.packb(second))  # a namespace id that is no string
+        txn.put(msgpack.packb([NS.id, b"\xfe" * 16]), b"\xc1")  # not msgpack
+        txn.put(msgpack.packb([NS.id, b"\xff" * 16]), msgpack.packb({**second, "e": [[2 * PAGE, PAGE]]}))  # taken
+    env.close()
+    disk = DiskTier(path, pages * PAGE, PAGE)
+    try:
+        kept = {b.key[1]: b.location.extents for b in disk.scanned(wait=True)}
+        assert kept == {b"\x00" * 16: good["e"], b"\x01" * 16: second["e"]}
+        disk.flush()
+        assert len(disk.index_records()) == 2  # the others were deleted
+        assert disk.alloc.free_pages == pages - 3  # their pages are free
+    finally:
+        disk.close()

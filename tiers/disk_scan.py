@@ -2,11 +2,10 @@
 (tiers/record_scan.py).
 
 A disk tier of millions of blocks takes seconds to minutes to read its index.
-A record becomes a `RecoveredBlock` when its key and fields are
-well formed, it has a checksum, its extents lie inside the data file on page
-boundaries, its length matches them, and it overlaps no record read before it;
-the others are *bad*: the tier deletes them. `taken` marks the pages the good
-ones hold. Until the tier has taken the result, it knows no free page and so
+A record becomes a `RecoveredBlock` when it is kept (tiers/record_scan.py:
+well formed, inside the data file, its pages its own) and has a checksum; the
+others are *bad*: the tier deletes them. `taken` marks the pages the kept ones
+hold. Until the tier has taken the result, it knows no free page and so
 takes no block (tiers/disk.py): no write can land on a page a record it has
 not read yet points at.
 """
@@ -22,7 +21,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
-from kvstore.tiers.record_scan import RecordScan
+from kvstore.tiers.record_scan import RecordScan, page_runs
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -50,38 +49,25 @@ class DiskScan(RecordScan[ScanResult]):
     def _scan(self) -> ScanResult:
         t0 = time.monotonic()
         pb, capacity = self.page_bytes, self.page_bytes * self.num_pages
-        taken = np.zeros(self.num_pages, dtype=bool)
-        blocks: list[RecoveredBlock] = []
-        bad: list[bytes] = []
-        unpack, location = msgpack.unpackb, self._location
+        unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
+
+        def parse(rkey: bytes, raw: bytes) -> tuple[RecoveredBlock, list]:
+            ns_id, h = unpack(rkey)
+            rec = unpack(raw)
+            extents, checksum = rec["e"], rec["x"]
+            if not isinstance(checksum, int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
+                raise TypeError("no checksum, or a malformed key")
+            runs = page_runs(extents, rec["n"], pb, capacity)
+            codec = rec.get("c")
+            if codec is not None and not (decodes and isinstance(codec, str)):
+                raise TypeError("an encoded block and no decoder")
+            size = rec["n"] if codec is None else rec["z"]
+            return RecoveredBlock((ns_id, h), rec.get("p"), size, location(extents, checksum, codec, size),
+                                  rec.get("a"), rec.get("t", 0.0)), runs
+
         with self._env.begin(db=self._db) as txn:
-            for rkey, raw in self._records(txn):
-                try:
-                    ns_id, h = unpack(rkey)
-                    rec = unpack(raw)
-                    extents, checksum = rec["e"], rec["x"]
-                    if not isinstance(checksum, int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
-                        raise TypeError("no checksum, or a malformed key")
-                    runs, total = [], 0
-                    for offset, length in extents:
-                        if offset % pb or length <= 0 or offset + length > capacity:
-                            raise ValueError("extent outside the data file")
-                        runs.append((offset // pb, offset // pb + -(-length // pb)))
-                        total += length
-                    if total != rec["n"] or any(taken[a:b].any() for a, b in runs):
-                        raise ValueError("length mismatch or overlap")
-                    codec = rec.get("c")
-                    if codec is not None and not (self._decodes and isinstance(codec, str)):
-                        raise TypeError("an encoded block and no decoder")
-                    size = rec["n"] if codec is None else rec["z"]
-                    block = RecoveredBlock((ns_id, h), rec.get("p"), size, location(extents, checksum, codec, size),
-                                           rec.get("a"), rec.get("t", 0.0))
-                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-                    bad.append(bytes(rkey))
-                    continue
-                for a, b in runs:
-                    taken[a:b] = True
-                blocks.append(block)
-        if bad:
-            log.warning("disk tier: %d unusable index records (deleted)", len(bad))
-        return ScanResult(blocks, bad, taken, time.monotonic() - t0)
+            found = self._read(txn, self.num_pages, parse)
+        if found.bad:
+            log.warning("disk tier: %d unusable index records (deleted): %s", len(found.bad),
+                        "; ".join(f"{n} {why}" for why, n in found.reasons.items()))
+        return ScanResult(found.kept, found.bad, found.taken, time.monotonic() - t0)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.host_index import _Pending, _Unverified
-from kvstore.tiers.record_scan import RecordScan
+from kvstore.tiers.record_scan import RecordScan, page_runs
 
 
 class HostScanResult(NamedTuple):
@@ -36,9 +36,8 @@ class HostScanResult(NamedTuple):
 
 
 class HostScan(RecordScan[HostScanResult]):
-    """One background read of a kept arena's records. A record is kept when its key and fields are well
-    formed, its extents lie inside the arena on page boundaries without overlapping another record's
-    (the earlier in key order keeps the page) and its length matches. No byte of the arena is read."""
+    """One background read of a kept arena's records (which are kept: tiers/record_scan.py; a record
+    without a checksum is kept too, and checked in the background). No byte of the arena is read."""
 
     def __init__(self, env: lmdb.Environment, db: object, capacity_bytes: int, page_bytes: int) -> None:
         self.capacity_bytes, self.page_bytes = capacity_bytes, page_bytes
@@ -47,39 +46,22 @@ class HostScan(RecordScan[HostScanResult]):
     def _scan(self) -> HostScanResult:
         t0 = time.monotonic()
         page_bytes, capacity_bytes = self.page_bytes, self.capacity_bytes
-        kept: list[tuple[tuple, dict, bytes]] = []
-        first, last = [], []  # per extent of a kept record: its first and last page + 1
-        bad: list[bytes] = []
-        reasons: dict[str, int] = {}
-
-        def drop(rkey: bytes, why: str) -> None:
-            bad.append(rkey)
-            reasons[why] = reasons.get(why, 0) + 1
-
         unpack = msgpack.unpackb
+
+        def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
+            ns_id, h = unpack(rkey)
+            rec = unpack(raw)
+            runs = page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
+            if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
+                    rec["x"] is None or isinstance(rec["x"], int)):
+                raise ValueError("malformed record")
+            return ((ns_id, h), rec, bytes(rkey)), runs
+
         with self._env.begin(db=self._db) as txn:
-            for rkey, raw in self._records(txn):
-                try:
-                    ns_id, h = unpack(rkey)
-                    rec = unpack(raw)
-                    runs = _page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
-                    if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
-                            rec["x"] is None or isinstance(rec["x"], int)):
-                        raise ValueError("malformed record")
-                except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                    drop(bytes(rkey), str(exc))
-                    continue
-                kept.append(((ns_id, h), rec, bytes(rkey)))
-                for a, b in runs:
-                    first.append(a)
-                    last.append(b)
-        num_pages = capacity_bytes // page_bytes
-        taken = _mark_pages(num_pages, first, last)
-        if taken is None:  # two records claim a page (never written so): drop the later ones, in key order
-            kept, taken = _without_overlaps(kept, num_pages, page_bytes, drop)
+            found = self._read(txn, capacity_bytes // page_bytes, parse)
         blocks, recorded, unverified, unchecked = [], {}, {}, {}
         now = time.monotonic()
-        for key, rec, rkey in kept:
+        for key, rec, rkey in found.kept:
             e, n, x = rec["e"], rec["n"], rec["x"]
             recorded[key] = rkey
             if x is None:  # checked in the background, like a new record
@@ -87,42 +69,5 @@ class HostScan(RecordScan[HostScanResult]):
             else:  # verified before its first read, or in the background
                 unverified[key] = _Unverified(e, n, x)
             blocks.append(RecoveredBlock(key, rec.get("p"), n, e, rec.get("a"), rec.get("t", 0.0)))
-        return HostScanResult(blocks, recorded, unverified, unchecked, bad, reasons, taken, time.monotonic() - t0)
-
-
-def _without_overlaps(kept: list, num_pages: int, page_bytes: int, drop) -> tuple[list, np.ndarray]:
-    """`kept` less every record that claims a page a record before it claims (the slow path)."""
-    taken = np.zeros(num_pages, dtype=bool)
-    out = []
-    for key, rec, rkey in kept:
-        runs = _page_runs(rec["e"], rec["n"], page_bytes, num_pages * page_bytes)
-        if any(taken[a:b].any() for a, b in runs):
-            drop(rkey, "overlaps another block")
-            continue
-        for a, b in runs:
-            taken[a:b] = True
-        out.append((key, rec, rkey))
-    return out, taken
-
-
-def _mark_pages(num_pages: int, first: list[int], last: list[int]) -> np.ndarray | None:
-    """The pages the runs [first, last) cover, as a bool per page; None when two runs overlap."""
-    count = np.zeros(num_pages + 1, dtype=np.int64)
-    np.add.at(count, np.asarray(first, dtype=np.int64), 1)
-    np.add.at(count, np.asarray(last, dtype=np.int64), -1)
-    cover = np.cumsum(count[:-1])
-    return None if (cover > 1).any() else cover > 0
-
-
-def _page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
-    """The [first, end) page numbers of each extent; ValueError for one outside the arena or a length
-    that does not match."""
-    runs, total = [], 0
-    for offset, length in extents:
-        if offset % page_bytes or length <= 0 or offset + length > capacity_bytes:
-            raise ValueError("extent outside the arena")
-        runs.append((offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
-        total += length
-    if total != nbytes:
-        raise ValueError("length does not match the extents")
-    return runs
+        return HostScanResult(blocks, recorded, unverified, unchecked, found.bad, found.reasons, found.taken,
+                              time.monotonic() - t0)

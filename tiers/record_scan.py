@@ -7,19 +7,40 @@ and the store adopts the blocks once they are read (kvstore/recovery.py).
 records (`_scan`, over one LMDB snapshot) into its result. Until the tier has
 taken that result it knows no free page and so takes no block: no write can
 land on a page that a record it has not read yet points at.
+
+`_read` is the part both tiers share: a record is kept when the subclass can
+parse it (its key and fields well formed, `page_runs`: its extents inside the
+tier on page boundaries, their length the block's) and no record before it in
+key order claims one of its pages; the others are *bad*, for the tier to
+delete. The pages are marked once, at the end (a NumPy slice per record cost
+more than the rest of its check); only when two records do claim a page
+(never written so) are the records read again, one after the other.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Generic, Iterator, TypeVar
+from array import array
+from typing import Any, Callable, Generic, Iterator, NamedTuple, TypeVar
 
 import lmdb
+import msgpack
+import numpy as np
 
 YIELD_EVERY = 256  # records between two releases of the GIL (the event loop waits for it meanwhile)
 
 R = TypeVar("R")
+BAD_RECORD = (ValueError, KeyError, TypeError, msgpack.UnpackException)  # what a record that does not parse raises
+
+
+class Records(NamedTuple):
+    """What `_read` found: the items the parse made of the records kept, in key order, and the rest."""
+
+    kept: list
+    bad: list[bytes]  # record keys to delete
+    reasons: dict[str, int]  # why they are bad -> how many
+    taken: np.ndarray  # per page: held by a kept record
 
 
 class RecordScan(Generic[R]):
@@ -67,5 +88,68 @@ class RecordScan(Generic[R]):
                 time.sleep(0)
             yield item
 
+    def _read(self, txn: lmdb.Transaction, num_pages: int,
+              parse: Callable[[bytes, bytes], tuple[Any, list[tuple[int, int]]]]) -> Records:
+        """Every record of the snapshot `txn` through `parse(record key, record)` -> (item, its page runs),
+        which raises one of BAD_RECORD for a bad record."""
+        kept, bad, reasons = [], [], {}
+        first, last = array("q"), array("q")  # per extent of a kept record: its first page and last + 1
+        for rkey, raw in self._records(txn):
+            try:
+                item, runs = parse(rkey, raw)
+            except BAD_RECORD as exc:
+                bad.append(bytes(rkey))
+                reasons[str(exc)] = reasons.get(str(exc), 0) + 1
+                continue
+            kept.append(item)
+            for a, b in runs:
+                first.append(a)
+                last.append(b)
+        taken = _mark_pages(num_pages, first, last)
+        if taken is None:
+            return self._read_disjoint(txn, num_pages, parse)
+        return Records(kept, bad, reasons, taken)
+
+    def _read_disjoint(self, txn: lmdb.Transaction, num_pages: int, parse: Callable) -> Records:
+        """`_read` where records claim the same pages: the later ones in key order are bad too."""
+        kept, bad, reasons = [], [], {}
+        taken = np.zeros(num_pages, dtype=bool)
+        for rkey, raw in self._records(txn):
+            try:
+                item, runs = parse(rkey, raw)
+                if any(taken[a:b].any() for a, b in runs):
+                    raise ValueError("overlaps another block")
+            except BAD_RECORD as exc:
+                bad.append(bytes(rkey))
+                reasons[str(exc)] = reasons.get(str(exc), 0) + 1
+                continue
+            kept.append(item)
+            for a, b in runs:
+                taken[a:b] = True
+        return Records(kept, bad, reasons, taken)
+
     def _scan(self) -> R:
         raise NotImplementedError
+
+
+def page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
+    """The [first, end) page numbers of each extent; ValueError for one outside the tier or a length
+    that does not match."""
+    runs, total = [], 0
+    for offset, length in extents:
+        if offset % page_bytes or length <= 0 or offset + length > capacity_bytes:
+            raise ValueError("extent outside the tier")
+        runs.append((offset // page_bytes, offset // page_bytes + -(-length // page_bytes)))
+        total += length
+    if total != nbytes:
+        raise ValueError("length does not match the extents")
+    return runs
+
+
+def _mark_pages(num_pages: int, first: array, last: array) -> np.ndarray | None:
+    """The pages the runs [first, last) cover, as a bool per page; None when two runs overlap."""
+    n = num_pages + 1
+    starts = np.bincount(np.frombuffer(first, dtype=np.int64), minlength=n)
+    ends = np.bincount(np.frombuffer(last, dtype=np.int64), minlength=n)
+    cover = np.cumsum(starts[:-1] - ends[:-1])
+    return None if (cover > 1).any() else cover > 0
