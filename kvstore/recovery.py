@@ -61,6 +61,7 @@ class _TierRecovery:
     """One tier's recovery in progress, stage by stage (`STAGES`)."""
 
     tier: Tier
+    kept_records: int = 0  # the block records the tier found at open
     stage: str = "scan"
     started: float = field(default_factory=time.monotonic)
     blocks: list = field(default_factory=list)  # read, not yet indexed
@@ -88,10 +89,11 @@ class Recovery:
         for tier in placement.chain:
             if not tier.persistent:
                 continue
-            self.num_records += tier.num_kept_records  # (before `recover` hands them over)
+            kept = tier.num_kept_records  # (before `recover` hands them over)
+            self.num_records += kept
             namespaces, blocks = tier.recover()
             _register(tier, namespaces, register)
-            r = _TierRecovery(tier)
+            r = _TierRecovery(tier, kept)
             if not tier.scanning:
                 r.blocks, r.stage = blocks, "index"
             self._pending.append(r)
@@ -161,8 +163,10 @@ class Recovery:
         return False
 
     def stats(self) -> dict:
-        """Per tier being recovered: its stage, records waiting, adopted so far, seconds since it began."""
-        return {r.tier.name: {"stage": r.stage, "waiting_records": len(r.blocks) - r.pos + len(r.records),
+        """Per tier being recovered: its stage, the records it kept, those read and waiting, the blocks adopted
+        so far, seconds since it began."""
+        return {r.tier.name: {"stage": r.stage, "kept_records": r.kept_records,
+                              "waiting_records": len(r.blocks) - r.pos + len(r.records),
                               "adopted_blocks": r.adopted, "elapsed_s": round(time.monotonic() - r.started, 3)}
                 for r in self._pending}
 

@@ -134,6 +134,15 @@ class StoreCollector:
                                     value=host["unchecked_records"])
             yield GaugeMetricFamily("kvstore_host_adopted_blocks", "Host blocks re-adopted from the arena at start",
                                     value=host["adopted_blocks"])
+        if "recovery" in s:  # a restart's recovery is in progress: how far each tier's has come
+            kept = GaugeMetricFamily("kvstore_recovery_kept_records", "Block records a tier kept across the restart",
+                                     labels=["tier", "stage"])
+            adopted = GaugeMetricFamily("kvstore_recovery_adopted_blocks", "Kept blocks adopted so far",
+                                        labels=["tier", "stage"])
+            for tier, r in s["recovery"].items():
+                kept.add_metric([tier, r["stage"]], r["kept_records"])
+                adopted.add_metric([tier, r["stage"]], r["adopted_blocks"])
+            yield from (kept, adopted)
         c = s["counters"]
         yield CounterMetricFamily("kvstore_misses", "Blocks asked for and not present", value=c.get("miss_blocks", 0))
         yield CounterMetricFamily("kvstore_lookup_blocks", "Blocks looked up", value=c.get("lookup_blocks", 0))

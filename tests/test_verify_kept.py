@@ -264,3 +264,35 @@ def test_a_kill_while_the_kept_blocks_are_adopted_loses_none(store_factory):
         assert store.lookup(ns, hs).hits == 6
         assert read(store, hs) == [payload(h) for h in hs]
     assert store.check() == []
+
+
+def test_the_metrics_show_how_far_a_recovery_has_come(monkeypatch, store_factory, held_scan):
+    """While the kept records are read and adopted, the stats and `/metrics` show per tier its stage, the
+    records it kept and the blocks adopted so far; once it is done, neither shows a recovery."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore.server.admin import AdminView, StoreCollector
+
+    path, hashes = kept_chain(store_factory)
+    store = reopen(store_factory, path, recover_in_background=True)
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(AdminView(store, lambda: {**store.stats(), "sessions": 0, "errors": {}}, "t")))
+
+    def recovery_samples() -> dict:
+        text = generate_latest(registry).decode()
+        return {(s.name, s.labels["tier"], s.labels["stage"]): s.value
+                for f in text_string_to_metric_families(text) if f.name.startswith("kvstore_recovery")
+                for s in f.samples}
+
+    assert store.stats()["recovery"]["host"] == {**store.stats()["recovery"]["host"], "stage": "scan",
+                                                  "kept_records": 6, "adopted_blocks": 0}
+    assert recovery_samples() == {("kvstore_recovery_kept_records", "host", "scan"): 6,
+                                  ("kvstore_recovery_adopted_blocks", "host", "scan"): 0}
+    held_scan.set()
+    while store.recovery.stats()["host"]["adopted_blocks"] < 2:
+        store.recovery.step(2)
+    assert recovery_samples()[("kvstore_recovery_adopted_blocks", "host", "adopt")] == 2
+    store.wait_recovered()
+    assert "recovery" not in store.stats() and recovery_samples() == {}
+    assert store.lookup(NS.id, hashes).hits == 6
