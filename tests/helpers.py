@@ -7,6 +7,7 @@ tests is in tools/harness/.)
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -76,3 +77,17 @@ def frame(obj) -> bytes:
 def payload_bytes(h: bytes, nbytes: int) -> bytes:
     """`payload_for`, as bytes (what a tier's `read` returns)."""
     return payload_for(h, nbytes).tobytes()
+
+
+def hold_scans(monkeypatch, scan_class: type) -> threading.Event:
+    """Make each record scan of `scan_class` (tiers/record_scan.py) wait until the returned event is set
+    (at most 30 s): a test's store serves while a tier's records are being read."""
+    event = threading.Event()
+    scan = scan_class._scan
+
+    def held(self):
+        event.wait(30)
+        return scan(self)
+
+    monkeypatch.setattr(scan_class, "_scan", held)
+    return event

@@ -8,13 +8,12 @@ recovery left recovers every block again.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
 from kvstore.store import TieredStore
-from tests.helpers import chain_hashes, namespace, payload_bytes
+from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes
 
 BLOCK = PAGE = 64 * 1024
 NS = namespace("bg", BLOCK, dtype="bf16")
@@ -72,14 +71,7 @@ def on_disk(open_store, chains: list[list[bytes]]) -> None:
 @pytest.fixture
 def gate(monkeypatch):
     """The disk tier's scan waits until the returned event is set."""
-    event = threading.Event()
-    scan = disk_scan.DiskScan._scan
-
-    def held(self):
-        event.wait(30)
-        return scan(self)
-
-    monkeypatch.setattr(disk_scan.DiskScan, "_scan", held)
+    event = hold_scans(monkeypatch, disk_scan.DiskScan)
     yield event
     event.set()
 

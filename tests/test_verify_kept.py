@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import lmdb
 import numpy as np
@@ -23,7 +22,7 @@ import kvstore.tiers.host_index as host_index
 import kvstore.tiers.host_scan as host_scan
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
-from tests.helpers import poll
+from tests.helpers import hold_scans, poll
 
 BLOCK = 8192
 NS = Namespace("verify-kept", "bf16", 1, 1, 8, 16, BLOCK)
@@ -177,14 +176,7 @@ def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch,
 @pytest.fixture
 def held_scan(monkeypatch):
     """The host arena's read of its kept records waits until the returned event is set."""
-    event = threading.Event()
-    scan = host_scan.HostScan._scan
-
-    def held(self):
-        event.wait(30)
-        return scan(self)
-
-    monkeypatch.setattr(host_scan.HostScan, "_scan", held)
+    event = hold_scans(monkeypatch, host_scan.HostScan)
     yield event
     event.set()
 

@@ -89,35 +89,17 @@ class RecordScan(Generic[R]):
             yield item
 
     def _read(self, txn: lmdb.Transaction, num_pages: int,
-              parse: Callable[[bytes, bytes], tuple[Any, list[tuple[int, int]]]]) -> Records:
+              parse: Callable[[bytes, bytes], tuple[Any, list[tuple[int, int]]]], one_by_one: bool = False) -> Records:
         """Every record of the snapshot `txn` through `parse(record key, record)` -> (item, its page runs),
-        which raises one of BAD_RECORD for a bad record."""
+        which raises one of BAD_RECORD for a bad record. `one_by_one`: the pages are marked as each record
+        is kept, and a record that claims a page marked already is bad too (the slow way, for when two do)."""
         kept, bad, reasons = [], [], {}
         first, last = array("q"), array("q")  # per extent of a kept record: its first page and last + 1
+        taken = np.zeros(num_pages, dtype=bool) if one_by_one else None
         for rkey, raw in self._records(txn):
             try:
                 item, runs = parse(rkey, raw)
-            except BAD_RECORD as exc:
-                bad.append(bytes(rkey))
-                reasons[str(exc)] = reasons.get(str(exc), 0) + 1
-                continue
-            kept.append(item)
-            for a, b in runs:
-                first.append(a)
-                last.append(b)
-        taken = _mark_pages(num_pages, first, last)
-        if taken is None:
-            return self._read_disjoint(txn, num_pages, parse)
-        return Records(kept, bad, reasons, taken)
-
-    def _read_disjoint(self, txn: lmdb.Transaction, num_pages: int, parse: Callable) -> Records:
-        """`_read` where records claim the same pages: the later ones in key order are bad too."""
-        kept, bad, reasons = [], [], {}
-        taken = np.zeros(num_pages, dtype=bool)
-        for rkey, raw in self._records(txn):
-            try:
-                item, runs = parse(rkey, raw)
-                if any(taken[a:b].any() for a, b in runs):
+                if taken is not None and any(taken[a:b].any() for a, b in runs):
                     raise ValueError("overlaps another block")
             except BAD_RECORD as exc:
                 bad.append(bytes(rkey))
@@ -125,7 +107,15 @@ class RecordScan(Generic[R]):
                 continue
             kept.append(item)
             for a, b in runs:
-                taken[a:b] = True
+                if taken is not None:
+                    taken[a:b] = True
+                else:
+                    first.append(a)
+                    last.append(b)
+        if taken is None:
+            taken = _mark_pages(num_pages, first, last)
+            if taken is None:  # two records claim a page (never written so): the later ones in key order go
+                return self._read(txn, num_pages, parse, one_by_one=True)
         return Records(kept, bad, reasons, taken)
 
     def _scan(self) -> R:
