@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
-from kvstore.tiers.record_scan import RecordScan, page_runs
+from kvstore.tiers.record_scan import RecordScan, block_key, describe, page_runs
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -52,22 +52,22 @@ class DiskScan(RecordScan[ScanResult]):
         unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
 
         def parse(rkey: bytes, raw: bytes) -> tuple[RecoveredBlock, list]:
-            ns_id, h = unpack(rkey)
+            key = block_key(rkey)
             rec = unpack(raw)
             extents, checksum = rec["e"], rec["x"]
-            if not isinstance(checksum, int) or not isinstance(ns_id, str) or not isinstance(h, bytes):
-                raise TypeError("no checksum, or a malformed key")
+            if not isinstance(checksum, int):
+                raise TypeError("no checksum")
             runs = page_runs(extents, rec["n"], pb, capacity)
             codec = rec.get("c")
             if codec is not None and not (decodes and isinstance(codec, str)):
                 raise TypeError("an encoded block and no decoder")
             size = rec["n"] if codec is None else rec["z"]
-            return RecoveredBlock((ns_id, h), rec.get("p"), size, location(extents, checksum, codec, size),
+            return RecoveredBlock(key, rec.get("p"), size, location(extents, checksum, codec, size),
                                   rec.get("a"), rec.get("t", 0.0)), runs
 
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, self.num_pages, parse)
         if found.bad:
             log.warning("disk tier: %d unusable index records (deleted): %s", len(found.bad),
-                        "; ".join(f"{n} {why}" for why, n in found.reasons.items()))
+                        describe(found.reasons))
         return ScanResult(found.kept, found.bad, found.taken, time.monotonic() - t0)

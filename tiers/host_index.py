@@ -84,6 +84,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvstore.tiers.record_scan import describe
+
 if TYPE_CHECKING:
     from kvstore.tiers.host_scan import HostScanResult
 
@@ -171,7 +173,7 @@ class HostIndex:
         self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
                              writemap=True)
         try:
-            self._db_blocks = self.blocks_db = self.env.open_db(b"blocks")
+            self.blocks_db = self.env.open_db(b"blocks")
             self._db_ns = self.env.open_db(b"namespaces")
             self._db_meta = self.env.open_db(b"meta")
             self._check_meta({"version": FORMAT_VERSION, **geometry})
@@ -218,7 +220,7 @@ class HostIndex:
         with self.env.begin(write=True, db=self._db_meta) as txn:
             raw = txn.get(b"meta")
             if raw is None:
-                if txn.stat(self._db_blocks)["entries"]:
+                if txn.stat(self.blocks_db)["entries"]:
                     raise ValueError("the index has records but no geometry")
                 txn.put(b"meta", msgpack.packb(want))
                 return
@@ -229,24 +231,24 @@ class HostIndex:
 
     # -- re-adopting (at open: the records are read in the background, `HostScan`) ---------
     def num_records(self) -> int:
-        with self.env.begin(db=self._db_blocks) as txn:
-            return txn.stat(self._db_blocks)["entries"]
+        with self.env.begin(db=self.blocks_db) as txn:
+            return txn.stat(self.blocks_db)["entries"]
 
     def namespaces(self) -> list[tuple[str, dict]]:
         with self.env.begin(db=self._db_ns) as txn:
             return [(bytes(k).decode(), msgpack.unpackb(v)) for k, v in txn.cursor()]
 
     def adopt(self, result: HostScanResult) -> None:
-        """Take over the records a scan (tiers/host_scan.py) kept (unverified, or unchecked where they have no checksum) and
-        delete the others. The owner's thread, before the arena hands out a page: a bad record's pages
-        are free, so its deletion is committed first."""
+        """Take over the records a scan (tiers/host_scan.py) kept (unverified, or unchecked where they have
+        no checksum) and delete the others. The owner's thread, before the arena hands out a page: a bad
+        record's pages are free, so its deletion is committed first."""
         if result.bad:
-            with self._lock, self.env.begin(write=True, db=self._db_blocks) as txn:
+            with self._lock, self.env.begin(write=True, db=self.blocks_db) as txn:
                 for rkey in result.bad:
                     txn.delete(rkey)
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(result.bad),
                         len(result.bad) + len(result.blocks),
-                        "; ".join(f"{n} {why}" for why, n in result.reasons.items()))
+                        describe(result.reasons))
         with self._lock:
             result.recorded.update(self._recorded)  # (none: nothing is written into a tier still scanning)
             self._recorded = result.recorded
@@ -441,7 +443,7 @@ class HostIndex:
         new = [r for r in new if self._pending.get(r[0].key) is r[0]]
         if not new and not sums and not self._deletes:
             return
-        with self.env.begin(write=True, db=self._db_blocks) as txn:
+        with self.env.begin(write=True, db=self.blocks_db) as txn:
             for rkey in self._deletes:
                 txn.delete(rkey)
             if new or sums:
@@ -552,7 +554,7 @@ class HostIndex:
             self._commit(new, sums)
 
     def records(self) -> dict[bytes, dict]:
-        with self.env.begin(db=self._db_blocks) as txn:
+        with self.env.begin(db=self.blocks_db) as txn:
             return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
 
     def close(self, flush: bool = True) -> None:

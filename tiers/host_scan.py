@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.host_index import _Pending, _Unverified
-from kvstore.tiers.record_scan import RecordScan, page_runs
+from kvstore.tiers.record_scan import RecordScan, block_key, page_runs
 
 
 class HostScanResult(NamedTuple):
@@ -49,13 +49,12 @@ class HostScan(RecordScan[HostScanResult]):
         unpack = msgpack.unpackb
 
         def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
-            ns_id, h = unpack(rkey)
+            key = block_key(rkey)
             rec = unpack(raw)
             runs = page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
-            if not isinstance(ns_id, str) or not isinstance(h, bytes) or not (
-                    rec["x"] is None or isinstance(rec["x"], int)):
-                raise ValueError("malformed record")
-            return ((ns_id, h), rec, bytes(rkey)), runs
+            if not (rec["x"] is None or isinstance(rec["x"], int)):
+                raise TypeError("a checksum that is no int")
+            return (key, rec, bytes(rkey)), runs
 
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, capacity_bytes // page_bytes, parse)

@@ -122,6 +122,19 @@ class RecordScan(Generic[R]):
         raise NotImplementedError
 
 
+def block_key(rkey: bytes) -> tuple[str, bytes]:
+    """The store key (namespace id, hash) a record key packs; one of BAD_RECORD where it packs none."""
+    ns_id, h = msgpack.unpackb(rkey)
+    if not isinstance(ns_id, str) or not isinstance(h, bytes):
+        raise TypeError("a malformed key")
+    return ns_id, h
+
+
+def describe(reasons: dict[str, int]) -> str:
+    """`Records.reasons` for a log line: "3 why; 1 why else"."""
+    return "; ".join(f"{n} {why}" for why, n in reasons.items())
+
+
 def page_runs(extents, nbytes: int, page_bytes: int, capacity_bytes: int) -> list[tuple[int, int]]:
     """The [first, end) page numbers of each extent; ValueError for one outside the tier or a length
     that does not match."""
