@@ -277,8 +277,8 @@ def test_the_metrics_show_how_far_a_recovery_has_come(monkeypatch, store_factory
                 for f in text_string_to_metric_families(text) if f.name.startswith("kvstore_recovery")
                 for s in f.samples}
 
-    assert store.stats()["recovery"]["host"] == {**store.stats()["recovery"]["host"], "stage": "scan",
-                                                  "kept_records": 6, "adopted_blocks": 0}
+    host = store.stats()["recovery"]["host"]
+    assert host == {**host, "stage": "scan", "kept_records": 6, "adopted_blocks": 0}
     assert recovery_samples() == {("kvstore_recovery_kept_records", "host", "scan"): 6,
                                   ("kvstore_recovery_adopted_blocks", "host", "scan"): 0}
     held_scan.set()
