@@ -198,6 +198,25 @@ def test_idle_staging_goes_back_to_the_system_once_the_writes_are_done(harness, 
     assert harness.store.check() == []
 
 
+def test_written_blocks_keep_no_write_job_alive(harness):
+    """Once a burst of demotions is written and collected, nothing holds their write jobs (each keeps
+    its record and staging buffer): not the slots, nor the writer thread waiting for its next batch."""
+    import gc
+
+    from kvstore.tiers.disk_writer import DiskWrite
+
+    harness.spill(chain_hashes(3, 6))
+    harness.store.flush()
+    harness.store.disk.reap()
+
+    def jobs_alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, DiskWrite))
+
+    poll(lambda: jobs_alive() == 0, 5, "no write job alive")  # (the writer thread lets go after flush returns)
+    assert harness.get(chain_hashes(3, 6)) == [payload_bytes(h, BLOCK) for h in chain_hashes(3, 6)]
+
+
 def test_promotion_from_staging_before_the_write_lands(harness):
     store = harness.store
     first = chain_hashes(1, 4)

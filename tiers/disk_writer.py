@@ -275,6 +275,9 @@ class DiskWriter:
                 self._busy = False
                 self._inflight_puts = 0
                 self._cv.notify_all()
+            # The jobs are the owner's now. Kept here while the thread waits for the next batch, a batch
+            # (up to batch_bytes of blocks) would keep its staging buffers and records alive.
+            batch = done = job = None
 
     def _next_batch(self) -> list[tuple] | None:
         """The next batch of queued operations; [] to format a chunk; None when closed and drained."""
