@@ -99,22 +99,27 @@ def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
 class MiniCache:
     """One expert: an LRFU cache with its own half-life over the sampled references."""
 
-    __slots__ = ("half_life_s", "tau", "values", "ghost", "hits", "_heap", "_seq", "_credits", "_ghost_factor")
+    __slots__ = ("half_life_s", "tau", "values", "ghost", "hits", "_heap", "_seq", "_credits", "_ghost_factor",
+                 "_fresh")
 
-    def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float) -> None:
+    def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float,
+                 seq=None) -> None:
+        """`seq`: the counter that orders equal counts in the heap, oldest first (the experts share one:
+        see `_refer`)."""
         self.half_life_s = half_life_s
         self.tau = 0.0  # this expert's clock: seconds / half_life_s, set before each reference
         self.values: dict[Key, float] = {}  # held key -> time-free log2 F
         self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
         self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
         self._heap: list[tuple[float, int, Key]] = []  # (log2 F, seq, key): equal F, oldest first; stale skipped
-        self._seq = itertools.count().__next__
+        self._seq = itertools.count().__next__ if seq is None else seq
+        self._fresh: tuple = (None, None, None)  # (tau, log credit, their sum): the count of a key new at tau
         self._credits = tuple((c, math.log2(c)) for c in credits)  # insert, hit, ghost return
         self._ghost_factor = ghost_factor
 
     def reference(self, key: Key, capacity: int, weight: float) -> bool:
         """Replay one reference to `key` holding at most `capacity` keys; True if it was a hit."""
-        return _refer((self,), key, capacity, weight, (self.tau,))[0]
+        return _refer((self,), key, capacity, weight, (self.tau,), self._seq)[0]
 
     def _trim(self, limit: int) -> None:
         """Evict the lowest counts down to `limit` keys, into a ghost table of ghost_factor x (limit + 1)."""
@@ -129,11 +134,17 @@ class MiniCache:
             ghost.popitem(last=False)
 
 
-def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, taus: Sequence[float]) -> list[bool]:
+def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, taus: Sequence[float],
+           seq) -> list[bool]:
     """`MiniCache.reference` of `key` in each of `minis` at its clock in `taus` (set as its `tau`), in
     one loop: the experts replay every sampled reference in six miniatures, and a call each would
-    cost more than the replay. Whether each was a hit."""
+    cost more than the replay. Whether each was a hit.
+
+    Memory, per sampled key held in six miniatures: the heap entries of one reference share one
+    number of `seq` (the minis' counter: within a miniature it still grows with every entry, so ties
+    break as with a counter of its own), and keys new at one clock reading share one count (`_fresh`)."""
     hits = []
+    order = seq()
     for m, tau in zip(minis, taus):
         m.tau = tau
         values = m.values
@@ -158,12 +169,17 @@ def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, t
                 while len(ghost) > bound:
                     ghost.popitem(last=False)
         if old is None or old - tau < FORGET_LOG2:
-            new = log_credit + tau
+            fresh = m._fresh
+            if fresh[0] is tau and fresh[1] == log_credit:
+                new = fresh[2]
+            else:
+                new = log_credit + tau
+                m._fresh = (tau, log_credit, new)
         else:
             new = _log2(2.0 ** (old - tau) + credit) + tau
         values[key] = new
         heap = m._heap
-        _heappush(heap, (new, m._seq(), key))
+        _heappush(heap, (new, order, key))
         if len(heap) > 4 * len(values) + 64:  # drop stale entries
             m._heap = [(f, m._seq(), k) for k, f in values.items()]
             heapq.heapify(m._heap)
@@ -206,10 +222,12 @@ class HalfLifeExperts:
         self.lead = self.half_lives.index(start)
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
-        self.minis = [MiniCache(h, credits, ghost_factor) for h in self.half_lives]
+        seq = itertools.count().__next__  # one for all the miniatures (see `_refer`)
+        self.minis = [MiniCache(h, credits, ghost_factor, seq) for h in self.half_lives]
         # The same experts at early_fraction of the size: heard while the full-size ones have no evidence.
         self.early_fraction = early_fraction
-        self.early = [MiniCache(h, credits, ghost_factor) for h in self.half_lives] if early_fraction else []
+        self.early = [MiniCache(h, credits, ghost_factor, seq) for h in self.half_lives] if early_fraction else []
+        self._seq = seq
         self._t: float | None = None
         self._taus = [0.0] * len(self.half_lives)
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
@@ -277,10 +295,10 @@ class HalfLifeExperts:
         taus = self._taus  # every miniature's clock is set here, not on every event (advance())
         if self.early:
             small = max(1, int(capacity * self.early_fraction))
-            hits = _refer(self.early, key, small, weight, taus)
+            hits = _refer(self.early, key, small, weight, taus, self._seq)
             if True in hits and False in hits:
                 _count_apart(self._apart_early, hits, weight)
-        hits = _refer(self.minis, key, capacity, weight, taus)
+        hits = _refer(self.minis, key, capacity, weight, taus, self._seq)
         if True in hits and False in hits:
             _count_apart(self._apart, hits, weight)
         if capacity != self._decay_for:  # scores halve per SCORE_HALF_TURNOVERS x capacity references
