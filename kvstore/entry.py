@@ -57,6 +57,16 @@ class Entry:
     tokens: bytes | None = None  # the block's token ids (<u4), when the writer sent them and KV events are on
 
 
+_DEPTHS: dict[int, int] = {}
+
+
+def child_depth(parent: Entry) -> int:
+    """`parent`'s depth + 1, one int object per depth: a block deeper than 256 (a prompt past 4k tokens
+    in 16-token blocks) would hold an int of 28 B of its own."""
+    d = parent.depth + 1
+    return _DEPTHS.setdefault(d, d)
+
+
 def add_children(parent: Entry, delta: int) -> None:
     """Add `delta` (a sum of +-`CHILD[tier]`) to `parent`'s packed child counts."""
     packed = parent.tier_children + delta

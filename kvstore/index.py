@@ -33,7 +33,7 @@ from collections import Counter, defaultdict
 from typing import Callable, Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import CHILD, Entry, Key, Owner, add_children, children_of, link_child, unlink_child
+from kvstore.entry import CHILD, Entry, Key, Owner, add_children, child_depth, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
 
 
@@ -92,7 +92,7 @@ class BlockIndex:
         if parent is None:
             e = Entry(key, None, 0, nbytes, tier, location, owner)
         else:
-            e = Entry(key, parent.key, parent.depth + 1, nbytes, tier, location, owner)
+            e = Entry(key, parent.key, child_depth(parent), nbytes, tier, location, owner)
             add_children(parent, CHILD[tier])
             if parent.child_keys is None:  # (`link_child` of a first child)
                 parent.child_keys = key
@@ -107,7 +107,7 @@ class BlockIndex:
               attention: float | None = None) -> Entry:
         """A committed entry for a block found in a tier (restart recovery, a remote lookup)."""
         e = self._link(Entry(key, parent.key if parent is not None else None,
-                             parent.depth + 1 if parent is not None else 0, nbytes, tier, location, None,
+                             child_depth(parent) if parent is not None else 0, nbytes, tier, location, None,
                              committed=True, attention=attention), parent)
         self._count(e, 1)
         self.listeners.stored(e, tier)
