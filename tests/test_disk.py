@@ -203,18 +203,21 @@ def test_written_blocks_keep_no_write_job_alive(harness):
     its record and staging buffer): not the slots, nor the writer thread waiting for its next batch."""
     import gc
 
+    from kvstore.tiers.disk import record_key
     from kvstore.tiers.disk_writer import DiskWrite
 
-    harness.spill(chain_hashes(3, 6))
+    hashes = chain_hashes(3, 6)
+    mine = {record_key((NS.id, h)) for h in hashes}
+
+    def jobs_alive() -> int:  # this burst's (type(), not isinstance: that would touch dead weak proxies)
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is DiskWrite and o.key in mine)
+
+    harness.spill(hashes)
     harness.store.flush()
     harness.store.disk.reap()
-
-    def jobs_alive() -> int:
-        gc.collect()
-        return sum(1 for o in gc.get_objects() if type(o) is DiskWrite)  # (isinstance would touch weak proxies)
-
     poll(lambda: jobs_alive() == 0, 5, "no write job alive")  # (the writer thread lets go after flush returns)
-    assert harness.get(chain_hashes(3, 6)) == [payload_bytes(h, BLOCK) for h in chain_hashes(3, 6)]
+    assert harness.get(hashes) == [payload_bytes(h, BLOCK) for h in hashes]
 
 
 def test_promotion_from_staging_before_the_write_lands(harness):
