@@ -90,6 +90,7 @@ import xxhash
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.disk_scan import DiskScan
+from kvstore.tiers.disk_slot import DiskSlot
 from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 
@@ -100,97 +101,6 @@ DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
 LOCK_FILE = "owner.lock"
 ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks not encoded: one a thread
-
-
-_KNOWN = 1 << 64  # in a packed slot (`DiskSlot._where`): the checksum bits below are set
-_LOW = (1 << 65) - 1  # a packed slot's checksum and its `_KNOWN` bit
-_MASK64 = (1 << 64) - 1
-
-
-class DiskSlot:
-    """Where a disk block's bytes are. While `job` is not done, they are also in its staging buffer.
-
-    The disk tier holds most of a host's blocks, so a slot is small (it was 140 B a block as an object
-    of five fields with two ints of their own; [[offset, length]] lists before that, 168 B more):
-    - a block in one extent (nearly all of them) keeps its extent and checksum in one int,
-      `(offset << 32 | length) << 65 | known << 64 | checksum` (`known`: the checksum is set; it is
-      not while the write is pending); another keeps `[extents, checksum]`;
-    - an exact block keeps no codec and no size of its own (the class's None and 0: its size is its
-      Entry's); a block stored encoded is an `EncodedSlot`, which does."""
-
-    __slots__ = ("_where", "job")
-    codec: str | None = None  # the tag of the codec the bytes are encoded with (EncodedSlot); None: exact
-    logical: int = 0  # an encoded block's own size, decoded (EncodedSlot); 0 for an exact block
-
-    def __new__(cls, extents: list, checksum: int | None, job: DiskWrite | None = None, codec: str | None = None,
-                logical: int = 0) -> "DiskSlot":
-        return object.__new__(EncodedSlot if codec is not None else cls)
-
-    def __init__(self, extents: list, checksum: int | None, job: DiskWrite | None = None, codec: str | None = None,
-                 logical: int = 0) -> None:
-        """`codec`: the tag of the codec its bytes are encoded with (None: exact); `logical`: an encoded
-        block's own size (decoded)."""
-        if len(extents) == 1 and extents[0][0] >= 0 and 0 <= extents[0][1] < 1 << 32:
-            offset, length = extents[0]
-            self._where: int | list = (offset << 32 | length) << 65
-        else:
-            self._where = [extents, None]
-        self.job = job
-        if checksum is not None:
-            self.checksum = checksum
-        if codec is not None:
-            self.codec, self.logical = codec, logical
-
-    @property
-    def extents(self) -> list:
-        """[[offset, length], ...] in the data file (a new list for a block in one extent)."""
-        where = self._where
-        if type(where) is int:
-            where >>= 65
-            return [[where >> 32, where & 0xFFFFFFFF]]
-        return where[0]
-
-    @property
-    def checksum(self) -> int | None:
-        """The xxh3-64 of the stored bytes; None while the write is pending."""
-        where = self._where
-        if type(where) is int:
-            return where & _MASK64 if where & _KNOWN else None
-        return where[1]
-
-    @checksum.setter
-    def checksum(self, value: int | None) -> None:
-        where = self._where
-        if type(where) is not int:
-            where[1] = value
-        elif value is None:
-            self._where = where & ~_LOW
-        elif type(value) is int and 0 <= value <= _MASK64:
-            self._where = where & ~_LOW | _KNOWN | value
-        else:  # (not a 64-bit checksum: kept as it is, and it will not verify)
-            self._where = [self.extents, value]
-
-    def __repr__(self) -> str:
-        return f"DiskSlot({self.extents}, {self.checksum}, codec={self.codec})"
-
-    @property
-    def pending(self) -> bool:
-        return self.job is not None and not self.job.done
-
-    @staticmethod
-    def recovered(extents: list, checksum: int, codec: str | None, logical: int) -> "DiskSlot":
-        return DiskSlot(extents, checksum, None, codec, logical)
-
-    def known_checksum(self) -> int | None:
-        if self.checksum is None and self.job is not None and self.job.done and self.job.error is None:
-            self.checksum, self.job = self.job.checksum, None
-        return self.checksum
-
-
-class EncodedSlot(DiskSlot):
-    """A disk block stored encoded: a `DiskSlot` with its codec's tag and its decoded size."""
-
-    __slots__ = ("codec", "logical")
 
 
 def record_key(key: tuple) -> bytes:
