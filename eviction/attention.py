@@ -19,7 +19,9 @@ Value of block b at time t (higher = keep):
   order the tier would have had. `AttentionParams(adapt=False)` is a fixed-h
   policy (`HALF_LIFE_S` = 240 s unless given), for experiments.
 - History: a block dropped from the tier leaves its F in a ghost table of at
-  most `GHOST_FACTOR` = 16 x (resident blocks) entries, oldest dropped first.
+  most `GHOST_FACTOR` = 16 x (resident blocks) entries, and at most
+  `max_ghosts` (2^22, eviction/ghosts.py MAX_GHOSTS: a tier past 262,144
+  blocks remembers its last 4 million evictions, ~250 MB), oldest dropped first.
   A block re-admitted from it resumes that decayed F plus `GHOST_CREDIT` = 1
   (coming back after eviction is a hit the cache missed: ARC/LRFU history).
 - C_b, the recompute cost the block saves, tokens * (1 + depth_tokens /
@@ -81,6 +83,7 @@ from typing import Callable, Sequence
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
 from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
                                check_early_fraction, sampled)
+from kvstore.eviction.ghosts import MAX_GHOSTS
 from kvstore.eviction.leaves import GhostTable, Leaf, LeafQueues
 
 HALF_LIFE_S = 240.0
@@ -117,6 +120,7 @@ class AttentionParams:
     depth_off_above_s: float = DEPTH_OFF_ABOVE_S  # adapting: no depth term while a longer half-life leads
     sample_bits: int = SAMPLE_BITS  # adapting: the experts follow 1 key in 2^sample_bits (0: every key)
     early_fraction: float = EARLY_FRACTION  # adapting: the early miniatures' size, a share of the tier's (0: none)
+    max_ghosts: float = MAX_GHOSTS  # the history's cap, whatever ghost_factor x the tier (eviction/ghosts.py)
 
     def __post_init__(self) -> None:
         if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
@@ -128,6 +132,8 @@ class AttentionParams:
             raise ValueError("attention_weight must be in [0, 1): the attention term must stay positive")
         if min(self.insert_credit, self.hit_credit, self.ghost_credit) <= 0 or self.ghost_factor < 0:
             raise ValueError("credits must be positive and ghost_factor non-negative")
+        if not self.max_ghosts >= 0:
+            raise ValueError("max_ghosts must be non-negative")
         if self.depth_weight < 0:
             raise ValueError("depth_weight must be non-negative")
         if type(self.sample_bits) is not int or not 0 <= self.sample_bits <= 16:
@@ -200,11 +206,11 @@ class AttentionPolicy(EvictionPolicy):
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
                                         ghost_factor=params.ghost_factor, sample_bits=params.sample_bits,
-                                        early_fraction=params.early_fraction)
+                                        early_fraction=params.early_fraction, max_ghosts=params.max_ghosts)
                         if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
         # key -> log F per expert, then the block's estimate (see _NO_ESTIMATE)
-        self._ghost = GhostTable(params.ghost_factor, width=len(halves) + 1)
+        self._ghost = GhostTable(params.ghost_factor, width=len(halves) + 1, most=params.max_ghosts)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
                          for h in halves]
         self._lead = self.experts.lead if self.experts is not None else 0

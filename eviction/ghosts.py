@@ -5,9 +5,12 @@ up to 16 x its resident blocks (eviction/attention.py; LFU 4 x). As an
 OrderedDict of keys a ghost cost ~120 B of table and node, and it kept the
 key's tuple and hash bytes alive (~110 B) long after the block was gone: a tier
 written through 20 times over held ~5.9 KB a resident block, most of it
-history. (The half-life experts' miniature caches keep their OrderedDicts: they
-replay sampled reads, and there the arrays' Python-level probing cost more than
-their ~1.2 KB a resident block is worth.)
+history. The half-life experts' miniature caches (eviction/halflife.py) keep
+their ghosts here too, one float each: as OrderedDicts they held ~1.1 KB a
+resident block of a tier written through 12 times.
+
+However large its tier, a table holds at most `MAX_GHOSTS` (a policy's
+`max_ghosts`, below).
 
 Here a ghost is the key's fingerprint (its 64-bit `hash`) and `width` floats,
 appended to a log in the order they are remembered, with an open-addressing
@@ -29,6 +32,7 @@ index.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from typing import Hashable
@@ -36,6 +40,19 @@ from typing import Hashable
 import numpy as np
 
 MIN_FREE = 2048  # free log positions after a compaction at least (it costs ~0.1 ms however small)
+
+# The most ghosts a table holds whatever its tier's size: 16 x a tier of 10^7 blocks would be 1.6 x 10^8
+# ghosts, ~10 GB of history for one tier. 2^22 ghosts are ~250 MB (50-85 B each, above) and cover the last
+# 4 million evictions; the table of a tier under 262,144 blocks (at 16 x) never reaches it.
+MAX_GHOSTS = 1 << 22
+
+
+def ghost_cap(factor: float, most: float | None = None) -> float:
+    """The cap on a history of `factor` x resident keys: `most` (MAX_GHOSTS if None); none
+    (math.inf) for an infinite factor, which means "remember everything" (for evaluation)."""
+    if most is not None and not most >= 0:
+        raise ValueError(f"a history's cap must be >= 0, got {most}")
+    return math.inf if factor == math.inf else MAX_GHOSTS if most is None else most
 
 
 class Ghosts:
@@ -72,8 +89,9 @@ class Ghosts:
             if fp[s - 1] == h and live[s - 1]:
                 live[s - 1] = 0
                 self._n -= 1
-                value = self._record.unpack_from(self._val, (s - 1) * self._record.size)
-                return value[0] if self.width == 1 else value
+                if self.width == 1:
+                    return self._val[s - 1]
+                return self._record.unpack_from(self._val, (s - 1) * self._record.size)
             i = (i + 1) & mask
         return default
 
@@ -82,32 +100,45 @@ class Ghosts:
         takes the new value, as an OrderedDict's item would); then `trim(limit)` if given. A value of
         another width is a ValueError, and nothing changes."""
         h = hash(key)
-        i, s = self._probe(h)
+        slots, fp, live, mask = self._find_in
+        i = h & mask
+        while s := slots[i]:  # (`_probe`, inline: the experts' miniatures remember an eviction a reference)
+            if fp[s - 1] == h and live[s - 1]:
+                break
+            i = (i + 1) & mask
         if s:
             pos = s - 1
         else:  # not remembered: the newest, in the first free slot of its probe
             pos = self._tail
-            if pos == len(self._find_in[2]):
+            if pos == len(live):
                 self._compact()
                 i, _ = self._probe(h)
                 pos = self._tail
-        record = self._record
+                slots, fp, live, _ = self._find_in
         try:  # the value first: a wrong width raises before anything changed
             if self.width == 1:
-                record.pack_into(self._val, pos * 8, value)
+                self._val[pos] = value
             else:
+                record = self._record
                 record.pack_into(self._val, pos * record.size, *value)  # type: ignore[misc]
         except (struct.error, TypeError) as exc:
             raise ValueError(f"a ghost of this table is {self.width} floats: {exc}") from None
+        n = self._n
         if not s:  # (a new ghost)
-            slots, fp, live, _ = self._find_in
             self._tail = pos + 1
             slots[i] = pos + 1
             fp[pos] = h
             live[pos] = 1
-            self._n += 1
-        if limit is not None and self._n > limit:
-            self.trim(limit)
+            n += 1
+        if limit is not None and n > limit:  # (`trim`, inline: a full table forgets one ghost a put)
+            head = self._head
+            while n > limit:
+                if live[head]:
+                    live[head] = 0
+                    n -= 1
+                head += 1
+            self._head = head
+        self._n = n
 
     def trim(self, limit: float) -> None:
         """Forget the oldest ghosts until at most `limit` are left."""

@@ -16,7 +16,8 @@ What it computes:
   sampled references, credited exactly as the policy credits a block (insert,
   hit, return from its own ghost table), holding as many keys as the policy
   holds sampled blocks now, evicting the lowest decayed count into a ghost
-  table of `ghost_factor` x that many keys. A reference is a hit in it or not;
+  table of `ghost_factor` x that many keys (and at most the sampled share of the
+  policy's cap, ghosts.py MAX_GHOSTS). A reference is a hit in it or not;
   its score is its decayed hits, halving every `SCORE_HALF_TURNOVERS` x C
   sampled references (C = sampled blocks held).
 - Decision, every max(16, C / 8) sampled references: the best-scoring expert
@@ -65,8 +66,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
 from typing import Hashable, Sequence
+
+from kvstore.eviction.ghosts import Ghosts, ghost_cap
 
 Key = Hashable
 
@@ -100,22 +102,23 @@ class MiniCache:
     """One expert: an LRFU cache with its own half-life over the sampled references."""
 
     __slots__ = ("half_life_s", "tau", "values", "ghost", "hits", "_heap", "_seq", "_credits", "_ghost_factor",
-                 "_fresh")
+                 "_ghost_most", "_fresh")
 
     def __init__(self, half_life_s: float, credits: tuple[float, float, float], ghost_factor: float,
-                 seq=None) -> None:
+                 seq=None, ghost_most: float = math.inf) -> None:
         """`seq`: the counter that orders equal counts in the heap, oldest first (the experts share one:
-        see `_refer`)."""
+        see `_refer`); `ghost_most`: the most ghosts it keeps, whatever `ghost_factor` x its capacity."""
         self.half_life_s = half_life_s
         self.tau = 0.0  # this expert's clock: seconds / half_life_s, set before each reference
         self.values: dict[Key, float] = {}  # held key -> time-free log2 F
-        self.ghost: OrderedDict[Key, float] = OrderedDict()  # evicted key -> its log2 F, oldest first
+        self.ghost = Ghosts(1)  # evicted key -> its log2 F, oldest first (fingerprints: eviction/ghosts.py)
         self.hits = 0.0  # decayed hits, in units of the weight of a hit now (HalfLifeExperts._weight)
         self._heap: list[tuple[float, int, Key]] = []  # (log2 F, seq, key): equal F, oldest first; stale skipped
         self._seq = itertools.count().__next__ if seq is None else seq
         self._fresh: tuple = (None, None, None)  # (tau, log credit, their sum): the count of a key new at tau
         self._credits = tuple((c, math.log2(c)) for c in credits)  # insert, hit, ghost return
         self._ghost_factor = ghost_factor
+        self._ghost_most = ghost_most
 
     def reference(self, key: Key, capacity: int, weight: float) -> bool:
         """Replay one reference to `key` holding at most `capacity` keys; True if it was a hit."""
@@ -128,10 +131,8 @@ class MiniCache:
             f, _, k = heapq.heappop(self._heap)
             if values.get(k) == f:
                 del values[k]
-                ghost[k] = f
-        bound = self._ghost_factor * (limit + 1)
-        while len(ghost) > bound:
-            ghost.popitem(last=False)
+                ghost.put(k, f)
+        ghost.trim(min(self._ghost_factor * (limit + 1), self._ghost_most))
 
 
 def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, taus: Sequence[float],
@@ -159,15 +160,14 @@ def _refer(minis: Sequence[MiniCache], key: Key, capacity: int, weight: float, t
             old = ghost.pop(key, None)
             credit, log_credit = m._credits[0 if old is None else 2]
             if len(values) >= capacity:  # m._trim(capacity - 1), inline: a miss in a full miniature
-                heap = m._heap
-                while len(values) >= capacity and heap:
+                heap, bound = m._heap, m._ghost_factor * capacity
+                if bound > m._ghost_most:
+                    bound = m._ghost_most
+                while len(values) >= capacity and heap:  # (at least one goes: a full miniature has a live entry)
                     f, _, k = _heappop(heap)
                     if values.get(k) == f:
                         del values[k]
-                        ghost[k] = f
-                bound = m._ghost_factor * capacity
-                while len(ghost) > bound:
-                    ghost.popitem(last=False)
+                        ghost.put(k, f, bound)  # trimmed to `bound`, oldest first
         if old is None or old - tau < FORGET_LOG2:
             fresh = m._fresh
             if fresh[0] is tau and fresh[1] == log_credit:
@@ -211,7 +211,8 @@ class HalfLifeExperts:
 
     def __init__(self, half_lives: Sequence[float] = HALF_LIVES_S, start: float | None = None, *,
                  insert_credit: float, hit_credit: float, ghost_credit: float, ghost_factor: float,
-                 sample_bits: int = SAMPLE_BITS, early_fraction: float = EARLY_FRACTION) -> None:
+                 sample_bits: int = SAMPLE_BITS, early_fraction: float = EARLY_FRACTION,
+                 max_ghosts: float | None = None) -> None:
         if not half_lives or min(half_lives) <= 0 or not all(math.isfinite(h) for h in half_lives):
             raise ValueError("half_lives must be positive and finite")
         check_early_fraction(early_fraction)
@@ -223,10 +224,13 @@ class HalfLifeExperts:
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
         seq = itertools.count().__next__  # one for all the miniatures (see `_refer`)
-        self.minis = [MiniCache(h, credits, ghost_factor, seq) for h in self.half_lives]
+        # A miniature follows 1 key in 2^sample_bits, so its history's cap is the policy's (ghosts.py
+        # MAX_GHOSTS unless `max_ghosts`) as far as the sampled keys go.
+        most = ghost_cap(ghost_factor, max_ghosts) / (1 << sample_bits)
+        self.minis = [MiniCache(h, credits, ghost_factor, seq, most) for h in self.half_lives]
         # The same experts at early_fraction of the size: heard while the full-size ones have no evidence.
         self.early_fraction = early_fraction
-        self.early = [MiniCache(h, credits, ghost_factor, seq) for h in self.half_lives] if early_fraction else []
+        self.early = [MiniCache(h, credits, ghost_factor, seq, most) for h in self.half_lives] if early_fraction else []
         self._seq = seq
         self._t: float | None = None
         self._taus = [0.0] * len(self.half_lives)

@@ -41,7 +41,7 @@ from collections import Counter
 from typing import Callable
 
 from kvstore.eviction.base import Key
-from kvstore.eviction.ghosts import Ghosts
+from kvstore.eviction.ghosts import Ghosts, ghost_cap
 
 
 class Leaf:
@@ -313,18 +313,21 @@ class LeafQueues:
 
 class GhostTable:
     """What a policy remembers of keys that left its tier: at most `factor` x (resident
-    keys) entries, oldest dropped first (ARC/LRFU-style history), each `width` floats
-    (eviction/ghosts.py: a float when `width` is 1, else a tuple). `factor` may be
-    math.inf (remember everything; for evaluation)."""
+    keys) entries and at most `most` (MAX_GHOSTS), oldest dropped first (ARC/LRFU-style
+    history), each `width` floats (eviction/ghosts.py: a float when `width` is 1, else a
+    tuple). `factor` may be math.inf (remember everything; for evaluation: no cap then
+    either)."""
 
-    def __init__(self, factor: float, width: int = 1) -> None:
+    def __init__(self, factor: float, width: int = 1, most: float | None = None) -> None:
         self.factor = factor
+        self.most = ghost_cap(factor, most)
         self.ghosts = Ghosts(width)
         # pop(key, default): what was remembered of `key`, forgotten now (a policy asks on every insert)
         self.pop = self.ghosts.pop
 
     def remember(self, key: Key, value: float | tuple, resident: int) -> None:
-        self.ghosts.put(key, value, self.factor * resident)
+        limit = self.factor * resident
+        self.ghosts.put(key, value, limit if limit < self.most else self.most)
 
     def __len__(self) -> int:
         return len(self.ghosts)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvstore.eviction.attention import AttentionPolicy
+from kvstore.eviction.attention import AttentionParams, AttentionPolicy
 from kvstore.eviction.base import BlockInfo
 from kvstore.eviction.ghosts import Ghosts
 from kvstore.eviction.leaves import GhostTable
@@ -16,6 +16,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("put"), st.integers(0, 300), st.floats(allow_nan=False)),
     st.tuples(st.just("pop"), st.integers(0, 300), st.just(0.0)),
     st.tuples(st.just("trim"), st.integers(0, 200), st.just(0.0)),
+    st.tuples(st.just("put40"), st.integers(0, 300), st.floats(allow_nan=False)),  # put, then at most 40
 ), max_size=600)
 
 
@@ -27,6 +28,11 @@ def test_ghosts_behave_as_an_ordered_dict_with_oldest_first_trimming(ops):
         if op == "put":
             g.put(key, value)
             model[key] = value
+        elif op == "put40":
+            g.put(key, value, 40)
+            model[key] = value
+            while len(model) > 40:
+                model.popitem(last=False)
         elif op == "pop":
             assert g.pop(key, "none") == model.pop(key, "none")
         else:
@@ -73,6 +79,29 @@ def test_the_ghost_table_bounds_by_resident_keys():
     for i in range(50):
         t.remember(i, float(i), resident=10)
     assert len(t) == 20 and 29 not in t and 30 in t and t.pop(49) == 49.0
+
+
+def test_a_history_is_capped_whatever_the_size_of_its_tier():
+    """16 x the resident blocks, and never more than `max_ghosts`: the policy's table and, for the keys
+    they follow, the half-life experts' miniatures (1 in 8 of it). The newest ghosts are the ones kept."""
+    def churn(params):
+        p = AttentionPolicy(clock=lambda: 0.0, params=params)
+        for i in range(100):
+            p.on_insert(BlockInfo(("anchor", i), None, 0, 100, 16))  # 100 resident blocks
+        for i in range(4000):
+            p.on_insert(BlockInfo(("ns", i), None, 0, 100, 16))
+            p.on_remove(("ns", i))
+        return p
+
+    p = churn(AttentionParams())
+    assert len(p._ghost) == 1600 == 16 * 100
+    capped = churn(AttentionParams(max_ghosts=64))
+    assert len(capped._ghost) == 64 and ("ns", 3999) in capped._ghost and ("ns", 3999 - 64) not in capped._ghost
+    full = max(len(m.ghost) for m in p.experts.minis + p.experts.early)
+    assert full > 8 and all(len(m.ghost) <= 64 / 8 for m in capped.experts.minis + capped.experts.early)
+    assert GhostTable(math.inf).most == math.inf  # "remember everything" (evaluation) is not capped
+    with pytest.raises(ValueError):
+        AttentionParams(max_ghosts=-1)
 
 
 def _info(key, parent=None, attention=None):

@@ -136,7 +136,7 @@ def test_only_sampled_keys_cost_expert_state_and_the_miniatures_hold_what_the_ti
     assert ex._held == held and 40 < len(held) < 90  # ~500 / 8
     for m in ex.minis:  # every key referenced once: a miniature of the tier's size holds the newest ones
         assert set(m.values) == held  # the oldest (most decayed) went first, as they left the tier
-        assert len(m.ghost) <= 16 * len(held) and set(m.ghost).isdisjoint(m.values)
+        assert len(m.ghost) <= 16 * len(held) and not any(k in m.ghost for k in m.values)
         assert m.hits == 0  # nothing was referenced twice
 
 
@@ -149,11 +149,11 @@ def test_a_miniature_scores_a_hit_only_for_a_key_it_still_holds():
     assert m.reference("a", 2, 1.0) is False and m.reference("b", 2, 1.0) is False
     assert m.reference("a", 2, 1.0) is True and m.hits == 1.0  # held: a hit; a's count is now 1.5
     assert m.reference("c", 2, 1.0) is False  # full: b (0.5, older than c) goes, a (1.5) stays
-    assert set(m.values) == {"a", "c"} and list(m.ghost) == ["b"]
+    assert set(m.values) == {"a", "c"} and len(m.ghost) == 1 and "b" in m.ghost
     m.tau += 10  # ten half-lives later every count has decayed by 1024
     assert m.reference("b", 2, 1.0) is False and set(m.values) == {"a", "b"}  # back from the ghost; c (lowest) goes
     assert m.reference("c", 2, 1.0) is False and set(m.values) == {"b", "c"}  # b resumed 0.5/1024 + 1 > a's 1.5/1024
-    assert m.hits == 1.0 and list(m.ghost) == ["a"]
+    assert m.hits == 1.0 and len(m.ghost) == 1 and "a" in m.ghost
 
 
 def test_the_early_miniatures_are_heard_only_while_the_full_size_ones_have_no_evidence():
