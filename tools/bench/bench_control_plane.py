@@ -24,7 +24,10 @@ default policy `attention` and `lru`), the policies alternating round by
 round, so both see the same machine load. Per arm: wall microseconds per
 block (median of the rounds) and the daemon's CPU per block (all its threads,
 and its event loop's thread alone, from /proc; 10 ms ticks, summed over the
-rounds).
+rounds). A read or full-tier write goal the default policy misses names
+LRU's figure from the same run: the difference is the default policy's
+bookkeeping (tools/bench/policy_cost.py breaks it down), the rest the store
+core and the RPC.
 
 Lookups against Mooncake (`mooncake_master`, the C++ master of Mooncake Store, which the remote
 extra installs): single-client lookups of 32-block chains, `KVClient.lookup`
@@ -448,12 +451,20 @@ def goals(result: dict) -> list[tuple[str, str, bool | None]]:
     for batch, per in sorted(result["batches"].items(), key=lambda kv: -int(kv[0])):
         scale = 1.0 if int(batch) >= 512 else 2.0
         if default in per:
-            d = per[default]
-            rows.append((f"read <= {GOALS['read_us'] * scale:g} us/block, batch {batch}, default policy",
-                         f"{d['read_us']:.2f} us", d["read_us"] <= GOALS["read_us"] * scale))
-            rows.append((f"write into a full tier <= {GOALS['write_full_us_default'] * scale:g} us/block, "
-                         f"batch {batch}, default policy", f"{d['write_full_us']:.2f} us",
-                         d["write_full_us"] <= GOALS["write_full_us_default"] * scale))
+            d, lru = per[default], per.get("lru")
+            for goal, arm, limit in ((f"read <= {GOALS['read_us'] * scale:g} us/block, batch {batch}, default policy",
+                                      "read_us", GOALS["read_us"] * scale),
+                                     (f"write into a full tier <= {GOALS['write_full_us_default'] * scale:g} "
+                                      f"us/block, batch {batch}, default policy", "write_full_us",
+                                      GOALS["write_full_us_default"] * scale)):
+                met = d[arm] <= limit
+                measured = f"{d[arm]:.2f} us"
+                if not met and lru is not None:  # which part: the same store under LRU, in the same run
+                    measured += (f" (LRU {lru[arm]:.2f}: {max(0.0, d[arm] - lru[arm]):.2f} us are the default policy's "
+                                 "bookkeeping, tools/bench/policy_cost.py; "
+                                 + ("the rest is the store core and the RPC)" if lru[arm] > limit else
+                                    "without it the goal is met)"))
+                rows.append((goal, measured, met))
     anchor = result.get("lookup")
     if anchor and "skipped" not in anchor:
         rows.append(("32-block lookups/s >= 1.0x mooncake_master", f"{anchor['lookups_vs_mooncake']:.2f}x",
