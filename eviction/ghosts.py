@@ -40,6 +40,7 @@ from typing import Hashable
 import numpy as np
 
 MIN_FREE = 2048  # free log positions after a compaction at least (it costs ~0.1 ms however small)
+MAPPED_FROM = 64 << 10  # an array of this many bytes or more is a mapping of its own (`_mapped`)
 
 # The most ghosts a table holds whatever its tier's size: 16 x a tier of 10^7 blocks would be 1.6 x 10^8
 # ghosts, ~10 GB of history for one tier. 2^22 ghosts are ~250 MB (50-85 B each, above) and cover the last
@@ -172,9 +173,9 @@ class Ghosts:
         self._layout(len(fps) + max(len(fps) // 2, MIN_FREE), fps, vals)
 
     def _layout(self, positions: int, fps: np.ndarray, vals: np.ndarray) -> None:
-        """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table. Each is an
-        anonymous mapping of its own: given back to the kernel as soon as a compaction drops it (freed
-        heap memory of this size is not, and a churned daemon's RSS kept every generation's)."""
+        """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table. Each large
+        one is an anonymous mapping of its own: given back to the kernel as soon as a compaction drops it
+        (freed heap memory of this size is not, and a churned daemon's RSS kept every generation's)."""
         n, w = len(fps), self.width
         size = 1 << (2 * positions - 1).bit_length()  # table slots: a power of two, at least twice the positions
         mask = size - 1
@@ -199,5 +200,8 @@ class Ghosts:
 
 
 def _mapped(count: int, fmt: str) -> memoryview:
-    """`count` zeroed items of struct format `fmt` in an anonymous mapping (unmapped with the last view)."""
-    return memoryview(mmap.mmap(-1, max(1, count) * struct.calcsize(fmt))).cast(fmt)
+    """`count` zeroed items of struct format `fmt` in an anonymous mapping (unmapped with the last view);
+    under MAPPED_FROM bytes on the heap: a policy starts seven small tables (its own and its half-life
+    experts' six), and a mapping each would be 28 of the process's 65,530 (vm.max_map_count) a policy."""
+    size = max(1, count) * struct.calcsize(fmt)
+    return memoryview(mmap.mmap(-1, size) if size >= MAPPED_FROM else bytearray(size)).cast(fmt)
