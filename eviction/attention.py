@@ -484,6 +484,12 @@ class AttentionPolicy(EvictionPolicy):
               take: Callable[[Key], None]) -> bool:
         return self._leaves.evict("v", missing, evictable, take)
 
+    def history(self) -> tuple[int, int]:
+        """Its ghost table and, where it adapts, the half-life experts' miniatures' ghosts."""
+        tables = [self._ghost.ghosts] + ([m.ghost for m in self.experts.minis + self.experts.early]
+                                         if self.experts is not None else [])
+        return sum(len(t) for t in tables), sum(t.nbytes for t in tables)
+
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
         now = self._taus()[self._lead]

@@ -90,6 +90,11 @@ class EvictionPolicy(ABC):
     def on_feedback(self, key: Key, attention: float) -> None:
         """An attention estimate for a block; policies without an attention term ignore it."""
 
+    def history(self) -> tuple[int, int] | None:
+        """(ghosts, bytes of their arrays): what the policy remembers of blocks that left its tier
+        (eviction/ghosts.py), for stats and metrics; None where it keeps no such table."""
+        return None
+
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """What the policy holds of each key, in a few words for `kvstore inspect` (None: untracked).
         Read-only; may walk the policy's state once per call."""

@@ -60,6 +60,9 @@ class LFUPolicy(EvictionPolicy):
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("lfu", n_bytes, evictable) or None
 
+    def history(self) -> tuple[int, int]:
+        return len(self._ghost), self._ghost.ghosts.nbytes
+
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         return [f"refs {self._hits[k]}" if k in self._hits else None for k in keys]
 

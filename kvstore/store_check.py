@@ -47,9 +47,13 @@ def tier_rows(placement: Placement, absent: dict[str, str]) -> dict[str, dict]:
             row["promotions_out"] = st.promotions_out
             if name in index.device_bytes:  # per device: the bytes of committed blocks in its pool
                 row["device_bytes"] = {**{d: 0 for d in row.get("devices", {})}, **index.device_bytes[name]}
-            half_life = getattr(placement.policies.get(name), "half_life_s", None)
+            policy = placement.policies.get(name)
+            half_life = getattr(policy, "half_life_s", None)
             if half_life is not None:  # the attention policy's current choice (eviction/halflife.py)
                 row["policy_half_life_s"] = half_life
+            history = policy.history() if policy is not None else None
+            if history is not None:  # what the policy remembers of blocks gone (capped: eviction/ghosts.py)
+                row["policy_history_ghosts"], row["policy_history_bytes"] = history
             row["checksum_failures"] = counters.get(f"{name}_checksum_failures", 0)
             if tier.persistent:
                 # (its blocks less the writes still queued: a count, not a pass over the blocks)

@@ -93,6 +93,16 @@ class StoreCollector:
             promotions.add_metric([tier], t.get("promotions_in", 0))
             demotions.add_metric([tier], t.get("demotions_in", 0))
         yield from (blocks, nbytes, hits, evictions, promotions, demotions)
+        history = [(tier, t) for tier, t in s["tiers"].items() if "policy_history_ghosts" in t]
+        if history:  # the policy's memory of evicted blocks (eviction/ghosts.py: capped at MAX_GHOSTS a table)
+            ghosts = GaugeMetricFamily("kvstore_policy_history_ghosts",
+                                       "Evicted blocks a tier's eviction policy remembers (ghosts)", labels=["tier"])
+            ghost_bytes = GaugeMetricFamily("kvstore_policy_history_bytes",
+                                            "Bytes of the arrays holding a tier's policy history", labels=["tier"])
+            for tier, t in history:
+                ghosts.add_metric([tier], t["policy_history_ghosts"])
+                ghost_bytes.add_metric([tier], t["policy_history_bytes"])
+            yield from (ghosts, ghost_bytes)
         disk = s["tiers"].get("disk", {})
         if "checksum_failures" in disk:  # the disk tier is configured
             yield CounterMetricFamily("kvstore_disk_checksum_failures", "Disk blocks whose checksum did not verify (dropped)",

@@ -129,3 +129,24 @@ def test_an_evicted_block_with_an_estimate_counts_for_the_gate_once_it_returns(e
     p.on_remove("a")  # not waiting any more (it came back with no new estimate): nothing more to count
     p.on_insert(_info("a"))
     assert list(p.gate.hit) == after
+
+
+def test_stats_show_what_each_tiers_policy_remembers(store_factory):
+    """A tier written through: its policy's history (ghosts and the bytes of their arrays, the experts'
+    miniatures' included) is in the tier's stats, as the policy counts it; LRU keeps no such table."""
+    from kvstore.keys import Namespace
+
+    store = store_factory(64 * 4096, 4096, prefault=False, policy="attention")
+    ns = store.register_namespace(Namespace("history", "bf16", 1, 1, 1, 16, 4096))
+    for i in range(0, 1024, 16):
+        hashes = [f"b{j}".encode().ljust(16, b"\0") for j in range(i, i + 16)]
+        assert store.reserve(ns, list(zip(hashes, [None] + hashes[:-1])), "w")[-1] is not None
+        store.commit(ns, hashes, "w")
+    row = store.stats()["tiers"]["host"]
+    policy = store.placement.policies["host"]
+    assert row["evictions"] >= 1024 - 64
+    assert (row["policy_history_ghosts"], row["policy_history_bytes"]) == policy.history()
+    assert 16 * 64 >= len(policy._ghost) > 0 and row["policy_history_ghosts"] > len(policy._ghost)  # + miniatures'
+    assert row["policy_history_bytes"] >= 8 * row["policy_history_ghosts"]
+    lru = store_factory(64 * 4096, 4096, prefault=False, policy="lru")
+    assert "policy_history_ghosts" not in lru.stats()["tiers"]["host"]

@@ -71,6 +71,11 @@ def test_per_model_labels_are_bounded_and_add_up(daemon_factory, tmp_path):
     ops = {lab["op"]: v for lab, v in m["kvstore_requests_total"]}
     assert ops["register"] == NUM_MODELS and ops["commit"] >= NUM_MODELS
     assert m["kvstore_events_published_total"][0][1] > 0
+    status, body = d.http("/stats")
+    host = json.loads(body)["tiers"]["host"]  # the default policy's history, as the stats count it
+    assert [(lab["tier"], v) for lab, v in m["kvstore_policy_history_ghosts"]] == [("host", host["policy_history_ghosts"])]
+    assert [(lab["tier"], v) for lab, v in m["kvstore_policy_history_bytes"]] == [("host", host["policy_history_bytes"])]
+    assert host["policy_history_bytes"] > 0  # (the tables' first arrays, before anything is evicted)
 
 
 def test_dashboard_queries_name_only_what_the_daemon_exports(daemon_factory):
