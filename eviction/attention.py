@@ -81,8 +81,8 @@ from typing import Callable, Sequence
 
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
-from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, SAMPLE_BITS, HalfLifeExperts,
-                               check_early_fraction, sampled)
+from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, MAX_SAMPLED, SAMPLE_BITS,
+                                       HalfLifeExperts, check_early_fraction, sampled)
 from kvstore.eviction.ghosts import MAX_GHOSTS
 from kvstore.eviction.leaves import GhostTable, Leaf, LeafQueues
 
@@ -121,6 +121,7 @@ class AttentionParams:
     sample_bits: int = SAMPLE_BITS  # adapting: the experts follow 1 key in 2^sample_bits (0: every key)
     early_fraction: float = EARLY_FRACTION  # adapting: the early miniatures' size, a share of the tier's (0: none)
     max_ghosts: float = MAX_GHOSTS  # the history's cap, whatever ghost_factor x the tier (eviction/ghosts.py)
+    max_sampled: int = MAX_SAMPLED  # adapting: the most keys the experts follow (past it, they sample fewer)
 
     def __post_init__(self) -> None:
         if (self.half_life_s is not None and self.half_life_s <= 0) or self.attn_context_tokens <= 0:
@@ -134,6 +135,8 @@ class AttentionParams:
             raise ValueError("credits must be positive and ghost_factor non-negative")
         if not self.max_ghosts >= 0:
             raise ValueError("max_ghosts must be non-negative")
+        if type(self.max_sampled) is not int or self.max_sampled < 1:
+            raise ValueError("max_sampled must be a positive integer")
         if self.depth_weight < 0:
             raise ValueError("depth_weight must be non-negative")
         if type(self.sample_bits) is not int or not 0 <= self.sample_bits <= 16:
@@ -206,7 +209,8 @@ class AttentionPolicy(EvictionPolicy):
         self.experts = (HalfLifeExperts(params.half_lives, params.half_life_s, insert_credit=params.insert_credit,
                                         hit_credit=params.hit_credit, ghost_credit=params.ghost_credit,
                                         ghost_factor=params.ghost_factor, sample_bits=params.sample_bits,
-                                        early_fraction=params.early_fraction, max_ghosts=params.max_ghosts)
+                                        early_fraction=params.early_fraction, max_ghosts=params.max_ghosts,
+                                        max_sampled=params.max_sampled)
                         if params.adapt else None)
         halves = self.experts.half_lives if self.experts is not None else (self._fixed_h,)
         # key -> log F per expert, then the block's estimate (see _NO_ESTIMATE)

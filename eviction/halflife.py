@@ -12,6 +12,10 @@ What it computes:
   mix of it (of the block hash, for the store's `(namespace, hash)` keys) falls
   in 1 / 2^`SAMPLE_BITS`. The same keys in every process (no PYTHONHASHSEED),
   and a sample by key keeps the workload's reuse pattern (SHARDS, FAST'15).
+  At most `MAX_SAMPLED` keys are followed at once: past that (a tier past
+  ~5 x 10^5 blocks) the rate falls, the held key of the largest mix let go
+  each time (fixed-size SHARDS), so the experts' memory and work stop growing
+  with the tier.
 - Each expert is a `MiniCache`: an LRFU cache with its own half-life over the
   sampled references, credited exactly as the policy credits a block (insert,
   hit, return from its own ghost table), holding as many keys as the policy
@@ -74,6 +78,7 @@ Key = Hashable
 
 HALF_LIVES_S = (30.0, 240.0, 2000.0)
 SAMPLE_BITS = 3
+MAX_SAMPLED = 1 << 16  # the most keys the experts follow: past 2^16 x 2^SAMPLE_BITS blocks the rate falls
 SCORE_HALF_TURNOVERS = 0.5
 SWITCH_SIGMAS = 2.0
 EARLY_FRACTION = 0.5
@@ -85,8 +90,9 @@ _log2 = math.log2
 _heappush, _heappop = heapq.heappush, heapq.heappop
 
 
-def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
-    """Whether the experts follow `key`: a fixed 64-bit mix of it has `bits` leading zero bits."""
+def mixed(key: Key) -> int:
+    """The fixed 64-bit mix of `key` (of its block hash, for the store's `(namespace, hash)` keys) that
+    sampling compares: the same in every process (no PYTHONHASHSEED)."""
     if type(key) is tuple and key:
         key = key[-1]  # the store's keys are (namespace, block hash)
     if type(key) is bytes or isinstance(key, (bytes, bytearray)):
@@ -95,7 +101,13 @@ def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
         x = key
     else:
         x = int.from_bytes(str(key).encode()[:8].ljust(8, b"\0"), "little")
-    return (x * _MIX) & _MASK < 1 << (64 - bits)
+    return (x * _MIX) & _MASK
+
+
+def sampled(key: Key, bits: int = SAMPLE_BITS) -> bool:
+    """Whether the experts follow `key` at the rate of `bits`: its mix has `bits` leading zero bits (past
+    `MAX_SAMPLED` held keys they follow fewer: `HalfLifeExperts.inserted`)."""
+    return mixed(key) < 1 << (64 - bits)
 
 
 class MiniCache:
@@ -212,7 +224,7 @@ class HalfLifeExperts:
     def __init__(self, half_lives: Sequence[float] = HALF_LIVES_S, start: float | None = None, *,
                  insert_credit: float, hit_credit: float, ghost_credit: float, ghost_factor: float,
                  sample_bits: int = SAMPLE_BITS, early_fraction: float = EARLY_FRACTION,
-                 max_ghosts: float | None = None) -> None:
+                 max_ghosts: float | None = None, max_sampled: int = MAX_SAMPLED) -> None:
         if not half_lives or min(half_lives) <= 0 or not all(math.isfinite(h) for h in half_lives):
             raise ValueError("half_lives must be positive and finite")
         check_early_fraction(early_fraction)
@@ -235,6 +247,11 @@ class HalfLifeExperts:
         self._t: float | None = None
         self._taus = [0.0] * len(self.half_lives)
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
+        if not max_sampled >= 1:
+            raise ValueError("max_sampled must be at least 1")
+        self.max_sampled = max_sampled
+        self._below = 1 << (64 - sample_bits)  # keys mixing below it are followed (it only falls: `_shrink`)
+        self._by_mix: list[tuple[int, Key]] | None = None  # past max_sampled: (-mix, key) of the held keys
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
         self._decay_for, self._decay = 0, 1.0  # the weight's growth per reference, for this capacity
         self._refs = 0
@@ -273,9 +290,20 @@ class HalfLifeExperts:
     def inserted(self, key: Key) -> bool:
         """`key` entered the tier: a reference the tier missed. Whether the experts follow it (only
         then can the lead change)."""
-        if not sampled(key, self.sample_bits) or key in self._held:
+        x = mixed(key)
+        held = self._held
+        if x >= self._below or key in held:
             return False
-        self._held.add(key)
+        held.add(key)
+        if (heap := self._by_mix) is not None:
+            _heappush(heap, (-x, key))
+            if len(heap) > 2 * len(held) + 64:  # the keys removed since: dropped
+                heap[:] = [entry for entry in heap if entry[1] in held]
+                heapq.heapify(heap)
+        if len(held) > self.max_sampled:
+            self._shrink()
+            if key not in held:
+                return False
         self._reference(key)
         return True
 
@@ -291,6 +319,23 @@ class HalfLifeExperts:
 
     def removed(self, key: Key) -> None:
         self._held.discard(key)
+
+    def _shrink(self) -> None:
+        """Past `max_sampled` held keys, follow fewer (fixed-size SHARDS, FAST'15): the held key of the
+        largest mix is let go, with its state in every miniature, and from now on only keys mixing below
+        it are followed. A tier of 10^7 blocks then costs the experts what one of ~5 x 10^5 does; the
+        rate only falls (the miniatures' capacity, the sampled keys held, falls with it)."""
+        held, heap = self._held, self._by_mix
+        if heap is None:  # (built once the tier first grows past the sample: a smaller one never pays for it)
+            heap = self._by_mix = [(-mixed(k), k) for k in held]
+            heapq.heapify(heap)
+        while len(held) > self.max_sampled:
+            negated, key = _heappop(heap)
+            if key in held:
+                held.discard(key)
+                self._below = min(self._below, -negated)
+                for m in self.minis + self.early:
+                    m.values.pop(key, None)  # (its heap entries go stale; no ghost: it is not followed again)
 
     # -- internals -----------------------------------------------------------------
     def _reference(self, key: Key) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 from kvstore.eviction.attention import AttentionParams, AttentionPolicy
 from kvstore.eviction.base import BlockInfo
-from kvstore.eviction.halflife import HALF_LIVES_S, HalfLifeExperts, sampled
+from kvstore.eviction.halflife import HALF_LIVES_S, HalfLifeExperts, mixed, sampled
 from kvstore.tools.bench.policy_sim import load, simulate
 
 KEYS = [b"\x00" * 8, b"block-hash-0123", ("ns", b"\x17" * 32), "a", 12345, ("ns", "k7")]
@@ -196,3 +197,41 @@ def test_early_evidence_follows_a_hot_set_that_moves_and_keeps_a_scan_on_frequen
     scan, _ = run("gen:scan")
     scan_late, _ = run("gen:scan", early_fraction=0.0)
     assert scan >= scan_late, (scan, scan_late)
+
+
+def test_past_max_sampled_keys_the_experts_follow_the_keys_of_smallest_mix():
+    """Fixed-size sampling: once the tier holds more sampled keys than `max_sampled`, the experts let go
+    of the held keys of the largest mix and follow only keys mixing below them: they hold the
+    `max_sampled` resident keys of smallest mix, and their miniatures no resident key past them."""
+    t = [0.0]
+    p = AttentionPolicy(lambda: t[0], params=AttentionParams(max_sampled=40))
+    ex = p.experts
+    rng = random.Random(7)
+    keys = [("ns", rng.randbytes(16)) for _ in range(6000)]
+    resident = set()
+    for i, k in enumerate(keys):
+        t[0] = i * 0.01
+        p.on_insert(BlockInfo(k, None, 0, 100, 16))
+        resident.add(k)
+        if i % 3 == 2:  # a third leaves again: the experts' record of who has the largest mix goes stale
+            gone = keys[rng.randrange(i + 1)]
+            if gone in resident:
+                p.on_remove(gone)
+                resident.discard(gone)
+        if i % 100 == 99:
+            p.on_access([k for k in keys[i - 50 : i] if k in resident])
+    followed = sorted((k for k in resident if sampled(k)), key=mixed)
+    assert len(followed) > 200  # the tier holds several times the sample
+    assert ex._held == set(followed[: len(ex._held)]) and 30 < len(ex._held) <= 40
+    assert all(mixed(k) >= ex._below for k in followed[len(ex._held):])
+    for m in ex.minis + ex.early:  # (a miniature may still hold keys the tier let go, until it evicts them)
+        assert len(m.values) <= 40 and all(mixed(k) < ex._below for k in m.values if k in resident)
+    assert len(ex._by_mix) <= 2 * 40 + 64 + 1
+    more = (("more", i.to_bytes(16, "little")) for i in itertools.count())
+    for k in list(itertools.islice((k for k in more if mixed(k) < ex._below), 400)):  # followed keys come and go at the sample's size:
+        p.on_insert(BlockInfo(k, None, 0, 100, 16))              # what the experts keep of them stays bounded
+        p.on_remove(k)
+    assert len(ex._held) <= 40 and len(ex._by_mix) <= 2 * 40 + 64 + 1
+    assert HalfLifeExperts(insert_credit=0.5, hit_credit=1.0, ghost_credit=1.0, ghost_factor=4.0)._by_mix is None
+    with pytest.raises(ValueError):
+        AttentionParams(max_sampled=0)
