@@ -236,9 +236,15 @@ class HalfLifeExperts:
         self.sample_bits = sample_bits
         credits = (insert_credit, hit_credit, ghost_credit)
         seq = itertools.count().__next__  # one for all the miniatures (see `_refer`)
-        # A miniature follows 1 key in 2^sample_bits, so its history's cap is the policy's (ghosts.py
-        # MAX_GHOSTS unless `max_ghosts`) as far as the sampled keys go.
-        most = ghost_cap(ghost_factor, max_ghosts) / (1 << sample_bits)
+        if not max_sampled >= 1:
+            raise ValueError("max_sampled must be at least 1")
+        self.max_sampled = max_sampled
+        self._below = 1 << (64 - sample_bits)  # keys mixing below it are followed (it only falls: `_shrink`)
+        self._by_mix: list[tuple[int, Key]] | None = None  # past max_sampled: (-mix, key) of the held keys
+        # A miniature follows the keys mixing below `_below` (1 in 2^sample_bits until `_shrink`), so its
+        # history's cap is the policy's (ghosts.py MAX_GHOSTS unless `max_ghosts`) as far as those go.
+        self._ghost_cap = ghost_cap(ghost_factor, max_ghosts)
+        most = self._ghost_cap * self._below / 2**64
         self.minis = [MiniCache(h, credits, ghost_factor, seq, most) for h in self.half_lives]
         # The same experts at early_fraction of the size: heard while the full-size ones have no evidence.
         self.early_fraction = early_fraction
@@ -247,11 +253,6 @@ class HalfLifeExperts:
         self._t: float | None = None
         self._taus = [0.0] * len(self.half_lives)
         self._held: set[Key] = set()  # sampled keys the policy holds now: the miniatures' capacity
-        if not max_sampled >= 1:
-            raise ValueError("max_sampled must be at least 1")
-        self.max_sampled = max_sampled
-        self._below = 1 << (64 - sample_bits)  # keys mixing below it are followed (it only falls: `_shrink`)
-        self._by_mix: list[tuple[int, Key]] | None = None  # past max_sampled: (-mix, key) of the held keys
         self._weight = 1.0  # the weight of a hit now: scores decay by letting later hits weigh more
         self._decay_for, self._decay = 0, 1.0  # the weight's growth per reference, for this capacity
         self._refs = 0
@@ -334,8 +335,10 @@ class HalfLifeExperts:
             if key in held:
                 held.discard(key)
                 self._below = min(self._below, -negated)
+                most = self._ghost_cap * self._below / 2**64  # (trimmed to it at their next ghost)
                 for m in self.minis + self.early:
                     m.values.pop(key, None)  # (its heap entries go stale; no ghost: it is not followed again)
+                    m._ghost_most = most
 
     # -- internals -----------------------------------------------------------------
     def _reference(self, key: Key) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.eviction.attention import AttentionParams, AttentionPolicy
 from kvstore.eviction.base import BlockInfo
+from kvstore.eviction.ghosts import MAX_GHOSTS
 from kvstore.eviction.halflife import HALF_LIVES_S, HalfLifeExperts, mixed, sampled
 from kvstore.tools.bench.policy_sim import load, simulate
 
@@ -227,6 +228,8 @@ def test_past_max_sampled_keys_the_experts_follow_the_keys_of_smallest_mix():
     for m in ex.minis + ex.early:  # (a miniature may still hold keys the tier let go, until it evicts them)
         assert len(m.values) <= 40 and all(mixed(k) < ex._below for k in m.values if k in resident)
     assert len(ex._by_mix) <= 2 * 40 + 64 + 1
+    # the miniatures' history is capped at the share of the policy's cap their keys now are
+    assert all(m._ghost_most == MAX_GHOSTS * ex._below / 2**64 < MAX_GHOSTS / 8 for m in ex.minis + ex.early)
     more = (("more", i.to_bytes(16, "little")) for i in itertools.count())
     for k in list(itertools.islice((k for k in more if mixed(k) < ex._below), 400)):  # followed keys come and go at the sample's size:
         p.on_insert(BlockInfo(k, None, 0, 100, 16))              # what the experts keep of them stays bounded
