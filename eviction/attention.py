@@ -84,7 +84,7 @@ from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_polic
 from kvstore.eviction.halflife import (EARLY_FRACTION, FORGET_LOG2, HALF_LIVES_S, MAX_SAMPLED, SAMPLE_BITS,
                                        HalfLifeExperts, check_early_fraction, sampled)
 from kvstore.eviction.ghosts import MAX_GHOSTS
-from kvstore.eviction.leaves import GhostTable, Leaf, LeafQueues
+from kvstore.eviction.leaves import DerivedLeaf, GhostTable, LeafQueues
 
 HALF_LIFE_S = 240.0
 INSERT_CREDIT = 0.5
@@ -167,18 +167,35 @@ class AttentionGate:
         return min(1.0, max(0.0, (r_hi - r_lo) / (r_hi + r_lo)))
 
 
-class _Block(Leaf):
-    """A tracked block: its `Leaf` (the priority is `val[lead]`) and, per expert (one in all for a fixed
-    half-life), its time-free log values. `freq` and `cost` lists are shared between blocks (one per
-    commit's clock reading and per block shape) and never mutated: they are replaced."""
+class _Block(DerivedLeaf):
+    """A tracked block: its `DerivedLeaf` and, per expert (one in all for a fixed half-life), its
+    time-free log values. Its priority is its value under the leading expert (`prio`), not a float of
+    its own. `freq` and `cost` lists are shared between blocks (one per commit's clock reading and per
+    block shape) and never mutated: they are replaced."""
 
     __slots__ = ("freq", "cost", "val")
+    queue = "v"
+    lead = 0  # the leading expert: set on each policy's own subclass (`AttentionPolicy._record`)
     freq: list[float]  # log2 F_b + tau_i
     cost: list[float]  # log2 (C_b / S_b), with expert i's depth weight
     # log2 V_b + tau_i (own value, tree rule applied; a tuple: 32 B less than a list), or None while it is
     # the block's own F + C (`_val`): a block inserted and not hit or lifted since, as most blocks of a
     # disk tier are, holds no tuple of its own (136 B) and its priority is that sum for the leader.
     val: tuple[float, ...] | None
+
+    def __init__(self, nbytes: int, parent: Key | None, children: int, freq: list[float], cost: list[float],
+                 val: tuple[float, ...] | None) -> None:
+        self.nbytes, self.parent, self.children, self.token = nbytes, parent, children, None
+        self.freq, self.cost, self.val = freq, cost, val
+
+    def assign(self, freq: list[float], cost: list[float], val: tuple[float, ...] | None) -> None:
+        self.freq, self.cost, self.val = freq, cost, val
+
+    @property
+    def prio(self) -> float:
+        """V under the leading expert: `val[lead]`, or its own F + C where it holds no `val`."""
+        val, lead = self.val, self.lead
+        return self.freq[lead] + self.cost[lead] if val is None else val[lead]
 
 
 def _val(block: _Block) -> tuple[float, ...]:
@@ -202,7 +219,9 @@ class AttentionPolicy(EvictionPolicy):
         super().__init__(**({"clock": clock} if clock else {}))
         self.params = params
         self.gate = AttentionGate()
-        self._leaves = LeafQueues(_Block)  # per block its F, C and V per expert; its priority: V of the leader
+        # A record class of its own, whose `lead` is this policy's leading expert (`_follow`).
+        self._record = type("_Block", (_Block,), {"__slots__": ()})
+        self._leaves = LeafQueues(self._record)  # per block its F, C and V per expert; its priority: V of the leader
         self._att: dict[Key, float] = {}  # A_b, for blocks with an estimate
         self._unhit: set = set()  # blocks with an estimate not yet hit (for the gate)
         self._fixed_h = HALF_LIFE_S if params.half_life_s is None else params.half_life_s
@@ -217,7 +236,7 @@ class AttentionPolicy(EvictionPolicy):
         self._ghost = GhostTable(params.ghost_factor, width=len(halves) + 1, most=params.max_ghosts)
         self._depth_w = [params.depth_weight if not params.adapt or h <= params.depth_off_above_s else 0.0
                          for h in halves]
-        self._lead = self.experts.lead if self.experts is not None else 0
+        self._lead = self._record.lead = self.experts.lead if self.experts is not None else 0
         self.rekeys = 0  # switches of the leading expert followed (each re-keys the tier)
         # Shared, never mutated: the F of a first insert for the current clocks, and C per block shape.
         self._fresh: tuple[list[float] | None, list[float]] = (None, [])
@@ -267,11 +286,8 @@ class AttentionPolicy(EvictionPolicy):
         """After the experts saw an event: if another one leads, order the tier by its values."""
         lead = self.experts.lead  # type: ignore[union-attr]
         if lead != self._lead:
-            self._lead = lead
+            self._lead = self._record.lead = lead  # (every block's priority is now its value under `lead`)
             self.rekeys += 1
-            for block in self._leaves.tracked.values():
-                val = block.val
-                block.prio = block.freq[lead] + block.cost[lead] if val is None else val[lead]
             self._leaves.rekey()
 
     # -- the value --------------------------------------------------------
@@ -321,7 +337,7 @@ class AttentionPolicy(EvictionPolicy):
         block.val = new
         lead = self._lead
         if new[lead] != cur[lead]:
-            self._leaves.reprioritise(key, new[lead], block)
+            self._leaves.refresh(key, block)
         return True
 
     # -- events -------------------------------------------------------------
@@ -347,9 +363,7 @@ class AttentionPolicy(EvictionPolicy):
             if experts is not None and sampled(key, bits) and experts.inserted(key):
                 self._follow()
             cost = costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
-            lead = self._lead
-            block = add(key, info.parent, info.nbytes, "v", fresh[lead] + cost[lead], key not in inner)
-            block.freq, block.cost, block.val = fresh, cost, None  # V is its own F + C (`_val`)
+            add(key, info.parent, info.nbytes, "v", None, key not in inner, (fresh, cost, None))  # V: its F + C
 
     def _insert(self, info: BlockInfo, taus: list[float], leaf: bool = True, ghost: object = None) -> None:
         """Enter one block; `ghost`: what the ghost table held of it (taken out already), else it is
@@ -370,15 +384,11 @@ class AttentionPolicy(EvictionPolicy):
         if experts is not None and sampled(key, experts.sample_bits) and experts.inserted(key):
             self._follow()
         cost = self._costs.get((info.depth, info.block_tokens, info.nbytes)) or self._block_cost(info)
-        lead = self._lead
+        own: tuple[float, ...] | None = None  # V is its own F + C (`_val`)
         if info.attention is not None:
             self._set_attention(key, info.attention)
-            own: tuple[float, ...] | None = self._own(key, freq, cost)
-            prio = own[lead]  # type: ignore[index]
-        else:
-            own, prio = None, freq[lead] + cost[lead]  # V is its own F + C (`_val`)
-        block = self._leaves.add(key, info.parent, info.nbytes, "v", prio, leaf)  # one heap push
-        block.freq, block.cost, block.val = freq, cost, own
+            own = self._own(key, freq, cost)
+        self._leaves.add(key, info.parent, info.nbytes, "v", None, leaf, (freq, cost, own))  # one heap push
 
     def on_access(self, keys: Sequence[Key]) -> None:
         credit = self.params.hit_credit
@@ -387,7 +397,7 @@ class AttentionPolicy(EvictionPolicy):
             self._follow()
         lead = self._lead
         leaves, att = self._leaves, self._att
-        tracked, reprioritise = leaves.tracked, leaves.reprioritise
+        tracked, refresh = leaves.tracked, leaves.refresh
         # _credited, inline: log2(2^(f - tau) + credit) + tau, or a fresh credit once f has decayed away.
         # Blocks committed together share one F list (`_first_freq`), and so do the blocks a hit credited
         # together: a list credited once here is reused for the next block holding that same list.
@@ -414,10 +424,8 @@ class AttentionPolicy(EvictionPolicy):
             if val is None:  # its own F + C (`_val`), F as it was before this hit
                 val = map(_add, freq, block.cost)
             top = block.val = tuple(map(max, own, val)) if top is None else tuple(map(max, own, val, top))
-            if block.children:  # (`reprioritise` of a block with children: no heap entry)
-                block.prio = top[lead]
-            else:
-                reprioritise(key, top[lead], block)
+            if not block.children:  # (a block with children has no heap entry)
+                refresh(key, block)
         if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
             block = get(keys[0])
             parent = block.parent if block is not None else None
@@ -427,11 +435,8 @@ class AttentionPolicy(EvictionPolicy):
                 if new == cur:
                     break
                 block.val = new
-                if new[lead] != cur[lead]:
-                    if block.children:  # (`reprioritise` of a block with children: no heap entry)
-                        block.prio = new[lead]
-                    else:
-                        reprioritise(parent, new[lead], block)
+                if new[lead] != cur[lead] and not block.children:  # (a block with children: no heap entry)
+                    refresh(parent, block)
                 parent = block.parent
 
     def on_feedback(self, key: Key, attention: float) -> None:
@@ -469,7 +474,7 @@ class AttentionPolicy(EvictionPolicy):
                 up.val = new
                 lead = self._lead
                 if new[lead] != cur[lead]:
-                    leaves.reprioritise(parent, new[lead], up)
+                    leaves.refresh(parent, up)
         leaves.remove(key)
         freq = block.freq
         a = self._att.pop(key, None) if self._att else None

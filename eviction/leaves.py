@@ -26,7 +26,8 @@ the attention policy. It mirrors the prefix tree as far as the policy sees it
   stays O(tracked keys) and each operation O(log n).
 
 A tracked key's state is one `Leaf` record (a policy's own per-key state goes in
-a subclass's slots): a tier of 10^6 blocks costs one dictionary entry and one
+a subclass's slots; a policy that derives each key's priority from that state
+uses a `DerivedLeaf`): a tier of 10^6 blocks costs one dictionary entry and one
 small object a block here, not an entry in each of six dictionaries. Children
 counts are kept even for untracked parents (a child can sit in a tier whose
 policy has not seen the parent yet), so a parent arriving later knows it is not
@@ -55,6 +56,26 @@ class Leaf:
     def __init__(self, queue: str, prio: object, nbytes: int, parent: Key | None, children: int) -> None:
         self.queue, self.prio, self.nbytes, self.parent, self.children = queue, prio, nbytes, parent, children
         self.token: int | None = None
+
+
+class DerivedLeaf:
+    """A record whose priority its own fields give (a `prio` property of the subclass) and whose queue
+    is its class's (`queue`): a policy of one queue that derives its order from per-key fields (the
+    attention policy) then keeps no queue name and no priority object a key, 40 B of each of a tier's
+    blocks. It is made with `LeafQueues.add(..., fields=...)` (the subclass's own slots, after these
+    four), and after its fields change it takes a new heap entry with `LeafQueues.refresh`."""
+
+    __slots__ = ("nbytes", "parent", "children", "token")
+    queue: str = ""
+    prio: object
+
+    def __init__(self, nbytes: int, parent: Key | None, children: int) -> None:
+        self.nbytes, self.parent, self.children = nbytes, parent, children
+        self.token: int | None = None
+
+    def assign(self, *fields: object) -> None:
+        """Set the subclass's own fields (those `add` makes it with)."""
+        raise NotImplementedError
 
 
 class LeafQueues:
@@ -95,16 +116,26 @@ class LeafQueues:
         rec = self.tracked.get(key)
         return not (rec.children if rec is not None else self._loose.get(key))
 
-    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True) -> Leaf:
+    def add(self, key: Key, parent: Key | None, nbytes: int, queue: str, prio: object, leaf: bool = True,
+            fields: tuple | None = None) -> Leaf:
         """Track `key`; its record. `leaf=False`: the caller adds a child of it next (a chain inserted in
-        one call), so no heap entry is made for it: it would be stale at once."""
+        one call), so no heap entry is made for it: it would be stale at once. A `DerivedLeaf` record
+        takes its own `fields` instead of `prio` (and its class's queue), before it enters its heap."""
         tracked = self.tracked
         rec = tracked.get(key)
         if rec is not None:
-            self.update(key, queue, prio)
+            if fields is None:
+                self.update(key, queue, prio)
+            else:
+                rec.assign(*fields)
+                self.refresh(key, rec)
             return rec
         loose = self._loose
-        rec = tracked[key] = self._record(queue, prio, nbytes, parent, loose.pop(key, 0) if loose else 0)
+        children = loose.pop(key, 0) if loose else 0
+        if fields is None:
+            rec = tracked[key] = self._record(queue, prio, nbytes, parent, children)
+        else:
+            rec = tracked[key] = self._record(nbytes, parent, children, *fields)
         self.count[queue] += 1
         self.bytes[queue] += nbytes
         if parent is not None:
@@ -137,6 +168,11 @@ class LeafQueues:
         where the caller holds it)."""
         rec = self.tracked[key] if rec is None else rec
         rec.prio = prio
+        if not rec.children:
+            self._push(rec, key)
+
+    def refresh(self, key: Key, rec: DerivedLeaf) -> None:
+        """`reprioritise` for a `DerivedLeaf`: its fields changed its priority."""
         if not rec.children:
             self._push(rec, key)
 
