@@ -20,6 +20,7 @@ import pytest
 from kvstore.store import TieredStore
 from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_bytes, poll
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DATA_FILE, DiskTier
 from kvstore.tiers.disk_alloc import PageAllocator
 from kvstore.tiers.disk_writer import DiskWriter
@@ -313,10 +314,10 @@ def test_write_failure_drops_the_block(harness, monkeypatch):
     store = harness.store
     disk = store.disk
 
-    def broken(job, encoded=None):
+    def broken(views, offset):  # every data write fails, as on a failing device
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(disk.writer, "_write_job", broken)
+    monkeypatch.setattr(disk.writer, "_pwrite_all", broken)
     chains = [chain_hashes(s, 4) for s in range(4)]
     for c in chains:
         harness.put(c)
@@ -374,6 +375,87 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
     finally:
         store.close()
         host.close()
+
+
+def _stage_one_batch(disk: DiskTier, blocks: list[tuple[bytes, list]]) -> dict:
+    """Stage every (hash, pages) block into the disk tier while its writer waits, so that one batch
+    writes them all; their slots by hash."""
+    slots = {}
+    with disk.writer._cv:  # (the writer takes its next batch once this is released)
+        for i, (h, extents) in enumerate(blocks):
+            nbytes = sum(n for _, n in extents)
+            meta = BlockMeta((NS.id, h), None, 0, None, 0.0)
+            slots[h] = disk.write_from(extents, [np.frombuffer(payload_bytes(h, nbytes), np.uint8)], meta)
+    return slots
+
+
+def test_blocks_of_adjacent_pages_go_to_the_disk_in_one_write(tmp_path):
+    """The writer writes a batch's exact blocks in file order, the blocks on adjacent pages with one
+    pwritev whatever order they were queued in; a gap starts another write. Every block reads its own
+    bytes back, and its record is found at the next open."""
+    page = 4096
+    disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
+    try:
+        disk.scanned(wait=True)
+        # Three runs of pages: 0-9 (one-page blocks, queued in a shuffled order), 12-17 (two-page blocks),
+        # 30 (alone). 11 pages in one-page blocks and 3 of two pages: 14 blocks in 3 writes.
+        singles = [[[p * page, page]] for p in range(10)]
+        doubles = [[[p * page, 2 * page]] for p in (12, 14, 16)]
+        order = [3, 0, 9, 1, 8, 2, 7, 4, 6, 5]
+        blocks = [(bytes([0x10 + i]) * 16, singles[i]) for i in order]
+        blocks += [(bytes([0x40 + i]) * 16, ext) for i, ext in enumerate(doubles)]
+        blocks += [(b"\x7f" * 16, [[30 * page, page]])]
+        calls0, writes0 = disk.writer.counters.write_calls, disk.writer.counters.writes
+        slots = _stage_one_batch(disk, blocks)
+        disk.flush()
+        assert disk.writer.counters.writes - writes0 == 14
+        assert disk.writer.counters.write_calls - calls0 == 3
+        for h, extents in blocks:
+            nbytes = sum(n for _, n in extents)
+            out = np.empty(nbytes, np.uint8)
+            assert disk.read_blocks(slots[h])  # (settles the finished write, as the store does first)
+            assert disk.read_into(slots[h], [out]) and out.tobytes() == payload_bytes(h, nbytes)
+    finally:
+        disk.close()
+    disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
+    try:
+        kept = {b.key[1]: b.location for b in disk.scanned(wait=True)}
+        assert {h: slot.extents for h, slot in kept.items()} == {h: ext for h, ext in blocks}
+        for h, extents in blocks:
+            out = np.empty(extents[0][1], np.uint8)
+            assert disk.read_into(kept[h], [out]) and out.tobytes() == payload_bytes(h, extents[0][1])
+    finally:
+        disk.close()
+
+
+def test_a_failed_write_fails_the_blocks_it_carried_and_no_others(tmp_path, monkeypatch):
+    """A pwritev that fails takes down the blocks of its run of pages, reported as failed writes and never
+    recorded; the blocks of the batch's other runs are written and recorded."""
+    page = 4096
+    disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
+    real = os.pwritev
+
+    def failing_at_page_20(fd, buffers, offset):
+        if offset == 20 * page:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    try:
+        disk.scanned(wait=True)
+        monkeypatch.setattr(os, "pwritev", failing_at_page_20)
+        good = [(bytes([0x10 + p]) * 16, [[p * page, page]]) for p in range(4)]
+        bad = [(bytes([0x20 + p]) * 16, [[p * page, page]]) for p in range(20, 23)]
+        slots = _stage_one_batch(disk, bad + good)
+        disk.flush()
+        assert sorted(disk.failed_writes()) == sorted((NS.id, h) for h, _ in bad)
+        assert disk.writer.counters.write_errors == 3 and disk.writer.counters.writes == 4
+        assert len(disk.index_records()) == 4
+        for h, extents in good:
+            out = np.empty(page, np.uint8)
+            assert disk.read_blocks(slots[h]) and disk.read_into(slots[h], [out])
+            assert out.tobytes() == payload_bytes(h, page)
+    finally:
+        disk.close()
 
 
 def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):

@@ -92,6 +92,7 @@ from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import DiskSlot
 from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
+from kvstore.tiers.record_scan import record_key
 from kvstore.tiers.host import copy_segments
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,6 @@ DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
 LOCK_FILE = "owner.lock"
 ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks not encoded: one a thread
-
-
-def record_key(key: tuple) -> bytes:
-    """The index key of a store key `(namespace id, hash)`."""
-    return msgpack.packb([key[0], key[1]])
 
 
 @dataclass(slots=True)
@@ -508,6 +504,7 @@ class DiskTier(Tier):
             "bytes_read": c.bytes_read,
             "writes": w.writes,
             "reads": c.reads,
+            "write_calls": w.write_calls,
             "fsyncs": w.fsyncs,
             "write_errors": w.write_errors,
             "backpressure_waits": c.backpressure_waits,

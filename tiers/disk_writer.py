@@ -3,7 +3,8 @@ thread that works it off (tiers/disk.py owns the writer; nothing else touches it
 
 The thread takes batches of queued operations (namespace puts, record deletes,
 block writes), collapses them per key (the last operation wins), commits the
-deletes, writes the data, fdatasyncs once, and commits the new records in one
+deletes, writes the data (the exact blocks in file order, those of adjacent
+pages with one pwritev), fdatasyncs once, and commits the new records in one
 LMDB transaction (group commit). A block stored compressed is handed to the
 encoders (ENCODE_THREADS threads, at the lowest CPU priority) when it is
 queued, so they work ahead of the writer; a batch writes its exact blocks and
@@ -50,6 +51,7 @@ from kvstore.tiers.disk_alloc import StagingPool, round_up
 log = logging.getLogger("kvstore.tiers.disk")
 
 ENCODER_NICE = 19  # the encoders' nice value (the daemon's other threads keep theirs)
+IOV_MAX = 1024  # the most buffers one pwritev is given (Linux's limit)
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +105,7 @@ class RecordStore:
 class WriterCounters:
     writes: int = 0
     bytes_written: int = 0
+    write_calls: int = 0  # pwrite/pwritev calls of block data (exact blocks of adjacent pages share one)
     fsyncs: int = 0
     batches: int = 0
     write_errors: int = 0
@@ -346,16 +349,15 @@ class DiskWriter:
             with self._cv:
                 self._cv.wait_for(lambda: self._num_ready_queued > 0 or any(job.encoded.done() for job in waiting))
         deferred = [job for job in waiting if not job.encoded.done()]
+        exact = [job for job in puts if job.encoded is None]
         written = []
-        for job in sorted(puts, key=lambda job: job.encoded is not None):
-            if job in deferred:
-                continue
-            try:
-                self._write_job(job)
+        for job, error in [*self._write_exact(exact),
+                           *((job, self._write_job(job)) for job in puts if job.encoded is not None and job not in deferred)]:
+            if error is None:
                 written.append(job)
-            except OSError as exc:
+            else:
                 self.counters.write_errors += 1
-                job.error = f"write failed: {exc}"
+                job.error = f"write failed: {error}"
                 log.error("disk tier: %s", job.error)
         if written:
             os.fdatasync(self.data.fd)
@@ -379,10 +381,49 @@ class DiskWriter:
                 log.warning("disk tier: staging buffers not prefaulted: %s", exc)
         return jobs
 
-    def _write_job(self, job: DiskWrite) -> None:
-        mv, payload = memoryview(job.buf), job.view()
-        if job.encoded is not None:  # the staging buffer holds the exact block: store it encoded
-            blob, job.encoded = job.encoded.result(), None
+    def _write_exact(self, jobs: list[DiskWrite]) -> list[tuple[DiskWrite, str | None]]:
+        """Write blocks stored exact from their staging buffers: the pieces of adjacent pages in one
+        `pwritev`, in file order (a demotion burst fills pages in order, so small blocks go to the disk
+        in large writes: one 4 KiB O_DIRECT write a block was the disk tier's limit). Each job with the
+        error of its write, or None. The jobs of a batch never share a page (a freed block's write and
+        the write of the block its pages went to are never in one batch: `_write_batch` drops the first),
+        and blocks of one offset keep their queue order (a stable sort). An error is kept as its text: the
+        exception would keep its frames, and their views of the staging buffers, alive."""
+        data, pieces = self.data, []
+        for job in jobs:
+            job.checksum = xxhash.xxh3_64_intdigest(job.view())
+            mv, pos = memoryview(job.buf), 0
+            for offset, length in job.extents:
+                span = round_up(length) if data.direct else length
+                pieces.append((offset, mv[pos : pos + span], job))
+                pos += length
+        pieces.sort(key=lambda piece: piece[0])
+        errors: dict[DiskWrite, str] = {}
+        start = 0
+        while start < len(pieces):
+            end, at = start + 1, pieces[start][0] + len(pieces[start][1])
+            while end < len(pieces) and end - start < IOV_MAX and pieces[end][0] == at:
+                at += len(pieces[end][1])
+                end += 1
+            offset = pieces[start][0]
+            try:
+                self._pwrite_all([piece[1] for piece in pieces[start:end]], offset)
+            except OSError as exc:  # the blocks of this write fail, not the batch
+                for piece in pieces[start:end]:
+                    errors.setdefault(piece[2], str(exc))
+            else:
+                self._mark_written(offset, at - offset)
+            start = end
+        for job in jobs:
+            if job not in errors:
+                self.counters.writes += 1
+                self.counters.bytes_written += job.nbytes
+        return [(job, errors.get(job)) for job in jobs]
+
+    def _write_job(self, job: DiskWrite) -> str | None:
+        """Write one block stored encoded (the encoder's result); what failed, or None."""
+        try:
+            blob, job.encoded = job.encoded.result(), None  # type: ignore[union-attr]
             if isinstance(blob, Exception):  # this block fails, not the batch
                 raise OSError(errno.EIO, f"encoding failed: {blob}")
             if blob.size != sum(n for _, n in job.extents):
@@ -391,16 +432,24 @@ class DiskWriter:
             payload = np.frombuffer(buf, dtype=np.uint8, count=blob.size)
             payload[:] = blob
             mv, job.stored = memoryview(buf), blob.size
-        job.checksum = xxhash.xxh3_64_intdigest(payload)
-        pos, data = 0, self.data
-        for offset, length in job.extents:
-            span = round_up(length) if data.direct else length
-            self._pwrite_all(mv[pos : pos + span], offset)
-            if self._written is not None:  # (always, once the tier allocates: see start_formatting)
-                self._written[offset // data.page_bytes : (offset + span - 1) // data.page_bytes + 1] = True
-            pos += length
+            job.checksum = xxhash.xxh3_64_intdigest(payload)
+            pos, data = 0, self.data
+            for offset, length in job.extents:
+                span = round_up(length) if data.direct else length
+                self._pwrite_all([mv[pos : pos + span]], offset)
+                self._mark_written(offset, span)
+                pos += length
+        except OSError as exc:
+            return str(exc)
         self.counters.writes += 1
-        self.counters.bytes_written += job.nbytes if job.stored is None else job.stored
+        self.counters.bytes_written += job.stored
+        return None
+
+    def _mark_written(self, offset: int, nbytes: int) -> None:
+        """The pages of [offset, offset + nbytes) hold block data: formatting skips them."""
+        if self._written is not None:  # (always, once the tier allocates: see start_formatting)
+            pb = self.data.page_bytes
+            self._written[offset // pb : (offset + nbytes - 1) // pb + 1] = True
 
     def _encode_buffer(self, size: int) -> mmap.mmap:
         """The writer thread's page-aligned buffer for encoded blocks (O_DIRECT writes from it)."""
@@ -418,7 +467,7 @@ class DiskWriter:
         if free.size:
             breaks = np.flatnonzero(np.diff(free) != 1) + 1
             for run in np.split(free, breaks):
-                self._pwrite_all(memoryview(zeros)[: run.size * pb], int(run[0]) * pb)
+                self._pwrite_all([memoryview(zeros)[: run.size * pb]], int(run[0]) * pb)
         self.formatted_bytes = end * pb
         if self.formatted_bytes >= data.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
             self._save_formatted()
@@ -434,12 +483,20 @@ class DiskWriter:
             self._zero_buf = mmap.mmap(-1, round_up(size))
         return self._zero_buf
 
-    def _pwrite_all(self, mv: memoryview, offset: int) -> None:
-        while len(mv):
-            n = os.pwrite(self.data.fd, mv, offset)
+    def _pwrite_all(self, views: list[memoryview], offset: int) -> None:
+        """Write `views` back to back from `offset`, all of them (one pwritev while it writes them all)."""
+        fd = self.data.fd
+        while views:
+            n = os.pwrite(fd, views[0], offset) if len(views) == 1 else os.pwritev(fd, views, offset)
+            self.counters.write_calls += 1
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
-            mv, offset = mv[n:], offset + n
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views = views[1:]
+            if n:
+                views = [views[0][n:], *views[1:]]
 
 
 def _ready(op: tuple) -> bool:

@@ -84,7 +84,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.tiers.record_scan import describe
+from kvstore.tiers.record_scan import describe, record_key
 
 if TYPE_CHECKING:
     from kvstore.tiers.host_scan import HostScanResult
@@ -107,10 +107,6 @@ def index_path(arena_path: str) -> str:
 
 
 _PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
-
-
-def record_key(key: tuple) -> bytes:
-    return _PACKER.pack([key[0], key[1]])  # (packb would make a Packer per call: ~3x the cost)
 
 
 def checksum(arena: np.ndarray, extents: Iterable) -> int:

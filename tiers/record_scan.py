@@ -32,6 +32,12 @@ YIELD_EVERY = 256  # records between two releases of the GIL (the event loop wai
 
 R = TypeVar("R")
 BAD_RECORD = (ValueError, KeyError, TypeError, msgpack.UnpackException)  # what a record that does not parse raises
+_PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
+
+
+def record_key(key: tuple) -> bytes:
+    """A block's key in its tier's records: msgpack `[namespace id, hash]` of the store key."""
+    return _PACKER.pack([key[0], key[1]])  # (packb would make a Packer per call: ~3x the cost)
 
 
 class Records(NamedTuple):
