@@ -458,6 +458,64 @@ def test_a_failed_write_fails_the_blocks_it_carried_and_no_others(tmp_path, monk
         disk.close()
 
 
+def test_a_chain_on_adjacent_pages_is_promoted_with_one_read(harness):
+    """A chain demoted together sits on adjacent pages: its promotion reads it with one preadv, and every
+    block is verified on its own (a disk hit serves each block's own bytes)."""
+    store = harness.store
+    chains = [chain_hashes(s, 4) for s in range(5)]
+    for c in chains:
+        harness.put(c)
+    assert store.lookup(NS.id, chains[0]).tiers == ("disk",) * 4
+    store.flush()
+    calls = store.stats()["tiers"]["disk"]["read_calls"]
+    assert harness.get(chains[0]) == [payload_bytes(x, BLOCK) for x in chains[0]]
+    assert store.stats()["tiers"]["disk"]["read_calls"] - calls == 1
+    assert store.stats()["tiers"]["disk"]["reads"] >= 4
+    assert store.check() == []
+
+
+def test_blocks_read_together_are_verified_and_fail_apart(tmp_path, monkeypatch):
+    """`runs` groups blocks on adjacent pages (in file order, up to RUN_BYTES, an encoded or scattered block
+    alone); `read_many` reads a group with one preadv and verifies each block: a corrupt block is False
+    while its neighbours read True, and a failed read is None for the blocks of that read only."""
+    from kvstore.tiers import disk as disk_module
+
+    page = 4096
+    disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
+    try:
+        disk.scanned(wait=True)
+        blocks = [(bytes([0x10 + p]) * 16, [[p * page, page]]) for p in (5, 0, 2, 1, 4, 3, 7, 6)]
+        blocks += [(bytes([0x20 + p]) * 16, [[p * page, page]]) for p in (20, 21)]
+        slots = _stage_one_batch(disk, blocks)
+        disk.flush()
+        locations = [slots[h] for h, _ in blocks]
+        assert all(disk.read_blocks(slot) for slot in locations)
+        assert disk.runs(locations) == [[1, 3, 2, 5, 4, 0, 7, 6], [8, 9]]  # pages 0-7, then 20-21
+        monkeypatch.setattr(disk_module, "RUN_BYTES", 3 * page)
+        assert disk.runs(locations) == [[1, 3, 2], [5, 4, 0], [7, 6], [8, 9]]
+        monkeypatch.undo()
+        with open(os.path.join(tmp_path, "disk", DATA_FILE), "r+b") as f:  # page 2's block no longer verifies
+            f.seek(2 * page)
+            f.write(b"garbage!")
+        real = os.preadv
+
+        def failing_at_page_20(fd, buffers, offset):
+            if offset == 20 * page:
+                raise OSError(5, "Input/output error")
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", failing_at_page_20)
+        views = [np.frombuffer(mmap.mmap(-1, page), np.uint8) for _ in blocks]  # page-aligned: DMA'd into
+        calls = disk.counters.read_calls
+        got = disk.read_many([(slot, [v]) for slot, v in zip(locations, views)])
+        assert disk.counters.read_calls - calls == 2
+        assert got == [True, True, False, True, True, True, True, True, None, None]
+        # Each block's own bytes where it verified (the corrupt one holds what the disk holds: garbage first)
+        assert [v.tobytes() == payload_bytes(h, page) for (h, _), v in zip(blocks, views)][:8] == got[:8]
+    finally:
+        disk.close()
+
+
 def test_flush_does_not_wait_for_formatting(tmp_path, monkeypatch):
     """Formatting a large file takes long; flush() (check(), close()) waits for one chunk at most."""
     chunks = []

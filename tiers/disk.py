@@ -91,7 +91,7 @@ from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, Recov
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import DiskSlot
-from kvstore.tiers.disk_writer import DataFile, DiskWrite, DiskWriter, RecordStore
+from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.record_scan import record_key
 from kvstore.tiers.host import copy_segments
 
@@ -110,6 +110,7 @@ class DiskCounters:
 
     reads: int = 0
     bytes_read: int = 0
+    read_calls: int = 0  # preadv calls (blocks on adjacent pages read together share one)
     recovered_records: int = 0
     dropped_records: int = 0
     backpressure_waits: int = 0
@@ -415,6 +416,98 @@ class DiskTier(Tier):
         self.writer.flush()
 
     # -- reads (any thread) -----------------------------------------------------
+    def runs(self, locations: Sequence[DiskSlot]) -> list[list[int]]:
+        """The positions of `locations` grouped for `read_many`: in file order, the blocks on adjacent pages
+        together up to RUN_BYTES, every other block alone. One group is one reader thread's task."""
+        order = sorted(range(len(locations)), key=lambda i: locations[i].extents[0][0])
+        groups: list[list[int]] = []
+        end = size = -1
+        for i in order:
+            extents = locations[i].extents
+            nbytes = sum(n for _, n in extents)
+            adjacent = len(extents) == 1 and extents[0][0] == end and size + nbytes <= RUN_BYTES
+            if adjacent and locations[i].codec is None:
+                groups[-1].append(i)
+                size += nbytes
+            else:
+                groups.append([i])
+                size = nbytes
+            end = extents[-1][0] + extents[-1][1] if len(extents) == 1 and locations[i].codec is None else -1
+        return groups
+
+    def read_many(self, reads: Sequence[tuple[DiskSlot, Sequence[np.ndarray]]]) -> list[bool | None]:
+        """`read_into` of several written blocks (a reader thread; the owner settled them: `read_blocks`):
+        the exact blocks whose extents follow one another in the data file are read with one preadv
+        (small blocks demoted together sit on adjacent pages; one 4 KiB read a block was the limit of a
+        promotion of small blocks), each verified on its own. Per block: True, False (its bytes do not
+        verify) or None (its read failed)."""
+        results: list[bool | None] = [None] * len(reads)
+        pieces = []  # (file offset, length, the destination views it fills, block)
+        for i, (slot, dst) in enumerate(reads):
+            views = self._direct_views(slot.extents, dst) if slot.codec is None and slot.job is None else None
+            if views is None:  # encoded, or where O_DIRECT cannot read into: on its own
+                try:
+                    results[i] = self.read_into(slot, dst)
+                except OSError as exc:
+                    log.error("disk tier: read of a block at %s failed: %s", slot.extents, exc)
+                continue
+            pieces.extend((offset, length, v, i) for (offset, length), v in zip(slot.extents, views))
+        pieces.sort(key=lambda piece: piece[0])
+        failed, left = set(), {}  # blocks whose read failed; pieces not read yet, per block
+        for piece in pieces:
+            left[piece[3]] = left.get(piece[3], 0) + 1
+        start = 0
+        while start < len(pieces):
+            end, at, iovs = start + 1, pieces[start][0] + pieces[start][1], len(pieces[start][2])
+            while (end < len(pieces) and pieces[end][0] == at and iovs + len(pieces[end][2]) <= IOV_MAX
+                   and at + pieces[end][1] - pieces[start][0] <= RUN_BYTES):
+                at, iovs, end = at + pieces[end][1], iovs + len(pieces[end][2]), end + 1
+            offset = pieces[start][0]
+            try:
+                self._preadv_all([v for piece in pieces[start:end] for v in piece[2]], offset, at - offset)
+            except OSError as exc:  # the blocks of this read fail, not the others
+                log.error("disk tier: read of %d B at %d failed: %s", at - offset, offset, exc)
+                failed.update(piece[3] for piece in pieces[start:end])
+            # Each block is verified as soon as its pieces are in, not after the whole share: the other
+            # reader threads read meanwhile.
+            for piece in pieces[start:end]:
+                i = piece[3]
+                left[i] -= 1
+                if not left[i] and i not in failed:
+                    results[i] = self._verified(reads[i][1], reads[i][0].checksum)
+            start = end
+        return results
+
+    def _verified(self, dst: Sequence[np.ndarray], checksum: int | None) -> bool:
+        """Count a block read into `dst`; whether its bytes have `checksum`."""
+        self.counters.reads += 1
+        self.counters.bytes_read += sum(d.size for d in dst)
+        h = xxhash.xxh3_64()
+        for d in dst:
+            h.update(d)
+        return h.intdigest() == checksum
+
+    def _direct_views(self, extents: Sequence, dst: Sequence[np.ndarray]) -> list[list[np.ndarray]] | None:
+        """`dst` cut along `extents` (per extent, the views it fills, in order) where the disk can DMA
+        straight into them (O_DIRECT, page-aligned destinations, a block of whole 4 KiB); else None."""
+        nbytes = sum(d.size for d in dst)
+        if not (self.direct and nbytes % ALIGN == 0 and sum(n for _, n in extents) == nbytes and all(
+                d.ctypes.data % ALIGN == 0 and d.size % ALIGN == 0 for d in dst)):
+            return None
+        segments, out = list(dst), []
+        for _, length in extents:
+            bufs, need = [], length
+            while need:
+                seg = segments[0]
+                take = min(need, seg.size)
+                bufs.append(seg[:take])
+                segments[0] = seg[take:]
+                if segments[0].size == 0:
+                    segments.pop(0)
+                need -= take
+            out.append(bufs)
+        return out
+
     def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:
         """Read a block into `dst` (uint8 arrays covering nbytes, in order); True if the checksum verifies.
 
@@ -423,21 +516,9 @@ class DiskTier(Tier):
         """
         if sum(d.size for d in dst) != nbytes:
             raise ValueError("destination does not cover the block")
-        aligned = self.direct and nbytes % ALIGN == 0 and all(
-            d.ctypes.data % ALIGN == 0 and d.size % ALIGN == 0 for d in dst
-        )
-        if aligned:
-            segments = list(dst)
-            for offset, length in extents:
-                bufs, need = [], length
-                while need:
-                    seg = segments[0]
-                    take = min(need, seg.size)
-                    bufs.append(seg[:take])
-                    segments[0] = seg[take:]
-                    if segments[0].size == 0:
-                        segments.pop(0)
-                    need -= take
+        views = self._direct_views(extents, dst)
+        if views is not None:
+            for (offset, _), bufs in zip(extents, views):
                 for i in range(0, len(bufs), 512):  # stay under IOV_MAX (1024)
                     group = bufs[i : i + 512]
                     span = sum(b.size for b in group)
@@ -454,14 +535,10 @@ class DiskTier(Tier):
             for d in dst:
                 d[:] = bounce[pos : pos + d.size]
                 pos += d.size
-        self.counters.reads += 1
-        self.counters.bytes_read += nbytes
-        h = xxhash.xxh3_64()
-        for d in dst:
-            h.update(d)
-        return h.intdigest() == checksum
+        return self._verified(dst, checksum)
 
     def _preadv_all(self, bufs: list, offset: int, length: int) -> None:
+        self.counters.read_calls += 1
         got = os.preadv(self.fd, bufs, offset)
         if got != length:
             raise OSError(errno.EIO, f"short read of {got} B of {length} B at {offset}")
@@ -504,6 +581,7 @@ class DiskTier(Tier):
             "bytes_read": c.bytes_read,
             "writes": w.writes,
             "reads": c.reads,
+            "read_calls": c.read_calls,
             "write_calls": w.write_calls,
             "fsyncs": w.fsyncs,
             "write_errors": w.write_errors,

@@ -52,6 +52,8 @@ log = logging.getLogger("kvstore.tiers.disk")
 
 ENCODER_NICE = 19  # the encoders' nice value (the daemon's other threads keep theirs)
 IOV_MAX = 1024  # the most buffers one pwritev is given (Linux's limit)
+RUN_BYTES = 1 << 20  # blocks on adjacent pages are written (and read: tiers/disk.py) together up to this many
+# bytes: enough that 4 KiB blocks cost a syscall per 256; a block this large or larger goes alone, as it did
 
 
 @dataclass(slots=True, eq=False)
@@ -383,7 +385,7 @@ class DiskWriter:
 
     def _write_exact(self, jobs: list[DiskWrite]) -> list[tuple[DiskWrite, str | None]]:
         """Write blocks stored exact from their staging buffers: the pieces of adjacent pages in one
-        `pwritev`, in file order (a demotion burst fills pages in order, so small blocks go to the disk
+        `pwritev` (up to RUN_BYTES), in file order (a demotion burst fills pages in order, so small blocks go to the disk
         in large writes: one 4 KiB O_DIRECT write a block was the disk tier's limit). Each job with the
         error of its write, or None. The jobs of a batch never share a page (a freed block's write and
         the write of the block its pages went to are never in one batch: `_write_batch` drops the first),
@@ -391,7 +393,6 @@ class DiskWriter:
         exception would keep its frames, and their views of the staging buffers, alive."""
         data, pieces = self.data, []
         for job in jobs:
-            job.checksum = xxhash.xxh3_64_intdigest(job.view())
             mv, pos = memoryview(job.buf), 0
             for offset, length in job.extents:
                 span = round_up(length) if data.direct else length
@@ -402,10 +403,14 @@ class DiskWriter:
         start = 0
         while start < len(pieces):
             end, at = start + 1, pieces[start][0] + len(pieces[start][1])
-            while end < len(pieces) and end - start < IOV_MAX and pieces[end][0] == at:
+            while (end < len(pieces) and end - start < IOV_MAX and pieces[end][0] == at
+                   and at + len(pieces[end][1]) - pieces[start][0] <= RUN_BYTES):
                 at += len(pieces[end][1])
                 end += 1
             offset = pieces[start][0]
+            for piece in pieces[start:end]:  # (hashed just before its write, as one block at a time was)
+                if piece[2].checksum is None:
+                    piece[2].checksum = xxhash.xxh3_64_intdigest(piece[2].view())
             try:
                 self._pwrite_all([piece[1] for piece in pieces[start:end]], offset)
             except OSError as exc:  # the blocks of this write fail, not the batch

@@ -1,14 +1,16 @@
 """Disk-tier bandwidth: demotion (host -> disk) and promotion (disk -> host) vs `dd` O_DIRECT.
 
     python -m kvstore.tools.bench.bench_disk [--dir .cache/bench_disk] [--blocks 256] [--block-bytes 2MiB] [--repeat 3]
-        [--compression PROFILE] [--json]
+        [--page-bytes 64KiB] [--compression PROFILE] [--json]
 
 In one run, on the same folder, for each repeat:
   - dd write:  dd if=/dev/zero of=DIR/dd.bin bs=BLOCK count=N oflag=direct
   - dd read:   dd if=DIR/dd.bin of=/dev/null bs=BLOCK iflag=direct
   - demotion:  a [host, disk] TieredStore whose host arena holds N blocks (N roots), all evicted to disk
                (`Placement.make_room` on the host tier: memcpy to staging, O_DIRECT writes, fdatasync,
-               LMDB commits), timed until `flush()` returns, i.e. until every block is durable
+               LMDB commits), timed until `flush()` returns, i.e. until every block is durable; the disk
+               tier's pages are `--page-bytes` (its default; a block takes whole pages, so blocks smaller
+               than a page do not sit on adjacent pages)
   - promotion: acquire + `await prepare_read` of all N blocks in batches of 32 (allocate host
                pages, O_DIRECT read, xxh3 verify), then release
 Reported: the median GB/s of each, and write_vs_dd / read_vs_dd, the median over the repeats of
@@ -77,9 +79,9 @@ def codec_namespace(block_tokens: int, profile: str = "") -> Namespace:
 
 
 def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = None,
-                compress: bool = False, exact_when_busy: bool = False) -> tuple[float, float, dict]:
+                compress: bool = False, exact_when_busy: bool = False, page: int = 64 << 10) -> tuple[float, float, dict]:
     """(demotion GB/s, promotion GB/s, info) of n blocks; `ns` (its block size), `compress` and
-    `exact_when_busy`: the codec arms, counted in the blocks' own bytes."""
+    `exact_when_busy`: the codec arms, counted in the blocks' own bytes; `page`: the disk tier's page."""
     if ns is None:
         ns = Namespace("bench", "bf16", 1, 1, 64, 16, block_bytes)
         payload = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8)
@@ -88,7 +90,6 @@ def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = No
         payload = from_float32(np.random.default_rng(0).standard_normal(block_bytes // 2, np.float32), "bfloat16")
     host = HostArena(f"/dev/shm/kvstore-bench-disk-{uuid.uuid4().hex[:8]}", n * block_bytes, block_bytes)
     shutil.rmtree(folder, ignore_errors=True)
-    page = 64 << 10  # the disk tier's default page: a block takes whole pages
     disk = DiskTier(folder, (n + 1) * -(-block_bytes // page) * page, page_bytes=page, decoder=decode_into)
     store = TieredStore([host, disk], compression=Compression(CompressionConfig(
         disk=compress, profile_dir=PROFILES, exact_when_busy=exact_when_busy)))
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=".cache/bench_disk", help="folder on the disk under test")
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--block-bytes", default="2MiB")
+    p.add_argument("--page-bytes", default="64KiB", help="the disk tier's page (its default: 64KiB)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--compression", default="", metavar="PROFILE",
                    help="add the exact and compressed arms on SmolLM2-shaped blocks with this codec profile")
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     block = parse_size(args.block_bytes, "--block-bytes")
+    page = parse_size(args.page_bytes, "--page-bytes")
+    if page <= 0 or page % 4096:
+        p.error("--page-bytes must be a positive multiple of 4KiB (O_DIRECT)")
     n = args.blocks
     os.makedirs(args.dir, exist_ok=True)
     dd_file = os.path.join(args.dir, "dd.bin")
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["dd_write"].append(dd(["if=/dev/zero", f"of={dd_file}", f"bs={block}", f"count={n}", "oflag=direct"], n * block))
         runs["dd_read"].append(dd([f"if={dd_file}", "of=/dev/null", f"bs={block}", "iflag=direct"], n * block))
         os.unlink(dd_file)
-        w, r, info = store_round(os.path.join(args.dir, "tier"), n, block)
+        w, r, info = store_round(os.path.join(args.dir, "tier"), n, block, page=page)
         runs["write"].append(w)
         runs["read"].append(r)
         if args.compression:
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     result = {
         "block_bytes": block,
+        "page_bytes": page,
         "blocks": n,
         "repeat": args.repeat,
         "write_gbps": round(med["write"], 3),
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{n} x {block >> 20} MiB blocks, median of {args.repeat} repeats (GB/s; ratios per repeat):")
+        print(f"{n} blocks of {block} B on pages of {page} B, median of {args.repeat} repeats (GB/s; ratios per repeat):")
         print(f"  demotion  {result['write_gbps']:.2f}   dd oflag=direct {result['dd_write_gbps']:.2f}   "
               f"write_vs_dd {result['write_vs_dd']:.2f}")
         print(f"  promotion {result['read_gbps']:.2f}   dd iflag=direct {result['dd_read_gbps']:.2f}   "
