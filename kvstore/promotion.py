@@ -228,8 +228,8 @@ class Promoter:
     async def _read(self, src: Tier, items: list[tuple[Entry, object]]) -> Fetched:
         """A local tier's fetch: each block read into its host pages and verified. A block still in its
         write's staging buffer is copied here; the others are read by the reader threads, a task a
-        block, or a task a group of blocks where the tier reads several at once (the disk tier: blocks
-        on adjacent pages, `runs` and `read_many`)."""
+        group of the tier's `runs` (a block, or for the disk tier blocks on adjacent pages read with one
+        call: `read_many`)."""
         loop = asyncio.get_running_loop()
         results: list[bool | None] = [None] * len(items)
         stored = []  # (position, its location, its host pages' views)
@@ -243,22 +243,10 @@ class Promoter:
                 self.counters["promotions_from_staging"] += 1
             except OSError as exc:
                 log.error("%s tier: read of %s failed: %s", src.name, e.key[1].hex()[:16], exc)
-        read_many, runs = getattr(src, "read_many", None), getattr(src, "runs", None)
-
-        def read(group: list[tuple[int, object, list]]) -> list[bool | None]:
-            if read_many is not None:
-                return read_many([(slot, dst) for _, slot, dst in group])
-            (_, slot, dst), = group
-            try:
-                return [src.read_into(slot, dst)]
-            except OSError as exc:
-                log.error("%s tier: read of a block failed: %s", src.name, exc)
-                return [None]
-
-        groups = ([[stored[j] for j in run] for run in runs([slot for _, slot, _ in stored])] if runs is not None
-                  else [[item] for item in stored])
-        for group, got in zip(groups, await asyncio.gather(*(loop.run_in_executor(self.reader(), read, group)
-                                                             for group in groups))):
+        groups = [[stored[j] for j in run] for run in src.runs([slot for _, slot, _ in stored])]
+        reads = [loop.run_in_executor(self.reader(), src.read_many, [(slot, dst) for _, slot, dst in group])
+                 for group in groups]
+        for group, got in zip(groups, await asyncio.gather(*reads)):
             for (i, _, _), ok in zip(group, got):
                 results[i] = ok
         return results

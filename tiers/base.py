@@ -38,7 +38,11 @@ Moving bytes (one block at a time; the store batches nothing through here)
 - `read_into(location, out) -> bool`: copy the block into the host-memory views
   `out`; False when the bytes do not verify (checksum), and the store then
   drops the block. `read_blocks(location)` says whether that call waits on
-  I/O: the store then runs it in an executor thread, off the event loop.
+  I/O: the store then runs it in an executor thread, off the event loop, a
+  task for each group `runs(locations)` makes, reading a group with
+  `read_many` (True, False or None where a read failed, per block). By
+  default a group is one block; the disk tier groups blocks on adjacent
+  pages and reads a group with one call.
 - `verify(location, key) -> bool`: before the bytes of a block a tier kept
   across a restart are first read by anyone (a client's acquire, a copy to
   another tier): False when they do not match their recorded checksum (the
@@ -50,6 +54,7 @@ All other methods run on the store's thread.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable, NamedTuple, Sequence
 
@@ -57,6 +62,8 @@ import numpy as np
 
 from kvstore.tiers import TIER_ORDER  # noqa: F401  (also this module's name)
 from kvstore.tiers.pages import PageAllocator, allocate_each
+
+log = logging.getLogger("kvstore.tiers")
 
 Key = tuple  # (namespace id, block hash)
 
@@ -197,6 +204,22 @@ class Tier:
 
     def read_blocks(self, location) -> bool:
         return False
+
+    def runs(self, locations: Sequence) -> list[list[int]]:
+        """The positions of `locations` grouped for `read_many` (a reader task a group): each alone here."""
+        return [[i] for i in range(len(locations))]
+
+    def read_many(self, reads: Sequence[tuple[object, Sequence[np.ndarray]]]) -> list[bool | None]:
+        """`read_into` of each (location, out): True, False (the bytes do not verify) or None (the read
+        failed: an OSError, logged)."""
+        out: list[bool | None] = []
+        for location, dst in reads:
+            try:
+                out.append(self.read_into(location, dst))
+            except OSError as exc:
+                log.error("%s tier: read of a block failed: %s", self.name, exc)
+                out.append(None)
+        return out
 
     @property
     def verifying(self) -> bool:

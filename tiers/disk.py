@@ -61,8 +61,17 @@ own queue, condition and thread) and `read_block` runs on the owner's thread
 (the daemon's event loop). The writer takes batches of queued operations
 (namespace puts, record deletes, block writes), collapses them per key (the
 last operation wins), commits deletes, writes data, fdatasyncs once, and
-commits the new records in one transaction (group commit). `read_block` is
-blocking and runs in the caller's executor threads.
+commits the new records in one transaction (group commit). `read_block` and
+`read_many` are blocking and run in the caller's executor threads.
+
+Blocks on adjacent pages move together: the writer writes the exact blocks of
+a batch in file order, those whose pages follow one another with one pwritev,
+and a promotion reads such blocks with one preadv (`runs` groups them,
+`read_many` reads a group and verifies each block on its own), up to
+RUN_BYTES a call. Blocks demoted together sit on adjacent pages (the free
+pages are handed out in ascending order), so small blocks (4-64 KiB) reach
+the disk in large I/Os instead of one syscall each; a block of RUN_BYTES or
+more still takes one call of its own.
 
 Staging buffers are bounded (`staging_bytes`): when they are all in flight,
 `stage` waits for the writer (backpressure) instead of growing without limit.
@@ -446,10 +455,7 @@ class DiskTier(Tier):
         for i, (slot, dst) in enumerate(reads):
             views = self._direct_views(slot.extents, dst) if slot.codec is None and slot.job is None else None
             if views is None:  # encoded, or where O_DIRECT cannot read into: on its own
-                try:
-                    results[i] = self.read_into(slot, dst)
-                except OSError as exc:
-                    log.error("disk tier: read of a block at %s failed: %s", slot.extents, exc)
+                results[i] = super().read_many([(slot, dst)])[0]
                 continue
             pieces.extend((offset, length, v, i) for (offset, length), v in zip(slot.extents, views))
         pieces.sort(key=lambda piece: piece[0])
