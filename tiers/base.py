@@ -26,8 +26,8 @@ What a tier declares
   tier (tiers/remote.py) does not: it is shared, and what is published to it
   is decided by kvstore/sharing.py.
 
-Moving bytes (one block at a time; the store batches nothing through here)
---------------------------------------------------------------------------
+Moving bytes (one block at a time, but for the reads of `read_many`)
+--------------------------------------------------------------------
 - `write_from(alloc, src, meta) -> location`: take the block's bytes from the
   host-memory views `src` into the pages `alloc`. The bytes are taken by the
   time it returns (a persistent tier may make them durable later: until then
