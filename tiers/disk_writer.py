@@ -353,8 +353,8 @@ class DiskWriter:
         deferred = [job for job in waiting if not job.encoded.done()]
         exact = [job for job in puts if job.encoded is None]
         written = []
-        for job, error in [*self._write_exact(exact),
-                           *((job, self._write_job(job)) for job in puts if job.encoded is not None and job not in deferred)]:
+        encoded = [job for job in puts if job.encoded is not None and job not in deferred]
+        for job, error in [*self._write_exact(exact), *((job, self._write_job(job)) for job in encoded)]:
             if error is None:
                 written.append(job)
             else:
@@ -384,13 +384,14 @@ class DiskWriter:
         return jobs
 
     def _write_exact(self, jobs: list[DiskWrite]) -> list[tuple[DiskWrite, str | None]]:
-        """Write blocks stored exact from their staging buffers: the pieces of adjacent pages in one
-        `pwritev` (up to RUN_BYTES), in file order (a demotion burst fills pages in order, so small blocks go to the disk
-        in large writes: one 4 KiB O_DIRECT write a block was the disk tier's limit). Each job with the
-        error of its write, or None. The jobs of a batch never share a page (a freed block's write and
-        the write of the block its pages went to are never in one batch: `_write_batch` drops the first),
-        and blocks of one offset keep their queue order (a stable sort). An error is kept as its text: the
-        exception would keep its frames, and their views of the staging buffers, alive."""
+        """Write blocks stored exact from their staging buffers, in file order, the pieces of adjacent
+        pages with one `pwritev` (up to RUN_BYTES): a demotion burst fills pages in order, so small blocks
+        go to the disk in large writes (one 4 KiB O_DIRECT write a block was the disk tier's limit).
+
+        Each job with the error of its write, or None. The jobs of a batch never share a page (a freed
+        block's write and the write of the block its pages went to are never in one batch: `_write_batch`
+        drops the first), and blocks of one offset keep their queue order (a stable sort). An error is kept
+        as its text: the exception would keep its frames, and their views of the staging buffers, alive."""
         data, pieces = self.data, []
         for job in jobs:
             mv, pos = memoryview(job.buf), 0

@@ -78,8 +78,8 @@ def codec_namespace(block_tokens: int, profile: str = "") -> Namespace:
                      layout="cuda/LBHNC", codec=profile)
 
 
-def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = None,
-                compress: bool = False, exact_when_busy: bool = False, page: int = 64 << 10) -> tuple[float, float, dict]:
+def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = None, compress: bool = False,
+                exact_when_busy: bool = False, page: int = 64 << 10) -> tuple[float, float, dict]:
     """(demotion GB/s, promotion GB/s, info) of n blocks; `ns` (its block size), `compress` and
     `exact_when_busy`: the codec arms, counted in the blocks' own bytes; `page`: the disk tier's page."""
     if ns is None:
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{n} blocks of {block} B on pages of {page} B, median of {args.repeat} repeats (GB/s; ratios per repeat):")
+        print(f"{n} blocks of {block} B on pages of {page} B, median of {args.repeat} repeats "
+              "(GB/s; ratios per repeat):")
         print(f"  demotion  {result['write_gbps']:.2f}   dd oflag=direct {result['dd_write_gbps']:.2f}   "
               f"write_vs_dd {result['write_vs_dd']:.2f}")
         print(f"  promotion {result['read_gbps']:.2f}   dd iflag=direct {result['dd_read_gbps']:.2f}   "
