@@ -98,6 +98,7 @@ import xxhash
 
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
+from kvstore.tiers.pages import adjacent_groups
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import DiskSlot
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
@@ -426,23 +427,10 @@ class DiskTier(Tier):
 
     # -- reads (any thread) -----------------------------------------------------
     def runs(self, locations: Sequence[DiskSlot]) -> list[list[int]]:
-        """The positions of `locations` grouped for `read_many`: in file order, the blocks on adjacent pages
-        together up to RUN_BYTES, every other block alone. One group is one reader thread's task."""
-        order = sorted(range(len(locations)), key=lambda i: locations[i].extents[0][0])
-        groups: list[list[int]] = []
-        end = size = -1
-        for i in order:
-            extents = locations[i].extents
-            nbytes = sum(n for _, n in extents)
-            adjacent = len(extents) == 1 and extents[0][0] == end and size + nbytes <= RUN_BYTES
-            if adjacent and locations[i].codec is None:
-                groups[-1].append(i)
-                size += nbytes
-            else:
-                groups.append([i])
-                size = nbytes
-            end = extents[-1][0] + extents[-1][1] if len(extents) == 1 and locations[i].codec is None else -1
-        return groups
+        """The positions of `locations` grouped for `read_many` (a reader thread's task each): in file order,
+        blocks on adjacent pages together up to RUN_BYTES, an encoded block alone."""
+        apart = [loc.codec is not None for loc in locations]
+        return adjacent_groups([loc.extents for loc in locations], RUN_BYTES, apart)
 
     def read_many(self, reads: Sequence[tuple[DiskSlot, Sequence[np.ndarray]]]) -> list[bool | None]:
         """`read_into` of several written blocks (a reader thread; the owner settled them: `read_blocks`):

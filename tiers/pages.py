@@ -34,6 +34,26 @@ def allocate_each(allocate: Callable[[int], object | None], nbytes: int, count: 
     return out
 
 
+def adjacent_groups(blocks: Sequence[Extents], limit: int, apart: Sequence[bool] = ()) -> list[list[int]]:
+    """The positions of `blocks` (each its extents) in the order of their first offsets, grouped: a block
+    in one extent that starts where the group's last block ended joins the group while it stays within
+    `limit` bytes; any other block starts a group, and a block marked in `apart` is in one of its own
+    (nothing joins it). One group can then be one vectored I/O (tiers/disk.py)."""
+    groups: list[list[int]] = []
+    end = size = -1
+    for i in sorted(range(len(blocks)), key=lambda i: blocks[i][0][0]):
+        extents, alone = blocks[i], bool(apart) and apart[i]
+        nbytes = sum(n for _, n in extents)
+        if len(extents) == 1 and extents[0][0] == end and size + nbytes <= limit and not alone:
+            groups[-1].append(i)
+            size += nbytes
+        else:
+            groups.append([i])
+            size = nbytes
+        end = extents[0][0] + extents[0][1] if len(extents) == 1 and not alone else -1
+    return groups
+
+
 class PageAllocator:
     """Free-page stack over `num_pages` pages; allocations are extents of byte offsets."""
 
