@@ -164,3 +164,21 @@ def test_blocks_read_together_are_verified_and_fail_apart(tmp_path, monkeypatch)
         assert [v.tobytes() == payload_bytes(h, page) for (h, _), v in zip(blocks, views)][:8] == got[:8]
     finally:
         disk.close()
+
+
+def test_a_block_read_into_more_pieces_than_one_call_takes_is_read_on_its_own(tmp_path):
+    """Host pages can hand a block more pieces than a preadv takes (IOV_MAX): `read_many` reads such a block
+    on its own, in several calls, and serves it whole."""
+    page, pieces = 4096, 1200
+    disk = DiskTier(str(tmp_path / "disk"), (pieces + 8) * page, page_bytes=page)
+    try:
+        disk.scanned(wait=True)
+        h = b"\x55" * 16
+        (slot,) = _stage_one_batch(disk, [(h, [[0, pieces * page]])]).values()
+        disk.flush()
+        assert disk.read_blocks(slot)
+        whole = np.frombuffer(mmap.mmap(-1, pieces * page), np.uint8)
+        assert disk.read_many([(slot, [whole[i * page : (i + 1) * page] for i in range(pieces)])]) == [True]
+        assert whole.tobytes() == payload_bytes(h, pieces * page)
+    finally:
+        disk.close()

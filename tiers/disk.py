@@ -442,7 +442,9 @@ class DiskTier(Tier):
         pieces = []  # (file offset, length, the destination views it fills, block)
         for i, (slot, dst) in enumerate(reads):
             views = self._direct_views(slot.extents, dst) if slot.codec is None and slot.job is None else None
-            if views is None:  # encoded, or where O_DIRECT cannot read into: on its own
+            if views is None or max(map(len, views)) > IOV_MAX // 2:
+                # encoded, where O_DIRECT cannot read into, or in so many pieces of host memory that one
+                # extent takes several calls (`read_block` splits them): on its own
                 results[i] = super().read_many([(slot, dst)])[0]
                 continue
             pieces.extend((offset, length, v, i) for (offset, length), v in zip(slot.extents, views))
@@ -462,7 +464,7 @@ class DiskTier(Tier):
             except OSError as exc:  # the blocks of this read fail, not the others
                 log.error("disk tier: read of %d B at %d failed: %s", at - offset, offset, exc)
                 failed.update(piece[3] for piece in pieces[start:end])
-            # Each block is verified as soon as its pieces are in, not after the whole share: the other
+            # Each block is verified as soon as its pieces are in, not after the whole group: the other
             # reader threads read meanwhile.
             for piece in pieces[start:end]:
                 i = piece[3]
@@ -513,8 +515,8 @@ class DiskTier(Tier):
         views = self._direct_views(extents, dst)
         if views is not None:
             for (offset, _), bufs in zip(extents, views):
-                for i in range(0, len(bufs), 512):  # stay under IOV_MAX (1024)
-                    group = bufs[i : i + 512]
+                for i in range(0, len(bufs), IOV_MAX // 2):  # stay under IOV_MAX
+                    group = bufs[i : i + IOV_MAX // 2]
                     span = sum(b.size for b in group)
                     self._preadv_all(group, offset, span)
                     offset += span
