@@ -98,7 +98,7 @@ import xxhash
 
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
-from kvstore.tiers.pages import adjacent_groups
+from kvstore.tiers.pages import adjacent_groups, contiguous_runs
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import DiskSlot
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
@@ -452,13 +452,8 @@ class DiskTier(Tier):
         failed, left = set(), {}  # blocks whose read failed; pieces not read yet, per block
         for piece in pieces:
             left[piece[3]] = left.get(piece[3], 0) + 1
-        start = 0
-        while start < len(pieces):
-            end, at, iovs = start + 1, pieces[start][0] + pieces[start][1], len(pieces[start][2])
-            while (end < len(pieces) and pieces[end][0] == at and iovs + len(pieces[end][2]) <= IOV_MAX
-                   and at + pieces[end][1] - pieces[start][0] <= RUN_BYTES):
-                at, iovs, end = at + pieces[end][1], iovs + len(pieces[end][2]), end + 1
-            offset = pieces[start][0]
+        for start, end in contiguous_runs([(p[0], p[1], len(p[2])) for p in pieces], RUN_BYTES, IOV_MAX):
+            offset, at = pieces[start][0], pieces[end - 1][0] + pieces[end - 1][1]
             try:
                 self._preadv_all([v for piece in pieces[start:end] for v in piece[2]], offset, at - offset)
             except OSError as exc:  # the blocks of this read fail, not the others
@@ -471,7 +466,6 @@ class DiskTier(Tier):
                 left[i] -= 1
                 if not left[i] and i not in failed:
                     results[i] = self._verified(reads[i][1], reads[i][0].checksum)
-            start = end
         return results
 
     def _verified(self, dst: Sequence[np.ndarray], checksum: int | None) -> bool:

@@ -47,6 +47,7 @@ import xxhash
 
 from kvstore.tiers.base import ENCODE_THREADS
 from kvstore.tiers.disk_alloc import StagingPool, round_up
+from kvstore.tiers.pages import contiguous_runs
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -401,14 +402,8 @@ class DiskWriter:
                 pos += length
         pieces.sort(key=lambda piece: piece[0])
         errors: dict[DiskWrite, str] = {}
-        start = 0
-        while start < len(pieces):
-            end, at = start + 1, pieces[start][0] + len(pieces[start][1])
-            while (end < len(pieces) and end - start < IOV_MAX and pieces[end][0] == at
-                   and at + len(pieces[end][1]) - pieces[start][0] <= RUN_BYTES):
-                at += len(pieces[end][1])
-                end += 1
-            offset = pieces[start][0]
+        for start, end in contiguous_runs([(p[0], len(p[1]), 1) for p in pieces], RUN_BYTES, IOV_MAX):
+            offset, at = pieces[start][0], pieces[end - 1][0] + len(pieces[end - 1][1])
             for piece in pieces[start:end]:  # (hashed just before its write, as one block at a time was)
                 if piece[2].checksum is None:
                     piece[2].checksum = xxhash.xxh3_64_intdigest(piece[2].view())
@@ -419,7 +414,6 @@ class DiskWriter:
                     errors.setdefault(piece[2], str(exc))
             else:
                 self._mark_written(offset, at - offset)
-            start = end
         for job in jobs:
             if job not in errors:
                 self.counters.writes += 1

@@ -54,6 +54,22 @@ def adjacent_groups(blocks: Sequence[Extents], limit: int, apart: Sequence[bool]
     return groups
 
 
+def contiguous_runs(pieces: Sequence[tuple[int, int, int]], limit: int, most: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `pieces` ((offset, length, buffers), sorted by offset) that follow one another
+    in the file: one vectored I/O each, of at most `limit` bytes and `most` buffers (a piece larger than
+    that alone)."""
+    runs = []
+    start = 0
+    while start < len(pieces):
+        end, at, buffers = start + 1, pieces[start][0] + pieces[start][1], pieces[start][2]
+        while (end < len(pieces) and pieces[end][0] == at and buffers + pieces[end][2] <= most
+               and at + pieces[end][1] - pieces[start][0] <= limit):
+            at, buffers, end = at + pieces[end][1], buffers + pieces[end][2], end + 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
 class PageAllocator:
     """Free-page stack over `num_pages` pages; allocations are extents of byte offsets."""
 
