@@ -200,6 +200,12 @@ class DiskWriter:
             finished, self._finished = self._finished, []
         return finished
 
+    @property
+    def has_finished(self) -> bool:
+        """Whether writes finished since the last `take_finished`, read without the lock: a write finishing
+        meanwhile is seen at the next call."""
+        return bool(self._finished)
+
     def wait_progress(self) -> None:
         """Block until a write has finished, or nothing is queued or in flight."""
         with self._cv:
