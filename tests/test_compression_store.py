@@ -349,6 +349,17 @@ def one_block_left_exact(h: Harness, salt: int) -> bytes:
     return x
 
 
+async def written(compactor, key, task: asyncio.Task, timeout_s: float = 10.0) -> None:
+    """Wait until `key`'s compaction is writing its encoded copy; a failure, not a hang, when the compaction
+    ended first (it skipped the block) or never got there."""
+    for _ in range(int(timeout_s / 0.001)):
+        if key in compactor.in_flight:
+            return
+        assert not task.done(), f"the compaction ended before its write: {task.result()}, {compactor.stats()}"
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"the compaction did not reach its write in {timeout_s} s")
+
+
 def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(tmp_path):
     """The block goes while its encoded copy is being written: the new pages are freed, its record is
     gone once the writes land, and `check()` is clean before and after."""
@@ -362,8 +373,7 @@ def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(t
             task = asyncio.create_task(compactor.compact(key))
             await asyncio.sleep(0)  # it allocated the encoded copy's pages and reads the block in a thread
             assert compactor.held_pages() and store.check() == []  # (the new pages are counted, not leaked)
-            while key not in compactor.in_flight:
-                await asyncio.sleep(0.001)
+            await written(compactor, key, task)
             assert store.check() == []  # (it flushes: the new record is written, the block still exact)
             assert store.remove(LOSSY_NS.id, [x]) == 1
             return await task
@@ -391,8 +401,7 @@ def test_a_block_promoted_while_its_compaction_is_written_keeps_the_encoded_copy
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
-            while key not in compactor.in_flight:
-                await asyncio.sleep(0.001)
+            await written(compactor, key, task)
             (e,) = await store.prepare_read(store.pin(LOSSY_NS.id, [x], "r"), "r")
             assert e.tier == "host" and e.copies["disk"].codec is None
             assert bytes(store.host.read(e.location)) == payload(x)  # read from the exact pages
