@@ -108,7 +108,7 @@ class Placement:
         records them (the host arena's placement index; one call per persistent tier)."""
         for name, group in _by_tier(entries).items():
             tier = self.tiers[name]
-            if tier.persistent:
+            if tier.records_placed:
                 tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
                                                          e.attention, stamp)) for e in group])
 
@@ -312,7 +312,7 @@ class Placement:
             self.tiers[old].free(e.location, e.key)
         self.policies[old].on_remove(e.key)
         self.index.retier(e, tier, location, keep_copy=keep_copy, from_copy=from_copy)
-        if self.tiers[tier].persistent:
+        if self.tiers[tier].records_placed:
             self.tiers[tier].placed(location, self.block_meta(e))  # the host index records it (disk: at write_from)
         self.policies[tier].on_insert(self.info(e))
         if RANK[tier] > RANK[old]:

@@ -164,6 +164,11 @@ class Tier:
         """Give a block's pages back (and forget its record, in a persistent tier)."""
         self.pages.free(location)
 
+    # Whether `placed` records anything (the kept host arena's index does): the store builds a BlockMeta a
+    # block for it only then (a disk tier records a block when it writes it; a demotion would build one for
+    # nothing).
+    records_placed = False
+
     def placed(self, location, meta: "BlockMeta") -> None:
         """A committed block now sits at `location` (its commit, or a move into this tier)."""
 

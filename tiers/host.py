@@ -266,6 +266,10 @@ class HostArena(Tier):
             self.index.forget(key)
         self.pages.free(location)
 
+    @property
+    def records_placed(self) -> bool:
+        return self.index is not None
+
     def placed(self, location: Extents, meta: BlockMeta) -> None:
         self.placed_many([(location, meta)])
 
