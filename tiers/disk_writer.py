@@ -141,6 +141,7 @@ class DiskWriter:
         self._busy = False
         self._closing = False
         self._finished: list[DiskWrite] = []  # done jobs the owner has not taken yet
+        self._packer = msgpack.Packer()  # the records' (used by the writer thread only)
         self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
         self._thread.start()
 
@@ -371,11 +372,12 @@ class DiskWriter:
         if written:
             os.fdatasync(self.data.fd)
             self.counters.fsyncs += 1
+            pack = self._packer.pack  # (the writer thread's own: `packb` makes a Packer a call)
             with records.env.begin(write=True, db=records.blocks) as txn:
                 for job in written:
                     rec = dict(job.record, e=job.extents, n=job.nbytes if job.stored is None else job.stored,
                                x=job.checksum)
-                    txn.put(job.key, msgpack.packb(rec))
+                    txn.put(job.key, pack(rec))
         self.counters.batches += 1
         if deferred:  # (last: a batch that fails fails them with it)
             with self._cv:
