@@ -83,7 +83,7 @@ def _as_u8(data, writable: bool = False) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-FAST_COPY_MIN_BYTES = 64 << 10  # (SMALL_COPY_BYTES, below: the same bound)
+SMALL_COPY_BYTES = 64 << 10  # below this glibc's memcpy does not take `rep movsb`: a plain copy is best
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
@@ -101,7 +101,7 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     buffer: 1.8 us against 0.8).
     """
     n = src.size
-    if n >= FAST_COPY_MIN_BYTES and n % 8 == 0:
+    if n >= SMALL_COPY_BYTES and n % 8 == 0:
         s64, d64 = src.view(np.uint64), dst.view(np.uint64)
         if s64.flags.aligned and d64.flags.aligned:
             np.bitwise_or(s64, 0, out=d64)
@@ -123,15 +123,18 @@ def copy_held(dst: np.ndarray, src: np.ndarray) -> None:
 
 def copy_segments(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> None:
     """Copy a block held in `src` views into `dst` views (same total size, any split on either side).
-    The daemon's copy: pieces under FAST_COPY_MIN_BYTES keep the GIL (`copy_held`)."""
+    The daemon's copy: pieces under SMALL_COPY_BYTES keep the GIL (`copy_held`)."""
     if len(dst) == 1 and len(src) == 1 and dst[0].size == src[0].size:
-        (copy_held if src[0].size < FAST_COPY_MIN_BYTES else copy_bytes)(dst[0], src[0])
+        _copy_piece(dst[0], src[0])
         return
     for di, d_off, si, s_off, n in pair_runs([d.size for d in dst], [s.size for s in src]):
-        (copy_held if n < FAST_COPY_MIN_BYTES else copy_bytes)(dst[di][d_off : d_off + n], src[si][s_off : s_off + n])
+        _copy_piece(dst[di][d_off : d_off + n], src[si][s_off : s_off + n])
 
 
-SMALL_COPY_BYTES = 64 << 10  # below this glibc's memcpy does not take `rep movsb`: a plain copy is best
+def _copy_piece(dst: np.ndarray, src: np.ndarray) -> None:
+    (copy_held if src.size < SMALL_COPY_BYTES else copy_bytes)(dst, src)
+
+
 _U8 = np.dtype(np.uint8)
 
 
