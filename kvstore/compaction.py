@@ -46,6 +46,7 @@ from kvstore.errors import KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.placement import Placement
 from kvstore.tiers.base import ENCODE_THREADS
+from kvstore.tiers.disk_slot import codec_of
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class Compactor:
     def _holds(self, e: Entry) -> bool:
         """An exact, durable, committed disk block no reader holds."""
         loc = e.location
-        return (e.committed and e.tier == "disk" and not e.pins and getattr(loc, "codec", 1) is None
+        return (e.committed and e.tier == "disk" and not e.pins and codec_of(loc, 1) is None
                 and self.disk.durable(loc))
 
     def _swap(self, key: Key) -> bool:
@@ -179,7 +180,7 @@ class Compactor:
         else:  # the block left the tier: the deletion of its record was queued after the new write
             disk.free(c.new, None)
             return self._skip()
-        disk.release(c.old.extents, None)  # (the record was replaced, not deleted)
+        disk.release(disk.locate(c.old), None)  # (the record was replaced, not deleted)
         self.counters["disk_compacted"] += 1
         return True
 

@@ -50,6 +50,7 @@ from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.keys import Namespace
 from kvstore.tiers.base import BlockMeta, Tier
+from kvstore.tiers.disk_slot import codec_of
 
 if TYPE_CHECKING:
     from kvstore.compression import Compression, StoredCodec
@@ -278,7 +279,7 @@ class Placement:
     def adopted(self, e: Entry) -> None:
         """A block recovered into its tier: one stored exact where its tier would store it encoded goes to
         the compactor (kvstore/compaction.py)."""
-        if (self.stored_exact is not None and getattr(e.location, "codec", 1) is None
+        if (self.stored_exact is not None and codec_of(e.location, 1) is None
                 and self.codec_for(e, self.tiers[e.tier]) is not None):
             self.stored_exact(e.key)
 

@@ -22,6 +22,7 @@ from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta
 from kvstore.tiers.disk import DATA_FILE, ENCODE_BACKLOG, DiskTier, record_key
+from kvstore.tiers.disk_slot import codec_of
 from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes
 
@@ -225,9 +226,9 @@ def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
     for x in roots:
         h.put(LOSSY_NS, [x])
     exact = [e.location for e in store.index.entries.values()
-             if e.key[0] == LOSSY_NS.id and e.tier == "disk" and e.location.codec is None]
+             if e.key[0] == LOSSY_NS.id and e.tier == "disk" and codec_of(e.location) is None]
     assert len(exact) == (n - ENCODE_BACKLOG if h.exact_when_busy else 0)
-    assert store.disk.writer.wait_for(lambda: not any(slot.pending for slot in exact), 30)
+    assert store.disk.writer.wait_for(lambda: all(store.disk.read_blocks(slot) for slot in exact), 30)
     gate.set()
     assert all(f.result() for f in held)
     store.disk.flush()
@@ -237,7 +238,7 @@ def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
 
 
 def codecs_of(store: TieredStore, hashes) -> list[str | None]:
-    return [store.index.entries[(LOSSY_NS.id, x)].location.codec for x in hashes]
+    return [codec_of(store.index.entries[(LOSSY_NS.id, x)].location) for x in hashes]
 
 
 @pytest.mark.parametrize("exact_when_busy", [True, False])
@@ -336,7 +337,7 @@ def test_a_restart_hands_the_blocks_left_exact_to_the_compactor(tmp_path):
         assert None in codecs_of(store, on_disk) and len(store.compactor.waiting) >= 3
         asyncio.run(store.compactor.run_until_idle())
         assert None not in codecs_of(store, on_disk)
-        assert all(store.index.entries[(EXACT_NS.id, x)].location.codec is None for x in chain_hashes(501, 2))
+        assert all(codec_of(store.index.entries[(EXACT_NS.id, x)].location) is None for x in chain_hashes(501, 2))
         assert store.check() == []
     finally:
         h.close()
@@ -403,7 +404,7 @@ def test_a_block_promoted_while_its_compaction_is_written_keeps_the_encoded_copy
             task = asyncio.create_task(compactor.compact(key))
             await written(compactor, key, task)
             (e,) = await store.prepare_read(store.pin(LOSSY_NS.id, [x], "r"), "r")
-            assert e.tier == "host" and e.copies["disk"].codec is None
+            assert e.tier == "host" and codec_of(e.copies["disk"]) is None
             assert bytes(store.host.read(e.location)) == payload(x)  # read from the exact pages
             store.release(LOSSY_NS.id, [x], "r")
             return await task

@@ -21,6 +21,7 @@ from kvstore.store import TieredStore
 from kvstore.keys import Namespace
 from tests.helpers import chain_hashes, namespace, payload_bytes, poll
 from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.disk_slot import checksum_of, extents_of
 from kvstore.tiers.disk_alloc import PageAllocator
 from kvstore.tiers.disk_writer import DiskWriter
 from kvstore.tiers.host import HostArena
@@ -362,11 +363,11 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
             store.commit(ns_id, [h], "w")
         store.flush()
         slot = store.index.entries[(ns_id, hashes[0])].location
-        assert store.disk.direct and not slot.pending
+        assert store.disk.direct and store.disk.read_blocks(slot)
         buf = mmap.mmap(-1, ns.block_bytes)
         whole = np.frombuffer(buf, dtype=np.uint8)
         dst = [whole[i * 4096 : (i + 1) * 4096] for i in range(1200)]  # 1200 iovecs > IOV_MAX (1024)
-        assert store.disk.read_block(slot.extents, ns.block_bytes, slot.known_checksum(), dst)
+        assert store.disk.read_block(extents_of(slot), ns.block_bytes, checksum_of(slot), dst)
         assert whole.tobytes() == payload_bytes(hashes[0], ns.block_bytes)
         del dst, whole
         buf.close()
@@ -431,7 +432,7 @@ def test_tier_on_tmpfs_works_with_whatever_io_the_kernel_allows(caplog):
 def corrupt_on_disk(harness, entry) -> None:
     """Overwrite the first bytes of a disk-tier block in the data file (its checksum no longer matches)."""
     with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
-        f.seek(entry.location.extents[0][0])
+        f.seek(extents_of(entry.location)[0][0])
         f.write(b"garbage!")
         f.flush()
         os.fsync(f.fileno())

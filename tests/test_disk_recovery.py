@@ -13,6 +13,7 @@ import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
 from kvstore.store import TieredStore
+from kvstore.tiers.disk_slot import extents_of
 from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes
 
 BLOCK = PAGE = 64 * 1024
@@ -301,7 +302,7 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
     env.close()
     disk = DiskTier(path, pages * PAGE, PAGE)
     try:
-        kept = {b.key[1]: b.location.extents for b in disk.scanned(wait=True)}
+        kept = {b.key[1]: extents_of(b.location) for b in disk.scanned(wait=True)}
         assert kept == {b"\x00" * 16: good["e"], b"\x01" * 16: second["e"]}
         disk.flush()
         assert len(disk.index_records()) == 2  # the others were deleted

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.disk_slot import extents_of
 from kvstore.tiers.pages import adjacent_groups
 from tests.helpers import chain_hashes, payload_bytes
 from tests.test_disk import BLOCK, NS, harness  # noqa: F401  (harness: the fixture)
@@ -70,7 +71,7 @@ def test_blocks_of_adjacent_pages_go_to_the_disk_in_one_write(tmp_path):
     disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
     try:
         kept = {b.key[1]: b.location for b in disk.scanned(wait=True)}
-        assert {h: slot.extents for h, slot in kept.items()} == {h: ext for h, ext in blocks}
+        assert {h: extents_of(slot) for h, slot in kept.items()} == {h: ext for h, ext in blocks}
         for h, extents in blocks:
             out = np.empty(extents[0][1], np.uint8)
             assert disk.read_into(kept[h], [out]) and out.tobytes() == payload_bytes(h, extents[0][1])

@@ -100,7 +100,7 @@ from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, Recov
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
 from kvstore.tiers.pages import adjacent_groups, contiguous_runs
 from kvstore.tiers.disk_scan import DiskScan
-from kvstore.tiers.disk_slot import DiskSlot
+from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_of, extents_of, settled
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.record_scan import record_key
 from kvstore.tiers.host import copy_segments
@@ -112,6 +112,11 @@ DATA_FILE = "blocks.dat"
 INDEX_DIR = "index.lmdb"
 LOCK_FILE = "owner.lock"
 ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks not encoded: one a thread
+# An exact block up to this size is hashed on the owner thread as it is staged (xxh3: ~0.3 us at 4 KiB),
+# so its location is a plain int from the start: a disk of 10^7 small blocks holds no slot object a block.
+# A larger one is hashed by the writer, off the event loop (its slot's 92 B are nothing beside its bytes).
+HASHED_HERE_BYTES = 16 << 10
+Location = "int | DiskSlot"  # a block's location in this tier (tiers/disk_slot.py)
 
 
 @dataclass(slots=True)
@@ -129,7 +134,8 @@ class DiskCounters:
 class DiskTier(Tier):
     """Owner side of the disk tier: allocation, staging, reads, the index; it owns the writer.
 
-    As a store tier (tiers/base.py) a block's location is a `DiskSlot`."""
+    As a store tier (tiers/base.py) a block's location is a plain int or a `DiskSlot`
+    (tiers/disk_slot.py); `Location` below."""
 
     name = "disk"
     persistent = True
@@ -177,6 +183,8 @@ class DiskTier(Tier):
                                              DiskSlot.recovered, decodes=decoder is not None)
         self.staging = StagingPool(staging_bytes)
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
+        # The writes of plain-int locations not yet settled, by offset: pending, or failed and not yet freed
+        self._jobs: dict[int, DiskWrite] = {}
         self._tls = threading.local()
         self.writer = DiskWriter(DataFile(self.fd, self.direct, self.page_bytes, self.num_pages),
                                  RecordStore(self.env, self._db_blocks, self._db_ns, self._db_meta),
@@ -242,26 +250,40 @@ class DiskTier(Tier):
             self.writer.delete(key)
 
     # -- the store's tier interface (tiers/base.py) --------------------------------
-    def free(self, location: DiskSlot, key: tuple | None = None) -> None:
-        if location.codec is not None:
+    def free(self, location: Location, key: tuple | None = None) -> None:
+        if type(location) is int:
+            if self._jobs:
+                self._jobs.pop(location >> OFFSET_SHIFT, None)  # (its pages, the only ones at that offset, go)
+        elif location.codec is not None:
             self._held_compressed(location, -1)
-        self.release(location.extents, None if key is None else record_key(key))
+        self.release(extents_of(location), None if key is None else record_key(key))
 
     def _held_compressed(self, slot: DiskSlot, sign: int) -> None:
         self.compressed.count(slot.codec, sign, slot.logical, sum(n for _, n in slot.extents))  # type: ignore[arg-type]
 
-    def locate(self, location: DiskSlot) -> list:
-        return location.extents
+    def locate(self, location: Location) -> list:
+        return extents_of(location)
 
-    def write_from(self, alloc: list, src: Sequence[np.ndarray], meta: BlockMeta, codec=None) -> DiskSlot:
+    def write_from(self, alloc: list, src: Sequence[np.ndarray], meta: BlockMeta, codec=None) -> Location:
         """Copy the block into a staging buffer now; the writer thread makes it durable later (encoded
-        with `codec`, a kvstore.compression.StoredCodec, where given)."""
+        with `codec`, a kvstore.compression.StoredCodec, where given). An exact block of at most
+        `HASHED_HERE_BYTES` in one extent is hashed here, as it is staged: its location is then a plain
+        int from the start (tiers/disk_slot.py), and the writer does not hash it again."""
         record = {"p": meta.parent, "d": meta.depth, "a": meta.attention, "t": meta.stamp}
         nbytes = sum(s.size for s in src)
         if codec is not None:  # stored encoded: the record keeps the block's own size and the codec
             record["z"], record["c"] = nbytes, codec.tag
         job = self.stage(record_key(meta.key), record, alloc, nbytes)
-        copy_segments([job.view()], src)
+        staged = job.view()
+        copy_segments([staged], src)
+        if codec is None and nbytes <= HASHED_HERE_BYTES and len(alloc) == 1:
+            checksum = xxhash.xxh3_64_intdigest(staged)
+            where = settled(alloc, checksum)
+            if where is not None:
+                job.checksum, job.slot = checksum, where
+                self._jobs[where >> OFFSET_SHIFT] = job
+                self.submit(job)
+                return where
         if codec is not None:
             job.encode = codec.encode
         job.slot = slot = DiskSlot(alloc, None, job, None if codec is None else codec.tag, nbytes)
@@ -275,19 +297,28 @@ class DiskTier(Tier):
         for them (the store then stores it exact, where `[compression] exact_when_busy`)."""
         return self.writer.encode_backlog >= ENCODE_BACKLOG
 
-    def read_blocks(self, location: DiskSlot) -> bool:
-        location.known_checksum()  # settle a finished write here, on the owner thread
-        return not location.pending
+    def _job(self, location: Location) -> DiskWrite | None:
+        """The write of `location` not yet settled (pending, or failed), else None."""
+        if type(location) is int:
+            return self._jobs.get(location >> OFFSET_SHIFT) if self._jobs else None
+        location.known_checksum()  # settle a finished write (the owner thread)
+        return location.job
 
-    def read_into(self, location: DiskSlot, out: Sequence[np.ndarray]) -> bool:
+    def read_blocks(self, location: Location) -> bool:
+        job = self._job(location)
+        return job is None or job.done
+
+    def read_into(self, location: Location, out: Sequence[np.ndarray]) -> bool:
         """Serve a pending block from its staging buffer (owner thread), else read and verify it."""
-        if location.pending:
-            copy_segments(out, [location.job.view()])  # type: ignore[union-attr]
-            return True
-        if location.job is not None:
-            raise OSError(errno.EIO, "the block's write failed: its bytes are lost")
-        if location.codec is None:
-            return self.read_block(location.extents, sum(o.size for o in out), location.checksum, out)  # type: ignore[arg-type]
+        job = self._job(location)
+        if job is not None:
+            if not job.done:
+                copy_segments(out, [job.view()])
+                return True
+            if job.error is not None:
+                raise OSError(errno.EIO, "the block's write failed: its bytes are lost")
+        if type(location) is int or location.codec is None:
+            return self.read_block(extents_of(location), sum(o.size for o in out), checksum_of(location), out)  # type: ignore[arg-type]
         stored = sum(n for _, n in location.extents)
         blob = self._blob(stored)
         if not self.read_block(location.extents, stored, location.checksum, [blob]):  # type: ignore[arg-type]
@@ -305,12 +336,13 @@ class DiskTier(Tier):
     def failed_writes(self) -> list[tuple]:
         return [tuple(msgpack.unpackb(job.key)) for job in self.take_failed()]
 
-    def lost(self, location: DiskSlot) -> bool:
-        job = location.job
+    def lost(self, location: Location) -> bool:
+        job = self._jobs.get(location >> OFFSET_SHIFT) if type(location) is int else location.job
         return job is not None and job.done and job.error is not None
 
-    def durable(self, location: DiskSlot) -> bool:
-        return not location.pending and not self.lost(location)
+    def durable(self, location: Location) -> bool:
+        job = self._job(location)
+        return job is None or (job.done and job.error is None)
 
     def recover(self) -> tuple[list[tuple[str, dict]], list[RecoveredBlock]]:
         """The namespaces; the blocks come from the background scan (`scanned`)."""
@@ -339,7 +371,7 @@ class DiskTier(Tier):
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
         for block in result.blocks:
-            if block.location.codec is not None:
+            if codec_of(block.location) is not None:
                 self._held_compressed(block.location, +1)
         self.counters.recovered_records = len(result.blocks)
         self.counters.dropped_records += len(result.bad)
@@ -360,9 +392,9 @@ class DiskTier(Tier):
             rec = records.pop(record_key(key), None)
             if rec is None:
                 problems.append(f"disk block {key} has no index record")
-            elif rec["e"] != slot.extents or rec["n"] != sum(n for _, n in slot.extents):
+            elif rec["e"] != extents_of(slot) or rec["n"] != sum(n for _, n in extents_of(slot)):
                 problems.append(f"index record of {key} disagrees with its slot")
-            elif rec["x"] != slot.known_checksum():
+            elif rec["x"] != (checksum_of(slot) if type(slot) is int else slot.known_checksum()):
                 problems.append(f"index checksum of {key} disagrees with the store")
         if records:
             problems.append(f"{len(records)} index records belong to no disk block")
@@ -400,7 +432,10 @@ class DiskTier(Tier):
                 self._failed.append(job)
                 continue
             slot, job.slot = job.slot, None
-            if isinstance(slot, DiskSlot) and slot.job is job:
+            if type(slot) is int:
+                if self._jobs.get(slot >> OFFSET_SHIFT) is job:
+                    del self._jobs[slot >> OFFSET_SHIFT]
+            elif isinstance(slot, DiskSlot) and slot.job is job:
                 slot.checksum, slot.job = job.checksum, None
         if finished and not self.writer.pending_writes:
             self.staging.shrink()  # the burst is written: its idle buffers go back to the system
@@ -428,13 +463,13 @@ class DiskTier(Tier):
         self.writer.flush()
 
     # -- reads (any thread) -----------------------------------------------------
-    def runs(self, locations: Sequence[DiskSlot]) -> list[list[int]]:
+    def runs(self, locations: Sequence[Location]) -> list[list[int]]:
         """The positions of `locations` grouped for `read_many` (a reader thread's task each): in file order,
         blocks on adjacent pages together up to RUN_BYTES, an encoded block alone."""
-        apart = [loc.codec is not None for loc in locations]
-        return adjacent_groups([loc.extents for loc in locations], RUN_BYTES, apart)
+        apart = [codec_of(loc) is not None for loc in locations]
+        return adjacent_groups([extents_of(loc) for loc in locations], RUN_BYTES, apart)
 
-    def read_many(self, reads: Sequence[tuple[DiskSlot, Sequence[np.ndarray]]]) -> list[bool | None]:
+    def read_many(self, reads: Sequence[tuple[Location, Sequence[np.ndarray]]]) -> list[bool | None]:
         """`read_into` of several written blocks (a reader thread; the owner settled them: `read_blocks`):
         the exact blocks whose extents follow one another in the data file are read with one preadv
         (small blocks demoted together sit on adjacent pages; one 4 KiB read a block was the limit of a
@@ -443,13 +478,14 @@ class DiskTier(Tier):
         results: list[bool | None] = [None] * len(reads)
         pieces = []  # (file offset, length, the destination views it fills, block)
         for i, (slot, dst) in enumerate(reads):
-            views = self._direct_views(slot.extents, dst) if slot.codec is None and slot.job is None else None
+            exact = type(slot) is int or (slot.codec is None and slot.job is None)
+            views = self._direct_views(extents_of(slot), dst) if exact else None
             if views is None or max(map(len, views)) > IOV_MAX // 2:
                 # encoded, where O_DIRECT cannot read into, or in so many pieces of host memory that one
                 # extent takes several calls (`read_block` splits them): on its own
                 results[i] = super().read_many([(slot, dst)])[0]
                 continue
-            pieces.extend((offset, length, v, i) for (offset, length), v in zip(slot.extents, views))
+            pieces.extend((offset, length, v, i) for (offset, length), v in zip(extents_of(slot), views))
         pieces.sort(key=lambda piece: piece[0])
         failed, left = set(), {}  # blocks whose read failed; pieces not read yet, per block
         for piece in pieces:
@@ -467,7 +503,7 @@ class DiskTier(Tier):
                 i = piece[3]
                 left[i] -= 1
                 if not left[i] and i not in failed:
-                    results[i] = self._verified(reads[i][1], reads[i][0].checksum)
+                    results[i] = self._verified(reads[i][1], checksum_of(reads[i][0]))
         return results
 
     def _verified(self, dst: Sequence[np.ndarray], checksum: int | None) -> bool:
@@ -548,8 +584,9 @@ class DiskTier(Tier):
             return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
 
     def check(self, locations: Iterable) -> list[str]:
-        """Pages against the live locations (DiskSlots or extents), budget, data file size."""
-        problems = self.alloc.check(loc.extents if isinstance(loc, DiskSlot) else loc for loc in locations)
+        """Pages against the live locations (the tier's, or extents), budget, data file size."""
+        problems = self.alloc.check(extents_of(loc) if type(loc) is int or isinstance(loc, DiskSlot) else loc
+                                    for loc in locations)
         if self.used_bytes > self.capacity_bytes:
             problems.append("disk tier over budget")
         if os.fstat(self.fd).st_size > self.capacity_bytes:

@@ -1,7 +1,16 @@
-"""Where a disk block's bytes are: `DiskSlot` (and `EncodedSlot`, a block stored encoded), the disk
-tier's location of a block (`Entry.location` of a block in the disk tier; tiers/disk.py).
+"""Where a disk block's bytes are: the disk tier's location of a block (`Entry.location` of a block in
+the disk tier; tiers/disk.py). The disk tier holds most of a host's blocks, so its per-block state is
+kept small. A location is one of:
 
-The disk tier holds most of a host's blocks, so its per-block state is kept small; see `DiskSlot`.
+- a plain int, `(offset << 32 | length) << 64 | checksum`: an exact block in one extent whose
+  checksum is known when it is staged (a small block, hashed as it is copied) or recovered. Nearly
+  every block of a disk of small blocks is one: 44 B, no object of its own (a `DiskSlot` and its
+  packed int took 92). While its write is pending the tier keeps the write's job apart, by offset
+  (`DiskTier._jobs`);
+- a `DiskSlot` (an `EncodedSlot` for a block stored encoded): any other block, the job of its pending
+  write in the slot.
+
+`extents_of`, `checksum_of` and `codec_of` read either form.
 """
 
 from __future__ import annotations
@@ -14,6 +23,36 @@ if TYPE_CHECKING:
 _KNOWN = 1 << 64  # in a packed slot (`DiskSlot._where`): the checksum bits below are set
 _LOW = (1 << 65) - 1  # a packed slot's checksum and its `_KNOWN` bit
 _MASK64 = (1 << 64) - 1
+OFFSET_SHIFT = 96  # a plain-int location >> OFFSET_SHIFT: its offset in the data file
+
+
+def settled(extents: list, checksum: int | None) -> int | None:
+    """The plain-int location of an exact block at `extents` with `checksum`; None where it has none
+    (several extents, a checksum not yet known or not 64 bits)."""
+    if len(extents) == 1 and type(checksum) is int and 0 <= checksum <= _MASK64:
+        offset, length = extents[0]
+        if offset >= 0 and 0 <= length < 1 << 32:
+            return (offset << 32 | length) << 64 | checksum
+    return None
+
+
+def extents_of(location: "int | DiskSlot") -> list:
+    """[[offset, length], ...] in the data file."""
+    if type(location) is int:
+        where = location >> 64
+        return [[where >> 32, where & 0xFFFFFFFF]]
+    return location.extents  # type: ignore[union-attr]
+
+
+def checksum_of(location: "int | DiskSlot") -> int | None:
+    """The xxh3-64 of the stored bytes; None while a `DiskSlot`'s write is pending."""
+    return location & _MASK64 if type(location) is int else location.checksum  # type: ignore[union-attr]
+
+
+def codec_of(location: object, default: object = None) -> object:
+    """The tag of the codec a disk location's bytes are encoded with (None: exact); `default` for a
+    location of another tier (no codec)."""
+    return None if type(location) is int else getattr(location, "codec", default)
 
 
 class DiskSlot:
@@ -87,8 +126,10 @@ class DiskSlot:
         return self.job is not None and not self.job.done
 
     @staticmethod
-    def recovered(extents: list, checksum: int, codec: str | None, logical: int) -> "DiskSlot":
-        return DiskSlot(extents, checksum, None, codec, logical)
+    def recovered(extents: list, checksum: int, codec: str | None, logical: int) -> "int | DiskSlot":
+        """The location of a block the index holds: a plain int where it can be one."""
+        where = settled(extents, checksum) if codec is None else None
+        return DiskSlot(extents, checksum, None, codec, logical) if where is None else where
 
     def known_checksum(self) -> int | None:
         if self.checksum is None and self.job is not None and self.job.done and self.job.error is None:
