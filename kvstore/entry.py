@@ -119,6 +119,37 @@ def millisecond_clock() -> float:
     return time.monotonic_ns() // 1_000_000 / 1000
 
 
+class BurstClock:
+    """A clock that reads one time for a burst: between `hold` and the matching `release` (nested holds
+    count), every call returns the first reading since the outermost `hold`. The store holds it across a
+    reserve and a `make_room`, so the blocks one reserve demotes share one reading (and the default
+    policy one count of a first insert for them, eviction/attention.py `_first_freq`: one list of
+    152 B a few blocks otherwise, in the milliseconds a burst of demotions takes)."""
+
+    __slots__ = ("_clock", "_held", "_depth")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._held: float | None = None
+        self._depth = 0
+
+    def __call__(self) -> float:
+        held = self._held
+        if held is None:
+            held = self._clock()
+            if self._depth:
+                self._held = held
+        return held
+
+    def hold(self) -> None:
+        self._depth += 1
+
+    def release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._held = None
+
+
 @dataclass(slots=True)
 class TierStats:
     hits: int = 0
@@ -134,10 +165,14 @@ class Shared:
     """What the store's parts share, made once by the store: they read the clocks and namespaces,
     add to the counters and report to the listeners; none of them owns these."""
 
-    clock: Callable[[], float] = millisecond_clock  # policies' and hits' time
+    clock: Callable[[], float] = millisecond_clock  # policies' and hits' time (held as a `BurstClock`)
     wall_clock: Callable[[], float] = time.time  # stamps persistent tiers record
     namespaces: dict[str, Namespace] = field(default_factory=dict)  # registered by the store only
     counters: Counter = field(default_factory=Counter)  # store-wide event counts (stats()["counters"])
     ns_counters: defaultdict = field(default_factory=lambda: defaultdict(Counter))  # per namespace
     tier_stats: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
     listeners: Listeners = field(default_factory=Listeners)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.clock, BurstClock):
+            self.clock = BurstClock(self.clock)

@@ -185,6 +185,14 @@ class Placement:
         """
         if self.tiers[tier].scanning:  # it knows no free page yet, and holds no block to evict
             raise CapacityError(f"the {tier} tier is still reading the records it kept (a restart)")
+        clock = self.shared.clock  # (one reading for the burst: kvstore/entry.py `BurstClock`)
+        clock.hold()
+        try:
+            self._make_room(tier, shortfall, protect)
+        finally:
+            clock.release()
+
+    def _make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None) -> None:
         while shortfall() > 0 and (copy := self.index.oldest_copy(tier)) is not None:
             self.drop_copy(copy, tier)  # a copy is redundant: its block sits in a faster tier
         policy = self.policies[tier]

@@ -103,7 +103,7 @@ class TieredStore:
         self.index = BlockIndex([t.name for t in chain if t.persistent], listeners,
                                 {t.name: t.device_of for t in chain if hasattr(t, "device_of")})
         self.compression = compression
-        self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=clock) for t in chain},
+        self.placement = Placement(chain, self.index, {t.name: make_policy(policy, clock=self.shared.clock) for t in chain},
                                    self.shared, compression)
         self.waits = InflightWaits(self.index, self.shared.counters)
         listeners.add(self.waits)
@@ -301,15 +301,20 @@ class TieredStore:
         # allocations would get, in order); when they run out, room is made block by block.
         # Nothing is written into the reserved pages before the reply: the host index writes the deletions
         # of the records of the pages it hands out once, at the end (tiers/host.py `settling_once`).
-        with self.host.settling_once():
-            free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
-                        if not per_block else ())
-            try:
-                return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
-            finally:
-                unused = list(free)
-                if unused:
-                    target.free_unused(unused)
+        clock = self.shared.clock  # (one reading for the blocks and the demotions of this reserve)
+        clock.hold()
+        try:
+            with self.host.settling_once():
+                free = iter(target.allocate_many(nbytes, placement.room_for_batch(ns_id, nbytes, blocks, target))
+                            if not per_block else ())
+                try:
+                    return self._reserve_blocks(ns_id, blocks, owner, tier, prefer, per_block, free)
+                finally:
+                    unused = list(free)
+                    if unused:
+                        target.free_unused(unused)
+        finally:
+            clock.release()
 
     def _reserve_blocks(self, ns_id: str, blocks: Sequence[tuple[bytes, bytes | None]], owner: Owner, tier: str,
                         prefer: str | None, per_block: bool, free: Iterator) -> list[Entry | None]:

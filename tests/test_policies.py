@@ -488,3 +488,56 @@ def test_insert_many_is_inserts_at_one_clock_reading(name):
     assert one.describe(keys) == many.describe(keys) and len(one) == len(many) == len(keys)
     if name == "attention, every key sampled":
         assert one.rekeys == many.rekeys > 0  # the batch path followed the same switches
+
+
+def test_a_burst_clock_reads_once_between_hold_and_release():
+    from kvstore.entry import BurstClock
+    readings = iter(range(100))
+    clock = BurstClock(lambda: float(next(readings)))
+    assert clock() == 0.0 and clock() == 1.0  # not held: every call reads
+    clock.hold()
+    clock.hold()  # (nested)
+    assert clock() == 2.0 and clock() == 2.0
+    clock.release()
+    assert clock() == 2.0  # still held by the outer hold
+    clock.release()
+    assert clock() == 3.0 and clock() == 4.0
+
+
+def test_the_demotions_of_one_reserve_share_one_clock_reading(tmp_path):
+    """A reserve that demotes many blocks into the disk tier reads the policies' clock once for them (so
+    the default policy keeps one count of a first insert for all of them, not one a few blocks)."""
+    import uuid
+
+    from kvstore.store import TieredStore
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.host import HostArena
+
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1
+        return calls[0] / 1000  # a new millisecond at every reading
+
+    block = 4096
+    ns = Namespace("burst", "bf16", 1, 1, 64, 16, block)
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 64 * block, block)
+    store = TieredStore([host, DiskTier(str(tmp_path / "disk"), 256 * block, page_bytes=block)], policy="attention", clock=clock)
+    try:
+        store.register_namespace(ns)
+        first = [(bytes([1, i]) + bytes(14), None) for i in range(64)]
+        store.reserve(ns.id, first, "w")
+        store.commit(ns.id, [h for h, _ in first], "w")
+        second = [(bytes([2, i]) + bytes(14), None) for i in range(64)]
+        before = calls[0]
+        got = store.reserve(ns.id, second, "w")  # the 64 blocks of `first` go to disk to make room
+        assert all(e is not None for e in got)
+        assert store.stats()["tiers"]["disk"]["blocks"] == 64
+        assert calls[0] - before <= 2
+        disk_policy = store.placement.policies["disk"]
+        assert len({id(disk_policy._leaves.tracked[(ns.id, h)].freq) for h, _ in first}) == 1
+        store.commit(ns.id, [h for h, _ in second], "w")
+        assert store.check() == []
+    finally:
+        store.close()
+        host.close()
