@@ -44,17 +44,52 @@ class Entry:
     depth: int
     nbytes: int
     tier: str
-    location: object  # the tier's own handle: extents (host, gpu), a DiskSlot (disk), a RemoteRef (remote)
+    location: object  # the tier's own handle: extents (host, gpu), an int or a DiskSlot (disk), a RemoteRef
     owner: Owner | None  # reserving owner while uncommitted
     committed: bool = False
     pins: int = 0
     tier_children: int = 0  # resident children per tier: CHILD_BITS bits per tier rank (`CHILD[tier]` is one)
-    attention: float | None = None
     child_keys: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
-    copies: dict | None = None  # tier name -> location of a copy kept in a slower, persistent tier
     hits: int = 0  # times acquired (for `kvstore inspect`)
     last_access: float = 0.0  # the store's clock at the commit or the latest hit
-    tokens: bytes | None = None  # the block's token ids (<u4), when the writer sent them and KV events are on
+    rare: _Rare | None = None  # `attention`, `copies` and `tokens` (properties, below), where one is set
+    # What only some blocks have, in one object of theirs: a block holds none of the three unless the
+    # engine sent an estimate, it was promoted out of a persistent tier, or KV events follow tokens
+    # (16 B less of every other block):
+    # - attention (float | None): the engine's attention estimate, as sent at the commit;
+    # - copies (dict | None): tier name -> location of a copy kept in a slower, persistent tier;
+    # - tokens (bytes | None): the block's token ids (<u4), when the writer sent them and KV events are on.
+
+
+class _Rare:
+    __slots__ = ("attention", "copies", "tokens")
+
+    def __init__(self) -> None:
+        self.attention = self.copies = self.tokens = None
+
+
+def _rare(name: str) -> property:
+    """`Entry.<name>`, kept in the entry's `_Rare` (made when first set to something, dropped when all
+    three are None again)."""
+
+    def get(e: Entry) -> object:
+        rare = e.rare
+        return None if rare is None else getattr(rare, name)
+
+    def put(e: Entry, value: object) -> None:
+        rare = e.rare
+        if rare is None:
+            if value is None:
+                return
+            rare = e.rare = _Rare()
+        setattr(rare, name, value)
+        if value is None and rare.attention is None and rare.copies is None and rare.tokens is None:
+            e.rare = None
+
+    return property(get, put)
+
+
+Entry.attention, Entry.copies, Entry.tokens = _rare("attention"), _rare("copies"), _rare("tokens")  # type: ignore[misc]
 
 
 _DEPTHS: dict[int, int] = {}

@@ -108,7 +108,9 @@ class BlockIndex:
         """A committed entry for a block found in a tier (restart recovery, a remote lookup)."""
         e = self._link(Entry(key, parent.key if parent is not None else None,
                              child_depth(parent) if parent is not None else 0, nbytes, tier, location, None,
-                             committed=True, attention=attention), parent)
+                             committed=True), parent)
+        if attention is not None:
+            e.attention = attention
         self._count(e, 1)
         self.listeners.stored(e, tier)
         return e
