@@ -301,10 +301,11 @@ class DiskTier(Tier):
         """The write of `location` not yet settled (pending, or failed), else None."""
         if type(location) is int:
             return self._jobs.get(location >> OFFSET_SHIFT) if self._jobs else None
-        location.known_checksum()  # settle a finished write (the owner thread)
         return location.job
 
     def read_blocks(self, location: Location) -> bool:
+        if type(location) is not int:
+            location.known_checksum()  # settle a finished write here, on the owner thread
         job = self._job(location)
         return job is None or job.done
 
