@@ -338,7 +338,7 @@ class DiskTier(Tier):
         return [tuple(msgpack.unpackb(job.key)) for job in self.take_failed()]
 
     def lost(self, location: Location) -> bool:
-        job = self._jobs.get(location >> OFFSET_SHIFT) if type(location) is int else location.job
+        job = self._job(location)
         return job is not None and job.done and job.error is not None
 
     def durable(self, location: Location) -> bool:

@@ -121,10 +121,6 @@ class DiskSlot:
     def __repr__(self) -> str:
         return f"DiskSlot({self.extents}, {self.checksum}, codec={self.codec})"
 
-    @property
-    def pending(self) -> bool:
-        return self.job is not None and not self.job.done
-
     @staticmethod
     def recovered(extents: list, checksum: int, codec: str | None, logical: int) -> "int | DiskSlot":
         """The location of a block the index holds: a plain int where it can be one."""
