@@ -367,7 +367,7 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
         buf = mmap.mmap(-1, ns.block_bytes)
         whole = np.frombuffer(buf, dtype=np.uint8)
         dst = [whole[i * 4096 : (i + 1) * 4096] for i in range(1200)]  # 1200 iovecs > IOV_MAX (1024)
-        assert store.disk.read_block(extents_of(slot), ns.block_bytes, checksum_of(slot), dst)
+        assert store.disk.reader.read_block(extents_of(slot), ns.block_bytes, checksum_of(slot), dst)
         assert whole.tobytes() == payload_bytes(hashes[0], ns.block_bytes)
         del dst, whole
         buf.close()

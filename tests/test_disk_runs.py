@@ -157,9 +157,9 @@ def test_blocks_read_together_are_verified_and_fail_apart(tmp_path, monkeypatch)
 
         monkeypatch.setattr(os, "preadv", failing_at_page_20)
         views = [np.frombuffer(mmap.mmap(-1, page), np.uint8) for _ in blocks]  # page-aligned: DMA'd into
-        calls = disk.counters.read_calls
+        calls = disk.reader.counters.read_calls
         got = disk.read_many([(slot, [v]) for slot, v in zip(locations, views)])
-        assert disk.counters.read_calls - calls == 2
+        assert disk.reader.counters.read_calls - calls == 2
         assert got == [True, True, False, True, True, True, True, True, None, None]
         # Each block's own bytes where it verified (the corrupt one holds what the disk holds: garbage first)
         assert [v.tobytes() == payload_bytes(h, page) for (h, _), v in zip(blocks, views)][:8] == got[:8]

@@ -82,6 +82,19 @@ def test_the_int_form_holds_what_a_slot_holds():
     assert isinstance(encoded, DiskSlot) and codec_of(encoded) == "q4" and extents_of(encoded) == [[4096, 1000]]
 
 
+def test_a_slot_keeps_the_int_form_once_its_checksum_is_known():
+    """A slot packs its extent and checksum the way a plain-int location does, once they pack: one format."""
+    slot = DiskSlot([[3 * 4096, 1000]], None, codec="q4", logical=4096)  # its write pending
+    assert slot.checksum is None and slot.extents == [[3 * 4096, 1000]] and slot._where == [[[3 * 4096, 1000]], None]
+    slot.checksum = 0xABCD
+    assert slot._where == settled([[3 * 4096, 1000]], 0xABCD)
+    assert slot.extents == [[3 * 4096, 1000]] and slot.checksum == 0xABCD == checksum_of(slot)
+    slot.checksum = None  # (back to pending: nothing the tier does, but the setter takes it)
+    assert slot.checksum is None and slot.extents == [[3 * 4096, 1000]]
+    several = DiskSlot([[0, 4096], [8192, 4096]], 7)
+    assert several.extents == [[0, 4096], [8192, 4096]] and several.checksum == 7 and codec_of(several) is None
+
+
 def test_a_small_block_is_an_int_served_from_staging_until_written_then_from_disk(slots):
     """While the writer is held, the demoted blocks are ints whose writes the tier keeps; they are
     served from their staging buffers. Once written, the tier keeps nothing of them but the int, and

@@ -57,11 +57,12 @@ block whose bytes are still intact in its slot (the slot was not reused, since
 its reuse would have committed the deletion first).
 
 Threads: everything but the writer (`DiskWriter`, tiers/disk_writer.py: its
-own queue, condition and thread) and `read_block` runs on the owner's thread
+own queue, condition and thread) and the reads (`read_into`, `read_many` and the
+`DataFileReader` they use, tiers/disk_read.py) runs on the owner's thread
 (the daemon's event loop). The writer takes batches of queued operations
 (namespace puts, record deletes, block writes), collapses them per key (the
 last operation wins), commits deletes, writes data, fdatasyncs once, and
-commits the new records in one transaction (group commit). `read_block` and
+commits the new records in one transaction (group commit). `read_into` and
 `read_many` are blocking and run in the caller's executor threads.
 
 Blocks on adjacent pages move together: the writer writes the exact blocks of
@@ -87,7 +88,6 @@ import fcntl
 import logging
 import mmap
 import os
-import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -97,13 +97,14 @@ import numpy as np
 import xxhash
 
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
-from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool, round_up
-from kvstore.tiers.pages import adjacent_groups, contiguous_runs
+from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool
+from kvstore.tiers.disk_read import DataFileReader
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_of, extents_of, settled
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
-from kvstore.tiers.record_scan import record_key
 from kvstore.tiers.host import copy_segments
+from kvstore.tiers.pages import adjacent_groups
+from kvstore.tiers.record_scan import record_key
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +122,9 @@ Location = "int | DiskSlot"  # a block's location in this tier (tiers/disk_slot.
 
 @dataclass(slots=True)
 class DiskCounters:
-    """The owner's counts (the writer keeps its own: `DiskWriter.counters`)."""
+    """The owner's counts (the writer and the reader keep their own: `DiskWriter.counters`,
+    `DataFileReader.counters`)."""
 
-    reads: int = 0
-    bytes_read: int = 0
-    read_calls: int = 0  # preadv calls (blocks on adjacent pages read together share one)
     recovered_records: int = 0
     dropped_records: int = 0
     backpressure_waits: int = 0
@@ -177,6 +176,7 @@ class DiskTier(Tier):
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one page ({self.page_bytes} B)")
         self.capacity_bytes = self.num_pages * self.page_bytes
         self._open_data_file(direct)
+        self.reader = DataFileReader(self.fd, self.direct)  # reads and verifies blocks (any thread)
         # No free page until the records are read (`scanned`): nothing is written over a block.
         self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="disk")
         self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages,
@@ -185,7 +185,6 @@ class DiskTier(Tier):
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         # The writes of plain-int locations not yet settled, by offset: pending, or failed and not yet freed
         self._jobs: dict[int, DiskWrite] = {}
-        self._tls = threading.local()
         self.writer = DiskWriter(DataFile(self.fd, self.direct, self.page_bytes, self.num_pages),
                                  RecordStore(self.env, self._db_blocks, self._db_ns, self._db_meta),
                                  self._meta, self.staging, batch_bytes)
@@ -319,20 +318,12 @@ class DiskTier(Tier):
             if job.error is not None:
                 raise OSError(errno.EIO, "the block's write failed: its bytes are lost")
         if type(location) is int or location.codec is None:
-            return self.read_block(extents_of(location), sum(o.size for o in out), checksum_of(location), out)  # type: ignore[arg-type]
+            return self.reader.read_block(extents_of(location), sum(o.size for o in out), checksum_of(location), out)
         stored = sum(n for _, n in location.extents)
-        blob = self._blob(stored)
-        if not self.read_block(location.extents, stored, location.checksum, [blob]):  # type: ignore[arg-type]
+        blob = self.reader.blob(stored)
+        if not self.reader.read_block(location.extents, stored, location.checksum, [blob]):
             return False
         return self.decoder is not None and self.decoder(blob, out)  # decoded here, in the reader thread
-
-    def _blob(self, size: int) -> np.ndarray:
-        """A per-thread buffer for an encoded block (apart from read_block's own bounce buffer)."""
-        buf = getattr(self._tls, "blob", None)
-        if buf is None or len(buf) < size:
-            buf = mmap.mmap(-1, round_up(size))
-            self._tls.blob = buf
-        return np.frombuffer(buf, dtype=np.uint8, count=size)
 
     def failed_writes(self) -> list[tuple]:
         return [tuple(msgpack.unpackb(job.key)) for job in self.take_failed()]
@@ -474,110 +465,24 @@ class DiskTier(Tier):
         """`read_into` of several written blocks (a reader thread; the owner settled them: `read_blocks`):
         the exact blocks whose extents follow one another in the data file are read with one preadv
         (small blocks demoted together sit on adjacent pages; one 4 KiB read a block was the limit of a
-        promotion of small blocks), each verified on its own. Per block: True, False (its bytes do not
-        verify) or None (its read failed)."""
+        promotion of small blocks), each verified on its own (`DataFileReader.read_together`). Per block:
+        True, False (its bytes do not verify) or None (its read failed)."""
         results: list[bool | None] = [None] * len(reads)
-        pieces = []  # (file offset, length, the destination views it fills, block)
+        together, at = [], []  # the exact blocks read together (`read_together`'s), their positions
         for i, (slot, dst) in enumerate(reads):
             exact = type(slot) is int or (slot.codec is None and slot.job is None)
-            views = self._direct_views(extents_of(slot), dst) if exact else None
+            extents = extents_of(slot)
+            views = self.reader.direct_views(extents, dst) if exact else None
             if views is None or max(map(len, views)) > IOV_MAX // 2:
                 # encoded, where O_DIRECT cannot read into, or in so many pieces of host memory that one
                 # extent takes several calls (`read_block` splits them): on its own
                 results[i] = super().read_many([(slot, dst)])[0]
                 continue
-            pieces.extend((offset, length, v, i) for (offset, length), v in zip(extents_of(slot), views))
-        pieces.sort(key=lambda piece: piece[0])
-        failed, left = set(), {}  # blocks whose read failed; pieces not read yet, per block
-        for piece in pieces:
-            left[piece[3]] = left.get(piece[3], 0) + 1
-        for start, end in contiguous_runs([(p[0], p[1], len(p[2])) for p in pieces], RUN_BYTES, IOV_MAX):
-            offset, at = pieces[start][0], pieces[end - 1][0] + pieces[end - 1][1]
-            try:
-                self._preadv_all([v for piece in pieces[start:end] for v in piece[2]], offset, at - offset)
-            except OSError as exc:  # the blocks of this read fail, not the others
-                log.error("disk tier: read of %d B at %d failed: %s", at - offset, offset, exc)
-                failed.update(piece[3] for piece in pieces[start:end])
-            # Each block is verified as soon as its pieces are in, not after the whole group: the other
-            # reader threads read meanwhile.
-            for piece in pieces[start:end]:
-                i = piece[3]
-                left[i] -= 1
-                if not left[i] and i not in failed:
-                    results[i] = self._verified(reads[i][1], checksum_of(reads[i][0]))
+            together.append((extents, views, dst, checksum_of(slot)))
+            at.append(i)
+        for i, ok in zip(at, self.reader.read_together(together)):
+            results[i] = ok
         return results
-
-    def _verified(self, dst: Sequence[np.ndarray], checksum: int | None) -> bool:
-        """Count a block read into `dst`; whether its bytes have `checksum`."""
-        self.counters.reads += 1
-        self.counters.bytes_read += sum(d.size for d in dst)
-        h = xxhash.xxh3_64()
-        for d in dst:
-            h.update(d)
-        return h.intdigest() == checksum
-
-    def _direct_views(self, extents: Sequence, dst: Sequence[np.ndarray]) -> list[list[np.ndarray]] | None:
-        """`dst` cut along `extents` (per extent, the views it fills, in order) where the disk can DMA
-        straight into them (O_DIRECT, page-aligned destinations, a block of whole 4 KiB); else None."""
-        nbytes = sum(d.size for d in dst)
-        if not (self.direct and nbytes % ALIGN == 0 and sum(n for _, n in extents) == nbytes and all(
-                d.ctypes.data % ALIGN == 0 and d.size % ALIGN == 0 for d in dst)):
-            return None
-        segments, out = list(dst), []
-        for _, length in extents:
-            bufs, need = [], length
-            while need:
-                seg = segments[0]
-                take = min(need, seg.size)
-                bufs.append(seg[:take])
-                segments[0] = seg[take:]
-                if segments[0].size == 0:
-                    segments.pop(0)
-                need -= take
-            out.append(bufs)
-        return out
-
-    def read_block(self, extents: Sequence, nbytes: int, checksum: int, dst: Sequence[np.ndarray]) -> bool:
-        """Read a block into `dst` (uint8 arrays covering nbytes, in order); True if the checksum verifies.
-
-        With O_DIRECT and page-aligned destinations the disk DMA goes straight
-        into `dst`; otherwise through a per-thread aligned bounce buffer.
-        """
-        if sum(d.size for d in dst) != nbytes:
-            raise ValueError("destination does not cover the block")
-        views = self._direct_views(extents, dst)
-        if views is not None:
-            for (offset, _), bufs in zip(extents, views):
-                for i in range(0, len(bufs), IOV_MAX // 2):  # stay under IOV_MAX
-                    group = bufs[i : i + IOV_MAX // 2]
-                    span = sum(b.size for b in group)
-                    self._preadv_all(group, offset, span)
-                    offset += span
-        else:
-            bounce = self._bounce(round_up(nbytes))
-            pos = 0
-            for offset, length in extents:
-                span = round_up(length) if self.direct else length
-                self._preadv_all([bounce[pos : pos + span]], offset, span)
-                pos += length
-            pos = 0
-            for d in dst:
-                d[:] = bounce[pos : pos + d.size]
-                pos += d.size
-        return self._verified(dst, checksum)
-
-    def _preadv_all(self, bufs: list, offset: int, length: int) -> None:
-        self.counters.read_calls += 1
-        got = os.preadv(self.fd, bufs, offset)
-        if got != length:
-            raise OSError(errno.EIO, f"short read of {got} B of {length} B at {offset}")
-
-    def _bounce(self, size: int) -> np.ndarray:
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = mmap.mmap(-1, size)
-            self._tls.buf = buf
-        return np.frombuffer(buf, dtype=np.uint8, count=size)
 
     # -- the index, for checks --------------------------------------------------
     def index_records(self) -> dict[bytes, dict]:
@@ -595,7 +500,7 @@ class DiskTier(Tier):
         return problems
 
     def stats(self) -> dict:
-        c, w = self.counters, self.writer.counters
+        c, w, r = self.counters, self.writer.counters, self.reader.counters
         return {
             "path": self.path,
             "capacity_bytes": self.capacity_bytes,
@@ -608,10 +513,10 @@ class DiskTier(Tier):
             "staging_bytes": self.staging.used_bytes,
             "staging_held_bytes": self.staging.held_bytes,  # in use and idle (prefaulted: resident)
             "bytes_written": w.bytes_written,
-            "bytes_read": c.bytes_read,
+            "bytes_read": r.bytes_read,
             "writes": w.writes,
-            "reads": c.reads,
-            "read_calls": c.read_calls,
+            "reads": r.reads,
+            "read_calls": r.read_calls,
             "write_calls": w.write_calls,
             "fsyncs": w.fsyncs,
             "write_errors": w.write_errors,

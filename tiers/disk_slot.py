@@ -8,7 +8,8 @@ kept small. A location is one of:
   packed int took 92). While its write is pending the tier keeps the write's job apart, by offset
   (`DiskTier._jobs`);
 - a `DiskSlot` (an `EncodedSlot` for a block stored encoded): any other block, the job of its pending
-  write in the slot.
+  write in the slot. Its extents and checksum are a plain-int location too where they can be (one
+  extent, the checksum known): one format of a location, whichever holds it.
 
 `extents_of`, `checksum_of` and `codec_of` read either form.
 """
@@ -20,15 +21,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvstore.tiers.disk_writer import DiskWrite
 
-_KNOWN = 1 << 64  # in a packed slot (`DiskSlot._where`): the checksum bits below are set
-_LOW = (1 << 65) - 1  # a packed slot's checksum and its `_KNOWN` bit
 _MASK64 = (1 << 64) - 1
 OFFSET_SHIFT = 96  # a plain-int location >> OFFSET_SHIFT: its offset in the data file
 
 
 def settled(extents: list, checksum: int | None) -> int | None:
-    """The plain-int location of an exact block at `extents` with `checksum`; None where it has none
-    (several extents, a checksum not yet known or not 64 bits)."""
+    """`extents` and `checksum` packed in one int: the plain-int location of an exact block (and what a
+    `DiskSlot` keeps of an encoded one); None where they do not pack (several extents, a checksum not
+    yet known or not 64 bits)."""
     if len(extents) == 1 and type(checksum) is int and 0 <= checksum <= _MASK64:
         offset, length = extents[0]
         if offset >= 0 and 0 <= length < 1 << 32:
@@ -60,9 +60,8 @@ class DiskSlot:
 
     The disk tier holds most of a host's blocks, so a slot is small (it was 140 B a block as an object
     of five fields with two ints of their own; [[offset, length]] lists before that, 168 B more):
-    - a block in one extent (nearly all of them) keeps its extent and checksum in one int,
-      `(offset << 32 | length) << 65 | known << 64 | checksum` (`known`: the checksum is set; it is
-      not while the write is pending); another keeps `[extents, checksum]`;
+    - where its location can be a plain int (one extent, its checksum known: `settled`), the slot
+      keeps that int; otherwise (several extents, or a write still pending) `[extents, checksum]`;
     - an exact block keeps no codec and no size of its own (the class's None and 0: its size is its
       Entry's); a block stored encoded is an `EncodedSlot`, which does."""
 
@@ -78,14 +77,9 @@ class DiskSlot:
                  logical: int = 0) -> None:
         """`codec`: the tag of the codec its bytes are encoded with (None: exact); `logical`: an encoded
         block's own size (decoded)."""
-        if len(extents) == 1 and extents[0][0] >= 0 and 0 <= extents[0][1] < 1 << 32:
-            offset, length = extents[0]
-            self._where: int | list = (offset << 32 | length) << 65
-        else:
-            self._where = [extents, None]
+        where = settled(extents, checksum)
+        self._where: int | list = [extents, checksum] if where is None else where
         self.job = job
-        if checksum is not None:
-            self.checksum = checksum
         if codec is not None:
             self.codec, self.logical = codec, logical
 
@@ -93,30 +87,19 @@ class DiskSlot:
     def extents(self) -> list:
         """[[offset, length], ...] in the data file (a new list for a block in one extent)."""
         where = self._where
-        if type(where) is int:
-            where >>= 65
-            return [[where >> 32, where & 0xFFFFFFFF]]
-        return where[0]
+        return extents_of(where) if type(where) is int else where[0]
 
     @property
     def checksum(self) -> int | None:
         """The xxh3-64 of the stored bytes; None while the write is pending."""
         where = self._where
-        if type(where) is int:
-            return where & _MASK64 if where & _KNOWN else None
-        return where[1]
+        return checksum_of(where) if type(where) is int else where[1]
 
     @checksum.setter
     def checksum(self, value: int | None) -> None:
-        where = self._where
-        if type(where) is not int:
-            where[1] = value
-        elif value is None:
-            self._where = where & ~_LOW
-        elif type(value) is int and 0 <= value <= _MASK64:
-            self._where = where & ~_LOW | _KNOWN | value
-        else:  # (not a 64-bit checksum: kept as it is, and it will not verify)
-            self._where = [self.extents, value]
+        extents = self.extents
+        where = settled(extents, value)  # (not a 64-bit checksum: kept as it is, and it will not verify)
+        self._where = [extents, value] if where is None else where
 
     def __repr__(self) -> str:
         return f"DiskSlot({self.extents}, {self.checksum}, codec={self.codec})"
