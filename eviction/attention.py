@@ -177,25 +177,42 @@ class _Block(DerivedLeaf):
     queue = "v"
     lead = 0  # the leading expert: set on each policy's own subclass (`AttentionPolicy._record`)
     freq: list[float]  # log2 F_b + tau_i
-    cost: list[float]  # log2 (C_b / S_b), with expert i's depth weight
+    cost: _Cost  # log2 (C_b / S_b), with expert i's depth weight; the block's size (`nbytes`) with it
     # log2 V_b + tau_i (own value, tree rule applied; a tuple: 32 B less than a list), or None while it is
     # the block's own F + C (`_val`): a block inserted and not hit or lifted since, as most blocks of a
     # disk tier are, holds no tuple of its own (136 B) and its priority is that sum for the leader.
     val: tuple[float, ...] | None
 
-    def __init__(self, nbytes: int, parent: Key | None, children: int, freq: list[float], cost: list[float],
+    def __init__(self, parent: Key | None, children: int, freq: list[float], cost: _Cost,
                  val: tuple[float, ...] | None) -> None:
-        self.nbytes, self.parent, self.children, self.token = nbytes, parent, children, None
+        self.parent, self.children, self.token = parent, children, None
         self.freq, self.cost, self.val = freq, cost, val
 
-    def assign(self, freq: list[float], cost: list[float], val: tuple[float, ...] | None) -> None:
+    def assign(self, freq: list[float], cost: _Cost, val: tuple[float, ...] | None) -> None:
         self.freq, self.cost, self.val = freq, cost, val
+
+    @property
+    def nbytes(self) -> int:
+        """Its size, its shape's (`cost`): without a slot of its own the record is 80 B, not 88 (96 as
+        Python's allocator rounds it)."""
+        return self.cost.nbytes
 
     @property
     def prio(self) -> float:
         """V under the leading expert: `val[lead]`, or its own F + C where it holds no `val`."""
         val, lead = self.val, self.lead
         return self.freq[lead] + self.cost[lead] if val is None else val[lead]
+
+
+class _Cost(list):
+    """C per expert (`_Block.cost`), shared by the blocks of one shape (depth, tokens, size), and that
+    size: a block's record reads its size here."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, values: list[float], nbytes: int) -> None:
+        super().__init__(values)
+        self.nbytes = nbytes
 
 
 def _val(block: _Block) -> tuple[float, ...]:
@@ -240,7 +257,7 @@ class AttentionPolicy(EvictionPolicy):
         self.rekeys = 0  # switches of the leading expert followed (each re-keys the tier)
         # Shared, never mutated: the F of a first insert for the current clocks, and C per block shape.
         self._fresh: tuple[list[float] | None, list[float]] = (None, [])
-        self._costs: dict[tuple[int, int, int], list[float]] = {}
+        self._costs: dict[tuple[int, int, int], _Cost] = {}
         self._fixed_taus: tuple[float | None, list[float]] = (None, [])
 
     @property
@@ -269,7 +286,7 @@ class AttentionPolicy(EvictionPolicy):
             self._fresh = (taus, [lc + tau for tau in taus])
         return self._fresh[1]
 
-    def _block_cost(self, info: BlockInfo) -> list[float]:
+    def _block_cost(self, info: BlockInfo) -> _Cost:
         """log2 (C_b / S_b) under each expert's depth weight, shared between blocks of one shape."""
         shape = (info.depth, info.block_tokens, info.nbytes)
         cost = self._costs.get(shape)
@@ -279,7 +296,8 @@ class AttentionPolicy(EvictionPolicy):
             p = self.params
             depth = math.log2(1.0 + info.depth * info.block_tokens / p.attn_context_tokens)
             size = math.log2(info.block_tokens / max(info.nbytes, 1))
-            cost = self._costs[shape] = [size + dw * depth if dw else size for dw in self._depth_w]
+            cost = self._costs[shape] = _Cost([size + dw * depth if dw else size for dw in self._depth_w],
+                                              info.nbytes)
         return cost
 
     def _follow(self) -> None:

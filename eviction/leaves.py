@@ -59,18 +59,21 @@ class Leaf:
 
 
 class DerivedLeaf:
-    """A record whose priority its own fields give (a `prio` property of the subclass) and whose queue
-    is its class's (`queue`): a policy of one queue that derives its order from per-key fields (the
-    attention policy) then keeps no queue name and no priority object a key, 40 B of each of a tier's
-    blocks. It is made with `LeafQueues.add(..., fields=...)` (the subclass's own slots, after these
-    four), and after its fields change it takes a new heap entry with `LeafQueues.refresh`."""
+    """A record whose priority its own fields give (a `prio` property of the subclass), whose queue is
+    its class's (`queue`) and whose size the subclass gives too (`nbytes`: a slot of its own, or a
+    property reading a field it shares with the blocks of its shape): a policy of one queue that
+    derives its order from per-key fields (the attention policy) then keeps no queue name, no priority
+    object and no size of a key's own, 56 B of each of a tier's blocks. It is made with
+    `LeafQueues.add(..., fields=...)` (the subclass's own slots, after these three), and after its fields
+    change it takes a new heap entry with `LeafQueues.refresh`."""
 
-    __slots__ = ("nbytes", "parent", "children", "token")
+    __slots__ = ("parent", "children", "token")
     queue: str = ""
     prio: object
+    nbytes: int
 
-    def __init__(self, nbytes: int, parent: Key | None, children: int) -> None:
-        self.nbytes, self.parent, self.children = nbytes, parent, children
+    def __init__(self, parent: Key | None, children: int) -> None:
+        self.parent, self.children = parent, children
         self.token: int | None = None
 
     def assign(self, *fields: object) -> None:
@@ -120,7 +123,8 @@ class LeafQueues:
             fields: tuple | None = None) -> Leaf:
         """Track `key`; its record. `leaf=False`: the caller adds a child of it next (a chain inserted in
         one call), so no heap entry is made for it: it would be stale at once. A `DerivedLeaf` record
-        takes its own `fields` instead of `prio` (and its class's queue), before it enters its heap."""
+        takes its own `fields` instead of `prio` (and its class's queue), before it enters its heap;
+        its `nbytes` (from its fields) is the `nbytes` given here."""
         tracked = self.tracked
         rec = tracked.get(key)
         if rec is not None:
@@ -135,7 +139,7 @@ class LeafQueues:
         if fields is None:
             rec = tracked[key] = self._record(queue, prio, nbytes, parent, children)
         else:
-            rec = tracked[key] = self._record(nbytes, parent, children, *fields)
+            rec = tracked[key] = self._record(parent, children, *fields)  # (its size: its fields')
         self.count[queue] += 1
         self.bytes[queue] += nbytes
         if parent is not None:
