@@ -3,9 +3,9 @@ one daemon, under preemption, aborts, injected load failures and a daemon SIGKIL
 mid-run; every oracle holds. Then each oracle is shown failing on a bug planted into the engines
 (tools/harness/chaos_plants.py): the oracles can fail.
 
-Engines: SmolLM2-135M float32 (the planted-bug runs mostly the tiny random Llama), block size 32, a 20-block KV cache with chunked prefill (96 tokens a
-step) and whole-prompt admission off, so that they preempt; one engine plain, one with ngram
-speculative decoding and asynchronous loads. The baseline is each finished request served alone by an
+Engines: SmolLM2-135M float32 (most planted-bug runs: the tiny random Llama), block size 32, a
+20-block KV cache with chunked prefill (96 tokens a step) and whole-prompt admission off, so that they
+preempt; one engine plain, one with ngram speculative decoding and asynchronous loads. The baseline is each finished request served alone by an
 engine without the connector (same speculative config, prefix caching off, the same chunking).
 
 Load failures are injected in 30% of the loads and every stored block is checked: at these settings
@@ -33,7 +33,8 @@ def small(**kw) -> ChaosConfig:
     """A shorter run for the planted bugs: fewer requests, only the oracle under test, and the tiny random
     Llama (tools/harness/build_models.py) where it shows the failure as well as SmolLM2 does, in half the time
     or less."""
-    return ChaosConfig(**{"workload": WorkloadConfig(seed=5, num_requests=20, arrival_steps=20), "model": "tiny", **kw})
+    return ChaosConfig(**{"workload": WorkloadConfig(seed=5, num_requests=20, arrival_steps=20), "model": "tiny",
+                          **kw})
 
 
 def test_the_bounded_chaos_run_passes_every_oracle(tmp_path):
