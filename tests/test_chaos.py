@@ -5,8 +5,9 @@ mid-run; every oracle holds. Then each oracle is shown failing on a bug planted 
 
 Engines: SmolLM2-135M float32 (most planted-bug runs: the tiny random Llama), block size 32, a
 20-block KV cache with chunked prefill (96 tokens a step) and whole-prompt admission off, so that they
-preempt; one engine plain, one with ngram speculative decoding and asynchronous loads. The baseline is each finished request served alone by an
-engine without the connector (same speculative config, prefix caching off, the same chunking).
+preempt; one engine plain, one with ngram speculative decoding and asynchronous loads. The baseline
+is each finished request served alone by an engine without the connector (same speculative config,
+prefix caching off, the same chunking).
 
 Load failures are injected in 30% of the loads and every stored block is checked: at these settings
 the bounded run catches both bugs that tests/test_vllm_load_failures.py pins down (outputs differing
