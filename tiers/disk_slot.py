@@ -36,6 +36,12 @@ def settled(extents: list, checksum: int | None) -> int | None:
     return None
 
 
+def _packed(extents: list, checksum: int | None) -> int | list:
+    """A `DiskSlot`'s `_where`: `settled` where they pack, else `[extents, checksum]`."""
+    where = settled(extents, checksum)
+    return [extents, checksum] if where is None else where
+
+
 def extents_of(location: "int | DiskSlot") -> list:
     """[[offset, length], ...] in the data file."""
     if type(location) is int:
@@ -77,8 +83,7 @@ class DiskSlot:
                  logical: int = 0) -> None:
         """`codec`: the tag of the codec its bytes are encoded with (None: exact); `logical`: an encoded
         block's own size (decoded)."""
-        where = settled(extents, checksum)
-        self._where: int | list = [extents, checksum] if where is None else where
+        self._where = _packed(extents, checksum)
         self.job = job
         if codec is not None:
             self.codec, self.logical = codec, logical
@@ -97,9 +102,7 @@ class DiskSlot:
 
     @checksum.setter
     def checksum(self, value: int | None) -> None:
-        extents = self.extents
-        where = settled(extents, value)  # (not a 64-bit checksum: kept as it is, and it will not verify)
-        self._where = [extents, value] if where is None else where
+        self._where = _packed(self.extents, value)  # (not a 64-bit checksum: kept, and it will not verify)
 
     def __repr__(self) -> str:
         return f"DiskSlot({self.extents}, {self.checksum}, codec={self.codec})"
