@@ -73,6 +73,7 @@ import math
 from typing import Hashable, Sequence
 
 from kvstore.eviction.ghosts import Ghosts, ghost_cap
+from kvstore.keys import HASH_BYTES, TAG_BYTES
 
 Key = Hashable
 
@@ -85,18 +86,20 @@ EARLY_FRACTION = 0.5
 EARLY_EVIDENCE = 4.0
 FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here and in attention.py)
 _MIX = 0x9E3779B97F4A7C15
+STORE_KEY_BYTES = TAG_BYTES + HASH_BYTES  # a store key (kvstore/keys.py): its hash is what is mixed
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
 _heappush, _heappop = heapq.heappush, heapq.heappop
 
 
 def mixed(key: Key) -> int:
-    """The fixed 64-bit mix of `key` (of its block hash, for the store's `(namespace, hash)` keys) that
-    sampling compares: the same in every process (no PYTHONHASHSEED)."""
+    """The fixed 64-bit mix of `key` (of its block hash, for the store's keys: a namespace tag, then the
+    hash) that sampling compares: the same in every process (no PYTHONHASHSEED)."""
     if type(key) is tuple and key:
-        key = key[-1]  # the store's keys are (namespace, block hash)
+        key = key[-1]  # (namespace, block hash)
     if type(key) is bytes or isinstance(key, (bytes, bytearray)):
-        x = int.from_bytes(key[:8], "little")
+        at = TAG_BYTES if len(key) == STORE_KEY_BYTES else 0
+        x = int.from_bytes(key[at : at + 8], "little")
     elif isinstance(key, int):
         x = key
     else:

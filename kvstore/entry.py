@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from kvstore.block_events import Listeners
-from kvstore.keys import Namespace
+from kvstore.keys import Key, Namespace  # noqa: F401  (Key: also this module's name)
 from kvstore.wire import RANK, TIERS
 
 Owner = Hashable
-Key = tuple  # (namespace id, block hash)
 CHILD_BITS = 32  # one tier's count in `Entry.tier_children` (a block has far fewer than 2^32 children)
 CHILD = {t: 1 << (CHILD_BITS * RANK[t]) for t in TIERS}  # one child in tier t, added to `tier_children`
 UP_TO = {t: (1 << (CHILD_BITS * (RANK[t] + 1))) - 1 for t in TIERS}  # the counts of t and faster tiers

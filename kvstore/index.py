@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Sequence
 from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import CHILD, Entry, Key, Owner, add_children, child_depth, children_of, link_child, unlink_child
 from kvstore.errors import KVStoreError
+from kvstore.keys import key_hash, key_ns, ns_tag
 
 
 
@@ -117,9 +118,10 @@ class BlockIndex:
 
     def _count(self, e: Entry, sign: int) -> None:
         """Add (+1) or take out (-1) committed `e` in the tally, where it sits now."""
-        row = self.held.get((e.key[0], e.tier))
+        ns_id = key_ns(e.key)
+        row = self.held.get((ns_id, e.tier))
         if row is None:
-            row = self.held[(e.key[0], e.tier)] = [0, 0]
+            row = self.held[(ns_id, e.tier)] = [0, 0]
         row[0] += sign
         row[1] += sign * e.nbytes
         device_of = self.device_of.get(e.tier)
@@ -301,9 +303,10 @@ class BlockIndex:
         if ghosts:
             left = Counter(ghosts)
             real = []
+            tag = ns_tag(ns_id)
             for h in hashes:
-                if left[(ns_id, h)] > 0:
-                    left[(ns_id, h)] -= 1
+                if left[tag + h] > 0:
+                    left[tag + h] -= 1
                 else:
                     real.append(h)
             self._release(ns_id, real, owner)
@@ -313,7 +316,8 @@ class BlockIndex:
 
     def _release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         pins = self.pins_by_owner.get(owner, {})
-        keys = [(ns_id, h) for h in hashes]
+        tag = ns_tag(ns_id)
+        keys = [tag + h for h in hashes]
         distinct = set(keys)
         if len(distinct) == len(keys):  # (the usual release: each block once)
             if not pins.keys() >= distinct:
@@ -336,7 +340,7 @@ class BlockIndex:
 
     @staticmethod
     def _not_pinned(key: Key) -> None:
-        raise KVStoreError(f"release of block {key[1].hex()[:16]}… that this client has not pinned")
+        raise KVStoreError(f"release of block {key_hash(key).hex()[:16]}… that this client has not pinned")
 
     def _unpin(self, key: Key, n: int, pins: dict[Key, int]) -> None:
         left = pins[key] - n
@@ -368,12 +372,13 @@ class BlockIndex:
     def check_reserved(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> list[Key]:
         """The keys of `hashes`, all reserved by `owner` (KVStoreError otherwise, naming one that is not)."""
         mine = self.reserved_by_owner.get(owner, set())
-        keys = [(ns_id, h) for h in hashes]
+        tag = ns_tag(ns_id)
+        keys = [tag + h for h in hashes]
         if len(set(hashes)) != len(hashes):
             raise KVStoreError("duplicate hashes in one commit/abort")
         if not mine.issuperset(keys):
-            for h in hashes:
-                if (ns_id, h) not in mine:
+            for h, key in zip(hashes, keys):
+                if key not in mine:
                     raise KVStoreError(f"block {bytes(h).hex()[:16]}… is not reserved by this client")
         return keys
 

@@ -55,6 +55,49 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_BYTES = 16
 ROOT_HASH = BlockHash(xxhash.xxh3_128_digest(b"kvstore/v1/root"))
 
+# A block's key in the store (`Key`): its namespace's tag then its hash, one bytes object. Ten million
+# keys are ten million objects: a `(namespace id, hash)` tuple beside the hash's own bytes cost 64 B
+# more a block. The tag stands for the namespace only inside one process; what leaves it (records,
+# replies, events) names the namespace by its id (`key_ns`).
+Key = bytes
+TAG_BYTES = 8
+_TAGS: dict[str, bytes] = {}  # namespace id -> its tag
+_NAMES: dict[bytes, str] = {}  # tag -> namespace id
+
+
+def ns_tag(ns_id: str) -> bytes:
+    """The 8 bytes that stand for namespace `ns_id` at the head of its blocks' keys (xxh3-64 of the id)."""
+    tag = _TAGS.get(ns_id)
+    if tag is None:
+        if not isinstance(ns_id, str):
+            raise TypeError(f"a namespace id is a string, not {type(ns_id).__name__}")
+        tag = xxhash.xxh3_64_digest(ns_id.encode())
+        if _NAMES.setdefault(tag, ns_id) != ns_id:
+            raise ValueError(f"namespace ids {ns_id!r} and {_NAMES[tag]!r} have the same tag")
+        _TAGS[ns_id] = tag
+    return tag
+
+
+def block_key(ns_id: str, h: bytes) -> Key:
+    """The store's key of block `h` of namespace `ns_id`."""
+    return ns_tag(ns_id) + h
+
+
+def key_ns(key: Key) -> str:
+    """The namespace id of a store key."""
+    return _NAMES[key[:TAG_BYTES]]
+
+
+def key_hash(key: Key) -> bytes:
+    """The block hash of a store key."""
+    return key[TAG_BYTES:]
+
+
+def key_text(key: Key) -> str:
+    """A store key for people: `<namespace id>/<the hash's first 16 hex digits>`."""
+    tag = bytes(key[:TAG_BYTES])
+    return f"{_NAMES.get(tag, tag.hex())}/{bytes(key[TAG_BYTES:]).hex()[:16]}"
+
 
 @dataclass(frozen=True, slots=True)
 class MultimodalItem:

@@ -48,7 +48,7 @@ from kvstore.eviction.base import BlockInfo, EvictionPolicy, PolicyError
 from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, key_hash, key_ns, ns_tag
 from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.tiers.disk_slot import codec_of
 
@@ -88,12 +88,12 @@ class Placement:
             for t, nxt in zip(self.chain, self.chain[1:] + [None])}
 
     def info(self, e: Entry) -> BlockInfo:
-        return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[e.key[0]].block_tokens,
+        return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[key_ns(e.key)].block_tokens,
                          e.attention)
 
     def block_meta(self, e: Entry, stamp: float | None = None) -> BlockMeta:
         """What a persistent tier records with the block."""
-        return BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth, e.attention,
+        return BlockMeta(e.key, key_hash(e.parent) if e.parent is not None else None, e.depth, e.attention,
                          self.shared.wall_clock() if stamp is None else stamp)
 
     def prepare_namespace(self, ns: Namespace) -> None:
@@ -110,7 +110,7 @@ class Placement:
         for name, group in _by_tier(entries).items():
             tier = self.tiers[name]
             if tier.records_placed:
-                tier.placed_many([(e.location, BlockMeta(e.key, e.parent[1] if e.parent is not None else None, e.depth,
+                tier.placed_many([(e.location, BlockMeta(e.key, key_hash(e.parent) if e.parent is not None else None, e.depth,
                                                          e.attention, stamp)) for e in group])
 
     def insert_in_policy(self, entries: Sequence[Entry]) -> None:
@@ -118,7 +118,7 @@ class Placement:
         namespaces = self.shared.namespaces
         for tier, group in _by_tier(entries).items():
             self.policies[tier].on_insert_many([
-                BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[e.key[0]].block_tokens, e.attention)
+                BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[key_ns(e.key)].block_tokens, e.attention)
                 for e in group])
 
     @property
@@ -138,7 +138,7 @@ class Placement:
     def _drop_altered(self, e: Entry) -> None:
         self.counters[f"{e.tier}_checksum_failures"] += 1
         log.warning("%s tier: kept block %s: checksum mismatch (altered bytes); removed with its subtree", e.tier,
-                    e.key[1].hex()[:16])
+                    key_hash(e.key).hex()[:16])
         self.discard(e)
 
     def hit_in_policy(self, entries: Sequence[Entry]) -> None:
@@ -164,12 +164,13 @@ class Placement:
         below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one.
         Returns how many of the blocks the index does not hold."""
         entries = self.index.entries
-        new = [(h, p) for h, p in blocks if (ns_id, h) not in entries]
+        tag = ns_tag(ns_id)
+        new = [(h, p) for h, p in blocks if tag + h not in entries]
         need = len(new) * t.pages_for(block_bytes) * t.page_bytes
         if need <= t.free_bytes:
             return len(new)
-        parent_ns = self.shared.namespaces[ns_id].anchor or ns_id
-        protect = {(parent_ns, p) for _, p in new if p is not None and (parent_ns, p) in entries}
+        parent_tag = ns_tag(self.shared.namespaces[ns_id].anchor or ns_id)
+        protect = {parent_tag + p for _, p in new if p is not None and parent_tag + p in entries}
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
@@ -214,7 +215,7 @@ class Placement:
 
         def take(key: Key) -> None:  # the policy's victim goes (on_remove is called on the way)
             stats.evictions += 1
-            ns_counters[key[0]]["evictions"] += 1
+            ns_counters[key_ns(key)]["evictions"] += 1
             self.demote(entries[key])
 
         try:
@@ -295,7 +296,7 @@ class Placement:
         """How `dst` stores `e` when it is demoted there: compressed (kvstore/compression.py) or None."""
         if self.compression is None:
             return None
-        return self.compression.for_block(self.shared.namespaces[e.key[0]], e.depth, dst.name)
+        return self.compression.for_block(self.shared.namespaces[key_ns(e.key)], e.depth, dst.name)
 
     def copy_block(self, e: Entry, dst: Tier, alloc: object, codec: StoredCodec | None = None) -> tuple[object, bool]:
         """Copy `e`'s bytes into `alloc` of `dst`, through host memory on one side (no staging pass);

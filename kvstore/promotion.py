@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvstore.entry import RANK, Entry, Key, Owner, Shared
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
+from kvstore.keys import key_hash
 from kvstore.placement import Placement
 from kvstore.tiers.base import Tier
 
@@ -214,7 +215,7 @@ class Promoter:
             self.counters[f"{src.name}_read_errors"] += 1
         else:
             self.counters[f"{src.name}_checksum_failures"] += 1
-            log.warning("%s tier: block %s did not verify; removed", src.name, e.key[1].hex()[:16])
+            log.warning("%s tier: block %s did not verify; removed", src.name, key_hash(e.key).hex()[:16])
         self.placement.discard(e)
 
     async def _fetch(self, src: Tier, items: list[tuple[Entry, object]]) -> Fetched:
@@ -242,7 +243,7 @@ class Promoter:
                 results[i] = src.read_into(e.location, dst)
                 self.counters["promotions_from_staging"] += 1
             except OSError as exc:
-                log.error("%s tier: read of %s failed: %s", src.name, e.key[1].hex()[:16], exc)
+                log.error("%s tier: read of %s failed: %s", src.name, key_hash(e.key).hex()[:16], exc)
         groups = [[stored[j] for j in run] for run in src.runs([slot for _, slot, _ in stored])]
         reads = [loop.run_in_executor(self.reader(), src.read_many, [(slot, dst) for _, slot, dst in group])
                  for group in groups]

@@ -47,7 +47,7 @@ from typing import Callable, Iterator
 from kvstore.entry import RANK, Entry, Key
 from kvstore.errors import NamespaceError
 from kvstore.index import BlockIndex
-from kvstore.keys import ROOT_HASH, Namespace
+from kvstore.keys import ROOT_HASH, Namespace, block_key, key_ns
 from kvstore.placement import Placement
 from kvstore.tiers.base import RecoveredBlock, Tier
 
@@ -226,7 +226,8 @@ class Recovery:
         keeps_copies = tier.name in index.copies
         end = len(r.blocks) if budget is None else min(len(r.blocks), r.pos + budget)
         for b in r.blocks[r.pos : end]:
-            ns = known.get(b.key[0])
+            ns_id = key_ns(b.key)
+            ns = known.get(ns_id)
             if ns is None or b.nbytes != ns.block_bytes:
                 self._release(r, b)
                 r.dropped += 1
@@ -238,7 +239,7 @@ class Recovery:
                 else:
                     self._release(r, b)
                 continue
-            parent = None if b.parent in (None, b"", ROOT_HASH) else (ns.anchor or b.key[0], b.parent)
+            parent = None if b.parent in (None, b"", ROOT_HASH) else block_key(ns.anchor or ns_id, b.parent)
             r.records[b.key] = (b, parent)
             if parent is None or index.get(parent) is not None:
                 r.frontier.append(b.key)

@@ -63,6 +63,7 @@ from kvstore.config import PUBLISH_POLICIES
 from kvstore.entry import Entry, Key, Shared
 from kvstore.errors import CapacityError
 from kvstore.index import BlockIndex
+from kvstore.keys import block_key, key_hash, key_ns, ns_tag
 from kvstore.placement import Placement
 from kvstore.tiers.host import copy_segments
 from kvstore.tiers.pages import PageAllocator
@@ -216,10 +217,11 @@ class RemoteSharing:
         """Index the blocks that follow the local prefix of `hashes` and that the cluster holds.
         Returns how many remote entries were added."""
         entries = self.index.entries
+        tag = ns_tag(ns_id)
         k = 0
-        while k < len(hashes) and (e := entries.get((ns_id, hashes[k]))) is not None and e.committed:
+        while k < len(hashes) and (e := entries.get(tag + hashes[k])) is not None and e.committed:
             k += 1
-        if k == len(hashes) or (ns_id, hashes[k]) in entries:  # all local, or a local write in flight
+        if k == len(hashes) or tag + hashes[k] in entries:  # all local, or a local write in flight
             return 0
         want = list(hashes[k:])
         codec = self._codec(self.namespaces[ns_id])
@@ -251,10 +253,10 @@ class RemoteSharing:
         """The codec `e` is published with, or None (exact)."""
         if self.compression is None:
             return None
-        return self.compression.for_block(self.namespaces[e.key[0]], e.depth, "remote")
+        return self.compression.for_block(self.namespaces[key_ns(e.key)], e.depth, "remote")
 
     def _ref(self, key: Key, parent: bytes | None, codec: "StoredCodec | None") -> RemoteRef:
-        ns_id, h = key
+        ns_id, h = key_ns(key), key_hash(key)
         if codec is None:
             return RemoteRef(object_key(ns_id, h), ns_id, h, parent)
         return RemoteRef(object_key(ns_id, h, codec.profile.digest), ns_id, h, parent, codec.tag,
@@ -262,12 +264,12 @@ class RemoteSharing:
 
     def _known_bad(self, ns_id: str, h: bytes) -> bool:
         """The cluster's value for this block failed to verify recently: a miss without asking again."""
-        until = self._bad.get((ns_id, h))
+        until = self._bad.get(block_key(ns_id, h))
         if until is None:
             return False
         if until > time.monotonic():
             return True
-        del self._bad[(ns_id, h)]
+        del self._bad[block_key(ns_id, h)]
         return False
 
     def _index(self, ns_id: str, hashes: Sequence[bytes], k: int, encoded: list[bool],
@@ -276,14 +278,15 @@ class RemoteSharing:
         naming its exact value or (where `encoded` says) its value encoded with `codec`."""
         entries = self.index.entries
         ns = self.namespaces[ns_id]
-        parent: Key | None = (ns_id, hashes[k - 1]) if k and not ns.anchor else None
+        tag = ns_tag(ns_id)
+        parent: Key | None = tag + hashes[k - 1] if k and not ns.anchor else None
         if parent is not None and (parent not in entries or not entries[parent].committed):
             return 0  # the prefix changed while the cluster answered
         added = 0
         for h, enc in zip(hashes[k : k + len(encoded)], encoded):
-            key = (ns_id, h)
+            key = tag + h
             if ns.anchor:  # an attachment hangs under its anchor's block of the same hash, not under hashes[k-1]
-                parent = (ns.anchor, h)
+                parent = block_key(ns.anchor, h)
             e = entries.get(key)
             if e is not None:
                 if not e.committed:
@@ -298,7 +301,7 @@ class RemoteSharing:
             if parent is not None and (pe is None or not pe.committed):
                 self.tier.free(None)
                 break
-            ref = self._ref(key, parent[1] if parent is not None else None, codec if enc else None)
+            ref = self._ref(key, key_hash(parent) if parent is not None else None, codec if enc else None)
             if ref.codec is not None:
                 self.tier.count_compressed(ref, +1)
             self.placement.insert_in_policy([self.index.adopt(key, pe, ns.block_bytes, "remote", ref)])
@@ -351,7 +354,7 @@ class RemoteSharing:
             self.counters["remote_publish_dropped_staging_full"] += 1
             return
         copy_segments([self._staging_buf[o : o + n] for o, n in extents], self.host.segments(e.location))
-        self._pending[e.key] = (extents, e.parent[1] if e.parent is not None else None, self._block_codec(e))
+        self._pending[e.key] = (extents, key_hash(e.parent) if e.parent is not None else None, self._block_codec(e))
         self._wake.set()  # type: ignore[union-attr]
 
     def _enqueue(self, keys: Sequence[Key]) -> None:
@@ -397,7 +400,7 @@ class RemoteSharing:
             self.index.pin([e], PUBLISHER)
             pinned.append(e)
             codec = self._block_codec(e)
-            items.append((self._ref(key, e.parent[1] if e.parent is not None else None, codec),
+            items.append((self._ref(key, key_hash(e.parent) if e.parent is not None else None, codec),
                           self.host.segments(e.location), codec))
             sources.append(e)
         if not items:

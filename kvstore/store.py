@@ -51,7 +51,7 @@ from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of, m
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
-from kvstore.keys import ROOT_HASH, Namespace
+from kvstore.keys import ROOT_HASH, Namespace, block_key, key_hash, key_ns, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
@@ -184,9 +184,9 @@ class TieredStore:
         self.placement.reap()
         self._adopt_recovered(ns_id, hashes)
         tiers: list[str] = []
-        get = self.index.entries.get
+        get, tag = self.index.entries.get, ns_tag(ns_id)
         for h in hashes:
-            e = get((ns_id, h))
+            e = get(tag + h)
             if e is None or not e.committed:
                 break
             tiers.append(e.tier)
@@ -217,16 +217,16 @@ class TieredStore:
         self.namespace(ns_id)
         self.placement.reap()
         self._adopt_recovered(ns_id, hashes)
-        get, missed = self.index.entries.get, False
+        get, missed, tag = self.index.entries.get, False, ns_tag(ns_id)
         if self.placement.verifying:  # blocks kept across a restart are verified before they are first read
             for h in hashes:
-                e = get((ns_id, h))
+                e = get(tag + h)
                 if e is not None and e.committed:
                     self.placement.verified(e)  # (one that fails is discarded: a miss below)
         out: list[Entry | None] = []
         hits: list[Entry] = []
         for h in hashes:
-            e = get((ns_id, h))
+            e = get(tag + h)
             if e is None or not e.committed or missed:
                 if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
                     self.shared.counters[PRESENT_MISS + "after_a_miss"] += 1
@@ -290,8 +290,8 @@ class TieredStore:
         placement = self.placement
         placement.reap()
         if self.recovery.active:  # the blocks and their parents, where their records wait for adoption
-            parent_ns = ns.anchor or ns_id
-            self.recovery.adopt_now([(ns_id, h) for h, _ in blocks] + [(parent_ns, p) for _, p in blocks if p])
+            tag, parent_tag = ns_tag(ns_id), ns_tag(ns.anchor or ns_id)
+            self.recovery.adopt_now([tag + h for h, _ in blocks] + [parent_tag + p for _, p in blocks if p])
         # With a tier below, room is made block by block: an eviction may demote a later block's parent,
         # so each parent's tier is looked at just before its child's room is made. (So too with a
         # preferred tier: room is made only for the blocks that do not go there.)
@@ -324,11 +324,12 @@ class TieredStore:
         out: list[Entry | None] = []
         ns = self.shared.namespaces[ns_id]
         nbytes, counters, reserve = ns.block_bytes, self.shared.counters, self.index.reserve
-        parent_ns = ns.anchor or ns_id  # an anchored namespace's blocks hang under the anchor's
+        # (an anchored namespace's blocks hang under the anchor's)
+        tag, parent_tag = ns_tag(ns_id), ns_tag(ns.anchor or ns_id)
         rank = RANK[tier]
         for h, parent_hash in blocks:
-            key = (ns_id, h)
-            parent = None if parent_hash in (None, b"", ROOT_HASH) else (parent_ns, parent_hash)
+            key = tag + h
+            parent = None if parent_hash in (None, b"", ROOT_HASH) else parent_tag + parent_hash
             if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
                                                                                  parent, owner):
                 alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted
@@ -441,12 +442,12 @@ class TieredStore:
     def expect(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         """Announce that `owner` is about to reserve and commit these blocks: waiters wait for them."""
         self.namespace(ns_id)
-        self.waits.expect([(ns_id, h) for h in hashes], owner)
+        self.waits.expect([block_key(ns_id, h) for h in hashes], owner)
 
     def withdraw(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         """Take back `owner`'s announcements (the request finished without saving them)."""
         self.namespace(ns_id)
-        self.waits.withdraw([(ns_id, h) for h in hashes], owner)
+        self.waits.withdraw([block_key(ns_id, h) for h in hashes], owner)
 
     def count_in_flight(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` are committed or in flight (reserved or announced)."""
@@ -464,7 +465,7 @@ class TieredStore:
         self.namespace(ns_id)
         removed = 0
         for h in hashes:
-            e = self.index.get((ns_id, h))
+            e = self.index.get(block_key(ns_id, h))
             if e is not None and e.committed:
                 removed += self.placement.drop_subtree(e) or 0
         return removed
@@ -475,7 +476,7 @@ class TieredStore:
         roots: dict[str, list[bytes]] = defaultdict(list)
         for e in self.index.entries.values():
             if e.parent is None:
-                roots[e.key[0]].append(e.key[1])
+                roots[key_ns(e.key)].append(key_hash(e.key))
         with self.shared.listeners.muted():
             removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
         self.shared.listeners.cleared(list(self.shared.namespaces))
@@ -489,7 +490,8 @@ class TieredStore:
 
     def _adopt_recovered(self, ns_id: str, hashes: Sequence[bytes]) -> None:
         if self.recovery.active:
-            self.recovery.adopt_now([(ns_id, h) for h in hashes])
+            tag = ns_tag(ns_id)
+            self.recovery.adopt_now([tag + h for h in hashes])
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:

@@ -17,6 +17,7 @@ from typing import Sequence
 from kvstore.compaction import Compactor
 from kvstore.entry import RANK, TIERS, Key, child_counts, children_of
 from kvstore.index import BlockIndex
+from kvstore.keys import key_ns, key_text, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import Promoter
 
@@ -84,7 +85,8 @@ def namespace_rows(placement: Placement) -> dict[str, dict]:
 
 
 def describe_blocks(placement: Placement, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
-    found = [placement.index.get((ns_id, h)) for h in hashes]
+    tag = ns_tag(ns_id)
+    found = [placement.index.get(tag + h) for h in hashes]
     by_tier: dict[str, list[Key]] = defaultdict(list)
     for e in found:
         if e is not None:
@@ -109,35 +111,37 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
     children: dict[Key, list[int]] = defaultdict(lambda: [0] * len(TIERS))
     for key, e in entries.items():
         if e.key != key:
-            problems.append(f"entry filed under the wrong key {key}")
+            problems.append(f"entry filed under the wrong key {key_text(key)}")
         if e.tier not in tiers:
-            problems.append(f"{key} sits in {e.tier}, which is not in the chain")
+            problems.append(f"{key_text(key)} sits in {e.tier}, which is not in the chain")
             continue
         if e.pins < 0:
-            problems.append(f"negative refcount on {key}")
+            problems.append(f"negative refcount on {key_text(key)}")
         if e.parent is not None:
             parent = entries.get(e.parent)
-            ns = placement.shared.namespaces.get(key[0])
-            if ns is not None and e.parent[0] != (ns.anchor or key[0]):
-                problems.append(f"{key}'s parent {e.parent} is not in its namespace's parent namespace")
+            ns_id = key_ns(key)
+            ns = placement.shared.namespaces.get(ns_id)
+            if ns is not None and key_ns(e.parent) != (ns.anchor or ns_id):
+                problems.append(f"{key_text(key)}'s parent {key_text(e.parent)} is not in its namespace's parent "
+                                "namespace")
             if parent is None:
-                problems.append(f"orphan: parent of {key} is absent")
+                problems.append(f"orphan: parent of {key_text(key)} is absent")
             elif RANK[e.tier] < RANK[parent.tier]:
-                problems.append(f"{key} sits in {e.tier}, faster than its parent in {parent.tier}")
+                problems.append(f"{key_text(key)} sits in {e.tier}, faster than its parent in {parent.tier}")
             elif parent.depth + 1 != e.depth:
-                problems.append(f"depth of {key} does not follow its parent")
+                problems.append(f"depth of {key_text(key)} does not follow its parent")
             children[e.parent][RANK[e.tier]] += 1
         if (key in policies[e.tier]) != e.committed:
-            problems.append(f"policy of {e.tier} disagrees with commit state of {key}")
+            problems.append(f"policy of {e.tier} disagrees with commit state of {key_text(key)}")
         if not e.committed and (key not in index.reserved_by_owner.get(e.owner, ()) or not tiers[e.tier].client_readable):
-            problems.append(f"uncommitted {key} belongs to no live reservation in a client-readable tier")
+            problems.append(f"uncommitted {key_text(key)} belongs to no live reservation in a client-readable tier")
     for key, e in entries.items():
         counts = child_counts(e)
         if counts != children.get(key, [0] * len(TIERS)):
-            problems.append(f"child counts of {key} are {counts}, tree says {children.get(key)}")
+            problems.append(f"child counts of {key_text(key)} are {counts}, tree says {children.get(key)}")
         kids = children_of(e)
         if sum(counts) != len(kids) or any(entries.get(k, e).parent != key for k in kids):
-            problems.append(f"children index of {key} does not match its children's parent links")
+            problems.append(f"children index of {key_text(key)} does not match its children's parent links")
     problems += _check_pins(index)
     problems += _check_copies(index)
     problems += _check_tally(index)
@@ -155,7 +159,7 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
         problems += tier.check([e.location for e in in_tier.values()] + list(copies.values()) + in_flight)
         if tier.persistent:
             if not tier.client_readable:  # blocks arrive there committed (the host arena has reservations)
-                problems += [f"{tier.name} entry {k} is uncommitted" for k, e in in_tier.items() if not e.committed]
+                problems += [f"{tier.name} entry {key_text(k)} is uncommitted" for k, e in in_tier.items() if not e.committed]
             placed = {**{k: e.location for k, e in in_tier.items() if e.committed}, **copies}
             if compactor is not None and tier is compactor.disk:
                 placed.update(compactor.records())
@@ -169,7 +173,7 @@ def _check_tally(index: BlockIndex) -> list[str]:
     device_bytes: dict[str, Counter] = {tier: Counter() for tier in index.device_of}
     for e in index.entries.values():
         if e.committed:
-            row = held[(e.key[0], e.tier)]
+            row = held[(key_ns(e.key), e.tier)]
             row[0] += 1
             row[1] += e.nbytes
             if e.tier in index.device_of:
@@ -190,18 +194,18 @@ def _check_copies(index: BlockIndex) -> list[str]:
     for key, e in index.entries.items():
         for tier in e.copies or ():
             if (tier, key) not in listed:
-                problems.append(f"copy of {key} in {tier} is not in the copies index")
+                problems.append(f"copy of {key_text(key)} in {tier} is not in the copies index")
             elif key not in index.copy_list(tier, e.copies[tier]) or (
                     key in index.encoded_copies[tier] and key in index.copies[tier]):
-                problems.append(f"copy of {key} in {tier} is listed apart from the copies of its kind (exact, encoded)")
+                problems.append(f"copy of {key_text(key)} in {tier} is listed apart from the copies of its kind (exact, encoded)")
             if tier not in index.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
-                problems.append(f"copy of {key} in {tier} is not in a slower persistent tier")
+                problems.append(f"copy of {key_text(key)} in {tier} is not in a slower persistent tier")
         if e.copies == {}:
-            problems.append(f"{key} has an empty copies map")
+            problems.append(f"{key_text(key)} has an empty copies map")
     for tier, key in listed:
         e = index.entries.get(key)
         if e is None or tier not in (e.copies or ()):
-            problems.append(f"the copies index of {tier} lists {key}, which has no copy there")
+            problems.append(f"the copies index of {tier} lists {key_text(key)}, which has no copy there")
     return problems
 
 
@@ -212,10 +216,10 @@ def _check_pins(index: BlockIndex) -> list[str]:
         pin_sum.update(pins)
     for key, e in index.entries.items():
         if pin_sum.get(key, 0) != e.pins:
-            problems.append(f"refcount of {key} is {e.pins}, owners hold {pin_sum.get(key, 0)}")
+            problems.append(f"refcount of {key_text(key)} is {e.pins}, owners hold {pin_sum.get(key, 0)}")
     for key in pin_sum:
         if key not in index.entries:
-            problems.append(f"an owner pins {key}, which is not in the index")
+            problems.append(f"an owner pins {key_text(key)}, which is not in the index")
     for owner, ghosts in index.ghost_pins.items():
         if any(n < 0 for n in ghosts.values()):
             problems.append(f"negative ghost pin of owner {owner}")

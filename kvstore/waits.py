@@ -32,6 +32,7 @@ from typing import Sequence
 
 from kvstore.entry import Entry, Key, Owner
 from kvstore.index import BlockIndex
+from kvstore.keys import ns_tag
 from kvstore.wire import WaitResult  # noqa: F401  (also this module's name for it)
 
 MAX_WAIT_S = 600.0
@@ -125,9 +126,10 @@ class InflightWaits:
 
     def count_in_flight(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` are committed or in flight (no pins, no policy events)."""
-        n = 0
+        n, tag = 0, ns_tag(ns_id)
         for h in hashes:
-            if self.index.get((ns_id, h)) is None and (ns_id, h) not in self._expected:
+            key = tag + h
+            if self.index.get(key) is None and key not in self._expected:
                 break
             n += 1
         return n
@@ -136,14 +138,15 @@ class InflightWaits:
         """Wait until the leading `hashes` are committed (see the module docstring for when it stops)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(timeout_s, 0.0), MAX_WAIT_S)
-        pending = [i for i, h in enumerate(hashes) if not self.index.committed((ns_id, h))]
+        tag = ns_tag(ns_id)
+        pending = [i for i, h in enumerate(hashes) if not self.index.committed(tag + h)]
 
         def result(ready: int, reason: str) -> WaitResult:
             self.counters[f"waits_{reason}"] += 1  # how waits end: done, absent, aborted, timeout, shutdown
             return WaitResult(ready, tuple(i for i in pending if i < ready), reason)
 
         for i, h in enumerate(hashes):
-            key = (ns_id, h)
+            key = tag + h
             seen_in_flight = False
             while not self.index.committed(key):
                 if self.closed:

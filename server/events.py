@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from kvstore.config import EventsConfig
 from kvstore.entry import Entry
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, key_hash, key_ns
 from kvstore.server.event_wire import CLEARED, REMOVED, STORED, RawEvent, encode_batch, group_by_topic
 
 if TYPE_CHECKING:
@@ -83,19 +83,20 @@ class EventPublisher:
             return topic
 
     def stored(self, entry: Entry, tier: str) -> None:
-        topic = self._topic(entry.key[0])
+        ns_id = key_ns(entry.key)
+        topic = self._topic(ns_id)
         if topic is not None:
-            ns = self._namespaces[entry.key[0]]
-            ev = RawEvent(STORED, topic, ns.block_tokens, entry.key[1], entry.parent[1] if entry.parent else None,
-                          entry.tokens, tier)
+            ns = self._namespaces[ns_id]
+            ev = RawEvent(STORED, topic, ns.block_tokens, key_hash(entry.key),
+                          key_hash(entry.parent) if entry.parent else None, entry.tokens, tier)
             with self._lock:
                 self._pending.append(ev)
 
     def removed(self, entry: Entry, tier: str) -> None:
-        topic = self._topic(entry.key[0])
+        topic = self._topic(key_ns(entry.key))
         if topic is not None:
             with self._lock:
-                self._pending.append(RawEvent(REMOVED, topic, block_hash=entry.key[1], tier=tier))
+                self._pending.append(RawEvent(REMOVED, topic, block_hash=key_hash(entry.key), tier=tier))
 
     def cleared(self, ns_ids: Iterable[str]) -> None:
         topics = dict.fromkeys(t for t in map(self._topic, ns_ids) if t is not None)

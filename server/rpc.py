@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
 from kvstore.waits import MAX_WAIT_S
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, key_hash, key_ns
 from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
                               want_hashes, want_token_blocks)
 from kvstore.store import TieredStore
@@ -155,15 +155,16 @@ class Handlers:
         grant, rows, total = s.grant, [], 0
         visible: dict[str, bool] = {}  # namespace id -> whether this session may use it (asked once per id)
         for e in self.store.iter_entries():
-            if ns is not None and e.key[0] != ns:
+            ns_id = key_ns(e.key)
+            if ns is not None and ns_id != ns:
                 continue
-            if e.key[0] not in visible:
-                visible[e.key[0]] = grant.unrestricted or grant.may_use(self.store.namespace(e.key[0]))
-            if not visible[e.key[0]]:
+            if ns_id not in visible:
+                visible[ns_id] = grant.unrestricted or grant.may_use(self.store.namespace(ns_id))
+            if not visible[ns_id]:
                 continue
             total += 1
             if len(rows) < limit:
-                rows.append([e.key[0], e.key[1], e.tier, e.depth, e.pins, e.committed, e.nbytes])
+                rows.append([ns_id, key_hash(e.key), e.tier, e.depth, e.pins, e.committed, e.nbytes])
         return {"blocks": rows, "total": total}
 
     def describe(self, s: Session, args: dict) -> dict:
@@ -233,7 +234,7 @@ class Handlers:
             raise ProtocolError(f"a get of {len(hashes)} blocks of {block_bytes} B would not fit in the frame limit "
                                 f"of {self.max_frame} B; ask for at most {fit} blocks per get")
         entries, _ = await self.store.acquire(ns, hashes, s.owner, prefix=False)
-        held = [e.key[1] for e in entries if e is not None]
+        held = [key_hash(e.key) for e in entries if e is not None]
         try:
             payloads = [self.store.host.read(e.location) if e is not None else None for e in entries]
         finally:
@@ -291,7 +292,7 @@ class Handlers:
                     written.append(h)
                     written_tokens.append(tokens[i] if tokens is not None else None)
         except BaseException:
-            self.store.abort(ns, [e.key[1] for e in entries if e is not None], s.owner)
+            self.store.abort(ns, [key_hash(e.key) for e in entries if e is not None], s.owner)
             raise
         self.store.commit(ns, written, s.owner, tokens=written_tokens if tokens is not None else None)
         return {"stored": len(written)}

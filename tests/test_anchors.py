@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from kvstore.errors import NamespaceError
+from kvstore.keys import block_key, key_hash
 from tests.helpers import chain_hashes, namespace, payload_bytes
 
 BLOCK = PAGE = 64 * 1024
@@ -49,7 +50,7 @@ class Store:
         entries = self.store.pin(ns.id, hashes, "r", prefix=False)
         entries = asyncio.run(self.store.prepare_read(entries, "r"))
         out = [self.store.host.read(e.location) if e is not None else None for e in entries]
-        self.store.release(ns.id, [e.key[1] for e in entries if e is not None], "r")
+        self.store.release(ns.id, [key_hash(e.key) for e in entries if e is not None], "r")
         return out
 
 
@@ -67,8 +68,8 @@ def spine_and_attachment(s: Store, seed: int, n: int = 2) -> list[bytes]:
 
 def test_an_attachment_hangs_under_its_anchor_block(s):
     hs = spine_and_attachment(s, 1)
-    e = s.store.index.get((ATTACH.id, hs[-1]))
-    assert e.parent == (SPINE.id, hs[-1]) and e.depth == 2
+    e = s.store.index.get(block_key(ATTACH.id, hs[-1]))
+    assert e.parent == block_key(SPINE.id, hs[-1]) and e.depth == 2
     assert s.store.check() == []
     assert s.read(ATTACH, [hs[-1]])[0] == payload_bytes(hs[-1] + b"boundary", 2 * BLOCK)
 
@@ -78,7 +79,7 @@ def test_an_attachment_without_its_anchor_block_is_refused(s):
     assert s.put(SPINE, [(hs[0], None)]) == [True]
     assert s.put(ATTACH, [(hs[1], hs[1])]) == [False]  # the spine block it would hang under is absent
     assert s.store.shared.counters["put_orphan_blocks"] == 1
-    assert s.store.index.get((ATTACH.id, hs[1])) is None and s.store.check() == []
+    assert s.store.index.get(block_key(ATTACH.id, hs[1])) is None and s.store.check() == []
 
 
 def test_attachments_leave_the_host_tier_before_their_anchor_and_come_back_with_it(s):
@@ -87,9 +88,9 @@ def test_attachments_leave_the_host_tier_before_their_anchor_and_come_back_with_
     first = spine_and_attachment(s, 3)
     second = spine_and_attachment(s, 4)
     assert s.store.check() == []
-    tier = {k: s.store.index.get(k).tier for k in [(SPINE.id, h) for h in first] + [(ATTACH.id, first[-1])]}
+    tier = {k: s.store.index.get(k).tier for k in [block_key(SPINE.id, h) for h in first] + [block_key(ATTACH.id, first[-1])]}
     assert "disk" in tier.values()
-    assert not (tier[(ATTACH.id, first[-1])] == "host" and tier[(SPINE.id, first[-1])] == "disk")
+    assert not (tier[block_key(ATTACH.id, first[-1])] == "host" and tier[block_key(SPINE.id, first[-1])] == "disk")
     assert s.read(SPINE, first) == [payload_bytes(h + SPINE.layout.encode(), BLOCK) for h in first]
     assert s.read(ATTACH, [first[-1]])[0] == payload_bytes(first[-1] + b"boundary", 2 * BLOCK)
     assert s.store.check() == [] and second
@@ -102,8 +103,8 @@ def test_attachments_are_recovered_under_their_anchor(s):
     s.store.flush()
     s.close()
     s.open()
-    e = s.store.index.get((ATTACH.id, hs[-1]))
-    assert e is not None and e.parent == (SPINE.id, hs[-1]) and e.tier == "disk"
+    e = s.store.index.get(block_key(ATTACH.id, hs[-1]))
+    assert e is not None and e.parent == block_key(SPINE.id, hs[-1]) and e.tier == "disk"
     assert s.read(ATTACH, [hs[-1]]) == [None]  # not promoted above its spine block, which is on disk
     assert s.read(SPINE, hs)[-1] is not None  # a reader takes the spine first (it is promoted) ...
     assert s.read(ATTACH, [hs[-1]])[0] == payload_bytes(hs[-1] + b"boundary", 2 * BLOCK)  # ... then this

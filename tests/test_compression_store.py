@@ -18,7 +18,7 @@ from kvstore.codec import BlockLayout, Budget, decode, encode, encoded_bytes, fr
 from kvstore.compression import Compression, decode_into
 from kvstore.config import CompressionConfig
 from kvstore.errors import NamespaceError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key, key_hash, key_ns
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta
 from kvstore.tiers.disk import DATA_FILE, ENCODE_BACKLOG, DiskTier, record_key
@@ -79,7 +79,7 @@ class Harness:
         store = self.store
         entries = asyncio.run(store.prepare_read(store.pin(ns.id, hashes, "r"), "r"))
         out = [store.host.read(e.location) if e is not None else None for e in entries]
-        store.release(ns.id, [e.key[1] for e in entries if e is not None], "r")
+        store.release(ns.id, [key_hash(e.key) for e in entries if e is not None], "r")
         return out
 
 
@@ -105,7 +105,7 @@ def test_an_opted_in_block_is_demoted_encoded_and_promoted_decoded(harness):
     (tag,) = row
     assert tag.startswith("k4v2@") and row[tag]["stored_bytes"] == row[tag]["blocks"] * stored
     assert row[tag]["logical_bytes"] == row[tag]["blocks"] * BLOCK and row[tag]["ratio"] == round(BLOCK / stored, 3)
-    e = harness.store.index.entries[(LOSSY_NS.id, hashes[0])]
+    e = harness.store.index.entries[block_key(LOSSY_NS.id, hashes[0])]
     assert e.nbytes == BLOCK and sum(n for _, n in e.location.extents) == stored  # one page, not four
     got = harness.get(LOSSY_NS, hashes)
     assert got == [lossy(h) for h in hashes]
@@ -142,7 +142,7 @@ def test_a_damaged_compressed_block_is_a_miss_and_never_served(harness):
     harness.spill(LOSSY_NS, hashes)
     store = harness.store
     store.disk.flush()
-    slot = store.index.entries[(LOSSY_NS.id, hashes[1])].location
+    slot = store.index.entries[block_key(LOSSY_NS.id, hashes[1])].location
     offset = slot.extents[0][0]
     with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
         f.seek(offset + 100)
@@ -175,7 +175,7 @@ def test_a_promoted_block_goes_back_to_its_encoded_copy_and_is_never_encoded_twi
         for x in more:  # every demotion into the full disk needs room
             h.put(LOSSY_NS, [x])
         store.release(ns_id, [a], "r")
-        store.placement.demote(store.index.entries[(ns_id, a)])  # (the host's policy keeps a block it saw hit)
+        store.placement.demote(store.index.entries[block_key(ns_id, a)])  # (the host's policy keeps a block it saw hit)
         disk.flush()
         assert list(store.lookup(ns_id, [a]).tiers) == ["disk"]
         counters = store.shared.counters
@@ -205,9 +205,9 @@ def test_a_full_disk_drops_an_encoded_copy_once_it_can_evict_no_block(tmp_path):
         store.pin(ns_id, on_disk, "r")
         h.put(LOSSY_NS, [chain_hashes(800, 1)[0]])  # a host victim goes down: only `a`'s copy can make room
         assert store.shared.counters["disk_encoded_copies_dropped"] == 1
-        assert store.index.entries[(ns_id, a)].copies is None
+        assert store.index.entries[block_key(ns_id, a)].copies is None
         store.release(ns_id, [a, *on_disk], "r")
-        store.placement.demote(store.index.entries[(ns_id, a)])
+        store.placement.demote(store.index.entries[block_key(ns_id, a)])
         disk.flush()
         assert store.shared.counters["disk_writes_saved"] == 0
         image = decode(encode(np.frombuffer(lossy(a), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2)), LAYOUT)
@@ -226,7 +226,7 @@ def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
     for x in roots:
         h.put(LOSSY_NS, [x])
     exact = [e.location for e in store.index.entries.values()
-             if e.key[0] == LOSSY_NS.id and e.tier == "disk" and codec_of(e.location) is None]
+             if key_ns(e.key) == LOSSY_NS.id and e.tier == "disk" and codec_of(e.location) is None]
     assert len(exact) == (n - ENCODE_BACKLOG if h.exact_when_busy else 0)
     assert store.disk.writer.wait_for(lambda: all(store.disk.read_blocks(slot) for slot in exact), 30)
     gate.set()
@@ -238,7 +238,7 @@ def demote_while_busy(h: Harness, n: int, salt: int = 200) -> list[bytes]:
 
 
 def codecs_of(store: TieredStore, hashes) -> list[str | None]:
-    return [codec_of(store.index.entries[(LOSSY_NS.id, x)].location) for x in hashes]
+    return [codec_of(store.index.entries[block_key(LOSSY_NS.id, x)].location) for x in hashes]
 
 
 @pytest.mark.parametrize("exact_when_busy", [True, False])
@@ -288,7 +288,7 @@ def test_blocks_stored_exact_while_busy_are_encoded_once_the_disk_is_idle(tmp_pa
         store = h.store
         store.wait_recovered()
         assert list(store.lookup(LOSSY_NS.id, on_disk).tiers) == ["disk"] * n
-        slots = [store.index.entries[(LOSSY_NS.id, x)].location for x in on_disk]
+        slots = [store.index.entries[block_key(LOSSY_NS.id, x)].location for x in on_disk]
         assert all(sum(k for _, k in slot.extents) == encoded_bytes(LAYOUT, Budget.uniform(LAYOUT, 4, 2))
                    for slot in slots) and None not in codecs_of(store, on_disk)
         assert [h.get(LOSSY_NS, [x])[0] for x in on_disk] == [lossy(x) for x in on_disk]
@@ -315,7 +315,7 @@ def test_compaction_makes_room_in_a_full_disk_tier(tmp_path):
             store.disk.release(rest, None)
         assert store.shared.counters["disk_compacted"] == 3
         assert store.stats()["tiers"]["disk"]["evictions"] > evictions
-        left = [x for x in on_disk if (LOSSY_NS.id, x) in store.index.entries]
+        left = [x for x in on_disk if block_key(LOSSY_NS.id, x) in store.index.entries]
         assert len(left) == n and None not in codecs_of(store, left)
         assert store.check() == []
     finally:
@@ -337,7 +337,7 @@ def test_a_restart_hands_the_blocks_left_exact_to_the_compactor(tmp_path):
         assert None in codecs_of(store, on_disk) and len(store.compactor.waiting) >= 3
         asyncio.run(store.compactor.run_until_idle())
         assert None not in codecs_of(store, on_disk)
-        assert all(codec_of(store.index.entries[(EXACT_NS.id, x)].location) is None for x in chain_hashes(501, 2))
+        assert all(codec_of(store.index.entries[block_key(EXACT_NS.id, x)].location) is None for x in chain_hashes(501, 2))
         assert store.check() == []
     finally:
         h.close()
@@ -368,7 +368,7 @@ def test_a_block_removed_while_its_compaction_is_written_leaves_nothing_behind(t
     try:
         store, compactor = h.store, h.store.compactor
         x = one_block_left_exact(h, salt=400)
-        key = (LOSSY_NS.id, x)
+        key = block_key(LOSSY_NS.id, x)
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
@@ -398,7 +398,7 @@ def test_a_block_promoted_while_its_compaction_is_written_keeps_the_encoded_copy
     try:
         store, compactor = h.store, h.store.compactor
         x = one_block_left_exact(h, salt=450)
-        key = (LOSSY_NS.id, x)
+        key = block_key(LOSSY_NS.id, x)
 
         async def race() -> bool:
             task = asyncio.create_task(compactor.compact(key))
@@ -529,11 +529,11 @@ def test_a_block_that_fails_to_encode_fails_alone(tmp_path):
         disk.scanned(wait=True)  # a new tier: nothing to read, then its pages are free
         slots = {}
         for i, h in enumerate(hashes):
-            meta = BlockMeta((LOSSY_NS.id, h), hashes[i - 1] if i else None, i, None, 0.0)
+            meta = BlockMeta(block_key(LOSSY_NS.id, h), hashes[i - 1] if i else None, i, None, 0.0)
             data = np.frombuffer(payload(h), np.uint8)
             slots[h] = disk.write_from(disk.allocate(codec.stored_bytes), [data], meta, failing if i == 2 else codec)
         disk.flush()
-        assert disk.failed_writes() == [(LOSSY_NS.id, hashes[2])]
+        assert disk.failed_writes() == [block_key(LOSSY_NS.id, hashes[2])]
         assert disk.writer.counters.write_errors == 1 and disk.writer.counters.writes == 5
         for h in hashes[:2] + hashes[3:]:
             want, got = np.empty(BLOCK, np.uint8), np.empty(BLOCK, np.uint8)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.store import TieredStore
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key, key_hash
 from tests.helpers import chain_hashes, namespace, payload_bytes, poll
 from kvstore.tiers.disk import DATA_FILE, DiskTier
 from kvstore.tiers.disk_slot import checksum_of, extents_of
@@ -87,7 +87,7 @@ class Harness:
         entries = store.pin(NS.id, hashes, owner)
         entries = asyncio.run(store.prepare_read(entries, owner))
         out = [store.host.read(e.location) if e is not None else None for e in entries]
-        store.release(NS.id, [e.key[1] for e in entries if e is not None], owner)
+        store.release(NS.id, [key_hash(e.key) for e in entries if e is not None], owner)
         return out
 
 
@@ -208,7 +208,7 @@ def test_written_blocks_keep_no_write_job_alive(harness):
     from kvstore.tiers.disk_writer import DiskWrite
 
     hashes = chain_hashes(3, 6)
-    mine = {record_key((NS.id, h)) for h in hashes}
+    mine = {record_key(block_key(NS.id, h)) for h in hashes}
 
     def jobs_alive() -> int:  # this burst's (type(), not isinstance: that would touch dead weak proxies)
         gc.collect()
@@ -362,7 +362,7 @@ def test_a_read_scattered_over_more_segments_than_iov_max(tmp_path):
             store.host.write(e.location, payload_bytes(h, ns.block_bytes))
             store.commit(ns_id, [h], "w")
         store.flush()
-        slot = store.index.entries[(ns_id, hashes[0])].location
+        slot = store.index.entries[block_key(ns_id, hashes[0])].location
         assert store.disk.direct and store.disk.read_blocks(slot)
         buf = mmap.mmap(-1, ns.block_bytes)
         whole = np.frombuffer(buf, dtype=np.uint8)
@@ -451,13 +451,13 @@ def test_a_present_block_read_as_a_miss_is_counted_by_reason(harness):
     hashes = chain_hashes(0, 4)
     harness.spill(hashes)
     assert present_misses(store) == {}
-    residents = [e.key[1] for e in store.iter_entries() if e.tier == "host" and e.committed]
+    residents = [key_hash(e.key) for e in store.iter_entries() if e.tier == "host" and e.committed]
     store.pin(NS.id, residents, "hog", prefix=False)  # the arena full of pinned blocks: no room to promote
     assert harness.get(hashes) == [None] * 4
     assert present_misses(store) == {"no_room": 4}
     store.release(NS.id, residents, "hog")
     store.flush()
-    victim = store.index.entries[(NS.id, hashes[1])]
+    victim = store.index.entries[block_key(NS.id, hashes[1])]
     assert victim.tier == "disk"
     corrupt_on_disk(harness, victim)
     got = harness.get(hashes)

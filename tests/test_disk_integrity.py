@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from kvstore.errors import KVStoreError
+from kvstore.keys import block_key, key_hash
 from kvstore.tiers.disk import DATA_FILE, DiskTier, record_key
 from kvstore.tiers.disk_slot import extents_of
 from tests.helpers import chain_hashes, payload_bytes
@@ -20,13 +21,13 @@ def test_restart_round_trip(harness):
     chains = [chain_hashes(s, 5) for s in range(6)]
     harness.spill(*chains)
     store = harness.store
-    on_disk = {e.key[1] for e in store.iter_entries() if e.tier == "disk"}
+    on_disk = {key_hash(e.key) for e in store.iter_entries() if e.tier == "disk"}
     assert {h for c in chains for h in c} <= on_disk
     assert store.check() == []
     store = harness.reopen()
     assert NS.id in store.shared.namespaces  # namespaces survive
     assert store.check() == []
-    assert {e.key[1] for e in store.iter_entries()} >= on_disk  # close() also persisted the host tier
+    assert {key_hash(e.key) for e in store.iter_entries()} >= on_disk  # close() also persisted the host tier
     for c in chains:
         assert store.lookup(NS.id, c).tiers == ("disk",) * 5
         assert harness.get(c) == [payload_bytes(h, BLOCK) for h in c]
@@ -40,9 +41,9 @@ def test_sigterm_path_persists_the_host_tier(harness):
         harness.put(c)
     store = harness.store
     assert any(e.tier == "host" for e in store.iter_entries())
-    everything = {e.key[1] for e in store.iter_entries()}
+    everything = {key_hash(e.key) for e in store.iter_entries()}
     store = harness.reopen()
-    assert {e.key[1] for e in store.iter_entries()} == everything
+    assert {key_hash(e.key) for e in store.iter_entries()} == everything
     for c in chains:
         assert harness.get(c) == [payload_bytes(h, BLOCK) for h in c]
     assert store.check() == []
@@ -55,7 +56,7 @@ def test_restart_serves_every_disk_block_one_at_a_time(harness):
     on_disk = [h for h, t in zip(hashes, store.lookup(NS.id, hashes).tiers) if t == "disk"]
     store = harness.reopen()
     assert store.check() == []
-    recovered = {e.key[1] for e in store.iter_entries()}
+    recovered = {key_hash(e.key) for e in store.iter_entries()}
     assert recovered >= set(on_disk)
     # One block at a time keeps the host tier (4 blocks) from being the limit.
     for h in on_disk:
@@ -76,7 +77,7 @@ def test_corruption_is_detected_and_never_served(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    victim = store.index.entries[(NS.id, hashes[6])]
+    victim = store.index.entries[block_key(NS.id, hashes[6])]
     offset = extents_of(victim.location)[0][0]
     harness.close()
     with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
@@ -90,7 +91,7 @@ def test_corruption_is_detected_and_never_served(harness):
     assert store.stats()["tiers"]["disk"]["checksum_failures"] == 1
     assert store.lookup(NS.id, hashes).hits == 6  # the corrupt block and its subtree are gone
     store.flush()
-    assert record_key((NS.id, victim.key[1])) not in store.disk.index_records()
+    assert record_key(victim.key) not in store.disk.index_records()
     assert store.check() == []
     store = harness.reopen()  # and stay gone after a restart
     assert store.lookup(NS.id, hashes).hits <= 6
@@ -102,7 +103,7 @@ def test_corruption_while_running_with_other_pins(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    e = store.index.entries[(NS.id, hashes[2])]
+    e = store.index.entries[block_key(NS.id, hashes[2])]
     assert e.tier == "disk"
     corrupt_on_disk(harness, e)
     other = store.pin(NS.id, hashes, "other")
@@ -122,7 +123,7 @@ def test_orphan_records_are_dropped_at_open(harness):
     harness.spill(hashes)
     store = harness.store
     store.flush()
-    parent = store.index.entries[(NS.id, hashes[5])]
+    parent = store.index.entries[block_key(NS.id, hashes[5])]
     assert parent.tier == "disk"
     disk = store.disk
     harness.close()
@@ -162,7 +163,7 @@ def test_check_catches_leaked_and_double_owned_disk_pages(harness):
     assert any("disk pages leaked" in p for p in store.check())
     store.disk.alloc.free(leaked)
     assert store.check() == []
-    e = store.index.entries[(NS.id, hashes[3])]
+    e = store.index.entries[block_key(NS.id, hashes[3])]
     store.disk.alloc.free(extents_of(e.location))  # free a live block's pages behind the store's back
     assert any("disk pages owned twice" in p for p in store.check())
     store.disk.alloc.allocate(BLOCK)  # take them back (the stack hands out the same pages)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
+from kvstore.keys import block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk_slot import extents_of
 from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes
@@ -212,7 +213,7 @@ def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(st
         put(store, c)
     read(store, chains[0])  # promoted: their records stay on disk as copies
     assert store.stats()["tiers"]["disk"]["copies"] > 0
-    split = [c for c in chains if {store.index.entries[(NS.id, h)].tier for h in c} == {"host", "disk"}]
+    split = [c for c in chains if {store.index.entries[block_key(NS.id, h)].tier for h in c} == {"host", "disk"}]
     assert split, "no chain spans both tiers: the test proves less than it says"
     store.flush()
     store.close()
@@ -302,7 +303,7 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
     env.close()
     disk = DiskTier(path, pages * PAGE, PAGE)
     try:
-        kept = {b.key[1]: extents_of(b.location) for b in disk.scanned(wait=True)}
+        kept = {key_hash(b.key): extents_of(b.location) for b in disk.scanned(wait=True)}
         assert kept == {b"\x00" * 16: good["e"], b"\x01" * 16: second["e"]}
         disk.flush()
         assert len(disk.index_records()) == 2  # the others were deleted

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from kvstore.keys import block_key, key_hash
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DATA_FILE, DiskTier
 from kvstore.tiers.disk_slot import extents_of
@@ -35,7 +36,7 @@ def _stage_one_batch(disk: DiskTier, blocks: list[tuple[bytes, list]]) -> dict:
     with disk.writer._cv:  # (the writer takes its next batch once this is released)
         for i, (h, extents) in enumerate(blocks):
             nbytes = sum(n for _, n in extents)
-            meta = BlockMeta((NS.id, h), None, 0, None, 0.0)
+            meta = BlockMeta(block_key(NS.id, h), None, 0, None, 0.0)
             slots[h] = disk.write_from(extents, [np.frombuffer(payload_bytes(h, nbytes), np.uint8)], meta)
     return slots
 
@@ -70,7 +71,7 @@ def test_blocks_of_adjacent_pages_go_to_the_disk_in_one_write(tmp_path):
         disk.close()
     disk = DiskTier(str(tmp_path / "disk"), 64 * page, page_bytes=page)
     try:
-        kept = {b.key[1]: b.location for b in disk.scanned(wait=True)}
+        kept = {key_hash(b.key): b.location for b in disk.scanned(wait=True)}
         assert {h: extents_of(slot) for h, slot in kept.items()} == {h: ext for h, ext in blocks}
         for h, extents in blocks:
             out = np.empty(extents[0][1], np.uint8)
@@ -98,7 +99,7 @@ def test_a_failed_write_fails_the_blocks_it_carried_and_no_others(tmp_path, monk
         bad = [(bytes([0x20 + p]) * 16, [[p * page, page]]) for p in range(20, 23)]
         slots = _stage_one_batch(disk, bad + good)
         disk.flush()
-        assert sorted(disk.failed_writes()) == sorted((NS.id, h) for h, _ in bad)
+        assert sorted(disk.failed_writes()) == sorted(block_key(NS.id, h) for h, _ in bad)
         assert disk.writer.counters.write_errors == 3 and disk.writer.counters.writes == 4
         assert len(disk.index_records()) == 4
         for h, extents in good:

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from kvstore.keys import key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import HASHED_HERE_BYTES, DiskTier
 from kvstore.tiers.disk_slot import DiskSlot, checksum_of, codec_of, extents_of, settled
@@ -50,11 +51,11 @@ class Store:
         store = self.store
         entries = asyncio.run(store.prepare_read(store.pin(NS.id, roots, "r", prefix=False), "r"))
         out = [store.host.read(e.location) if e is not None else None for e in entries]
-        store.release(NS.id, [e.key[1] for e in entries if e is not None], "r")
+        store.release(NS.id, [key_hash(e.key) for e in entries if e is not None], "r")
         return out
 
     def on_disk(self) -> dict:
-        return {e.key[1]: e.location for e in self.store.iter_entries() if e.tier == "disk"}
+        return {key_hash(e.key): e.location for e in self.store.iter_entries() if e.tier == "disk"}
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ import pytest
 from kvstore.client import KVClient
 from tests.helpers import chain_hashes, payload_for, poll
 from tests.test_disk_crash import NS, Storm, acknowledged
+from kvstore.keys import block_key, key_hash
 from kvstore.tiers.host import copy_in
 from kvstore.tiers.host_index import index_path
 from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon
@@ -325,7 +326,7 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         store = TieredStore([HostArena(path, 64 * 8192, 8192, prefault=False, persistent=True)])
         assert store.lookup(ns, hs).hits == 5 and store.host.stats()["adopted_unchecked"] == 5
         for h in hs[:5]:
-            assert store.host.read(store.index.entries[(ns, h)].location) == h * 512
+            assert store.host.read(store.index.entries[block_key(ns, h)].location) == h * 512
         poll(lambda: store.host.index.num_unchecked == 0, 30, "background checksums")
         assert store.check() == []  # every record has its checksum, and the bytes match it
         store.close()
@@ -352,7 +353,7 @@ def test_a_reopened_arena_keeps_the_well_formed_records_and_deletes_the_others()
         for e, h in zip(got, roots):
             store.host.write(e.location, np.frombuffer(h * (page // 16), np.uint8))
         store.commit(ns, roots, owner=1)
-        taken = {store.index.entries[(ns, h)].location[0][0] // page for h in roots}
+        taken = {store.index.entries[block_key(ns, h)].location[0][0] // page for h in roots}
         store.close()
         free = [p * page for p in range(pages) if p not in taken]
         good = {"e": [[free[0], page], [free[1], page]], "n": 2 * page, "p": None, "d": 0, "a": None, "t": 0.0,
@@ -378,7 +379,7 @@ def test_a_reopened_arena_keeps_the_well_formed_records_and_deletes_the_others()
         arena = HostArena(path, pages * page, page, prefault=False, persistent=True)
         try:
             assert arena.scanning and arena.recover()[1] == []  # (the blocks come from the scan)
-            kept = {b.key[1]: b.location for b in arena.scanned(wait=True)}
+            kept = {key_hash(b.key): b.location for b in arena.scanned(wait=True)}
             assert set(kept) == set(roots) | {b"\x00" * 16}
             assert kept[b"\x00" * 16] == good["e"]
             assert len(arena.index.records()) == len(kept)  # the others were deleted
@@ -432,7 +433,7 @@ def test_on_an_event_loop_records_and_deletions_are_written_at_the_end_of_the_tu
             worker.join()
 
         in_another_thread(store.commit, ns, [hs[4]], 1)
-        assert [item.key for item in index._turn] == [(ns, hs[3])]
+        assert [item.key for item in index._turn] == [block_key(ns, hs[3])]
         poll(lambda: written() == {*hs[:3], hs[4]}, 10, "the index thread's record")
         in_another_thread(store.remove, ns, [hs[4]])
         poll(lambda: written() == set(hs[:3]), 10, "the index thread's deletion")

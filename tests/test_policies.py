@@ -13,7 +13,7 @@ import pytest
 from kvstore.eviction.attention import AttentionParams, AttentionPolicy
 from kvstore.eviction.base import BlockInfo, make_policy, policy_names
 from kvstore.eviction.belady import BeladyPolicy
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key
 
 POLICIES = ["lru", "lfu", "arc", "s3fifo", "attention", "belady"]
 
@@ -266,7 +266,7 @@ def make_store(store_factory):
         ns = Namespace("test", "bf16", 1, 1, 1, 16, BLOCK)
         if name == "belady":
             store.placement.policies["host"] = BeladyPolicy(
-                {(ns.id, k): v for k, v in (future or {}).items()}, now=lambda: int(clock.now), clock=clock
+                {block_key(ns.id, k): v for k, v in (future or {}).items()}, now=lambda: int(clock.now), clock=clock
             )
         return store, store.register_namespace(ns), clock
 
@@ -316,7 +316,7 @@ def test_store_uncommitted_blocks_are_never_evicted(name, make_store):
     for r in range(6):
         clock.now = r + 1
         put_chain(store, ns, [h("other", r, i) for i in range(2)])
-        assert all((ns, k) in store.index.entries for k in pending)
+        assert all(block_key(ns, k) in store.index.entries for k in pending)
         assert store.check() == []
     store.commit(ns, pending, "writer")
     assert store.lookup(ns, pending).hits == 3
@@ -535,7 +535,7 @@ def test_the_demotions_of_one_reserve_share_one_clock_reading(tmp_path):
         assert store.stats()["tiers"]["disk"]["blocks"] == 64
         assert calls[0] - before <= 2
         disk_policy = store.placement.policies["disk"]
-        assert len({id(disk_policy._leaves.tracked[(ns.id, h)].freq) for h, _ in first}) == 1
+        assert len({id(disk_policy._leaves.tracked[block_key(ns.id, h)].freq) for h, _ in first}) == 1
         store.commit(ns.id, [h for h, _ in second], "w")
         assert store.check() == []
     finally:

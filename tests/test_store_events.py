@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant, rule
 
 from kvstore.block_events import held_tiers
+from kvstore.keys import key_ns
 from tests.test_store_stateful import StoreMachine
 
 
@@ -34,7 +35,7 @@ class RecordingSink:
         self.held.remove((entry.key, tier))
 
     def cleared(self, ns_ids):
-        self.held = {(k, t) for k, t in self.held if k[0] not in set(ns_ids)}
+        self.held = {(k, t) for k, t in self.held if key_ns(k) not in set(ns_ids)}
 
 
 class EventsMachine(StoreMachine):

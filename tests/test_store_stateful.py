@@ -47,7 +47,7 @@ from kvstore.config import CompressionConfig
 from kvstore.eviction.base import policy_names
 from kvstore.entry import RANK, is_leaf_in
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.host import HostArena, remove_stale_arena
 
@@ -149,7 +149,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------
     def present(self, h: bytes) -> bool:
-        return (self.ns, h) in self.store.index.entries
+        return block_key(self.ns, h) in self.store.index.entries
 
     def parents(self) -> list:
         return [None] + sorted(self.committed)
@@ -159,7 +159,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def bytes_of(self, h: bytes) -> bytes:
         """The block's bytes wherever it lives, through the tier interface (disk: verified)."""
-        e = self.store.index.entries[(self.ns, h)]
+        e = self.store.index.entries[block_key(self.ns, h)]
         tier = self.store.tiers[e.tier]
         out = np.empty(e.nbytes, dtype=np.uint8)
         tier.read_blocks(e.location)
@@ -289,7 +289,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
         self.pins = {o: [] for o in self.pins}
         self.reserved = {}
-        after = {k[1] for k in self.store.index.entries}
+        after = {key_hash(k) for k in self.store.index.entries}
         assert after <= before, "a restart brought back a block that was not committed"
         self.committed = {h: p for h, p in self.committed.items() if h in after}
 
@@ -309,7 +309,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
         self.pins = {o: [] for o in self.pins}
         self.reserved = {}
-        after = {k[1] for k in self.store.index.entries}
+        after = {key_hash(k) for k in self.store.index.entries}
         assert after <= set(self.last_committed), "a crash brought back a block that was never committed"
         # Back: what was committed, or removed just before the kill (its deletion not yet committed).
         self.committed = {h: self.last_committed[h] for h in after}
@@ -330,11 +330,11 @@ class StoreMachine(RuleBasedStateMachine):
                 del self.committed[h]  # evicted
         for h in self.reserved:
             assert self.present(h), "an uncommitted block was evicted"
-            assert not self.store.index.entries[(self.ns, h)].committed
+            assert not self.store.index.entries[block_key(self.ns, h)].committed
         assert self.store.lookup(self.ns, []).hits == 0
         for h, payload in self.committed.items():
-            assert self.store.index.entries[(self.ns, h)].committed and self.matches(h, self.bytes_of(h))
-        store_committed = {k[1] for k, e in self.store.index.entries.items() if e.committed}
+            assert self.store.index.entries[block_key(self.ns, h)].committed and self.matches(h, self.bytes_of(h))
+        store_committed = {key_hash(k) for k, e in self.store.index.entries.items() if e.committed}
         assert store_committed == set(self.committed)
 
 
@@ -398,13 +398,13 @@ def test_check_catches_a_broken_children_index_and_remove_walks_it():
         assert all(store.reserve(ns, blocks, 1))
         store.commit(ns, [a, b, c, d], 1)
         assert store.check() == []
-        root = store.index.entries[(ns, a)]
-        assert root.child_keys == {(ns, b), (ns, c)}
-        root.child_keys = (ns, b)  # forget c
+        root = store.index.entries[block_key(ns, a)]
+        assert root.child_keys == {block_key(ns, b), block_key(ns, c)}
+        root.child_keys = block_key(ns, b)  # forget c
         assert any("children index" in p for p in store.check())
-        root.child_keys = {(ns, b), (ns, c)}
+        root.child_keys = {block_key(ns, b), block_key(ns, c)}
         assert store.remove(ns, [b]) == 2  # b and d, not its sibling c
-        assert root.child_keys == (ns, c) and store.check() == []
+        assert root.child_keys == block_key(ns, c) and store.check() == []
         assert store.remove(ns, [a]) == 2 and not store.index.entries and store.check() == []
     finally:
         arena.close()

@@ -20,7 +20,7 @@ import pytest
 import kvstore.store as store_mod
 import kvstore.tiers.host_index as host_index
 import kvstore.tiers.host_scan as host_scan
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import Namespace, block_key, hash_blocks
 from kvstore.store import TieredStore
 from tests.helpers import hold_scans, poll
 
@@ -54,7 +54,7 @@ def reopen(store_factory, path: str, blocks: int = 16, **store_kw) -> TieredStor
 
 def alter(path: str, store: TieredStore, h: bytes) -> None:
     """Change bytes of block `h` in the arena file, behind the store's back."""
-    (offset, _), *_ = store.index.entries[(NS.id, h)].location
+    (offset, _), *_ = store.index.entries[block_key(NS.id, h)].location
     with open(path, "r+b") as f:
         f.seek(offset + 100)
         f.write(b"\xde\xad")
@@ -116,9 +116,9 @@ def test_an_altered_block_is_not_demoted(monkeypatch, store_factory):
     alter(path, store, hashes[5])  # the chain's leaf: the first victim
     other = hash_blocks(np.arange(16 * 3) + 10_000, 16)
     write_chain(store, ns, other)  # three blocks of room: three victims, leaf first
-    assert store.index.entries.get((ns, hashes[5])) is None
+    assert store.index.entries.get(block_key(ns, hashes[5])) is None
     assert store.stats()["counters"]["host_checksum_failures"] == 1
-    assert [store.index.entries[(ns, h)].tier for h in hashes[3:5]] == ["disk", "disk"]
+    assert [store.index.entries[block_key(ns, h)].tier for h in hashes[3:5]] == ["disk", "disk"]
     assert store.stats()["tiers"]["disk"]["blocks"] == 2
     store.flush()
     got = asyncio.run(store.acquire(ns, hashes, "r"))[0]
@@ -152,7 +152,7 @@ def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch,
     path, hashes = kept_chain(store_factory)
     never_quiet(monkeypatch)
     store = reopen(store_factory, path)
-    (offset, _), *_ = store.index.entries[(NS.id, hashes[3])].location
+    (offset, _), *_ = store.index.entries[block_key(NS.id, hashes[3])].location
     store.close()
     with open(path, "r+b") as f:
         f.seek(offset + 100)
@@ -163,7 +163,7 @@ def test_a_block_found_altered_before_it_is_adopted_is_never_served(monkeypatch,
     store.host.index._hash_wake.set()
     poll(lambda: store.host.stats()["unverified_blocks"] == 0, 30, "the background verification")
     assert store.host.stats()["corrupt_blocks"] == 1
-    assert store.index.entries.get((NS.id, hashes[3])) is None  # not adopted yet
+    assert store.index.entries.get(block_key(NS.id, hashes[3])) is None  # not adopted yet
     store.placement.reap()  # the store hears of it with nothing to discard yet
     store.recovery.finish()  # adopted now, the altered block with the others
     got = read(store, hashes)

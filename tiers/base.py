@@ -60,12 +60,11 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from kvstore.keys import Key  # noqa: F401  (also this module's name)
 from kvstore.tiers import TIER_ORDER  # noqa: F401  (also this module's name)
 from kvstore.tiers.pages import PageAllocator, allocate_each
 
 log = logging.getLogger("kvstore.tiers")
-
-Key = tuple  # (namespace id, block hash)
 
 
 class BlockMeta(NamedTuple):

@@ -96,6 +96,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvstore.keys import Key, key_ns, key_text
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool
 from kvstore.tiers.disk_read import DataFileReader
@@ -104,7 +105,7 @@ from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_o
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 from kvstore.tiers.pages import adjacent_groups
-from kvstore.tiers.record_scan import record_key
+from kvstore.tiers.record_scan import record_key, store_key
 
 log = logging.getLogger(__name__)
 
@@ -325,8 +326,8 @@ class DiskTier(Tier):
             return False
         return self.decoder is not None and self.decoder(blob, out)  # decoded here, in the reader thread
 
-    def failed_writes(self) -> list[tuple]:
-        return [tuple(msgpack.unpackb(job.key)) for job in self.take_failed()]
+    def failed_writes(self) -> list[Key]:
+        return [store_key(job.key) for job in self.take_failed()]
 
     def lost(self, location: Location) -> bool:
         job = self._job(location)
@@ -383,14 +384,14 @@ class DiskTier(Tier):
         for key, slot in placed.items():
             rec = records.pop(record_key(key), None)
             if rec is None:
-                problems.append(f"disk block {key} has no index record")
+                problems.append(f"disk block {key_text(key)} has no index record")
             elif rec["e"] != extents_of(slot) or rec["n"] != sum(n for _, n in extents_of(slot)):
-                problems.append(f"index record of {key} disagrees with its slot")
+                problems.append(f"index record of {key_text(key)} disagrees with its slot")
             elif rec["x"] != (checksum_of(slot) if type(slot) is int else slot.known_checksum()):
-                problems.append(f"index checksum of {key} disagrees with the store")
+                problems.append(f"index checksum of {key_text(key)} disagrees with the store")
         if records:
             problems.append(f"{len(records)} index records belong to no disk block")
-        for ns_id in {key[0] for key in placed} - self.persisted_namespaces():
+        for ns_id in {key_ns(key) for key in placed} - self.persisted_namespaces():
             problems.append(f"namespace {ns_id} of disk blocks is not in the index")
         return problems
 

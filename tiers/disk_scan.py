@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
-from kvstore.tiers.record_scan import RecordScan, block_key, describe, page_runs
+from kvstore.tiers.record_scan import RecordScan, store_key, describe, page_runs
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -52,7 +52,7 @@ class DiskScan(RecordScan[ScanResult]):
         unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
 
         def parse(rkey: bytes, raw: bytes) -> tuple[RecoveredBlock, list]:
-            key = block_key(rkey)
+            key = store_key(rkey)
             rec = unpack(raw)
             extents, checksum = rec["e"], rec["x"]
             if not isinstance(checksum, int):

@@ -57,6 +57,7 @@ from typing import Sequence
 import lmdb
 import numpy as np
 
+from kvstore.keys import key_text
 from kvstore.tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this module's names)
     ArenaRefused,
     _advise_hugepages,
@@ -293,7 +294,7 @@ class HostArena(Tier):
     def verify(self, location: Extents, key: tuple) -> bool:
         return self.index is None or self.index.verify(key, location)
 
-    def failed_checks(self) -> list[tuple]:
+    def failed_checks(self) -> list[bytes]:
         """Adopted blocks the index's hasher found altered (their bytes are lost to the store)."""
         if self.index is None:
             return []
@@ -333,13 +334,13 @@ class HostArena(Tier):
         for key, extents in placed.items():
             rec = records.pop(record_key(key), None)
             if rec is None:
-                problems.append(f"host block {key} has no index record")
+                problems.append(f"host block {key_text(key)} has no index record")
             elif rec["e"] != extents or rec["n"] != sum(n for _, n in extents):
-                problems.append(f"index record of host block {key} disagrees with its pages")
+                problems.append(f"index record of host block {key_text(key)} disagrees with its pages")
             elif rec["x"] is None:
-                problems.append(f"the index record of host block {key} has no checksum after a flush")
+                problems.append(f"the index record of host block {key_text(key)} has no checksum after a flush")
             elif rec["x"] != checksum(self.buf, extents):
-                problems.append(f"host block {key} no longer matches its recorded checksum")
+                problems.append(f"host block {key_text(key)} no longer matches its recorded checksum")
         if records:
             problems.append(f"{len(records)} host index records belong to no host block")
         return problems

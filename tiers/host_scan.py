@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.host_index import _Pending, _Unverified
-from kvstore.tiers.record_scan import RecordScan, block_key, page_runs
+from kvstore.tiers.record_scan import RecordScan, store_key, page_runs
 
 
 class HostScanResult(NamedTuple):
@@ -49,7 +49,7 @@ class HostScan(RecordScan[HostScanResult]):
         unpack = msgpack.unpackb
 
         def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
-            key = block_key(rkey)
+            key = store_key(rkey)
             rec = unpack(raw)
             runs = page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
             if not (rec["x"] is None or isinstance(rec["x"], int)):

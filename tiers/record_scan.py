@@ -28,6 +28,8 @@ import lmdb
 import msgpack
 import numpy as np
 
+from kvstore.keys import Key, block_key, key_hash, key_ns
+
 YIELD_EVERY = 256  # records between two releases of the GIL (the event loop waits for it meanwhile)
 
 R = TypeVar("R")
@@ -35,9 +37,9 @@ BAD_RECORD = (ValueError, KeyError, TypeError, msgpack.UnpackException)  # what 
 _PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
 
 
-def record_key(key: tuple) -> bytes:
+def record_key(key: Key) -> bytes:
     """A block's key in its tier's records: msgpack `[namespace id, hash]` of the store key."""
-    return _PACKER.pack([key[0], key[1]])  # (packb would make a Packer per call: ~3x the cost)
+    return _PACKER.pack([key_ns(key), key_hash(key)])  # (packb would make a Packer per call: ~3x the cost)
 
 
 class Records(NamedTuple):
@@ -128,12 +130,12 @@ class RecordScan(Generic[R]):
         raise NotImplementedError
 
 
-def block_key(rkey: bytes) -> tuple[str, bytes]:
-    """The store key (namespace id, hash) a record key packs; one of BAD_RECORD where it packs none."""
+def store_key(rkey: bytes) -> Key:
+    """The store key of a record key (`record_key`); one of BAD_RECORD where it packs none."""
     ns_id, h = msgpack.unpackb(rkey)
     if not isinstance(ns_id, str) or not isinstance(h, bytes):
         raise TypeError("a malformed key")
-    return ns_id, h
+    return block_key(ns_id, h)
 
 
 def describe(reasons: dict[str, int]) -> str:

@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.belady import BeladyPolicy
 from kvstore.eviction.traces import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key, key_hash
 from kvstore.tools.gen_trace import requests_for
 from kvstore.store import TieredStore
 from kvstore.wire import TIERS
@@ -133,7 +133,7 @@ def replay(
                 served = 0
                 while served < len(entries) and entries[served] is not None:
                     served += 1
-                store.release(ns_id, [e.key[1] for e in entries if e is not None], owner)
+                store.release(ns_id, [key_hash(e.key) for e in entries if e is not None], owner)
                 hits = served
             tally.add(tokens, hits, ())
             if hits_out is not None:
@@ -173,7 +173,7 @@ def _estimator(attention: str, rng: random.Random, future: dict, ns_id: str, pos
     if attention == "oracle":
         def oracle(new: list) -> list:
             pos = position[0]
-            return [1.0 if future.get((ns_id, h), [pos])[-1] > pos else 0.0 for h in new]
+            return [1.0 if future.get(block_key(ns_id, h), [pos])[-1] > pos else 0.0 for h in new]
         return oracle
     raise ValueError(f"unknown attention mode {attention!r}")
 

@@ -57,7 +57,7 @@ from kvstore.codec import from_float32
 from kvstore.compression import Compression, decode_into
 from kvstore.config import CompressionConfig, parse_size
 from kvstore.store import TieredStore
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_key
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostArena
 
@@ -132,7 +132,7 @@ def store_round(folder: str, n: int, block_bytes: int, ns: Namespace | None = No
         t0 = time.perf_counter()
         asyncio.run(promote_all())
         read_gbps = n * block_bytes / (time.perf_counter() - t0) / 1e9
-        sample = store.index.entries[(ns_id, hashes[n // 2])]
+        sample = store.index.entries[block_key(ns_id, hashes[n // 2])]
         if not compress:
             assert np.array_equal(np.frombuffer(host.read(sample.location), np.uint8), payload)
         assert store.check() == []

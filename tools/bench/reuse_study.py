@@ -39,6 +39,7 @@ import numpy as np
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key
 from kvstore.eviction.traces import Request, read_trace
+from kvstore.keys import key_hash
 from kvstore.tools.replay import replay
 
 BASELINES = ("lru", "lfu", "arc", "s3fifo")
@@ -140,7 +141,7 @@ class HitDensityOracle(EvictionPolicy):
         age_bin = min(int((now - self.last[key]) // HD_BIN_S), HD_BINS - 1)
         cls: tuple = (min(self.refs[key], HD_CLASSES),)
         if self.features is not None:
-            cls += self.features[_UNPACK(key[1])[0]]
+            cls += self.features[_UNPACK(key_hash(key))[0]]
         row = self.table.get(cls)
         return float(row[age_bin]) if row is not None else 0.0
 
