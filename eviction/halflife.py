@@ -73,7 +73,6 @@ import math
 from typing import Hashable, Sequence
 
 from kvstore.eviction.ghosts import Ghosts, ghost_cap
-from kvstore.keys import HASH_BYTES, TAG_BYTES
 
 Key = Hashable
 
@@ -86,7 +85,7 @@ EARLY_FRACTION = 0.5
 EARLY_EVIDENCE = 4.0
 FORGET_LOG2 = -60  # a count decayed below 2^-60 of a credit starts over (here and in attention.py)
 _MIX = 0x9E3779B97F4A7C15
-STORE_KEY_BYTES = TAG_BYTES + HASH_BYTES  # a store key (kvstore/keys.py): its hash is what is mixed
+TAG_BYTES, STORE_KEY_BYTES = 8, 24  # a store key (kvstore/keys.py): a namespace's tag, then the hash mixed
 _MASK = 0xFFFFFFFFFFFFFFFF
 _log2 = math.log2
 _heappush, _heappop = heapq.heappush, heapq.heappop

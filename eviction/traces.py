@@ -36,8 +36,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from kvstore.keys import ns_tag
-
 TRACE_BLOCK_TOKENS = 512
 ATTN_CONTEXT_TOKENS = 32768  # same cost model as eviction/attention.py: attention FLOPs = linear FLOPs here
 _PACK = struct.Struct("<QQ").pack
@@ -111,10 +109,10 @@ def expand(req: Request, block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[list[b
     return hashes, tokens
 
 
-def next_use_index(chains: Iterable[Sequence[bytes]], ns_id: str) -> dict[bytes, list[int]]:
-    """For Belady: store key -> sorted request positions at which it is referenced."""
+def next_use_index(chains: Iterable[Sequence[bytes]], tag: bytes) -> dict[bytes, list[int]]:
+    """For Belady: store key (`tag`, the namespace's, then the hash) -> sorted request positions at which
+    it is referenced."""
     future: dict[bytes, list[int]] = defaultdict(list)
-    tag = ns_tag(ns_id)
     for pos, hashes in enumerate(chains):
         for h in hashes:
             future[tag + h].append(pos)

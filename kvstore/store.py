@@ -8,12 +8,12 @@ block readable (or `abort` gives the room back). Reads are two-phase too:
 follows the local prefix) and brings them where the reader reads, the reader
 copies, `release` unpins.
 
-Keys are `(namespace id, block hash)`. Every block knows its parent, so the
-blocks form a prefix tree; a child is only ever inserted under a present parent
-and only leaves are evicted, so no chain ever has a hole. A pinned or
-uncommitted block is never evicted. Pins and reservations belong to an
-*owner* (a client connection); `release_owner` drops them all when the owner
-goes away (lease expiry).
+Keys are a namespace's tag then a block hash (kvstore/keys.py, `block_key`).
+Every block knows its parent, so the blocks form a prefix tree; a child is only
+ever inserted under a present parent and only leaves are evicted, so no chain
+ever has a hole. A pinned or uncommitted block is never evicted. Pins and
+reservations belong to an *owner* (a client connection); `release_owner` drops
+them all when the owner goes away (lease expiry).
 
 The parts, each the only writer of its state:
 - `index` (kvstore/index.py): the entries, the prefix tree, pins, ghost pins,

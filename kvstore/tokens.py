@@ -2,7 +2,7 @@
 
 Why a token is scoped, and why a tenant is more than a cache_salt
 ------------------------------------------------------------------
-A block's key is (namespace id, chained hash). cache_salt is mixed into block
+A block's key is its namespace and its chained hash. cache_salt is mixed into block
 0's hash (kvstore/keys.py, `ExtraKeys`), so two tenants' chains never collide.
 But the daemon only ever sees hashes: it cannot tell which salt a block was made
 with, and whoever can name a hash (from a `blocks` listing, or by recomputing it

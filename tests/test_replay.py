@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kvstore.eviction.traces import expand, full_blocks, next_use_index, read_trace, Request
+from kvstore.keys import block_key, ns_tag
 from kvstore.tools import cli
 from kvstore.tools.replay import ALL_POLICIES
 
@@ -50,8 +51,9 @@ def test_full_blocks_drops_the_partial_tail_only():
 
 
 def test_next_use_index_lists_positions_in_order():
-    future = next_use_index([[b"a", b"b"], [b"a"], [b"a", b"c"]], "ns")
-    assert future[("ns", b"a")] == [0, 1, 2] and future[("ns", b"c")] == [2]
+    tag = ns_tag("ns")
+    future = next_use_index([[b"a", b"b"], [b"a"], [b"a", b"c"]], tag)
+    assert future[tag + b"a"] == [0, 1, 2] and future[tag + b"c"] == [2] and future[block_key("ns", b"b")] == [0]
 
 
 @needs_trace

@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.belady import BeladyPolicy
 from kvstore.eviction.traces import TRACE_BLOCK_TOKENS, Request, Tally, expand, full_blocks, next_use_index, read_trace
-from kvstore.keys import Namespace, block_key, key_hash
+from kvstore.keys import Namespace, block_key, key_hash, ns_tag
 from kvstore.tools.gen_trace import requests_for
 from kvstore.store import TieredStore
 from kvstore.wire import TIERS
@@ -113,7 +113,7 @@ def replay(
         else:
             store = TieredStore(host, policy=name, clock=clock)
         need_future = policy == "belady" or attention == "oracle"
-        future = next_use_index((h for h, _ in chains), ns.id) if need_future else {}
+        future = next_use_index((h for h, _ in chains), ns_tag(ns.id)) if need_future else {}
         if factory is not None:
             store.placement.policies["host"] = factory(clock)
         elif policy == "belady":
