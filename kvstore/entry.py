@@ -44,27 +44,32 @@ class Entry:
     nbytes: int
     tier: str
     location: object  # the tier's own handle: extents (host, gpu), an int or a DiskSlot (disk), a RemoteRef
-    owner: Owner | None  # reserving owner while uncommitted
-    committed: bool = False
+    owner: Owner | None  # the reserving owner while uncommitted; None once committed (`committed`)
     pins: int = 0
     tier_children: int = 0  # resident children per tier: CHILD_BITS bits per tier rank (`CHILD[tier]` is one)
     child_keys: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
-    hits: int = 0  # times acquired (for `kvstore inspect`)
     last_access: float = 0.0  # the store's clock at the commit or the latest hit
-    rare: _Rare | None = None  # `attention`, `copies` and `tokens` (properties, below), where one is set
-    # What only some blocks have, in one object of theirs: a block holds none of the three unless the
-    # engine sent an estimate, it was promoted out of a persistent tier, or KV events follow tokens
-    # (16 B less of every other block):
+    rare: _Rare | None = None  # `attention`, `copies`, `tokens` and `hits` (properties, below), where one is set
+    # What only some blocks have, in one object of theirs: a block holds none of the four unless the
+    # engine sent an estimate, it was promoted out of a persistent tier, KV events follow tokens, or it
+    # was read (32 B less of every other block):
     # - attention (float | None): the engine's attention estimate, as sent at the commit;
     # - copies (dict | None): tier name -> location of a copy kept in a slower, persistent tier;
-    # - tokens (bytes | None): the block's token ids (<u4), when the writer sent them and KV events are on.
+    # - tokens (bytes | None): the block's token ids (<u4), when the writer sent them and KV events are on;
+    # - hits (int): times acquired, for `kvstore inspect` (`count_hit`).
+
+    @property
+    def committed(self) -> bool:
+        """Readable: committed, no longer any owner's reservation (a reservation always has an owner)."""
+        return self.owner is None
 
 
 class _Rare:
-    __slots__ = ("attention", "copies", "tokens")
+    __slots__ = ("attention", "copies", "tokens", "hits")  # (four slots take what three would: 64 B)
 
     def __init__(self) -> None:
         self.attention = self.copies = self.tokens = None
+        self.hits = 0
 
 
 def _rare(name: str) -> property:
@@ -82,13 +87,23 @@ def _rare(name: str) -> property:
                 return
             rare = e.rare = _Rare()
         setattr(rare, name, value)
-        if value is None and rare.attention is None and rare.copies is None and rare.tokens is None:
+        if value is None and rare.attention is None and rare.copies is None and rare.tokens is None and not rare.hits:
             e.rare = None
 
     return property(get, put)
 
 
 Entry.attention, Entry.copies, Entry.tokens = _rare("attention"), _rare("copies"), _rare("tokens")  # type: ignore[misc]
+Entry.hits = property(lambda e: 0 if e.rare is None else e.rare.hits)  # type: ignore[misc]
+
+
+def count_hit(e: Entry, now: float) -> None:
+    """An acquire read `e`: one more hit, and its latest access."""
+    rare = e.rare
+    if rare is None:
+        rare = e.rare = _Rare()
+    rare.hits += 1
+    e.last_access = now
 
 
 _DEPTHS: dict[int, int] = {}

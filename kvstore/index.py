@@ -33,7 +33,8 @@ from collections import Counter, defaultdict
 from typing import Callable, Iterable, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
-from kvstore.entry import CHILD, Entry, Key, Owner, add_children, child_depth, children_of, link_child, unlink_child
+from kvstore.entry import (CHILD, Entry, Key, Owner, add_children, child_depth, children_of, count_hit, link_child,
+                           unlink_child)
 from kvstore.errors import KVStoreError
 from kvstore.keys import key_hash, key_ns, ns_tag
 
@@ -90,6 +91,8 @@ class BlockIndex:
     def reserve(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
                 owner: Owner) -> Entry:
         """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
+        if owner is None:
+            raise ValueError("a reservation needs an owner")
         if parent is None:
             e = Entry(key, None, 0, nbytes, tier, location, owner)
         else:
@@ -108,8 +111,8 @@ class BlockIndex:
               attention: float | None = None) -> Entry:
         """A committed entry for a block found in a tier (restart recovery, a remote lookup)."""
         e = self._link(Entry(key, parent.key if parent is not None else None,
-                             child_depth(parent) if parent is not None else 0, nbytes, tier, location, None,
-                             committed=True), parent)
+                             child_depth(parent) if parent is not None else 0, nbytes, tier, location, None),
+                       parent)
         if attention is not None:
             e.attention = attention
         self._count(e, 1)
@@ -152,8 +155,7 @@ class BlockIndex:
                 mine.difference_update([e.key for e in entries] if len(owners) == 1 else
                                        [e.key for e in entries if e.owner == owner])
         for e in entries:
-            e.committed = True
-            e.owner = None
+            e.owner = None  # (committed)
             e.last_access = now
             self._count(e, 1)
         if attention is not None:
@@ -281,16 +283,14 @@ class BlockIndex:
             return
         for e in entries:
             e.pins += 1
-            e.hits += 1
-            e.last_access = now
+            count_hit(e, now)
             key = e.key
             pins[key] = held(key, 0) + 1
 
     def touch(self, entries: Sequence[Entry], now: float) -> None:
         """An acquire hit these blocks (what inspection shows: hits, idle time)."""
         for e in entries:
-            e.hits += 1
-            e.last_access = now
+            count_hit(e, now)
 
     def pinned_by(self, owner: Owner, key: Key) -> bool:
         pins = self.pins_by_owner.get(owner)
