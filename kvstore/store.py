@@ -258,6 +258,7 @@ class TieredStore:
 
     def release(self, ns_id: str, hashes: Sequence[bytes], owner: Owner) -> None:
         """Unpin. A release of a block not pinned by `owner` raises and changes nothing."""
+        self.namespace(ns_id)  # (before a tag is made for a name no namespace has)
         self.index.release(ns_id, hashes, owner)
 
     def unpin_failed(self, e: Entry, owner: Owner | None) -> None:
@@ -451,6 +452,7 @@ class TieredStore:
 
     def count_in_flight(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` are committed or in flight (reserved or announced)."""
+        self.namespace(ns_id)
         return self.waits.count_in_flight(ns_id, hashes)
 
     async def wait_committed(self, ns_id: str, hashes: Sequence[bytes], timeout_s: float,

@@ -1,4 +1,5 @@
-"""Block hashes are deterministic, chained, and separated by extra keys and namespaces."""
+"""Block hashes are deterministic, chained, and separated by extra keys and namespaces; a store key names
+its namespace and its hash, and nothing else."""
 
 import os
 import subprocess
@@ -7,7 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvstore.keys import ROOT_HASH, ExtraKeys, MultimodalItem, Namespace, hash_blocks
+from kvstore import keys
+from kvstore.errors import NamespaceError
+from kvstore.keys import (ROOT_HASH, TAG_BYTES, ExtraKeys, MultimodalItem, Namespace, block_key, hash_blocks, key_hash,
+                          key_ns, key_text, ns_tag)
 
 TOKENS = list(range(1000, 1000 + 100))
 
@@ -89,3 +93,35 @@ def test_namespace_id_is_stable_and_sensitive():
         Namespace("m", "bf16", 0, 3, 64, 32, 10)
     with pytest.raises(ValueError):
         Namespace.from_dict({"model": "m", "bogus": 1})
+
+
+def test_a_store_key_gives_back_its_namespace_and_hash():
+    a, b = Namespace("m", "bf16", 2, 2, 64, 16, 4096), Namespace("m", "bf16", 2, 2, 64, 16, 4096, tp_rank=1, tp_size=2)
+    h = hash_blocks(TOKENS, 16)[0]
+    ka, kb = block_key(a.id, h), block_key(b.id, h)
+    assert ka != kb and len(ka) == TAG_BYTES + len(h)  # the same hash in two namespaces: two blocks
+    assert (key_ns(ka), key_hash(ka), key_ns(kb), key_hash(kb)) == (a.id, h, b.id, h)
+    assert ka == ns_tag(a.id) + h and ns_tag(a.id) is ns_tag(a.id)  # one tag object a namespace
+    assert key_text(ka) == f"{a.id}/{h.hex()[:16]}"
+    assert key_text(b"\x01" * TAG_BYTES + h).startswith("01" * TAG_BYTES)  # a tag no namespace has: shown as is
+    with pytest.raises(TypeError):
+        ns_tag(b"ns-bytes")
+
+
+def test_two_namespace_ids_with_one_tag_are_refused(monkeypatch):
+    monkeypatch.setattr(keys, "_TAGS", {})
+    monkeypatch.setattr(keys, "_NAMES", {keys.xxhash.xxh3_64_digest(b"ns-b"): "ns-a"})  # as if ns-a had ns-b's tag
+    with pytest.raises(ValueError, match="same tag"):
+        ns_tag("ns-b")
+    assert keys._TAGS == {}
+
+
+def test_names_no_namespace_has_make_no_tags(store_factory):
+    """A client naming a namespace that does not exist gets an error, and the daemon keeps nothing of it."""
+    store = store_factory(16 * 4096, 4096)
+    before = len(keys._TAGS)
+    for call in (lambda ns: store.release(ns, [b"h" * 16], "c"), lambda ns: store.count_in_flight(ns, [b"h" * 16]),
+                 lambda ns: store.lookup(ns, [b"h" * 16]), lambda ns: store.reserve(ns, [(b"h" * 16, None)], "c")):
+        with pytest.raises(NamespaceError):
+            call("ns-nobody-registered")
+    assert len(keys._TAGS) == before
