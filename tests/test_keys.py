@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from kvstore import keys
 from kvstore.errors import NamespaceError
 from kvstore.keys import (ROOT_HASH, TAG_BYTES, ExtraKeys, MultimodalItem, Namespace, block_key, hash_blocks, key_hash,
                           key_ns, key_text, ns_tag)
+from kvstore.tiers.record_scan import record_key, store_key
 
 TOKENS = list(range(1000, 1000 + 100))
 
@@ -125,3 +127,14 @@ def test_names_no_namespace_has_make_no_tags(store_factory):
         with pytest.raises(NamespaceError):
             call("ns-nobody-registered")
     assert len(keys._TAGS) == before
+
+
+def test_record_keys_keep_their_format():
+    """A tier's records name a block by msgpack `[namespace id, hash]`, as before keys were one object: the
+    disk and the kept arena of an earlier version are read as they are."""
+    for ns_id in ("ns-0123456789abcdef", "n" * 40):
+        for h in (hash_blocks(TOKENS, 16)[0], b"x", b"y" * 40):
+            rkey = record_key(block_key(ns_id, h))
+            assert rkey == msgpack.packb([ns_id, h]) and store_key(rkey) == block_key(ns_id, h)
+    with pytest.raises(TypeError):
+        store_key(msgpack.packb([1, b"h"]))
