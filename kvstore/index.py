@@ -36,7 +36,7 @@ from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import (CHILD, Entry, Key, Owner, add_children, child_depth, children_of, count_hit, link_child,
                            unlink_child)
 from kvstore.errors import KVStoreError
-from kvstore.keys import key_hash, key_ns, ns_tag
+from kvstore.keys import TAG_BYTES, key_hash, ns_tag
 
 
 
@@ -46,7 +46,7 @@ class BlockIndex:
         """`copy_tiers`: the persistent tiers, where promoted blocks keep copies; `device_of`: per tier that
         has devices (the GPU tier), the device of a block's location."""
         self.listeners = listeners
-        self.held: dict[tuple[str, str], list[int]] = {}  # (namespace id, tier) -> [committed blocks, bytes]
+        self.held: dict[tuple[bytes, str], list[int]] = {}  # (namespace tag, tier) -> [committed blocks, bytes]
         self.device_of = dict(device_of or {})
         self.device_bytes: dict[str, dict[str, int]] = {t: {} for t in self.device_of}  # tier -> device -> bytes
         self.entries: dict[Key, Entry] = {}
@@ -121,10 +121,10 @@ class BlockIndex:
 
     def _count(self, e: Entry, sign: int) -> None:
         """Add (+1) or take out (-1) committed `e` in the tally, where it sits now."""
-        ns_id = key_ns(e.key)
-        row = self.held.get((ns_id, e.tier))
+        at = (e.key[:TAG_BYTES], e.tier)
+        row = self.held.get(at)
         if row is None:
-            row = self.held[(ns_id, e.tier)] = [0, 0]
+            row = self.held[at] = [0, 0]
         row[0] += sign
         row[1] += sign * e.nbytes
         device_of = self.device_of.get(e.tier)

@@ -110,8 +110,7 @@ class Placement:
         for name, group in _by_tier(entries).items():
             tier = self.tiers[name]
             if tier.records_placed:
-                tier.placed_many([(e.location, BlockMeta(e.key, key_hash(e.parent) if e.parent is not None else None, e.depth,
-                                                         e.attention, stamp)) for e in group])
+                tier.placed_many([(e.location, self.block_meta(e, stamp)) for e in group])
 
     def insert_in_policy(self, entries: Sequence[Entry]) -> None:
         """Committed or adopted blocks enter their tier's policy, in order (one `on_insert_many` per tier)."""

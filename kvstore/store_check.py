@@ -17,7 +17,7 @@ from typing import Sequence
 from kvstore.compaction import Compactor
 from kvstore.entry import RANK, TIERS, Key, child_counts, children_of
 from kvstore.index import BlockIndex
-from kvstore.keys import key_ns, key_text, ns_tag
+from kvstore.keys import TAG_BYTES, key_ns, key_text, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import Promoter
 
@@ -76,8 +76,8 @@ def namespace_rows(placement: Placement) -> dict[str, dict]:
                       "num_layers": ns.num_layers, "layout": ns.layout,
                       "anchor": ns.anchor,  # (a hybrid model's attachments: kvstore/connectors/hybrid.py)
                       "blocks": {}, "bytes": {}, "counters": dict(shared.ns_counters.get(ns_id, {}))}
-    for (ns_id, tier), (blocks, nbytes) in placement.index.held.items():
-        row = out.get(ns_id)
+    for (tag, tier), (blocks, nbytes) in placement.index.held.items():
+        row = out.get(key_ns(tag))
         if row is not None and blocks:
             row["blocks"][tier] = blocks
             row["bytes"][tier] = nbytes
@@ -169,17 +169,17 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
 
 def _check_tally(index: BlockIndex) -> list[str]:
     """The index's tally (what stats report) counts exactly its committed entries."""
-    held: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    held: dict[tuple[bytes, str], list[int]] = defaultdict(lambda: [0, 0])
     device_bytes: dict[str, Counter] = {tier: Counter() for tier in index.device_of}
     for e in index.entries.values():
         if e.committed:
-            row = held[(key_ns(e.key), e.tier)]
+            row = held[(e.key[:TAG_BYTES], e.tier)]
             row[0] += 1
             row[1] += e.nbytes
             if e.tier in index.device_of:
                 device_bytes[e.tier][index.device_of[e.tier](e.location)] += e.nbytes
     kept = {k: v for k, v in index.held.items() if v != [0, 0]}
-    problems = [f"tally of {k} says {kept.get(k)}, the index holds {held.get(k)}"
+    problems = [f"tally of {key_ns(k[0])} in {k[1]} says {kept.get(k)}, the index holds {held.get(k)}"
                 for k in set(kept) | set(held) if kept.get(k) != held.get(k)]
     for tier, per_device in device_bytes.items():
         if +Counter(index.device_bytes[tier]) != +per_device:

@@ -138,3 +138,16 @@ def test_record_keys_keep_their_format():
             assert rkey == msgpack.packb([ns_id, h]) and store_key(rkey) == block_key(ns_id, h)
     with pytest.raises(TypeError):
         store_key(msgpack.packb([1, b"h"]))
+
+
+def test_the_tally_by_namespace_tag_reads_as_namespace_ids(store_factory):
+    """The index counts committed blocks per (namespace tag, tier); stats name the namespace, and a check
+    finds a count that drifted."""
+    store = store_factory(16 * 4096, 4096)
+    ns_id = store.register_namespace(Namespace("m", "bf16", 1, 1, 64, 16, 4096))
+    hs = hash_blocks(TOKENS[:64], 16)
+    store.reserve(ns_id, list(zip(hs, [None] + hs[:-1])), "w")
+    store.commit(ns_id, hs, "w")
+    assert store.stats()["by_namespace"][ns_id]["blocks"] == {"host": 4} and store.check() == []
+    store.index.held[(ns_tag(ns_id), "host")][0] += 1
+    assert store.check() == [f"tally of {ns_id} in host says [5, 16384], the index holds [4, 16384]"]
