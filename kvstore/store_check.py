@@ -159,7 +159,8 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
         problems += tier.check([e.location for e in in_tier.values()] + list(copies.values()) + in_flight)
         if tier.persistent:
             if not tier.client_readable:  # blocks arrive there committed (the host arena has reservations)
-                problems += [f"{tier.name} entry {key_text(k)} is uncommitted" for k, e in in_tier.items() if not e.committed]
+                problems += [f"{tier.name} entry {key_text(k)} is uncommitted"
+                             for k, e in in_tier.items() if not e.committed]
             placed = {**{k: e.location for k, e in in_tier.items() if e.committed}, **copies}
             if compactor is not None and tier is compactor.disk:
                 placed.update(compactor.records())
@@ -197,7 +198,8 @@ def _check_copies(index: BlockIndex) -> list[str]:
                 problems.append(f"copy of {key_text(key)} in {tier} is not in the copies index")
             elif key not in index.copy_list(tier, e.copies[tier]) or (
                     key in index.encoded_copies[tier] and key in index.copies[tier]):
-                problems.append(f"copy of {key_text(key)} in {tier} is listed apart from the copies of its kind (exact, encoded)")
+                problems.append(f"copy of {key_text(key)} in {tier} is listed apart from the copies of its kind "
+                                "(exact, encoded)")
             if tier not in index.copies or RANK[tier] <= RANK[e.tier] or not e.committed:
                 problems.append(f"copy of {key_text(key)} in {tier} is not in a slower persistent tier")
         if e.copies == {}:

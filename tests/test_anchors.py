@@ -88,7 +88,8 @@ def test_attachments_leave_the_host_tier_before_their_anchor_and_come_back_with_
     first = spine_and_attachment(s, 3)
     second = spine_and_attachment(s, 4)
     assert s.store.check() == []
-    tier = {k: s.store.index.get(k).tier for k in [block_key(SPINE.id, h) for h in first] + [block_key(ATTACH.id, first[-1])]}
+    keys = [block_key(SPINE.id, h) for h in first] + [block_key(ATTACH.id, first[-1])]
+    tier = {k: s.store.index.get(k).tier for k in keys}
     assert "disk" in tier.values()
     assert not (tier[block_key(ATTACH.id, first[-1])] == "host" and tier[block_key(SPINE.id, first[-1])] == "disk")
     assert s.read(SPINE, first) == [payload_bytes(h + SPINE.layout.encode(), BLOCK) for h in first]

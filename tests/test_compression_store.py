@@ -337,7 +337,8 @@ def test_a_restart_hands_the_blocks_left_exact_to_the_compactor(tmp_path):
         assert None in codecs_of(store, on_disk) and len(store.compactor.waiting) >= 3
         asyncio.run(store.compactor.run_until_idle())
         assert None not in codecs_of(store, on_disk)
-        assert all(codec_of(store.index.entries[block_key(EXACT_NS.id, x)].location) is None for x in chain_hashes(501, 2))
+        exact = [store.index.entries[block_key(EXACT_NS.id, x)] for x in chain_hashes(501, 2)]
+        assert all(codec_of(e.location) is None for e in exact)
         assert store.check() == []
     finally:
         h.close()

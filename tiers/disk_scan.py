@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
-from kvstore.tiers.record_scan import RecordScan, store_key, describe, page_runs
+from kvstore.tiers.record_scan import RecordScan, describe, page_runs, store_key
 
 log = logging.getLogger("kvstore.tiers.disk")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.host_index import _Pending, _Unverified
-from kvstore.tiers.record_scan import RecordScan, store_key, page_runs
+from kvstore.tiers.record_scan import RecordScan, page_runs, store_key
 
 
 class HostScanResult(NamedTuple):
