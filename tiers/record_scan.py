@@ -44,10 +44,12 @@ def record_key(key: Key) -> bytes:
     """A block's key in its tier's records: msgpack `[namespace id, hash]` of the store key. For a
     16-byte hash, the namespace's bytes before it are made once (a quarter of packing the pair)."""
     tag, h = key[:TAG_BYTES], key[TAG_BYTES:]
-    head = _HEADS.get(tag) if len(h) == HASH_BYTES else b""
+    if len(h) != HASH_BYTES:
+        return _PACKER.pack([key_ns(key), h])  # (packb would make a Packer per call: ~3x the cost)
+    head = _HEADS.get(tag)
     if head is None:
         head = _HEADS[tag] = _PACKER.pack([key_ns(key), b"\0" * HASH_BYTES])[:-HASH_BYTES]
-    return head + h if head else _PACKER.pack([key_ns(key), h])  # (packb would make a Packer per call: ~3x)
+    return head + h
 
 
 class Records(NamedTuple):
