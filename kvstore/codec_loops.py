@@ -9,6 +9,16 @@ back, scattering bfloat16 elements into the block's layout). One group at a
 time, transposed into a [channels, tokens] tile so that every step runs along
 the tokens (contiguous: the compiler vectorizes it).
 
+Two steps work on eight or four elements at once in a 64-bit word, where the
+shapes allow (numba widens byte and 16-bit arithmetic to 64 bits, so a loop
+over single bytes does not vectorize):
+- the bit planes, with 8 | tokens: a word holds one plane byte of eight tokens
+  (`_unpack_planes`, `_pack_planes`: one shift, mask and or per eight codes);
+- the transpose between the tile and a block that keeps a token's channels
+  contiguous (vLLM's GPU layouts, the CPU values), with 4 | tokens and
+  channels: four channels by four tokens of 16 bits, four words, transposed
+  in registers (`_transpose4`).
+
 Byte-exact with the NumPy code: the same float32 operations in the same order
 (no fast-math: no fused multiply-add where NumPy rounds twice), `rint` rounding
 half to even, float16 conversions rounding to nearest even (done on the bits
@@ -79,21 +89,37 @@ def _f16_value(h, fbuf, ubuf):
 @jit
 def _rotate(tile, scale):
     """The normalized Walsh-Hadamard transform of every column of tile [D, N], stage order as
-    kvstore.codec.fwht."""
+    kvstore.codec.fwht: stage h pairs row i with i + h in runs of 2h, (a + b, a - b). Two stages a pass
+    where it can (h and 2h on four rows: the same additions in the same order), the scaling folded into
+    the last pass: the same float32 results, half the passes over the tile."""
     D, N = tile.shape
     h = 1
     while h < D:
-        for start in range(0, D, 2 * h):
-            for i in range(start, start + h):
-                for t in range(N):
-                    a = tile[i, t]
-                    b = tile[i + h, t]
-                    tile[i, t] = a + b
-                    tile[i + h, t] = a - b
-        h *= 2
-    for i in range(D):
+        last = 4 * h >= D
+        if 2 * h < D:  # stages h and 2h together
+            for start in range(0, D, 4 * h):
+                for i in range(start, start + h):
+                    for t in range(N):
+                        a, b, c, d = tile[i, t], tile[i + h, t], tile[i + 2 * h, t], tile[i + 3 * h, t]
+                        s1, d1, s2, d2 = a + b, a - b, c + d, c - d
+                        if last:
+                            tile[i, t], tile[i + h, t] = (s1 + s2) * scale, (d1 + d2) * scale
+                            tile[i + 2 * h, t], tile[i + 3 * h, t] = (s1 - s2) * scale, (d1 - d2) * scale
+                        else:
+                            tile[i, t], tile[i + h, t], tile[i + 2 * h, t], tile[i + 3 * h, t] = (
+                                s1 + s2, d1 + d2, s1 - s2, d1 - d2)
+            h *= 4
+        else:  # one stage left (D an odd power of two), the last
+            for start in range(0, D, 2 * h):
+                for i in range(start, start + h):
+                    for t in range(N):
+                        a, b = tile[i, t], tile[i + h, t]
+                        tile[i, t], tile[i + h, t] = (a + b) * scale, (a - b) * scale
+            h *= 2
+    if D == 1:
         for t in range(N):
-            tile[i, t] = tile[i, t] * scale
+            tile[0, t] = tile[0, t] * scale
+
 
 @jit
 def _plane_bytes(blob, p0, N, D, P):
@@ -128,6 +154,111 @@ def _put_plane_bytes(P, out, p0, N, D):
             for c8 in range(D // 8):
                 out[p0 + t * (D // 8) + c8] = P[c8, t]
 
+_LOW_BITS = np.uint64(0x0101010101010101)  # bit 0 of each byte of a word
+_HALVES16 = np.uint64(0x0000FFFF0000FFFF)
+_HALVES32 = np.uint64(0x00000000FFFFFFFF)
+
+
+@jit
+def _unpack_planes(blob, start, plane, b, N, D, P, q):
+    """q[c, t] (uint8 [D, N], zeroed here) = the b-bit codes of the planes at blob[start + j * plane]; P:
+    a [D/8, N] uint8 scratch tile."""
+    q[:] = 0
+    if N % 8 == 0:  # a word of P: one plane byte of eight tokens; of q: eight tokens' codes of a channel
+        P64, q64 = P.view(np.uint64), q.view(np.uint64)
+        for j in range(b):
+            _plane_bytes(blob, start + j * plane, N, D, P)  # P[c8, t]: bit i = bit j of q[8 c8 + i, t]
+            sj = np.uint64(j)
+            for c8 in range(D // 8):
+                for i in range(8):
+                    si = np.uint64(i)
+                    for w in range(N // 8):
+                        q64[c8 * 8 + i, w] |= ((P64[c8, w] >> si) & _LOW_BITS) << sj
+        return
+    for j in range(b):
+        _plane_bytes(blob, start + j * plane, N, D, P)
+        for c8 in range(D // 8):
+            for i in range(8):
+                c = c8 * 8 + i
+                for t in range(N):
+                    q[c, t] |= ((P[c8, t] >> i) & 1) << j
+
+
+@jit
+def _pack_planes(q, b, N, D, P, out, start, plane):
+    """The inverse of `_unpack_planes`: the b bit planes of the codes q[c, t] to out[start + j * plane]."""
+    for j in range(b):
+        if N % 8 == 0:
+            P64, q64 = P.view(np.uint64), q.view(np.uint64)
+            sj = np.uint64(j)
+            for c8 in range(D // 8):
+                for w in range(N // 8):
+                    word = np.uint64(0)
+                    for i in range(8):
+                        word |= ((q64[c8 * 8 + i, w] >> sj) & _LOW_BITS) << np.uint64(i)
+                    P64[c8, w] = word
+        else:
+            P[:] = 0
+            for c8 in range(D // 8):
+                for i in range(8):
+                    c = c8 * 8 + i
+                    for t in range(N):
+                        P[c8, t] |= ((q[c, t] >> j) & 1) << i
+        _put_plane_bytes(P, out, start + j * plane, N, D)
+
+
+@jit
+def _transpose4(a0, a1, a2, a3):
+    """Four words of four 16-bit lanes, transposed: lane i of word k becomes lane k of word i."""
+    b0 = (a0 & _HALVES16) | ((a1 & _HALVES16) << np.uint64(16))
+    b1 = ((a0 >> np.uint64(16)) & _HALVES16) | (a1 & ~_HALVES16)
+    b2 = (a2 & _HALVES16) | ((a3 & _HALVES16) << np.uint64(16))
+    b3 = ((a2 >> np.uint64(16)) & _HALVES16) | (a3 & ~_HALVES16)
+    return ((b0 & _HALVES32) | (b2 << np.uint64(32)), (b1 & _HALVES32) | (b3 << np.uint64(32)),
+            (b0 >> np.uint64(32)) | (b2 & ~_HALVES32), (b1 >> np.uint64(32)) | (b3 & ~_HALVES32))
+
+
+@jit
+def _by_words(rows, cols, N, D):
+    """Whether `_transpose4` can move a group between its tile and the block: a token's channels
+    contiguous, and every token's first element on a whole 64-bit word (16-bit elements)."""
+    if N % 4 or D % 4:
+        return False
+    for c in range(D):
+        if cols[c] != c:
+            return False
+    for t in range(N):
+        if rows[t] % 4:
+            return False
+    return True
+
+
+@jit
+def _gather4(x16, rows, N, D, r16):
+    """r16[c, t] = x16[rows[t] + c], four channels by four tokens a step (`_by_words` holds)."""
+    x64, r64 = x16.view(np.uint64), r16.view(np.uint64)
+    for tw in range(N // 4):
+        t = 4 * tw
+        for c in range(0, D, 4):
+            r64[c, tw], r64[c + 1, tw], r64[c + 2, tw], r64[c + 3, tw] = _transpose4(
+                x64[(rows[t] + c) >> 2], x64[(rows[t + 1] + c) >> 2], x64[(rows[t + 2] + c) >> 2],
+                x64[(rows[t + 3] + c) >> 2])
+
+
+@jit
+def _scatter4(r16, rows, N, D, out16):
+    """The inverse of `_gather4`: out16[rows[t] + c] = r16[c, t]."""
+    o64, r64 = out16.view(np.uint64), r16.view(np.uint64)
+    for tw in range(N // 4):
+        t = 4 * tw
+        for c in range(0, D, 4):
+            w0, w1, w2, w3 = _transpose4(r64[c, tw], r64[c + 1, tw], r64[c + 2, tw], r64[c + 3, tw])
+            o64[(rows[t] + c) >> 2] = w0
+            o64[(rows[t + 1] + c) >> 2] = w1
+            o64[(rows[t + 2] + c) >> 2] = w2
+            o64[(rows[t + 3] + c) >> 2] = w3
+
+
 @jit
 def _offsets(base, ax, N, D, rows, cols):
     """Group axes ax (kvstore.codec.BlockLayout.axes) -> rows[t], cols[c]: token t, channel c of the group
@@ -156,6 +287,7 @@ def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
     fbuf = np.empty(1, np.float32)
     ubuf = fbuf.view(np.uint32)
     P = np.empty((D // 8, N), np.uint8)
+    r16 = np.empty((D, N), np.uint16)
     rows = np.empty(N, np.int64)
     cols = np.empty(D, np.int64)
     plane = N * D // 8
@@ -169,7 +301,12 @@ def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
                 else:
                     for t in range(N):
                         tile[c, t] = x[o + t]
-        else:  # a transpose
+        elif bf16 and _by_words(rows, cols, N, D):  # a token's channels contiguous: a transpose by words
+            _gather4(x16, rows, N, D, r16)
+            for c in range(D):
+                for t in range(N):
+                    tile_u[c, t] = np.uint32(r16[c, t]) << 16
+        else:  # a transpose, element by element
             for t in range(N):
                 row = rows[t]
                 if bf16:
@@ -207,15 +344,7 @@ def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
                 v = np.rint((tile[c, t] - low[t]) * inv[t])
                 v = min(max(v, np.float32(0.0)), fl)
                 q[c, t] = np.uint8(v)
-        start = off + 4 * N
-        for j in range(b):
-            P[:] = 0
-            for c8 in range(D // 8):
-                for i in range(8):
-                    c = c8 * 8 + i
-                    for t in range(N):
-                        P[c8, t] |= ((q[c, t] >> j) & 1) << i
-            _put_plane_bytes(P, out, start + j * plane, N, D)
+        _pack_planes(q, b, N, D, P, out, off + 4 * N, plane)
 
 @jit
 def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
@@ -240,15 +369,7 @@ def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
             sc[t] = _f16_value(np.int64(blob[off + 2 * t]) | (np.int64(blob[off + 2 * t + 1]) << 8), fbuf, ubuf)
             low[t] = _f16_value(np.int64(blob[off + 2 * N + 2 * t]) | (np.int64(blob[off + 2 * N + 2 * t + 1]) << 8),
                                 fbuf, ubuf)
-        start = off + 4 * N
-        q[:] = 0
-        for j in range(b):
-            _plane_bytes(blob, start + j * plane, N, D, P)  # P[c8, t]: bit i = bit j of q[8 c8 + i, t]
-            for c8 in range(D // 8):
-                for i in range(8):
-                    c = c8 * 8 + i
-                    for t in range(N):
-                        q[c, t] |= ((P[c8, t] >> i) & 1) << j
+        _unpack_planes(blob, off + 4 * N, plane, b, N, D, P, q)
         for c in range(D):
             for t in range(N):
                 y = np.float32(q[c, t]) * sc[t]
@@ -264,7 +385,9 @@ def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
                 o = rows[0] + cols[c]
                 for t in range(N):
                     out16[o + t] = r16[c, t]
-        else:  # a transpose
+        elif _by_words(rows, cols, N, D):  # a token's channels contiguous: a transpose by words
+            _scatter4(r16, rows, N, D, out16)
+        else:  # a transpose, element by element
             for t in range(N):
                 row = rows[t]
                 for c in range(D):

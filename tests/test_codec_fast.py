@@ -44,6 +44,23 @@ def test_compiled_and_numpy_code_give_the_same_bytes(monkeypatch, order, splits,
             np.testing.assert_array_equal(fast, slow)
 
 
+@pytest.mark.parametrize("order", ["HNC", "HKTVND", "KVNHD"])
+@pytest.mark.parametrize("tokens,head_size", [(16, 32), (8, 128), (12, 32), (6, 16), (32, 8), (16, 256)])
+def test_compiled_loops_take_every_shape_the_same_way(monkeypatch, order, tokens, head_size):
+    """Shapes that take each path of the loops: tokens a multiple of 8 (bit planes by words) or not, of
+    4 (the transpose by words) or not, rotations of an even and an odd number of stages."""
+    rng = np.random.default_rng(tokens * 1000 + head_size)
+    layout = BlockLayout(2, 2, tokens, head_size, "bfloat16", order)
+    bits = rng.choice([2, 3, 4, 5, 7, 8], size=(2, 2, 2))
+    bits[..., 0] = np.maximum(bits[..., 0], bits[..., 1])
+    for rotate in (True, False):
+        payload = from_float32(rng.standard_normal(layout.block_bytes // 2).astype(np.float32), "bfloat16")
+        fast, slow = both(monkeypatch, lambda: encode(payload, layout, Budget(bits, rotate)))
+        np.testing.assert_array_equal(fast, slow)
+        fast, slow = both(monkeypatch, lambda: decode(fast, layout))
+        np.testing.assert_array_equal(fast, slow)
+
+
 def test_float16_conversions_on_the_bits_match_numpy():
     import numba
 
