@@ -3,11 +3,15 @@
 
 An `Entry` is one block: where it sits (`tier`, `location`), its place in the
 prefix tree (`parent`, `depth`, `child_keys`), how many of its children sit in
-each tier (`tier_children`: one int, a `CHILD_BITS`-bit count per tier rank), its pins and its write state, the copies
+each tier (`tier_children`: one int, a `CHILD_BITS`-bit count per tier rank),
+its pins and whether it is committed, the copies
 it left in slower persistent tiers when it was promoted out of them (`copies`),
 and what inspection tools and KV events show of it (`hits`, `last_access`,
-`tokens`). Only the block index (kvstore/index.py) creates, re-tiers or
-removes entries; the other parts read them.
+`tokens`). Its size is its namespace's (`nbytes`, read through the key's tag),
+and the owner of a reservation is the index's to know (`reserved_by_owner`):
+an entry of ten slots is 112 B, twelve took 128. Only the block index
+(kvstore/index.py) creates, re-tiers or removes entries; the other parts read
+them.
 
 The tree rule "a child never sits in a faster tier than its parent" is kept
 with the per-tier child counts: a block is a leaf *of tier t* when no child
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from kvstore.block_events import Listeners
-from kvstore.keys import Key, Namespace  # noqa: F401  (Key: also this module's name)
+from kvstore.keys import Key, Namespace, key_block_bytes  # noqa: F401  (Key: also this module's name)
 from kvstore.wire import RANK, TIERS
 
 Owner = Hashable
@@ -41,14 +45,14 @@ class Entry:
     key: Key
     parent: Key | None
     depth: int
-    nbytes: int
     tier: str
     location: object  # the tier's own handle: extents (host, gpu), an int or a DiskSlot (disk), a RemoteRef
-    owner: Owner | None  # the reserving owner while uncommitted; None once committed (`committed`)
     pins: int = 0
     tier_children: int = 0  # resident children per tier: CHILD_BITS bits per tier rank (`CHILD[tier]` is one)
     child_keys: object = None  # the children's keys: None, one Key, or a set of Keys (see `link_child`)
-    last_access: float = 0.0  # the store's clock at the commit or the latest hit
+    # The store's clock at the commit or the latest hit; None while reserved (`committed`), 0.0 for a block
+    # adopted without one (recovery, a remote lookup).
+    last_access: float | None = None
     rare: _Rare | None = None  # `attention`, `copies`, `tokens` and `hits` (properties, below), where one is set
     # What only some blocks have, in one object of theirs: a block holds none of the four unless the
     # engine sent an estimate, it was promoted out of a persistent tier, KV events follow tokens, or it
@@ -60,8 +64,13 @@ class Entry:
 
     @property
     def committed(self) -> bool:
-        """Readable: committed, no longer any owner's reservation (a reservation always has an owner)."""
-        return self.owner is None
+        """Readable: committed, no longer a reservation (a commit is a block's first access)."""
+        return self.last_access is not None
+
+    @property
+    def nbytes(self) -> int:
+        """The block's size: its namespace's (noted under the key's tag when the store registered it)."""
+        return key_block_bytes(self.key)
 
 
 class _Rare:

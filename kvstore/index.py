@@ -36,7 +36,7 @@ from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import (CHILD, Entry, Key, Owner, add_children, child_depth, children_of, count_hit, link_child,
                            unlink_child)
 from kvstore.errors import KVStoreError
-from kvstore.keys import TAG_BYTES, key_hash, ns_tag
+from kvstore.keys import TAG_BYTES, key_hash, ns_tag, tag_block_bytes
 
 
 
@@ -64,6 +64,11 @@ class BlockIndex:
         e = self.entries.get(key)
         return e is not None and e.committed
 
+    def reserved_by(self, key: Key, owner: Owner) -> bool:
+        """`key` is a reservation of `owner`'s (not committed yet)."""
+        mine = self.reserved_by_owner.get(owner)
+        return mine is not None and key in mine
+
     def num_pinned(self) -> int:
         """Entries pinned by some owner now (in O(pins))."""
         entries = self.entries
@@ -88,15 +93,14 @@ class BlockIndex:
         return sorted((self.entries[k] for k in keys), key=lambda e: -e.depth)
 
     # -- entries -------------------------------------------------------------------------
-    def reserve(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
-                owner: Owner) -> Entry:
+    def reserve(self, key: Key, parent: Entry | None, tier: str, location: object, owner: Owner) -> Entry:
         """An uncommitted entry of `owner` under `parent` (present): invisible until `commit`."""
         if owner is None:
             raise ValueError("a reservation needs an owner")
         if parent is None:
-            e = Entry(key, None, 0, nbytes, tier, location, owner)
+            e = Entry(key, None, 0, tier, location)
         else:
-            e = Entry(key, parent.key, child_depth(parent), nbytes, tier, location, owner)
+            e = Entry(key, parent.key, child_depth(parent), tier, location)
             add_children(parent, CHILD[tier])
             if parent.child_keys is None:  # (`link_child` of a first child)
                 parent.child_keys = key
@@ -107,11 +111,11 @@ class BlockIndex:
         self.listeners.reserved(e)
         return e
 
-    def adopt(self, key: Key, parent: Entry | None, nbytes: int, tier: str, location: object,
+    def adopt(self, key: Key, parent: Entry | None, tier: str, location: object,
               attention: float | None = None) -> Entry:
         """A committed entry for a block found in a tier (restart recovery, a remote lookup)."""
         e = self._link(Entry(key, parent.key if parent is not None else None,
-                             child_depth(parent) if parent is not None else 0, nbytes, tier, location, None),
+                             child_depth(parent) if parent is not None else 0, tier, location, last_access=0.0),
                        parent)
         if attention is not None:
             e.attention = attention
@@ -121,17 +125,19 @@ class BlockIndex:
 
     def _count(self, e: Entry, sign: int) -> None:
         """Add (+1) or take out (-1) committed `e` in the tally, where it sits now."""
-        at = (e.key[:TAG_BYTES], e.tier)
+        tag = e.key[:TAG_BYTES]
+        at = (tag, e.tier)
         row = self.held.get(at)
         if row is None:
             row = self.held[at] = [0, 0]
+        nbytes = tag_block_bytes(tag)
         row[0] += sign
-        row[1] += sign * e.nbytes
+        row[1] += sign * nbytes
         device_of = self.device_of.get(e.tier)
         if device_of is not None:
             per_device = self.device_bytes[e.tier]
             device = device_of(e.location)
-            per_device[device] = per_device.get(device, 0) + sign * e.nbytes
+            per_device[device] = per_device.get(device, 0) + sign * nbytes
 
     def _link(self, e: Entry, parent: Entry | None) -> Entry:
         self.entries[e.key] = e
@@ -140,23 +146,20 @@ class BlockIndex:
             link_child(parent, e.key)
         return e
 
-    def commit(self, e: Entry, now: float, attention: float | None, tokens: bytes | None) -> None:
-        """`e` (reserved) is readable from now on."""
-        self.commit_many([e], now, None if attention is None else [attention], None if tokens is None else [tokens])
+    def commit(self, e: Entry, owner: Owner, now: float, attention: float | None, tokens: bytes | None) -> None:
+        """`e` (reserved by `owner`) is readable from now on."""
+        self.commit_many([e], owner, now, None if attention is None else [attention],
+                         None if tokens is None else [tokens])
 
-    def commit_many(self, entries: Sequence[Entry], now: float, attention: Sequence[float] | None,
+    def commit_many(self, entries: Sequence[Entry], owner: Owner, now: float, attention: Sequence[float] | None,
                     tokens: Sequence[bytes | None] | None) -> None:
-        """`commit` for several reserved entries, in order (one commit); `attention`: one value per
-        entry, or None; `tokens`: one (or None) per entry, or None."""
-        owners = {e.owner for e in entries}  # one, for a client's commit
-        for owner in owners:
-            mine = self.reserved_by_owner.get(owner)
-            if mine is not None:
-                mine.difference_update([e.key for e in entries] if len(owners) == 1 else
-                                       [e.key for e in entries if e.owner == owner])
+        """`commit` for several entries `owner` reserved (`check_reserved`), in order (one commit);
+        `attention`: one value per entry, or None; `tokens`: one (or None) per entry, or None."""
+        mine = self.reserved_by_owner.get(owner)
+        if mine is not None:
+            mine.difference_update([e.key for e in entries])
         for e in entries:
-            e.owner = None  # (committed)
-            e.last_access = now
+            e.last_access = now  # (committed)
             self._count(e, 1)
         if attention is not None:
             for e, a in zip(entries, attention):
@@ -177,10 +180,11 @@ class BlockIndex:
         if e.committed:
             self._count(e, -1)
             self.listeners.removed(e, e.tier)
-        else:
-            mine = self.reserved_by_owner.get(e.owner)
-            if mine is not None:
-                mine.discard(e.key)
+        else:  # a reservation (an abort, its owner gone): one owner's set holds it
+            for mine in self.reserved_by_owner.values():
+                if e.key in mine:
+                    mine.discard(e.key)
+                    break
         key = e.key
         del self.entries[key]
         parent = self.entries.get(e.parent) if e.parent is not None else None

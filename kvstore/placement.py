@@ -88,8 +88,8 @@ class Placement:
             for t, nxt in zip(self.chain, self.chain[1:] + [None])}
 
     def info(self, e: Entry) -> BlockInfo:
-        return BlockInfo(e.key, e.parent, e.depth, e.nbytes, self.shared.namespaces[key_ns(e.key)].block_tokens,
-                         e.attention)
+        ns = self.shared.namespaces[key_ns(e.key)]
+        return BlockInfo(e.key, e.parent, e.depth, ns.block_bytes, ns.block_tokens, e.attention)
 
     def block_meta(self, e: Entry, stamp: float | None = None) -> BlockMeta:
         """What a persistent tier records with the block."""
@@ -116,9 +116,11 @@ class Placement:
         """Committed or adopted blocks enter their tier's policy, in order (one `on_insert_many` per tier)."""
         namespaces = self.shared.namespaces
         for tier, group in _by_tier(entries).items():
-            self.policies[tier].on_insert_many([
-                BlockInfo(e.key, e.parent, e.depth, e.nbytes, namespaces[key_ns(e.key)].block_tokens, e.attention)
-                for e in group])
+            infos = []
+            for e in group:
+                ns = namespaces[key_ns(e.key)]
+                infos.append(BlockInfo(e.key, e.parent, e.depth, ns.block_bytes, ns.block_tokens, e.attention))
+            self.policies[tier].on_insert_many(infos)
 
     @property
     def verifying(self) -> bool:

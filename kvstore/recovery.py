@@ -272,7 +272,7 @@ class Recovery:
             if e is not None:
                 self._indexed(key)
             return False
-        e = index.adopt(key, parent, b.nbytes, tier.name, b.location, b.attention)
+        e = index.adopt(key, parent, tier.name, b.location, b.attention)
         adopted.append((b.stamp, e))
         self.placement.adopted(e)
         self._indexed(key)

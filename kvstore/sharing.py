@@ -304,7 +304,7 @@ class RemoteSharing:
             ref = self._ref(key, key_hash(parent) if parent is not None else None, codec if enc else None)
             if ref.codec is not None:
                 self.tier.count_compressed(ref, +1)
-            self.placement.insert_in_policy([self.index.adopt(key, pe, ns.block_bytes, "remote", ref)])
+            self.placement.insert_in_policy([self.index.adopt(key, pe, "remote", ref)])
             parent = key
             added += 1
         return added

@@ -51,7 +51,7 @@ from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of, m
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
-from kvstore.keys import ROOT_HASH, Namespace, block_key, key_hash, key_ns, ns_tag
+from kvstore.keys import ROOT_HASH, Namespace, block_key, key_hash, key_ns, note_block_bytes, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
@@ -153,6 +153,7 @@ class TieredStore:
         if self.compression is not None:
             self.compression.check_namespace(ns)  # an opt-in to a profile this daemon cannot apply is refused
         self.shared.namespaces[ns.id] = ns
+        note_block_bytes(ns)  # (an entry's size is its namespace's: kvstore/entry.py)
         if ns.id not in self._persisted_ns:
             self.placement.prepare_namespace(ns)
             self._persisted_ns.add(ns.id)
@@ -335,7 +336,7 @@ class TieredStore:
                                                                                  parent, owner):
                 alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted
                 if alloc is not None:
-                    out.append(reserve(key, entries.get(parent), nbytes, prefer, alloc, owner))
+                    out.append(reserve(key, entries.get(parent), prefer, alloc, owner))
                     counters[f"put_{prefer}_blocks"] += 1
                     continue
             if per_block:
@@ -354,7 +355,7 @@ class TieredStore:
                     continue
             parent_entry = entries.get(parent) if parent is not None else None
             if parent is not None and (
-                parent_entry is None or (not parent_entry.committed and parent_entry.owner != owner)
+                parent_entry is None or (not parent_entry.committed and not self.index.reserved_by(parent, owner))
             ):
                 counters["put_orphan_blocks"] += 1  # absent, or another client's write in flight
                 out.append(None)
@@ -370,18 +371,18 @@ class TieredStore:
                     counters["put_capacity_rejects"] += 1
                     out.append(None)
                     continue
-            out.append(reserve(key, parent_entry, nbytes, tier, location, owner))
+            out.append(reserve(key, parent_entry, tier, location, owner))
         if prefer is not None and self.demoter is not None:
             self.demoter.kick()
         return out
 
-    @staticmethod
-    def _fits_preferred(parent: Entry | None, prefer: str, parent_key: Key | None, owner: Owner) -> bool:
+    def _fits_preferred(self, parent: Entry | None, prefer: str, parent_key: Key | None, owner: Owner) -> bool:
         """A new block may go into the preferred tier: its parent is there or faster (or it is a root),
         and committed or this owner's own write."""
         if parent_key is None:
             return True
-        return parent is not None and RANK[parent.tier] <= RANK[prefer] and (parent.committed or parent.owner == owner)
+        return parent is not None and RANK[parent.tier] <= RANK[prefer] and (
+            parent.committed or self.index.reserved_by(parent_key, owner))
 
     def _parent_too_slow(self, parent: Entry | None, tier: str) -> bool:
         """A child put into `tier` would sit faster than its parent: skipped, and counted."""
@@ -411,7 +412,7 @@ class TieredStore:
             raise KVStoreError(f"tokens must have one entry per committed block, each None or "
                                f"{ns.block_tokens} token ids as {4 * ns.block_tokens} bytes (<u4)")
         now, stamp = self.shared.clock(), self.shared.wall_clock()
-        index.commit_many(entries, now, attention, tokens)
+        index.commit_many(entries, owner, now, attention, tokens)
         try:
             self.placement.record_in_tier(entries, stamp)
         finally:  # every block marked committed reaches its policy, even if a tier's record failed

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore import keys
-from kvstore.errors import NamespaceError
+from kvstore.errors import KVStoreError, NamespaceError
 from kvstore.keys import (ROOT_HASH, TAG_BYTES, ExtraKeys, MultimodalItem, Namespace, block_key, hash_blocks, key_hash,
                           key_ns, key_text, ns_tag)
 from kvstore.tiers.record_scan import record_key, store_key
@@ -151,3 +151,29 @@ def test_the_tally_by_namespace_tag_reads_as_namespace_ids(store_factory):
     assert store.stats()["by_namespace"][ns_id]["blocks"] == {"host": 4} and store.check() == []
     store.index.held[(ns_tag(ns_id), "host")][0] += 1
     assert store.check() == [f"tally of {ns_id} in host says [5, 16384], the index holds [4, 16384]"]
+
+
+def test_an_entry_holds_neither_its_size_nor_its_owner(store_factory):
+    """A block's size is its namespace's, read through its key's tag; whose reservation it is, the index
+    knows: another client can neither commit it nor hang a block under it, its owner can. The entry is
+    ten slots (112 B): each slot more is 8 B of every indexed block."""
+    store = store_factory(64 * 4096, 4096)
+    small = store.register_namespace(Namespace("m", "bf16", 1, 1, 64, 16, 4096))
+    large = store.register_namespace(Namespace("m", "bf16", 1, 1, 64, 16, 8192))
+    hs = hash_blocks(TOKENS[:48], 16)
+    for ns_id in (small, large):
+        store.reserve(ns_id, [(hs[0], None)], "a")
+    e_small, e_large = (store.index.get(block_key(ns_id, hs[0])) for ns_id in (small, large))
+    assert (e_small.nbytes, e_large.nbytes) == (4096, 8192) and not e_small.committed
+    assert sys.getsizeof(e_small) <= 112
+    assert store.reserve(small, [(hs[1], hs[0])], "b") == [None]  # under another client's write in flight
+    assert store.shared.counters["put_orphan_blocks"] == 1
+    with pytest.raises(KVStoreError, match="not reserved by this client"):
+        store.commit(small, [hs[0]], "b")
+    (child,) = store.reserve(small, [(hs[1], hs[0])], "a")  # its owner's own chain
+    assert child is not None and child.depth == 1
+    assert store.commit(small, hs[:2], "a") == 2 and e_small.committed and child.committed
+    assert store.stats()["by_namespace"][small]["bytes"] == {"host": 8192} and store.check() == []
+    store.abort(large, [hs[0]], "a")  # a reservation dropped: the index forgets whose it was
+    assert store.index.get(block_key(large, hs[0])) is None and not store.index.reserved_by_owner["a"]
+    assert store.check() == []
