@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from kvstore.block_events import Listeners
-from kvstore.keys import Key, Namespace, key_block_bytes  # noqa: F401  (Key: also this module's name)
+from kvstore.keys import BLOCK_BYTES, TAG_BYTES, Key, Namespace  # noqa: F401  (Key: also this module's name)
 from kvstore.wire import RANK, TIERS
 
 Owner = Hashable
@@ -70,7 +70,7 @@ class Entry:
     @property
     def nbytes(self) -> int:
         """The block's size: its namespace's (noted under the key's tag when the store registered it)."""
-        return key_block_bytes(self.key)
+        return BLOCK_BYTES[self.key[:TAG_BYTES]]
 
 
 class _Rare:

@@ -36,7 +36,7 @@ from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import (CHILD, Entry, Key, Owner, add_children, child_depth, children_of, count_hit, link_child,
                            unlink_child)
 from kvstore.errors import KVStoreError
-from kvstore.keys import TAG_BYTES, key_hash, ns_tag, tag_block_bytes
+from kvstore.keys import BLOCK_BYTES, TAG_BYTES, key_hash, ns_tag
 
 
 
@@ -130,7 +130,7 @@ class BlockIndex:
         row = self.held.get(at)
         if row is None:
             row = self.held[at] = [0, 0]
-        nbytes = tag_block_bytes(tag)
+        nbytes = BLOCK_BYTES[tag]
         row[0] += sign
         row[1] += sign * nbytes
         device_of = self.device_of.get(e.tier)

@@ -63,7 +63,7 @@ Key = bytes
 TAG_BYTES = 8
 _TAGS: dict[str, bytes] = {}  # namespace id -> its tag
 _NAMES: dict[bytes, str] = {}  # tag -> namespace id
-_BLOCK_BYTES: dict[bytes, int] = {}  # tag -> its namespace's block size (`note_block_bytes`)
+BLOCK_BYTES: dict[bytes, int] = {}  # tag -> its namespace's block size (`note_block_bytes`; read, never written)
 
 
 def ns_tag(ns_id: str) -> bytes:
@@ -84,18 +84,13 @@ def note_block_bytes(ns: "Namespace") -> bytes:
     tells its block's size (`key_block_bytes`) and an index entry need not hold it. The size is part of
     the namespace's id, so a tag has one size. Returns the tag."""
     tag = ns_tag(ns.id)
-    _BLOCK_BYTES[tag] = ns.block_bytes
+    BLOCK_BYTES[tag] = ns.block_bytes
     return tag
 
 
 def key_block_bytes(key: Key) -> int:
     """The size of the block of store key `key` (its namespace noted: `note_block_bytes`)."""
-    return _BLOCK_BYTES[key[:TAG_BYTES]]
-
-
-def tag_block_bytes(tag: bytes) -> int:
-    """The block size of the namespace of `tag` (noted: `note_block_bytes`)."""
-    return _BLOCK_BYTES[tag]
+    return BLOCK_BYTES[key[:TAG_BYTES]]
 
 
 def block_key(ns_id: str, h: bytes) -> Key:
