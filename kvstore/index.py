@@ -69,6 +69,11 @@ class BlockIndex:
         mine = self.reserved_by_owner.get(owner)
         return mine is not None and key in mine
 
+    def reservation_holding(self, key: Key) -> set | None:
+        """The reserved keys of the owner whose reservation `key` is, if any (an entry does not know its
+        owner: O(owners))."""
+        return next((mine for mine in self.reserved_by_owner.values() if key in mine), None)
+
     def num_pinned(self) -> int:
         """Entries pinned by some owner now (in O(pins))."""
         entries = self.entries
@@ -146,14 +151,9 @@ class BlockIndex:
             link_child(parent, e.key)
         return e
 
-    def commit(self, e: Entry, owner: Owner, now: float, attention: float | None, tokens: bytes | None) -> None:
-        """`e` (reserved by `owner`) is readable from now on."""
-        self.commit_many([e], owner, now, None if attention is None else [attention],
-                         None if tokens is None else [tokens])
-
     def commit_many(self, entries: Sequence[Entry], owner: Owner, now: float, attention: Sequence[float] | None,
                     tokens: Sequence[bytes | None] | None) -> None:
-        """`commit` for several entries `owner` reserved (`check_reserved`), in order (one commit);
+        """The entries `owner` reserved (`check_reserved`) are readable from now on, in order (one commit);
         `attention`: one value per entry, or None; `tokens`: one (or None) per entry, or None."""
         mine = self.reserved_by_owner.get(owner)
         if mine is not None:
@@ -180,11 +180,10 @@ class BlockIndex:
         if e.committed:
             self._count(e, -1)
             self.listeners.removed(e, e.tier)
-        else:  # a reservation (an abort, its owner gone): one owner's set holds it
-            for mine in self.reserved_by_owner.values():
-                if e.key in mine:
-                    mine.discard(e.key)
-                    break
+        else:  # a reservation (an abort, its owner gone)
+            mine = self.reservation_holding(e.key)
+            if mine is not None:
+                mine.discard(e.key)
         key = e.key
         del self.entries[key]
         parent = self.entries.get(e.parent) if e.parent is not None else None

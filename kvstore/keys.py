@@ -63,7 +63,7 @@ Key = bytes
 TAG_BYTES = 8
 _TAGS: dict[str, bytes] = {}  # namespace id -> its tag
 _NAMES: dict[bytes, str] = {}  # tag -> namespace id
-BLOCK_BYTES: dict[bytes, int] = {}  # tag -> its namespace's block size (`note_block_bytes`; read, never written)
+BLOCK_BYTES: dict[bytes, int] = {}  # tag -> its namespace's block size (written only by `note_block_bytes`)
 
 
 def ns_tag(ns_id: str) -> bytes:
@@ -79,18 +79,11 @@ def ns_tag(ns_id: str) -> bytes:
     return tag
 
 
-def note_block_bytes(ns: "Namespace") -> bytes:
-    """Remember the size of `ns`'s blocks under its tag (a store does, registering a namespace), so a key
-    tells its block's size (`key_block_bytes`) and an index entry need not hold it. The size is part of
-    the namespace's id, so a tag has one size. Returns the tag."""
-    tag = ns_tag(ns.id)
-    BLOCK_BYTES[tag] = ns.block_bytes
-    return tag
-
-
-def key_block_bytes(key: Key) -> int:
-    """The size of the block of store key `key` (its namespace noted: `note_block_bytes`)."""
-    return BLOCK_BYTES[key[:TAG_BYTES]]
+def note_block_bytes(ns: "Namespace") -> None:
+    """Remember the size of `ns`'s blocks under its tag in `BLOCK_BYTES` (a store does, registering a
+    namespace), so a key tells its block's size and an index entry need not hold it. The size is part of
+    the namespace's id, so a tag has one size."""
+    BLOCK_BYTES[ns_tag(ns.id)] = ns.block_bytes
 
 
 def block_key(ns_id: str, h: bytes) -> Key:

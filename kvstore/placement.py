@@ -114,13 +114,9 @@ class Placement:
 
     def insert_in_policy(self, entries: Sequence[Entry]) -> None:
         """Committed or adopted blocks enter their tier's policy, in order (one `on_insert_many` per tier)."""
-        namespaces = self.shared.namespaces
+        info = self.info
         for tier, group in _by_tier(entries).items():
-            infos = []
-            for e in group:
-                ns = namespaces[key_ns(e.key)]
-                infos.append(BlockInfo(e.key, e.parent, e.depth, ns.block_bytes, ns.block_tokens, e.attention))
-            self.policies[tier].on_insert_many(infos)
+            self.policies[tier].on_insert_many([info(e) for e in group])
 
     @property
     def verifying(self) -> bool:

@@ -133,8 +133,7 @@ def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor
             children[e.parent][RANK[e.tier]] += 1
         if (key in policies[e.tier]) != e.committed:
             problems.append(f"policy of {e.tier} disagrees with commit state of {key_text(key)}")
-        if not e.committed and (not any(key in mine for mine in index.reserved_by_owner.values())
-                                or not tiers[e.tier].client_readable):
+        if not e.committed and (index.reservation_holding(key) is None or not tiers[e.tier].client_readable):
             problems.append(f"uncommitted {key_text(key)} belongs to no live reservation in a client-readable tier")
     for key, e in entries.items():
         counts = child_counts(e)
