@@ -37,6 +37,7 @@ on the data, so a tier can allocate before it encodes.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -337,29 +338,20 @@ def encode(payload: np.ndarray, layout: BlockLayout, budget: Budget) -> np.ndarr
     if payload.size != layout.block_bytes:
         raise ValueError(f"payload is {payload.size} B, the layout's block is {layout.block_bytes} B")
     flags, bits = budget.flags, budget.bits.reshape(-1)
-    out = np.empty(encoded_bytes(layout, budget), np.uint8)
+    plan = _plan(layout, budget.bits.tobytes(), flags, False, codec_fast.AVAILABLE)
+    out = np.empty(plan.stored_bytes, np.uint8)
     out[HEADER_BYTES : HEADER_BYTES + layout.num_groups] = bits
-    offsets = group_offsets(layout, budget.bits, flags)
-    sizes = group_sizes(layout, budget.bits, flags)
-    channel = channel_groups(layout, flags)
-    fast = _fast_groups(bits, channel)
-    if fast.size:
+    if plan.fast_bases.size:
         bf16 = layout.dtype == "bfloat16"  # read as bits in the loops; the others converted here
         x32 = np.zeros(0, np.float32) if bf16 else to_float32(payload, layout.dtype)
         x16 = payload.view(np.uint16) if bf16 else np.zeros(0, np.uint16)
-        codec_fast.encode_groups(x32, x16, _group_bases(layout)[fast], bits[fast].astype(np.int64),
-                                 offsets[fast], _group_axes(layout, fast), layout.block_tokens, layout.head_size,
-                                 budget.rotate, np.float32(1.0 / math.sqrt(layout.head_size)), out)
+        codec_fast.encode_groups(x32, x16, plan.fast_bases, plan.fast_bits, plan.fast_offsets, plan.fast_axes,
+                                 layout.block_tokens, layout.head_size, budget.rotate, plan.scale, out)
     x = None
-    for b in np.unique(bits):
-        for by_channel in (False, True):
-            idx = np.flatnonzero((bits == b) & (channel == by_channel))
-            if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
-                continue
-            x = to_canonical(payload, layout) if x is None else x
-            data = _encode_groups(x[idx], int(b), by_channel, budget.rotate, layout)
-            start = int(offsets[idx[0]])  # a kind's groups are contiguous, in index order
-            out[start : start + idx.size * int(sizes[idx[0]])] = data.reshape(-1)
+    for b, by_channel, idx, start, size in plan.kinds:
+        x = to_canonical(payload, layout) if x is None else x
+        data = _encode_groups(x[idx], b, by_channel, budget.rotate, layout)
+        out[start : start + idx.size * size] = data.reshape(-1)
     body = out[HEADER_BYTES:]
     HEADER.pack_into(out, 0, MAGIC, VERSION, flags, layout.num_layers, layout.num_kv_heads, layout.block_tokens,
                      layout.head_size, DTYPE_CODES[layout.dtype], ORDERS.index(layout.order), layout.splits,
@@ -442,32 +434,62 @@ def decode(blob: np.ndarray, layout: BlockLayout | None = None, out: np.ndarray 
         out = np.empty(layout.block_bytes, np.uint8)
     elif out.size != layout.block_bytes:
         raise ValueError(f"output is {out.size} B, a block is {layout.block_bytes} B")
+    rotate = bool(flags & FLAG_ROTATE)
+    plan = _plan(layout, bits3.tobytes(), flags, True, codec_fast.AVAILABLE)
+    fast = plan.fast_bases.size
+    if not fast:
+        x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
+    for b, by_channel, idx, start, size in plan.kinds:
+        data = blob[start : start + idx.size * size].reshape(idx.size, size)
+        y = _decode_groups(data, b, by_channel, rotate, layout)
+        if not fast:
+            x[idx] = y
+        else:  # the other groups are the compiled loops': these are written group by group
+            _write_groups(y, idx, layout, out)
+    if not fast:
+        from_canonical(x, layout, out)
+        return out
+    codec_fast.decode_groups(blob, plan.fast_offsets, plan.fast_bits, plan.fast_bases, plan.fast_axes,
+                             layout.block_tokens, layout.head_size, rotate, plan.scale, out.view(np.uint16))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """What encoding or decoding a block of one layout and bits table needs besides its bytes, made once
+    per (layout, bits, flags) (`_plan`): a block's Python work is then a few calls around the loops."""
+
+    stored_bytes: int
+    scale: np.float32  # the rotation's normalization, 1 / sqrt(head_size)
+    # The groups the compiled loops take (`_fast_groups`): element bases, bits, byte offsets, axes.
+    fast_bases: np.ndarray
+    fast_bits: np.ndarray
+    fast_offsets: np.ndarray
+    fast_axes: np.ndarray
+    # The other groups, by kind: (bits, by channel, group indices, byte offset of the first, bytes each).
+    kinds: tuple[tuple[int, bool, np.ndarray, int, int], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(layout: BlockLayout, bits_table: bytes, flags: int, decoding: bool, compiled: bool) -> _Plan:
+    """The `_Plan` of blocks of `layout` under the bits table `bits_table` (uint8 [L, H, 2] as bytes);
+    `compiled`: whether the compiled loops run (`codec_fast.AVAILABLE`, a key of the cache)."""
+    bits3 = np.frombuffer(bits_table, np.uint8).reshape(layout.num_layers, layout.num_kv_heads, 2)
     bits = bits3.reshape(-1)
     offsets, sizes = group_offsets(layout, bits3, flags), group_sizes(layout, bits3, flags)
     channel = channel_groups(layout, flags)
-    rotate = bool(flags & FLAG_ROTATE)
-    fast = _fast_groups(bits, channel, layout.dtype)
-    if fast.size == 0:
-        x = np.empty((layout.num_groups, layout.block_tokens, layout.head_size), np.float32)
+    fast = _fast_groups(bits, channel, layout.dtype if decoding else "") if compiled else np.zeros(0, np.int64)
+    kinds = []
     for b in np.unique(bits):
         for by_channel in (False, True):
             idx = np.flatnonzero((bits == b) & (channel == by_channel))
             if idx.size == 0 or (fast.size and not by_channel and b != EXACT):
                 continue
-            start, size = int(offsets[idx[0]]), int(sizes[idx[0]])
-            data = blob[start : start + idx.size * size].reshape(idx.size, size)
-            y = _decode_groups(data, int(b), by_channel, rotate, layout)
-            if fast.size == 0:
-                x[idx] = y
-            else:  # the other groups are the compiled loops': these are written group by group
-                _write_groups(y, idx, layout, out)
-    if fast.size == 0:
-        from_canonical(x, layout, out)
-        return out
-    codec_fast.decode_groups(blob, offsets[fast], bits[fast].astype(np.int64), _group_bases(layout)[fast],
-                             _group_axes(layout, fast), layout.block_tokens, layout.head_size, rotate,
-                             np.float32(1.0 / math.sqrt(layout.head_size)), out.view(np.uint16))
-    return out
+            kinds.append((int(b), by_channel, idx, int(offsets[idx[0]]), int(sizes[idx[0]])))  # (a kind's groups
+            # are contiguous, in index order)
+    return _Plan(HEADER_BYTES + layout.num_groups + int(sizes.sum()), np.float32(1.0 / math.sqrt(layout.head_size)),
+                 _group_bases(layout)[fast], bits[fast].astype(np.int64), offsets[fast], _group_axes(layout, fast),
+                 tuple(kinds))
 
 
 def _write_groups(y: np.ndarray, idx: np.ndarray, layout: BlockLayout, out: np.ndarray) -> None:

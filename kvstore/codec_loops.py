@@ -43,48 +43,49 @@ def jit(fn):
 
 
 @jit
-def _f16_bits(x, fbuf, ubuf):
-    """float32 -> float16 bits, round to nearest even (as NumPy's astype(float16)); fbuf/ubuf: one
-    float32 and its uint32 view, for the bit cast."""
-    fbuf[0] = x
-    u = np.int64(ubuf[0])
-    sign = (u >> 16) & 0x8000
-    exp = (u >> 23) & 0xFF
-    mant = u & 0x7FFFFF
-    if exp == 0xFF:
-        return sign | 0x7C00 | (0x200 if mant else 0)
-    e = exp - 112  # rebias 127 -> 15
-    if e >= 31:
-        return sign | 0x7C00
-    if e <= 0:
-        if e < -10:
-            return sign
+def _f16_bits(src, dst, n):
+    """dst[t] = the float16 bits of the float32 whose bits are src[t] (uint32), for t < n, rounding to
+    nearest even as NumPy's astype(float16). Every case computed and one selected (no branch), so the
+    loop runs a vector of values a step."""
+    for t in range(n):
+        u = np.int64(src[t])
+        sign = (u >> 16) & 0x8000
+        exp = (u >> 23) & 0xFF
+        mant = u & 0x7FFFFF
+        e = exp - 112  # rebias 127 -> 15
+        r = (max(e, 0) << 10) | (mant >> 13)  # a normal float16
+        rem = mant & 0x1FFF
+        r += 1 if rem > 0x1000 or (rem == 0x1000 and r & 1) else 0  # (a carry into the exponent is right)
+        shift = min(max(14 - e, 1), 62)  # a subnormal one: e in [-10, 0], shift 14..24
         m = mant | 0x800000
-        shift = 14 - e
-        r = m >> shift
-        rem = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        if rem > half or (rem == half and (r & 1)):
-            r += 1
-        return sign | r
-    r = (e << 10) | (mant >> 13)
-    rem = mant & 0x1FFF
-    if rem > 0x1000 or (rem == 0x1000 and (r & 1)):
-        r += 1
-    return sign | r
+        rs = m >> shift
+        rem_s = m & ((np.int64(1) << shift) - 1)
+        half = np.int64(1) << (shift - 1)
+        rs += 1 if rem_s > half or (rem_s == half and rs & 1) else 0
+        r = r if e > 0 else (rs if e >= -10 else 0)
+        r = 0x7C00 if e >= 31 else r  # too large: infinity
+        r = (0x7E00 if mant else 0x7C00) if exp == 0xFF else r  # NaN, infinity
+        dst[t] = sign | r
+
 
 @jit
-def _f16_value(h, fbuf, ubuf):
-    """float16 bits -> float32 (exact)."""
-    sign = np.float32(-1.0) if h & 0x8000 else np.float32(1.0)
-    exp = (h >> 10) & 0x1F
-    mant = h & 0x3FF
-    if exp == 0:
-        return sign * np.float32(mant) * np.float32(2.0 ** -24)
-    if exp == 31:
-        return sign * np.float32(np.inf) if mant == 0 else np.float32(np.nan)
-    ubuf[0] = np.uint32(((h & 0x8000) << 16) | ((exp + 112) << 23) | (mant << 13))
-    return fbuf[0]
+def _f16_values(h, out, out_bits, n):
+    """out[t] = the float32 of the float16 bits h[t] (exact), for t < n; `out_bits`: out's uint32 view.
+    Two passes of one case each, no branch: the bits of normal numbers, infinities and NaN, then the
+    subnormal ones (and zeros) as values."""
+    for t in range(n):
+        x = h[t]
+        exp = (x >> 10) & 0x1F
+        mant = x & 0x3FF
+        normal = ((x & 0x8000) << 16) | ((exp + 112) << 23) | (mant << 13)
+        special = 0x7FC00000 if mant else ((x & 0x8000) << 16) | 0x7F800000
+        out_bits[t] = np.uint32(special if exp == 31 else normal)
+    for t in range(n):
+        x = h[t]
+        sign = np.float32(-1.0) if x & 0x8000 else np.float32(1.0)
+        small = sign * np.float32(x & 0x3FF) * np.float32(2.0 ** -24)
+        out[t] = small if (x >> 10) & 0x1F == 0 else out[t]
+
 
 @jit
 def _rotate(tile, scale):
@@ -284,8 +285,10 @@ def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
     hi = np.empty(N, np.float32)
     low = np.empty(N, np.float32)
     inv = np.empty(N, np.float32)
-    fbuf = np.empty(1, np.float32)
-    ubuf = fbuf.view(np.uint32)
+    step = np.empty(N, np.float32)  # a row's scale: (hi - lo) / levels, then as its float16 reads back
+    lo_u, low_u, step_u = lo.view(np.uint32), low.view(np.uint32), step.view(np.uint32)
+    s16 = np.empty(N, np.int64)
+    l16 = np.empty(N, np.int64)
     P = np.empty((D // 8, N), np.uint8)
     r16 = np.empty((D, N), np.uint16)
     rows = np.empty(N, np.int64)
@@ -329,15 +332,18 @@ def encode_groups(x, x16, base, bits, offsets, axes, N, D, rotate, scale, out):
         levels = (1 << b) - 1
         off = offsets[k]
         for t in range(N):
-            s16 = _f16_bits((hi[t] - lo[t]) / np.float32(levels), fbuf, ubuf)
-            l16 = _f16_bits(lo[t], fbuf, ubuf)
-            out[off + 2 * t] = s16 & 0xFF
-            out[off + 2 * t + 1] = s16 >> 8
-            out[off + 2 * N + 2 * t] = l16 & 0xFF
-            out[off + 2 * N + 2 * t + 1] = l16 >> 8
-            s32 = _f16_value(s16, fbuf, ubuf)
-            low[t] = _f16_value(l16, fbuf, ubuf)
-            inv[t] = np.float32(1.0) / s32 if s32 > 0 else np.float32(0.0)
+            step[t] = (hi[t] - lo[t]) / np.float32(levels)
+        _f16_bits(step_u, s16, N)
+        _f16_bits(lo_u, l16, N)
+        for t in range(N):
+            out[off + 2 * t] = s16[t] & 0xFF
+            out[off + 2 * t + 1] = s16[t] >> 8
+            out[off + 2 * N + 2 * t] = l16[t] & 0xFF
+            out[off + 2 * N + 2 * t + 1] = l16[t] >> 8
+        _f16_values(s16, step, step_u, N)
+        _f16_values(l16, low, low_u, N)
+        for t in range(N):
+            inv[t] = np.float32(1.0) / step[t] if step[t] > 0 else np.float32(0.0)
         fl = np.float32(levels)
         for c in range(D):
             for t in range(N):
@@ -354,8 +360,9 @@ def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
     q = np.empty((D, N), np.uint8)
     sc = np.empty(N, np.float32)
     low = np.empty(N, np.float32)
-    fbuf = np.empty(1, np.float32)
-    ubuf = fbuf.view(np.uint32)
+    sc_u, low_u = sc.view(np.uint32), low.view(np.uint32)
+    s16 = np.empty(N, np.int64)
+    l16 = np.empty(N, np.int64)
     tile_u = tile.view(np.uint32)
     P = np.empty((D // 8, N), np.uint8)
     r16 = np.empty((D, N), np.uint16)
@@ -366,9 +373,10 @@ def decode_groups(blob, offsets, bits, base, axes, N, D, rotate, scale, out16):
         off = offsets[k]
         b = bits[k]
         for t in range(N):
-            sc[t] = _f16_value(np.int64(blob[off + 2 * t]) | (np.int64(blob[off + 2 * t + 1]) << 8), fbuf, ubuf)
-            low[t] = _f16_value(np.int64(blob[off + 2 * N + 2 * t]) | (np.int64(blob[off + 2 * N + 2 * t + 1]) << 8),
-                                fbuf, ubuf)
+            s16[t] = np.int64(blob[off + 2 * t]) | (np.int64(blob[off + 2 * t + 1]) << 8)
+            l16[t] = np.int64(blob[off + 2 * N + 2 * t]) | (np.int64(blob[off + 2 * N + 2 * t + 1]) << 8)
+        _f16_values(s16, sc, sc_u, N)
+        _f16_values(l16, low, low_u, N)
         _unpack_planes(blob, off + 4 * N, plane, b, N, D, P, q)
         for c in range(D):
             for t in range(N):
