@@ -221,7 +221,12 @@ def kernel_block(isa: str, dtype: str, n: int, D: int = 64, H: int = 2, L: int =
         cache = torch.zeros(3, H, n, 2 * D, dtype=torch_dtype)
         key_cache, value_cache = cache.view(3, H, 2 * n, D).chunk(2, dim=2)
         key, value = (torch.randn(n, H, D, generator=gen).to(torch_dtype) for _ in range(2))
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, 2 * n), isa)  # block 1
+        try:
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, 2 * n), isa)  # block 1
+        except RuntimeError as exc:  # (a host whose vLLM build has no kernel of this kind: an AVX2-only one)
+            if "Unsupported CPU attention configuration" not in str(exc):
+                raise
+            pytest.skip(f"vLLM's CPU kernels on this host do not write {isa} blocks: {exc}")
         layers.append(cache[1].contiguous())
         want.append(torch.stack((key.transpose(0, 1), value.transpose(0, 1)), dim=1))  # [H, K/V, N, D]
     payload = np.concatenate([t.view(torch.uint8).numpy().reshape(-1) for t in layers])
@@ -245,8 +250,8 @@ def test_cpu_attn_layout_reads_keys_and_values_where_its_kernel_writes_them(dtyp
 
 @pytest.mark.parametrize("n,D", [(32, 64), (64, 128), (128, 64)])
 def test_amx_kernels_blocks_read_back_through_their_own_layout(n, D):
-    """vLLM's AMX kernels (bfloat16, blocks of 32 tokens and more, on hosts with AMX; their cache writes run
-    anywhere) put the same bytes elsewhere in a block: read as a `vec` block they are wrong, read through
+    """vLLM's AMX kernels (bfloat16, blocks of 32 tokens and more, on hosts with AMX; their cache writes ran
+    on every CI host so far; where this host's vLLM build refuses them, the test skips) put the same bytes elsewhere in a block: read as a `vec` block they are wrong, read through
     the AMX layout (a namespace `cpu/.../isa-amx`, as connectors/vllm_meta.py names it) they are the keys
     and values written, and a compressed block decodes back into the kernel's layout."""
     payload, want = kernel_block("amx", "bfloat16", n, D)
