@@ -196,7 +196,7 @@ class CompressionConfig:
     disk: bool = False  # blocks demoted to the disk tier are stored compressed
     remote: bool = False  # blocks published to the remote tier are stored compressed (and found so)
     profile_dir: str = ""  # where `<name>.json` codec profiles are (built-in names need none)
-    exact_when_busy: bool = True  # a block demoted while the disk tier's encoders are behind is stored exact
+    exact_when_busy: bool = True  # a block demoted while encoding it would hold the disk's writer up is stored exact
 
     def __post_init__(self) -> None:
         _require(isinstance(self.disk, bool), "compression.disk must be true or false")

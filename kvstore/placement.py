@@ -255,7 +255,7 @@ class Placement:
             self.counters[f"{below.name}_writes_saved"] += 1
             return True
         codec = self.codec_for(e, below)
-        busy = codec is not None and self.compression.config.exact_when_busy and below.encoders_behind()
+        busy = codec is not None and self.compression.config.exact_when_busy and below.encoders_behind(e.nbytes)
         if busy:  # stored exact rather than wait for the encoders (a demotion holds up a reserve)
             codec = None
         nbytes = e.nbytes if codec is None else codec.stored_bytes

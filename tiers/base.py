@@ -257,9 +257,9 @@ class Tier:
         records in the background (`scanning`) gives its blocks through `scanned` instead."""
         return [], []
 
-    def encoders_behind(self) -> bool:
+    def encoders_behind(self, nbytes: int = 0) -> bool:
         """A tier that encodes blocks (`write_from(..., codec=)`) off the caller's thread: whether a block
-        handed to it now would wait for its encoders."""
+        of `nbytes` handed to it now would wait for its encoders."""
         return False
 
     @property

@@ -292,10 +292,21 @@ class DiskTier(Tier):
         self.submit(job)
         return slot
 
-    def encoders_behind(self) -> bool:
-        """The encoders have more queued than they can start on now: a block demoted now would wait
-        for them (the store then stores it exact, where `[compression] exact_when_busy`)."""
-        return self.writer.encode_backlog >= ENCODE_BACKLOG
+    def encoders_behind(self, nbytes: int = 0) -> bool:
+        """Whether a block of `nbytes` demoted now would hold the writer up if it were encoded (the store
+        then stores it exact, where `[compression] exact_when_busy`). Not while an encoder thread is
+        free. With every thread busy, once the writer has measured the encoders and the disk: whether
+        the encoders would finish it (after what they hold) later than the writer, busy with the exact
+        blocks queued ahead of it, would reach it. A disk slower than the encoders keeps them all busy
+        then, and each block encoded is fewer bytes for it to write."""
+        writer = self.writer
+        if writer.encode_backlog < ENCODE_BACKLOG:
+            return False
+        encode_s, write_s = writer.encode_s_per_byte, writer.write_s_per_byte
+        if encode_s is None or write_s is None:
+            return True
+        encoded_by = (writer.encode_backlog_bytes + nbytes) * encode_s / ENCODE_THREADS
+        return encoded_by > writer.exact_bytes_ahead * write_s
 
     def _job(self, location: Location) -> DiskWrite | None:
         """The write of `location` not yet settled (pending, or failed), else None."""

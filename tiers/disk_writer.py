@@ -8,11 +8,16 @@ pages with one pwritev), fdatasyncs once, and commits the new records in one
 LMDB transaction (group commit). A block stored compressed is handed to the
 encoders (ENCODE_THREADS threads, at the lowest CPU priority) when it is
 queued, so they work ahead of the writer; a batch writes its exact blocks and
-the encoded ones whose encoding is done, and puts the others back at the head
-of the queue (a batch with nothing ready waits for an encoding, or for a
-write queued after it). `encode_backlog` (blocks handed to the encoders and
-not encoded yet) is what the tier looks at to store a demotion exact rather
-than wait for them (tiers/disk.py `encoders_behind`). When nothing is queued and nobody waits in
+the encoded ones whose encoding is done, then the others as the encoders finish
+them (one sync and one commit for them all: a sync per block encoded cost more
+than its write), until work it can do at once is queued or `sync_every_s` has
+passed, and puts what is left back at the head of the queue (a batch with
+nothing ready waits for an encoding, or for a write queued after it). What the
+tier weighs to store a demotion exact rather than have it wait for the
+encoders (tiers/disk.py `encoders_behind`): `encode_backlog` (blocks handed to
+the encoders and not encoded yet) and their bytes, the exact bytes queued
+ahead (`exact_bytes_ahead`), and the writer's measures of the encoders'
+seconds per byte and the disk's (`encode_s_per_byte`, `write_s_per_byte`). When nothing is queued and nobody waits in
 `flush`, it zero-fills the data file from the `formatted_bytes` watermark, so
 that later block writes are overwrites (see tiers/disk.py, "Formatting").
 
@@ -55,6 +60,8 @@ ENCODER_NICE = 19  # the encoders' nice value (the daemon's other threads keep t
 IOV_MAX = 1024  # the most buffers one pwritev is given (Linux's limit)
 RUN_BYTES = 1 << 20  # blocks on adjacent pages are written (and read: tiers/disk.py) together up to this many
 # bytes: enough that 4 KiB blocks cost a syscall per 256; a block this large or larger goes alone, as it did
+MEASURE_WEIGHT = 0.125  # the weight of the latest block (or batch) in the writer's averaged measures
+SYNC_EVERY_S = 0.05  # blocks encoded while their batch is written wait at most this long for its sync
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +80,7 @@ class DiskWrite:
     encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (an encoder thread)
     encoded: Future | None = None  # the encoding under way: the encoded block, or what encoding raised
     stored: int | None = None  # bytes written when encoded (the extents' total)
+    encode_s: float = 0.0  # how long its encoding took (an encoder thread's wall time)
 
     def view(self) -> np.ndarray:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
@@ -126,12 +134,21 @@ class DiskWriter:
         self.batch_bytes = batch_bytes
         self.counters = WriterCounters()
         self.delete_delay_s = 0.2  # deletions alone are gathered this long before their commit
+        self.sync_every_s = SYNC_EVERY_S
         self.formatted_bytes = min(meta.get("formatted_bytes", 0), data.capacity_bytes)
         self._written: np.ndarray | None = None  # pages holding block data (the writer's, once formatting starts)
         self._zero_buf: mmap.mmap | None = None
         self._enc_buf: mmap.mmap | None = None  # the encoded block of the write in progress
         self._encoders: ThreadPoolExecutor | None = None  # made at the first block to encode
-        self._encoding: deque[Future] = deque()  # the owner's encodings, oldest first, done ones dropped lazily
+        self._encoding: deque[tuple[Future, int]] = deque()  # the owner's encodings and their blocks' sizes,
+        # oldest first, done ones dropped lazily
+        # What `DiskTier.encoders_behind` weighs (tiers/disk.py): the exact blocks' bytes queued or being
+        # written (owner and writer, under the condition), and the writer's measures, averaged over the
+        # last blocks (the writer thread's; None until measured): encoding seconds per block byte on one
+        # encoder thread, and the disk's seconds per byte written (a batch's writes and its sync).
+        self.exact_bytes_ahead = 0
+        self.encode_s_per_byte: float | None = None
+        self.write_s_per_byte: float | None = None
         self._ops: deque[tuple] = deque()  # ("ns", key, value) | ("del", key) | ("put", DiskWrite) | ("warm", n)
         self._inflight_puts = 0
         self._num_writes_queued = 0  # queued ops other than "del"
@@ -151,7 +168,7 @@ class DiskWriter:
         if job.encode is not None:
             job.encoded = self.encoders.submit(_encode, job)
             job.encoded.add_done_callback(self._wake)
-            self._encoding.append(job.encoded)
+            self._encoding.append((job.encoded, job.nbytes))
         self._submit(("put", job))
 
     @property
@@ -169,10 +186,18 @@ class DiskWriter:
     @property
     def encode_backlog(self) -> int:
         """Blocks handed to the encoders and not encoded yet (owner thread)."""
+        return len(self._not_encoded())
+
+    @property
+    def encode_backlog_bytes(self) -> int:
+        """The bytes of those blocks (owner thread)."""
+        return sum(self._not_encoded())
+
+    def _not_encoded(self) -> list[int]:
         encoding = self._encoding
-        while encoding and encoding[0].done():
+        while encoding and encoding[0][0].done():
             encoding.popleft()
-        return sum(1 for f in encoding if not f.done())
+        return [n for f, n in encoding if not f.done()]
 
     def delete(self, key: bytes) -> None:
         self._submit(("del", key))
@@ -189,6 +214,8 @@ class DiskWriter:
             if self._closing:
                 raise OSError(errno.ESHUTDOWN, "disk tier is closed")
             self._ops.append(op)
+            if op[0] == "put" and op[1].encode is None:
+                self.exact_bytes_ahead += op[1].nbytes
             if op[0] != "del":
                 self._num_writes_queued += 1
             if _ready(op):
@@ -284,6 +311,7 @@ class DiskWriter:
             with self._cv:
                 for job in done:
                     job.done = True
+                self.exact_bytes_ahead -= sum(op[1].nbytes for op in batch if op[0] == "put" and op[1].encode is None)
                 self._finished.extend(done)
                 self._busy = False
                 self._inflight_puts = 0
@@ -362,7 +390,28 @@ class DiskWriter:
         exact = [job for job in puts if job.encoded is None]
         written = []
         encoded = [job for job in puts if job.encoded is not None and job not in deferred]
-        for job, error in [*self._write_exact(exact), *((job, self._write_job(job)) for job in encoded)]:
+        busy = time.perf_counter()  # the writer's time on this batch's writes and sync (not its waits)
+        results = [*self._write_exact(exact), *((job, self._write_job(job)) for job in encoded)]
+        busy = time.perf_counter() - busy
+        # Group commit of encoded blocks: the encoders finish the batch's blocks one at a time, and a sync
+        # and a commit for each (a batch each) cost more than the writes of a slow disk. So the blocks
+        # encoded meanwhile are written here too, and one fdatasync and one commit cover them all: until
+        # none of the batch is left to encode, work the writer can do now is queued, or `sync_every_s` passed.
+        sync_by = time.monotonic() + self.sync_every_s
+        while deferred and not self._closing:
+            with self._cv:
+                self._cv.wait_for(lambda: self._num_ready_queued > 0 or any(job.encoded.done() for job in deferred),
+                                  timeout=max(0.0, sync_by - time.monotonic()))
+            ready = [job for job in deferred if job.encoded.done()]
+            if not ready:
+                break
+            deferred = [job for job in deferred if job not in ready]
+            start = time.perf_counter()
+            results += [(job, self._write_job(job)) for job in ready]
+            busy += time.perf_counter() - start
+            if self._num_ready_queued or time.monotonic() >= sync_by:
+                break
+        for job, error in results:
             if error is None:
                 written.append(job)
             else:
@@ -370,8 +419,12 @@ class DiskWriter:
                 job.error = f"write failed: {error}"
                 log.error("disk tier: %s", job.error)
         if written:
+            start = time.perf_counter()
             os.fdatasync(self.data.fd)
             self.counters.fsyncs += 1
+            busy += time.perf_counter() - start
+            wrote = sum(job.nbytes if job.stored is None else job.stored for job in written)
+            self.write_s_per_byte = _averaged(self.write_s_per_byte, busy / wrote)
             pack = self._packer.pack  # (the writer thread's own: `packb` makes a Packer a call)
             with records.env.begin(write=True, db=records.blocks) as txn:
                 for job in written:
@@ -451,6 +504,7 @@ class DiskWriter:
             return str(exc)
         self.counters.writes += 1
         self.counters.bytes_written += job.stored
+        self.encode_s_per_byte = _averaged(self.encode_s_per_byte, job.encode_s / job.nbytes)
         return None
 
     def _mark_written(self, offset: int, nbytes: int) -> None:
@@ -507,6 +561,11 @@ class DiskWriter:
                 views = [views[0][n:], *views[1:]]
 
 
+def _averaged(average: float | None, sample: float) -> float:
+    """An average over about the last `1 / MEASURE_WEIGHT` samples (exponentially weighted)."""
+    return sample if average is None else average + MEASURE_WEIGHT * (sample - average)
+
+
 def _ready(op: tuple) -> bool:
     """A queued operation the writer can do without waiting for an encoder (all but blocks to encode)."""
     return op[0] != "put" or op[1].encoded is None
@@ -521,8 +580,11 @@ def _lower_priority() -> None:
 
 
 def _encode(job: DiskWrite) -> np.ndarray | Exception:
-    """`job`'s block encoded, or what encoding raised."""
+    """`job`'s block encoded, or what encoding raised; the time it took in `job.encode_s`."""
+    start = time.perf_counter()
     try:
         return job.encode(job.view())  # type: ignore[misc]
     except Exception as exc:  # noqa: BLE001 - handed to the writer, which fails this block only
         return exc
+    finally:
+        job.encode_s = time.perf_counter() - start
