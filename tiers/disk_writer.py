@@ -80,7 +80,6 @@ class DiskWrite:
     encode: Callable[[np.ndarray], np.ndarray] | None = None  # compress before writing (an encoder thread)
     encoded: Future | None = None  # the encoding under way: the encoded block, or what encoding raised
     stored: int | None = None  # bytes written when encoded (the extents' total)
-    encode_s: float = 0.0  # how long its encoding took (an encoder thread's wall time)
 
     def view(self) -> np.ndarray:
         return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes)
@@ -143,9 +142,9 @@ class DiskWriter:
         self._encoding: deque[tuple[Future, int]] = deque()  # the owner's encodings and their blocks' sizes,
         # oldest first, done ones dropped lazily
         # What `DiskTier.encoders_behind` weighs (tiers/disk.py): the exact blocks' bytes queued or being
-        # written (owner and writer, under the condition), and the writer's measures, averaged over the
-        # last blocks (the writer thread's; None until measured): encoding seconds per block byte on one
-        # encoder thread, and the disk's seconds per byte written (a batch's writes and its sync).
+        # written (owner and writer, under the condition), and the measures, averaged over the last blocks
+        # (None until measured): encoding seconds per block byte on one encoder thread (the encoders'), and
+        # the disk's seconds per byte written (the writer's: a batch's writes and its sync, or formatting).
         self.exact_bytes_ahead = 0
         self.encode_s_per_byte: float | None = None
         self.write_s_per_byte: float | None = None
@@ -166,7 +165,7 @@ class DiskWriter:
     def put(self, job: DiskWrite) -> None:
         """Queue a block write; a block to encode goes to the encoders now (its staging buffer is filled)."""
         if job.encode is not None:
-            job.encoded = self.encoders.submit(_encode, job)
+            job.encoded = self.encoders.submit(self._encode, job)
             job.encoded.add_done_callback(self._wake)
             self._encoding.append((job.encoded, job.nbytes))
         self._submit(("put", job))
@@ -178,6 +177,15 @@ class DiskWriter:
             self._encoders = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kvstore-disk-encode",
                                                 initializer=_lower_priority)
         return self._encoders
+
+    def _encode(self, job: DiskWrite) -> np.ndarray | Exception:
+        """An encoder thread's task: `_encode`, timed into `encode_s_per_byte` as soon as it is done (the
+        owner weighs it from the first block of a burst on; two threads may race on the average, which only
+        loses a sample)."""
+        start = time.perf_counter()
+        blob = _encode(job)
+        self.encode_s_per_byte = _averaged(self.encode_s_per_byte, (time.perf_counter() - start) / job.nbytes)
+        return blob
 
     def _wake(self, _encoded: Future) -> None:
         with self._cv:
@@ -504,7 +512,6 @@ class DiskWriter:
             return str(exc)
         self.counters.writes += 1
         self.counters.bytes_written += job.stored
-        self.encode_s_per_byte = _averaged(self.encode_s_per_byte, job.encode_s / job.nbytes)
         return None
 
     def _mark_written(self, offset: int, nbytes: int) -> None:
@@ -527,9 +534,12 @@ class DiskWriter:
         zeros = self._zeros(chunk_bytes)
         free = np.flatnonzero(~self._written[start:end]) + start
         if free.size:
+            began = time.perf_counter()
             breaks = np.flatnonzero(np.diff(free) != 1) + 1
             for run in np.split(free, breaks):
                 self._pwrite_all([memoryview(zeros)[: run.size * pb]], int(run[0]) * pb)
+            if free.size * pb >= 1 << 20:  # (the disk measured before any block is written: see encoders_behind)
+                self.write_s_per_byte = _averaged(self.write_s_per_byte, (time.perf_counter() - began) / (free.size * pb))
         self.formatted_bytes = end * pb
         if self.formatted_bytes >= data.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
             self._save_formatted()
@@ -580,11 +590,8 @@ def _lower_priority() -> None:
 
 
 def _encode(job: DiskWrite) -> np.ndarray | Exception:
-    """`job`'s block encoded, or what encoding raised; the time it took in `job.encode_s`."""
-    start = time.perf_counter()
+    """`job`'s block encoded, or what encoding raised."""
     try:
         return job.encode(job.view())  # type: ignore[misc]
     except Exception as exc:  # noqa: BLE001 - handed to the writer, which fails this block only
         return exc
-    finally:
-        job.encode_s = time.perf_counter() - start
