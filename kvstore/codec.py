@@ -259,7 +259,7 @@ def group_offsets(layout: BlockLayout, bits: np.ndarray, flags: int) -> np.ndarr
 
 def encoded_bytes(layout: BlockLayout, budget: Budget) -> int:
     budget.check_fits(layout)
-    return HEADER_BYTES + layout.num_groups + int(group_sizes(layout, budget.bits, budget.flags).sum())
+    return _plan(layout, budget.bits.tobytes(), budget.flags, False, codec_fast.AVAILABLE).stored_bytes
 
 
 # -- element conversions --------------------------------------------------------------------
@@ -420,7 +420,7 @@ def read_header(blob: np.ndarray, layout: BlockLayout | None = None) -> tuple[Bl
         raise CorruptBlock(f"encoded block's header is inconsistent: {exc}") from None
     if layout is not None and got != layout:
         raise CorruptBlock(f"encoded block is laid out as {got}, expected {layout}")
-    if HEADER_BYTES + got.num_groups + int(group_sizes(got, bits, flags).sum()) != blob.size:
+    if _plan(got, bits.tobytes(), flags, True, codec_fast.AVAILABLE).stored_bytes != blob.size:
         raise CorruptBlock("encoded block's size does not match its bits table")
     return got, bits, flags
 
