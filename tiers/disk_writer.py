@@ -179,13 +179,16 @@ class DiskWriter:
         return self._encoders
 
     def _encode(self, job: DiskWrite) -> np.ndarray | Exception:
-        """An encoder thread's task: `_encode`, timed into `encode_s_per_byte` as soon as it is done (the
-        owner weighs it from the first block of a burst on; two threads may race on the average, which only
-        loses a sample)."""
+        """An encoder thread's task: `job`'s block encoded, or what encoding raised; timed into
+        `encode_s_per_byte` as soon as it is done (the owner weighs it from the first block of a burst on;
+        two threads may race on the average, which only loses a sample)."""
         start = time.perf_counter()
-        blob = _encode(job)
-        self.encode_s_per_byte = _averaged(self.encode_s_per_byte, (time.perf_counter() - start) / job.nbytes)
-        return blob
+        try:
+            return job.encode(job.view())  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - handed to the writer, which fails this block only
+            return exc
+        finally:
+            self.encode_s_per_byte = _averaged(self.encode_s_per_byte, (time.perf_counter() - start) / job.nbytes)
 
     def _wake(self, _encoded: Future) -> None:
         with self._cv:
@@ -588,10 +591,3 @@ def _lower_priority() -> None:
     except OSError as exc:
         log.debug("disk tier: encoder thread priority unchanged: %s", exc)
 
-
-def _encode(job: DiskWrite) -> np.ndarray | Exception:
-    """`job`'s block encoded, or what encoding raised."""
-    try:
-        return job.encode(job.view())  # type: ignore[misc]
-    except Exception as exc:  # noqa: BLE001 - handed to the writer, which fails this block only
-        return exc
