@@ -1,13 +1,13 @@
 """End-to-end: real vLLM engines in separate processes share prefix KV through a real daemon.
 
-Model: SmolLM2-135M-Instruct (bf16, built locally by tools/harness/build_models.py),
-block size 32. Prompt A = D + tail_a, prompt B = D + tail_b with |D| = 700
+Model: SmolLM2-135M-Instruct (built locally by tools/harness/build_models.py), run in float32 (bf16
+matmuls are 3-4x slower on CPUs without AVX512-BF16; tests/test_vllm_compressed.py and the hybrid
+tests run engines in bf16), block size 32. Prompt A = D + tail_a, prompt B = D + tail_b with |D| = 700
 tokens, so B can reuse 21 blocks (672 tokens) that engine A stored.
 
-Correctness baseline (see shared notes, "Compare against the right
-baseline"): an engine without the connector that serves A and then B, so B
-gets an in-engine prefix-cache hit split at the same token. In bf16 a one-shot
-cold prefill may differ from any split prefill; a split baseline does not.
+Correctness baseline: an engine without the connector that serves A and then B, so B
+gets an in-engine prefix-cache hit split at the same token. A one-shot cold prefill
+may differ from any split prefill (in bf16 it does); a split baseline does not.
 
 Engines run one at a time, each in its own process; engine B uses vLLM's
 default multiprocess engine (scheduler-side connector in EngineCore, worker
@@ -43,7 +43,7 @@ BS = 32
 DOC = 700
 EXPECTED_HIT = DOC // BS * BS  # 672
 MAX_TOKENS = 24
-COMMON = dict(dtype="bfloat16", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+COMMON = dict(dtype="float32", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -216,8 +216,8 @@ def test_daemon_down_recomputes_warns_and_reconnects(world, baseline):
 def test_zz_corrupted_store_changes_the_output(world, engine_b, baseline):
     """Negative control (runs last: it ruins the store): negate every stored KV value."""
     with world.daemon.client() as c:
-        arena = c.arena.view(np.uint16)
-        np.bitwise_xor(arena, np.uint16(0x8000), out=arena)  # flips the sign of every bf16 value
+        arena = c.arena.view(np.uint32)
+        np.bitwise_xor(arena, np.uint32(0x80000000), out=arena)  # flips the sign of every float32 value
     r = world.run([one(world.b)], conn=True)
     assert r.cached(0) >= EXPECTED_HIT  # B's own blocks are stored too by now
     assert r.tokens(0) != baseline.tokens(1)

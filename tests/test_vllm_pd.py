@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation with real engines: a kv_producer OpenAI server and a kv_consumer one
-(separate processes, one daemon) behind server/pd_proxy.py, SmolLM2 bf16, block size 32.
+(separate processes, one daemon) behind server/pd_proxy.py, SmolLM2 float32, block size 32.
 
 One module-scoped world serves every check (engine startups dominate on this machine):
 * outputs through the proxy equal a baseline engine's (no connector) split at the same token: it
-  serves each prompt alone (a batch's composition changes bf16 rounding), with max_tokens=1 first,
+  serves each prompt alone (a batch's composition changes the matmuls' rounding), with max_tokens=1 first,
   so the real run is an in-engine prefix hit of (n-1)//32 blocks, exactly what the consumer loads;
   the consumer computed < 32 prompt tokens per request (its external-hit metric covers the rest);
 * both are sent at once (the proxy's parallel mode): the consumer waited for in-flight blocks
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not ok, rea
 
 BS = 32
 MAX_TOKENS = 12
-COMMON = dict(dtype="bfloat16", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
+COMMON = dict(dtype="float32", block_size=BS, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
               max_num_batched_tokens=2048)
 CONSUMER_WAIT_S = 60.0
 
@@ -99,7 +99,7 @@ def server(model: str, socket: str, workdir: str, name: str, role: str, **extra)
     kvt = connector_config(socket, **extra)
     kvt["kv_role"] = role
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
-           "smol", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--block-size", str(BS),
+           "smol", "--host", "127.0.0.1", "--port", str(port), "--dtype", COMMON["dtype"], "--block-size", str(BS),
            "--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--kv-cache-memory-bytes",
            str(256 << 20), "--enforce-eager", "--kv-transfer-config", json.dumps(kvt)]
     return Proc(cmd, workdir, name), f"http://127.0.0.1:{port}"
@@ -131,7 +131,7 @@ class World:
         """No connector: each prompt with max_tokens=1 (so the next run is a prefix hit split where the
         consumer's load ends), then the real run; `killed` cold (what a full recompute gives).
         Each prompt runs alone, as the consumer serves it: a batch of several sequences changes
-        the bf16 matmuls' rounding (prompt 2's greedy output differed at its 6th token between
+        the matmuls' rounding (in bf16, prompt 2's greedy output differed at its 6th token between
         a batch of four and a batch of one), which is not what this test is about."""
         prompts = self.prompts + [self.control]
         runs = [{"prompts": [{"ids": self.killed}], "max_tokens": MAX_TOKENS}]
