@@ -12,7 +12,6 @@ sha256 of its payload in the saving and the loading engine.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,15 +37,25 @@ def gpu_flags(device: str, blocks_per_device: int, devices: str = "0") -> list[s
 
 
 class EngineProc:
-    """A `kv_engine` process; `ask` sends one request and returns its reply."""
+    """A `kv_engine` process; `ask` sends one request and returns its reply. It starts at once and is waited
+    for at its first use, so that engines made one after another start side by side."""
 
     def __init__(self, socket: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
         args = [sys.executable, "-m", "tests.kv_engine", socket, "--device", device, "--layout", layout,
                 "--seed", str(seed)] + (["--whole-step"] if whole_step else [])
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        hello = self._reply()
-        assert hello.get("ready"), hello
-        self.block_outermost = hello["block_outermost"]
+        self._hello: dict | None = None
+
+    @property
+    def hello(self) -> dict:
+        if self._hello is None:
+            self._hello = self._reply()
+            assert self._hello.get("ready"), self._hello
+        return self._hello
+
+    @property
+    def block_outermost(self) -> bool:
+        return self.hello["block_outermost"]
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()
@@ -55,6 +64,7 @@ class EngineProc:
         return json.loads(line)
 
     def ask(self, op: str, tokens: list[int], ids: list[int]) -> dict:
+        assert self.hello
         self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens, "ids": ids}) + "\n")
         self.proc.stdin.flush()
         reply = self._reply()
@@ -118,12 +128,12 @@ def test_blocks_demoted_gpu_host_disk_and_promoted_back_are_byte_identical(daemo
     disk = ["--disk-path", str(tmp_path / "disk"), "--disk-bytes", str(64 * BLOCK)]
     d = daemon_factory(*gpu_flags(device, 4, "0"), *disk, host_bytes=str(8 * BLOCK), page_bytes=str(BLOCK), disk=True)
     a = engines(d.socket_path, device, seed=3)
+    b = engines(d.socket_path, device, seed=4)  # (it loads once A's blocks went down)
     prompts = [prompt(6, base) for base in (10_000, 20_000, 30_000)]
     saved = [a.ask("save", p, list(range(7 * i, 7 * i + 7))) for i, p in enumerate(prompts)]
     assert wait_for(lambda: d.stats()["tiers"]["disk"]["blocks"] > 0, timeout_s=20)  # pushed down two tiers
     counters = d.stats()["counters"]
     assert counters["gpu_demotions"] > 0
-    b = engines(d.socket_path, device, seed=4)
     for i, p in enumerate(prompts):
         loaded = b.ask("load", p[: 6 * N] + [9, 9, 9], list(range(40, 47)))
         assert loaded["hit"] == 6 * N and loaded["invalid"] == [], (i, loaded)

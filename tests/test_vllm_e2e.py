@@ -9,11 +9,10 @@ Correctness baseline: an engine without the connector that serves A and then B, 
 gets an in-engine prefix-cache hit split at the same token. A one-shot cold prefill
 may differ from any split prefill (in bf16 it does); a split baseline does not.
 
-Engines run one at a time, each in its own process; engine B uses vLLM's
-default multiprocess engine (scheduler-side connector in EngineCore, worker
-side in the Worker process). A failed load (injected in an in-process engine)
-must be recomputed. The negative control corrupts the whole store, so it runs
-last.
+Each engine runs in its own process, one at a time but for the baselines (no connector), which run
+beside an engine with the connector. Engine B uses vLLM's default multiprocess engine (scheduler-side
+connector in EngineCore, worker side in the Worker process). A failed load (injected in an in-process
+engine) must be recomputed. The negative control corrupts the whole store, so it runs last.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ import numpy as np
 import pytest
 
 from kvstore.tools.harness.vllm_helpers import (
+    EngineRun,
     build_model,
     connector_config,
     corpus_text,
     engine_spec,
-    run_engine,
     start_daemon,
     tokenize,
     vllm_available,
@@ -75,10 +74,24 @@ class World:
         kvt = connector_config(socket or self.daemon.socket_path, **kw.pop("extra", {})) if conn else None
         return engine_spec(self.model, runs, kv_transfer_config=kvt, **COMMON, **kw)
 
-    def run(self, runs, conn: bool, **kw):
+    def start(self, runs, conn: bool, **kw) -> EngineRun:
         multiprocess = kw.pop("multiprocess", False)
         env_extra = kw.pop("env_extra", None)
-        return run_engine(self.spec(runs, conn, **kw), self.workdir, multiprocess=multiprocess, env_extra=env_extra)
+        return EngineRun(self.spec(runs, conn, **kw), self.workdir, multiprocess=multiprocess, env_extra=env_extra)
+
+    def run(self, runs, conn: bool, **kw):
+        return self.start(runs, conn, **kw).result()
+
+    def first(self) -> None:
+        """Engine A (with the connector) and the baseline (without it) do not depend on each other: they run
+        side by side."""
+        if "a" not in self._cache:
+            a = self.start([one(self.a), one(self.s, salt="X")], conn=True)
+            # A, B (hit from A), S salted X (cold), S salted X again (hit), C1 (hit from A), C3 cold (after a
+            # prefix-cache reset)
+            base = self.start([one(self.a), one(self.b), one(self.s, salt="X"), one(self.s, salt="X"),
+                               one(self.c1), one(self.c3, reset_prefix_cache=True)], conn=False)
+            self._cache["a"], self._cache["baseline"] = a.result(), base.result()
 
 
 def one(prompt, max_tokens=MAX_TOKENS, salt=None, **kw):
@@ -97,16 +110,15 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(world):
-    """No connector, in-engine prefix cache: A, B (hit from A), S salted X (cold), S salted X again (hit),
-    C1 (hit from A), C3 cold (after a prefix-cache reset)."""
-    return world.once("baseline", lambda: world.run(
-        [one(world.a), one(world.b), one(world.s, salt="X"), one(world.s, salt="X"), one(world.c1),
-         one(world.c3, reset_prefix_cache=True)], conn=False))
+    """No connector, in-engine prefix cache (World.first has its runs)."""
+    world.first()
+    return world._cache["baseline"]
 
 
 @pytest.fixture(scope="module")
 def engine_a(world):
-    return world.once("a", lambda: world.run([one(world.a), one(world.s, salt="X")], conn=True))
+    world.first()
+    return world._cache["a"]
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +165,9 @@ def test_failed_load_is_recomputed(world, engine_a, baseline):
 
 def test_ngram_speculative_decoding(world, engine_a):
     """Same namespace as plain decoding (no draft layers): B loads what engine A stored."""
-    base = world.run([one(world.a), one(world.c2)], conn=False, speculative_config=NGRAM)
+    base = world.start([one(world.a), one(world.c2)], conn=False, speculative_config=NGRAM)
     r = world.run([one(world.c2)], conn=True, speculative_config=NGRAM)
+    base = base.result()
     assert r.cached(0) == EXPECTED_HIT
     assert r.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT
     assert r.tokens(0) == base.tokens(1)
@@ -168,9 +181,10 @@ def test_draft_model_speculative_decoding(world):
     a_run = world.run([one(world.a, max_tokens=out_len)], conn=True, speculative_config=draft)
     out_a = a_run.tokens(0)
     b_prompt = world.a + out_a + world.b[DOC:]
-    base = world.run([one(world.a, max_tokens=out_len), one(b_prompt)], conn=False, speculative_config=draft)
-    assert base.tokens(0) == out_a
+    base = world.start([one(world.a, max_tokens=out_len), one(b_prompt)], conn=False, speculative_config=draft)
     b_run = world.run([one(b_prompt)], conn=True, speculative_config=draft)
+    base = base.result()
+    assert base.tokens(0) == out_a
     expected = (len(world.a) + out_len - 1) // BS * BS  # full blocks of verified tokens A computed
     assert base.cached(1) == expected
     assert b_run.cached(0) == expected

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from kvstore.tools.harness.vllm_helpers import (
+    EngineRun,
     build_model,
     connector_config,
     corpus_text,
@@ -92,15 +93,16 @@ def test_a_hybrid_hit_restores_every_group(name, tmp_path):
     daemon = start_daemon(str(tmp_path))
     try:
         kv = connector_config(daemon.socket_path, boundary_interval=INTERVAL)
+        # the baseline (no connector) runs beside engine A
         if same:  # vLLM's in-engine hit on the repeat
-            base = run_engine(engine_spec(model, [run(a), run(b)], **common), str(tmp_path), env_extra=info)
-            hit, want = base.cached(1), base.outputs(1)[0]
+            base = EngineRun(engine_spec(model, [run(a), run(b)], **common), str(tmp_path), env_extra=info)
         else:  # a cold prefill chunked where B's hit ends: the deepest kept boundary within D
-            hit = doc // INTERVAL * INTERVAL
-            base = run_engine(engine_spec(model, [run(b)], enable_prefix_caching=False, max_num_batched_tokens=hit,
-                                          **common), str(tmp_path), env_extra=info)
-            want = base.outputs(0)[0]
+            base = EngineRun(engine_spec(model, [run(b)], enable_prefix_caching=False,
+                                         max_num_batched_tokens=doc // INTERVAL * INTERVAL, **common),
+                             str(tmp_path), env_extra=info)
         engine_a = run_engine(engine_spec(model, [run(a)], kv_transfer_config=kv, **common), str(tmp_path), env_extra=info)
+        base = base.result()
+        hit, want = (base.cached(1), base.outputs(1)[0]) if same else (doc // INTERVAL * INTERVAL, base.outputs(0)[0])
         runs_b = [run(b)]
         if control is not None:  # then, in the same engine, B again from a store whose `control` pages were spoiled
             spoiled, go = str(tmp_path / "b-ran"), str(tmp_path / "store-spoiled")

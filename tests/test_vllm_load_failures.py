@@ -19,7 +19,7 @@ Three bugs, each with its test:
 
 SmolLM2 float32, block size 32, chunked prefill of 96 tokens; each test's engines are in its docstring
 or its first lines. Baseline: each prompt served alone by an engine without the connector, same
-chunking, prefix caching off.
+chunking, prefix caching off; it runs beside the test's other engines from the start.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.tools.harness.vllm_helpers import (
+    EngineRun,
     build_model,
     connector_config,
     corpus_text,
@@ -68,6 +69,7 @@ def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
     r, r2 = p + ids[2000:2040], p + ids[3000:3050]
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
+    base = EngineRun(engine_spec(model, [one(r), one(r2)], enable_prefix_caching=False, **COMMON), workdir)  # beside
     try:
         store_prefixes(model, daemon, [p + ids[5000:5010]], workdir)
         b = run_engine(engine_spec(model, [{"prompts": [{"ids": r}, {"ids": r2}], "max_tokens": 24}],
@@ -75,7 +77,7 @@ def test_a_request_sharing_a_failed_load_stores_no_wrong_block(tmp_path):
                        workdir)
         c = run_engine(engine_spec(model, [one(r2)], kv_transfer_config=connector_config(daemon.socket_path),
                                    **COMMON), workdir)
-        base = run_engine(engine_spec(model, [one(r), one(r2)], enable_prefix_caching=False, **COMMON), workdir)
+        base = base.result()
         assert daemon.check() == []
     finally:
         daemon.stop()
@@ -100,6 +102,7 @@ def test_a_failed_load_whose_request_is_aborted_leaves_no_garbage_in_the_prefix_
     r, r5 = p + ids[2000:2040], p + ids[3000:3050]
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
+    base = EngineRun(engine_spec(model, [one(r5)], enable_prefix_caching=False, **COMMON), workdir)  # beside
     try:
         store_prefixes(model, daemon, [p + ids[5000:5010]], workdir)
         requests = [dict(rid="R", engine=0, ids=r, max_tokens=24, arrive_step=0, abort="admitted"),
@@ -111,7 +114,7 @@ def test_a_failed_load_whose_request_is_aborted_leaves_no_garbage_in_the_prefix_
         res = b.result()["results"]
         c = run_engine(engine_spec(model, [one(r5)], kv_transfer_config=connector_config(daemon.socket_path),
                                    **COMMON), workdir)
-        base = run_engine(engine_spec(model, [one(r5)], enable_prefix_caching=False, **COMMON), workdir)
+        base = base.result()
         assert daemon.check() == []
     finally:
         daemon.stop()
@@ -142,6 +145,9 @@ def test_an_asynchronous_load_failed_at_its_first_block_does_not_deadlock_the_sc
     r1, r2 = p1 + ids[2000:2010], p2 + ids[3000:3284]
     workdir = str(tmp_path)
     daemon = start_daemon(workdir, host_bytes="256MiB", admin=True)
+    base = EngineRun(engine_spec(model, [{"prompts": [{"ids": r1}], "max_tokens": 8},  # beside
+                                         {"prompts": [{"ids": r2}], "max_tokens": 8}],
+                                 enable_prefix_caching=False, **COMMON), workdir)
     try:
         store_prefixes(model, daemon, [p1 + ids[4000:4010], p2 + ids[4000:4010]], workdir)
         small = dict(COMMON, kv_cache_memory_bytes=21 * block_bytes(model, BS), max_model_len=640,
@@ -153,9 +159,7 @@ def test_an_asynchronous_load_failed_at_its_first_block_does_not_deadlock_the_sc
                                                    "requests": requests, "hold": False}).start()
         wait_all([b], 300, idle=False)  # raises with the scheduler's state when the engine is stuck
         res = b.result()["results"]
-        base = run_engine(engine_spec(model, [{"prompts": [{"ids": r1}], "max_tokens": 8},
-                                              {"prompts": [{"ids": r2}], "max_tokens": 8}],
-                                      enable_prefix_caching=False, **COMMON), workdir)
+        base = base.result()
         assert daemon.check() == []
     finally:
         daemon.stop()

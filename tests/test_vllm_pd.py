@@ -114,11 +114,11 @@ class World:
         self.prompts = [ids[0:745], ids[1000:1811], ids[2000:2690]]
         self.control = ids[3000:4650]  # long: the producer is still prefilling when the consumer asks
         self.killed = ids[5000:6870]
-        self.baseline = self._baseline()
         self.daemon = start_daemon(workdir, host_bytes="1GiB", admin=True)
         self.producer, self.p_url = server(self.model, self.daemon.socket_path, workdir, "producer", "kv_producer")
         self.consumer, self.c_url = server(self.model, self.daemon.socket_path, workdir, "consumer", "kv_consumer",
                                            wait_s=CONSUMER_WAIT_S)
+        self.baseline = self._baseline()  # while the servers start
         self.producer.wait_http(self.p_url + "/v1/models")
         self.consumer.wait_http(self.c_url + "/v1/models")
         port = free_port()

@@ -90,18 +90,17 @@ def test_second_server_gets_external_hits(tmp_path):
     daemon = start_daemon(workdir)
     try:
         first = Server(model, daemon.socket_path, workdir, "server1")
+        second = Server(model, daemon.socket_path, workdir, "server2")  # starts beside the first
         try:
             first.wait_ready()
             text1 = first.complete(prompt)
             assert first.metric("vllm:external_prefix_cache_hits_total") == 0
-        finally:
             first.stop()
-        second = Server(model, daemon.socket_path, workdir, "server2")
-        try:
             second.wait_ready()
             text2 = second.complete(prompt)
             hits = second.metric("vllm:external_prefix_cache_hits_total")
         finally:
+            first.stop()
             second.stop()
         assert hits == (len(prompt) - 1) // BS * BS
         assert text2 == text1

@@ -1,9 +1,9 @@
 """Helpers for the vLLM end-to-end tests and benchmarks: the test models, a daemon, engine subprocesses.
 
-Every engine runs in its own subprocess (tools/harness/engine_runner.py), one at a
-time, with its own TMPDIR and one OpenMP thread: on a 2-core machine shared
-with other work, two threads spin on each other at every barrier (a 24-token
-generation measured 40 s with 2 threads, 2 s with 1). The daemon is a
+Every engine runs in its own subprocess (tools/harness/engine_runner.py) with its own TMPDIR and one
+OpenMP thread: on a 2-core machine shared with other work, two threads spin on each other at every
+barrier (a 24-token generation measured 40 s with 2 threads, 2 s with 1). Engines that do not depend on
+each other run side by side (`EngineRun`), one core each. The daemon is a
 `kvstore serve` subprocess (tools/harness/daemon_proc.py) on a socket in a temporary
 folder, with a small host tier and no disk tier unless asked.
 """
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,24 +127,54 @@ class EngineResult:
         return self.runs[run]["counters"].get(name, 0.0)
 
 
+class EngineRun:
+    """One tools/harness/engine_runner.py subprocess on `spec`, started at once; `result()` waits for it and
+    raises with its stderr tail if it fails. Engines that do not depend on each other (a baseline without
+    the connector beside an engine with it) can run side by side: each is one OpenMP thread."""
+
+    def __init__(self, spec: dict, workdir: str, multiprocess: bool = False, timeout_s: float = 300,
+                 threads: int = 1, env_extra: dict | None = None) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
+        spec_path = os.path.join(self.tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = base_env(self.tmp, threads=threads, multiprocess=multiprocess)
+        env.update(env_extra or {})
+        # files, not pipes: an engine beside another must never block on a full pipe nobody reads yet
+        self._out = open(os.path.join(self.tmp, "stdout.log"), "w+")
+        self._err = open(os.path.join(self.tmp, "stderr.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env, text=True,
+                                     stdout=self._out, stderr=self._err)
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+
+    def result(self) -> EngineResult:
+        try:
+            self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise subprocess.TimeoutExpired(self.proc.args, self.timeout_s) from None
+        finally:
+            stdout, stderr = (_read_all(f) for f in (self._out, self._err))
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
+        if self.proc.returncode != 0 or not lines:
+            raise RuntimeError(f"engine failed (rc={self.proc.returncode}):\n{stderr[-6000:]}\n{stdout[-2000:]}")
+        data = json.loads(lines[-1][len("ENGINE_RESULT "):])
+        return EngineResult(data["runs"], data["startup_s"], stderr, stdout, data.get("num_blocks"))
+
+
+def _read_all(f) -> str:
+    f.seek(0)
+    text = f.read()
+    f.close()
+    return text
+
+
 def run_engine(spec: dict, workdir: str, multiprocess: bool = False, timeout_s: float = 300,
                threads: int = 1, env_extra: dict | None = None) -> EngineResult:
-    """Run tools/harness/engine_runner.py on `spec` in a subprocess; raise with its stderr tail if it fails."""
-    tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
-    spec_path = os.path.join(tmp, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = base_env(tmp, threads=threads, multiprocess=multiprocess)
-    env.update(env_extra or {})
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=timeout_s,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")
-    data = json.loads(lines[-1][len("ENGINE_RESULT "):])
-    return EngineResult(data["runs"], data["startup_s"], proc.stderr, proc.stdout, data.get("num_blocks"))
+    """Run one engine (tools/harness/engine_runner.py) on `spec` in a subprocess and wait for its results."""
+    return EngineRun(spec, workdir, multiprocess, timeout_s, threads, env_extra).result()
 
 
 def engine_spec(model: str, runs: list[dict], **kw) -> dict:
