@@ -21,7 +21,7 @@ import pytest
 
 from kvstore.tools.harness.remote_env import Master, make_hosts, mooncake_or_skip, remote_config, remove_hosts
 from tests.test_vllm_e2e import BS, COMMON, DOC, EXPECTED_HIT, one
-from kvstore.tools.harness.vllm_helpers import (base_env, build_model, connector_config, corpus_text, engine_spec, run_engine,
+from kvstore.tools.harness.vllm_helpers import (EngineRun, base_env, build_model, connector_config, corpus_text, engine_spec,
                                 tokenize, vllm_available)
 from kvstore.tools.harness.daemon_proc import ROOT, start_daemon
 
@@ -85,17 +85,17 @@ def setup(tmp_path_factory):
         remove_hosts(hosts)
 
 
-def engine(s, daemon, runs, conn=True):
-    kvt = connector_config(daemon.socket_path) if conn else None
-    return run_engine(engine_spec(s["model"], runs, kv_transfer_config=kvt, **COMMON), s["work"])
+def engine(s, daemon, runs) -> EngineRun:
+    kvt = connector_config(daemon.socket_path) if daemon is not None else None
+    return EngineRun(engine_spec(s["model"], runs, kv_transfer_config=kvt, **COMMON), s["work"])
 
 
 def test_an_engine_on_host_b_reuses_what_an_engine_on_host_a_computed(setup):
     s, p = setup, setup["prompts"]
-    baseline = engine(s, None, [one(p["a"]), one(p["b"]), one(p["e"])], conn=False)
+    baseline = engine(s, None, [one(p["a"]), one(p["b"]), one(p["e"])])  # no connector: beside engine A
+    engine_a = engine(s, s["da"], [one(p["a"]), one(p["e"])]).result()
+    baseline = baseline.result()
     assert baseline.cached(1) == EXPECTED_HIT and baseline.cached(2) == 0
-
-    engine_a = engine(s, s["da"], [one(p["a"]), one(p["e"])])
     assert engine_a.cached(0) == 0 and engine_a.tokens(0) == baseline.tokens(0)
     stored = s["da"].stats()["blocks"]
     deadline = time.monotonic() + 30
@@ -103,7 +103,7 @@ def test_an_engine_on_host_b_reuses_what_an_engine_on_host_a_computed(setup):
         time.sleep(0.1)
     assert s["da"].stats()["counters"]["remote_published_blocks"] == stored
 
-    engine_b = engine(s, s["db"], [one(p["b"])])
+    engine_b = engine(s, s["db"], [one(p["b"])]).result()
     assert engine_b.cached(0) == EXPECTED_HIT
     assert engine_b.counter(0, "vllm:external_prefix_cache_hits") == EXPECTED_HIT
     assert engine_b.tokens(0) == baseline.tokens(1)
@@ -119,7 +119,7 @@ def test_an_engine_on_host_b_reuses_what_an_engine_on_host_a_computed(setup):
     s["procs"].append(writer)
     assert writer.stdout.readline().startswith("CORRUPTED")
     failures = sb["counters"].get("remote_checksum_failures", 0)
-    engine_e = engine(s, s["db"], [one(p["e"])])
+    engine_e = engine(s, s["db"], [one(p["e"])]).result()
     assert engine_e.cached(0) == 0  # a miss and a recompute
     assert engine_e.tokens(0) == baseline.tokens(2)
     assert s["db"].stats()["counters"]["remote_checksum_failures"] > failures
