@@ -97,12 +97,15 @@ def test_a_hybrid_hit_restores_every_group(name, tmp_path):
         if same:  # vLLM's in-engine hit on the repeat
             base = EngineRun(engine_spec(model, [run(a), run(b)], **common), str(tmp_path), env_extra=info)
         else:  # a cold prefill chunked where B's hit ends: the deepest kept boundary within D
-            base = EngineRun(engine_spec(model, [run(b)], enable_prefix_caching=False,
-                                         max_num_batched_tokens=doc // INTERVAL * INTERVAL, **common),
-                             str(tmp_path), env_extra=info)
+            hit = doc // INTERVAL * INTERVAL
+            base = EngineRun(engine_spec(model, [run(b)], enable_prefix_caching=False, max_num_batched_tokens=hit,
+                                         **common), str(tmp_path), env_extra=info)
         engine_a = run_engine(engine_spec(model, [run(a)], kv_transfer_config=kv, **common), str(tmp_path), env_extra=info)
         base = base.result()
-        hit, want = (base.cached(1), base.outputs(1)[0]) if same else (doc // INTERVAL * INTERVAL, base.outputs(0)[0])
+        if same:
+            hit, want = base.cached(1), base.outputs(1)[0]
+        else:
+            want = base.outputs(0)[0]
         runs_b = [run(b)]
         if control is not None:  # then, in the same engine, B again from a store whose `control` pages were spoiled
             spoiled, go = str(tmp_path / "b-ran"), str(tmp_path / "store-spoiled")
