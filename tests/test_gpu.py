@@ -46,8 +46,8 @@ class EngineProc:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self._hello: dict | None = None
 
-    @property
-    def hello(self) -> dict:
+    def ready(self) -> dict:
+        """The engine's hello, read once: waits for its start."""
         if self._hello is None:
             self._hello = self._reply()
             assert self._hello.get("ready"), self._hello
@@ -55,7 +55,7 @@ class EngineProc:
 
     @property
     def block_outermost(self) -> bool:
-        return self.hello["block_outermost"]
+        return self.ready()["block_outermost"]
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()
@@ -64,7 +64,7 @@ class EngineProc:
         return json.loads(line)
 
     def ask(self, op: str, tokens: list[int], ids: list[int]) -> dict:
-        assert self.hello
+        self.ready()
         self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens, "ids": ids}) + "\n")
         self.proc.stdin.flush()
         reply = self._reply()

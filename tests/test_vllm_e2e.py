@@ -47,7 +47,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 
 
 class World:
-    """Shared state of the module: model, prompts, daemon, and engine results computed once."""
+    """Shared state of the module: model, prompts and daemon (the module-scoped fixtures run its engines once)."""
 
     def __init__(self, workdir: str) -> None:
         self.workdir = workdir
@@ -63,12 +63,6 @@ class World:
         self.c2 = self.doc + ids[DOC + 1000 : DOC + 1030]
         self.c3 = self.doc + ids[DOC + 1100 : DOC + 1130]
         self.daemon = start_daemon(workdir)
-        self._cache: dict[str, object] = {}
-
-    def once(self, key: str, fn):
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
 
     def spec(self, runs, conn: bool, socket: str | None = None, **kw):
         kvt = connector_config(socket or self.daemon.socket_path, **kw.pop("extra", {})) if conn else None
@@ -81,17 +75,6 @@ class World:
 
     def run(self, runs, conn: bool, **kw):
         return self.start(runs, conn, **kw).result()
-
-    def first(self) -> None:
-        """Engine A (with the connector) and the baseline (without it) do not depend on each other: they run
-        side by side."""
-        if "a" not in self._cache:
-            a = self.start([one(self.a), one(self.s, salt="X")], conn=True)
-            # A, B (hit from A), S salted X (cold), S salted X again (hit), C1 (hit from A), C3 cold (after a
-            # prefix-cache reset)
-            base = self.start([one(self.a), one(self.b), one(self.s, salt="X"), one(self.s, salt="X"),
-                               one(self.c1), one(self.c3, reset_prefix_cache=True)], conn=False)
-            self._cache["a"], self._cache["baseline"] = a.result(), base.result()
 
 
 def one(prompt, max_tokens=MAX_TOKENS, salt=None, **kw):
@@ -109,23 +92,30 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(world):
-    """No connector, in-engine prefix cache (World.first has its runs)."""
-    world.first()
-    return world._cache["baseline"]
+def first(world):
+    """Engine A (with the connector) and the baseline (without it) do not depend on each other: they run
+    side by side. The baseline has an in-engine prefix cache: A, B (hit from A), S salted X (cold), S salted
+    X again (hit), C1 (hit from A), C3 cold (after a prefix-cache reset)."""
+    a = world.start([one(world.a), one(world.s, salt="X")], conn=True)
+    base = world.start([one(world.a), one(world.b), one(world.s, salt="X"), one(world.s, salt="X"),
+                        one(world.c1), one(world.c3, reset_prefix_cache=True)], conn=False)
+    return a.result(), base.result()
 
 
 @pytest.fixture(scope="module")
-def engine_a(world):
-    world.first()
-    return world._cache["a"]
+def baseline(first):
+    return first[1]
+
+
+@pytest.fixture(scope="module")
+def engine_a(first):
+    return first[0]
 
 
 @pytest.fixture(scope="module")
 def engine_b(world, engine_a):
     """Started after A, in vLLM's multiprocess mode: B, S salted Y, S salted X."""
-    return world.once("b", lambda: world.run(
-        [one(world.b), one(world.s, salt="Y"), one(world.s, salt="X")], conn=True, multiprocess=True))
+    return world.run([one(world.b), one(world.s, salt="Y"), one(world.s, salt="X")], conn=True, multiprocess=True)
 
 
 def test_second_engine_reuses_the_prefix_and_matches_the_baseline(world, engine_a, baseline, engine_b):

@@ -134,15 +134,15 @@ class EngineRun:
 
     def __init__(self, spec: dict, workdir: str, multiprocess: bool = False, timeout_s: float = 300,
                  threads: int = 1, env_extra: dict | None = None) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
-        spec_path = os.path.join(self.tmp, "spec.json")
+        tmp = tempfile.mkdtemp(prefix="engine-", dir=workdir)
+        spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        env = base_env(self.tmp, threads=threads, multiprocess=multiprocess)
+        env = base_env(tmp, threads=threads, multiprocess=multiprocess)
         env.update(env_extra or {})
         # files, not pipes: an engine beside another must never block on a full pipe nobody reads yet
-        self._out = open(os.path.join(self.tmp, "stdout.log"), "w+")
-        self._err = open(os.path.join(self.tmp, "stderr.log"), "w+")
+        self._out = open(os.path.join(tmp, "stdout.log"), "w+")
+        self._err = open(os.path.join(tmp, "stderr.log"), "w+")
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env, text=True,
                                      stdout=self._out, stderr=self._err)
         self.deadline = time.monotonic() + timeout_s
