@@ -197,11 +197,15 @@ class CompressionConfig:
     remote: bool = False  # blocks published to the remote tier are stored compressed (and found so)
     profile_dir: str = ""  # where `<name>.json` codec profiles are (built-in names need none)
     exact_when_busy: bool = True  # a block demoted while encoding it would hold the disk's writer up is stored exact
+    # a GPU reader's encoded disk blocks are expanded on the GPU (Triton) straight into the gpu tier, where there
+    # is one; false: decoded on the CPU into the host arena, as for every other reader
+    gpu_decode: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.disk, bool), "compression.disk must be true or false")
         _require(isinstance(self.exact_when_busy, bool), "compression.exact_when_busy must be true or false")
         _require(isinstance(self.remote, bool), "compression.remote must be true or false")
+        _require(isinstance(self.gpu_decode, bool), "compression.gpu_decode must be true or false")
         _require(isinstance(self.profile_dir, str), "compression.profile_dir must be a path")
         _require(not self.profile_dir or os.path.isdir(self.profile_dir),
                  f"compression.profile_dir {self.profile_dir!r} is not a folder")
@@ -433,7 +437,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "required": ("required", None),
     },
     "compression": {"disk": ("disk", None), "remote": ("remote", None), "profile_dir": ("profile_dir", str),
-                    "exact_when_busy": ("exact_when_busy", None)},
+                    "exact_when_busy": ("exact_when_busy", None), "gpu_decode": ("gpu_decode", None)},
     "events": {key: (key, None) for key in (
         "endpoint", "bind", "replay_endpoint", "topic", "encoding", "token_ids", "tenants", "buffer_batches",
         "max_queue_events", "hwm")},

@@ -22,6 +22,14 @@ of its parent:
    already there. Without room the block stays in host, which a GPU reader
    also reads.
 
+A GPU reader's blocks stored encoded on disk skip the host arena where the
+store has a GPU expander (kvstore/gpu_decode.py, `[compression] gpu_decode`):
+GPU pages are allocated root first (a block whose parent is neither in the GPU
+tier nor going there, or that finds no room, goes the host way), the reader
+threads read the stored bytes and expand them on the GPU, and each block moves
+from disk to the GPU tier, keeping its disk copy. A GPU fault sends the batch
+the host way instead (`gpu_decode_errors`).
+
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
 
@@ -42,12 +50,14 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
 
 from kvstore.entry import RANK, Entry, Key, Owner, Shared
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
-from kvstore.keys import key_hash
+from kvstore.keys import key_hash, key_ns
 from kvstore.placement import Placement
 from kvstore.tiers.base import Tier
 
@@ -62,12 +72,13 @@ PRESENT_MISS = "present_misses_"  # counter prefix: a present block answered as 
 
 class Promoter:
     def __init__(self, placement: Placement, index: BlockIndex, shared: Shared, read_threads: int = 4,
-                 remote: RemoteSharing | None = None) -> None:
+                 remote: RemoteSharing | None = None, expander: Callable | None = None) -> None:
         self.placement, self.index, self.remote = placement, index, remote
+        self.expander = expander  # encoded disk blocks into the gpu tier (kvstore/gpu_decode.py), where there is one
         self.host = placement.tiers["host"]
         self.counters = shared.counters
         self._tasks: dict[Key, asyncio.Task] = {}  # the promotion in flight of each block
-        self._held_pages: dict[Key, object] = {}  # host pages held by promotions in flight, per block
+        self._held_pages: dict[Key, tuple[str, object]] = {}  # (tier, pages) held by promotions in flight, per block
         self._read_threads = read_threads
         self._reader: ThreadPoolExecutor | None = None
 
@@ -80,7 +91,7 @@ class Promoter:
 
     def held_pages(self) -> list[tuple[str, object]]:
         """(tier, allocation) of the pages promotions in flight hold (for `check`)."""
-        return [("host", alloc) for alloc in self._held_pages.values()]
+        return list(self._held_pages.values())
 
     def reader(self) -> ThreadPoolExecutor:
         if self._reader is None:
@@ -118,7 +129,7 @@ class Promoter:
         for source in self.placement.chain:  # faster sources first: a remote block's parent may come from disk
             batch = list(batches.get(source.name, {}).values())
             if batch:
-                task = asyncio.ensure_future(self._promote(source, batch))
+                task = asyncio.ensure_future(self._promote(source, batch, tier == "gpu"))
                 for e in batch:
                     self._tasks[e.key] = task
         waits = {i: self._tasks[e.key] for i, e in enumerate(entries)
@@ -147,15 +158,21 @@ class Promoter:
         return out
 
     # -- into the host arena ---------------------------------------------------------------
-    async def _promote(self, src: Tier, batch: list[Entry]) -> dict[Key, bool | str]:
+    async def _promote(self, src: Tier, batch: list[Entry], gpu_reader: bool = False) -> dict[Key, bool | str]:
         try:
-            return await self._promote_batch(src, batch)
+            served: dict[Key, bool | str] = {}
+            if gpu_reader and self.expander is not None:
+                served, batch = await self._expand(src, batch)
+            if batch:
+                served.update(await self._promote_batch(src, batch))
+            return served
         finally:
-            for e in batch:
-                self._tasks.pop(e.key, None)
-                held = self._held_pages.pop(e.key, None)
+            this = asyncio.current_task()
+            for key in [k for k, task in self._tasks.items() if task is this]:
+                del self._tasks[key]
+                held = self._held_pages.pop(key, None)
                 if held is not None:
-                    self.host.free(held)
+                    self.placement.tiers[held[0]].free(held[1])
 
     async def _promote_batch(self, src: Tier, batch: list[Entry]) -> dict[Key, bool | str]:
         """The one promotion routine: host pages root first, one fetch, then root first re-tiering.
@@ -176,7 +193,7 @@ class Promoter:
                 self.host.free(alloc)
                 served[e.key] = "evicted"
                 continue
-            self._held_pages[e.key] = alloc
+            self._held_pages[e.key] = ("host", alloc)
             if src.lost(slot):  # its write failed: the bytes are gone
                 self.placement.discard(e)
                 served[e.key] = f"lost_{src.name}"
@@ -209,6 +226,97 @@ class Promoter:
                 self.counters["remote_promotions"] += 1  # the remote tier's own count (a metric)
             served[e.key] = True
         return served
+
+    # -- straight into the gpu tier, expanded there ------------------------------------------
+    async def _expand(self, src: Tier, batch: list[Entry]) -> tuple[dict[Key, bool | str], list[Entry]]:
+        """A GPU reader's blocks stored encoded in `src`, expanded on the GPU into the gpu tier (see the
+        module's docstring). Returns what became of those, and the blocks left to the host way."""
+        served: dict[Key, bool | str] = {}
+        rest: list[Entry] = []
+        todo: list[tuple[Entry, object, int]] = []  # (entry, its gpu pages, its stored bytes), root first
+        going: set[Key] = set()
+        for e in sorted(batch, key=lambda e: e.depth):
+            slot = e.location
+            if self.index.get(e.key) is not e:
+                served[e.key] = "discarded"
+                continue
+            parent = self.index.parent_of(e)
+            stored = src.stored_encoded(slot) if self._expandable(e) and src.read_blocks(slot) and not src.lost(slot) else 0
+            if not stored or not (parent is None or parent.tier == "gpu" or parent.key in going):
+                rest.append(e)
+                continue
+            try:
+                pages = self.placement.allocate("gpu", e.nbytes, protect=e.parent)
+            except CapacityError:
+                rest.append(e)
+                continue
+            if self.index.get(e.key) is not e or e.location is not slot:  # evicted while room was made
+                self.placement.tiers["gpu"].free(pages)
+                served[e.key] = "evicted"
+                continue
+            self._held_pages[e.key] = ("gpu", pages)
+            going.add(e.key)
+            todo.append((e, pages, stored))
+        if not todo:
+            return served, rest
+        slots = [e.location for e, _, _ in todo]
+        work = [(slot, pages, stored) for slot, (_, pages, stored) in zip(slots, todo)]
+        try:
+            codes = await asyncio.get_running_loop().run_in_executor(self.reader(), self._read_expanded, src, work)
+        except Exception:  # the device or the kernel failed: the CPU decodes these instead
+            log.exception("expanding %d encoded blocks on the GPU failed; they are decoded on the CPU", len(todo))
+            self.counters["gpu_decode_errors"] += 1
+            for e, pages, _ in todo:
+                del self._held_pages[e.key]
+                self.placement.tiers["gpu"].free(pages)
+            return served, rest + [e for e, _, _ in todo]
+        this = asyncio.current_task()
+        for (e, pages, _), slot, code in zip(todo, slots, codes):
+            parent_task = self._tasks.get(e.parent) if e.parent is not None else None
+            if parent_task is not None and parent_task is not this:
+                await asyncio.shield(parent_task)
+            if self.index.get(e.key) is not e or e.location is not slot:
+                served[e.key] = "discarded"
+                continue
+            if code is not True:
+                self._failed(src, e, code)
+                served[e.key] = f"{'read_error' if code is None else 'checksum'}_{src.name}"
+                continue
+            parent = self.index.parent_of(e)
+            if parent is not None and parent.tier != "gpu":
+                self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
+                served[e.key] = "parent_not_promoted"
+                continue
+            del self._held_pages[e.key]
+            self.placement.move(e, "gpu", pages, keep_copy=src.persistent)
+            self.counters["promotions"] += 1
+            self.counters["gpu_expanded_blocks"] += 1
+            served[e.key] = True
+        return served, rest
+
+    def _expandable(self, e: Entry) -> bool:
+        """Whether the expander reads `e`'s layout (a GPU engine's; vLLM's CPU layouts are decoded on the CPU)."""
+        compression = self.placement.compression
+        codec = None if compression is None else compression.codec(self.placement.shared.namespaces[key_ns(e.key)])
+        return codec is not None and self.expander.takes(codec.layout)  # type: ignore[union-attr]
+
+    def _read_expanded(self, src: Tier, work: list[tuple[object, object, int]]) -> Fetched:
+        """(A reader thread.) Read each block's stored bytes and verify them, then expand the verified
+        ones into their gpu pages in one launch. Per block: True, False (does not verify), None (read failed)."""
+        codes: Fetched = []
+        blobs = []
+        for slot, _, stored in work:
+            blob = np.empty(stored, np.uint8)
+            try:
+                codes.append(src.read_encoded(slot, blob))
+            except OSError as exc:
+                log.error("%s tier: read of an encoded block failed: %s", src.name, exc)
+                codes.append(None)
+            blobs.append(blob)
+        good = [i for i, code in enumerate(codes) if code is True]
+        for i, ok in zip(good, self.expander([(work[i][1], blobs[i]) for i in good])):  # type: ignore[misc]
+            codes[i] = ok
+        return codes
 
     def _failed(self, src: Tier, e: Entry, code: bool | None) -> None:
         if code is None:

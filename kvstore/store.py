@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
+from kvstore.gpu_decode import expander_for
 from kvstore.eviction.base import make_policy
 from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of, millisecond_clock
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
@@ -112,7 +113,11 @@ class TieredStore:
             self.sharing = RemoteSharing(self.tiers["remote"], self.index, self.placement, self.shared,  # type: ignore[arg-type]
                                          sharing or SharingOptions())
             listeners.add(self.sharing)
-        self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing)
+        # a GPU reader's encoded disk blocks expanded on the GPU into the gpu tier (kvstore/gpu_decode.py)
+        self.expander, self.gpu_decode_off = expander_for(
+            self.tiers.get("gpu"), compression is not None and "disk" in compression.tiers  # type: ignore[arg-type]
+            and compression.config.gpu_decode)
+        self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing, self.expander)
         self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop
         if "gpu" in self.tiers:
             self.demoter = GpuDemoter(self.placement, self.index, self.shared)
@@ -576,6 +581,8 @@ class TieredStore:
             "counters": dict(self.shared.counters),
             **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
             **({"compaction": self.compactor.stats()} if self.compactor is not None else {}),
+            **({"gpu_decode": {"on": self.expander is not None, "reason": self.gpu_decode_off}}
+               if "gpu" in self.tiers and self.compression is not None and self.compression.tiers else {}),
             "by_namespace": namespace_rows(self.placement),
             "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
             "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now

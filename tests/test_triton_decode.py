@@ -1,4 +1,4 @@
-"""The Triton decode kernel (connectors/triton_decode.py): byte-exact with the CPU decoder under Triton's
+"""The Triton decode kernel (kvstore/codec_triton.py): byte-exact with the CPU decoder under Triton's
 interpreter, for every layout and dtype the connector stores, straight into engine KV tensors where a
 block's layer slice is one run; and its PTX for sm_90."""
 
@@ -26,7 +26,7 @@ TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.
 def td():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    import kvstore.connectors.triton_decode as mod
+    import kvstore.codec_triton as mod
 
     mod = importlib.reload(mod)
     yield mod
@@ -108,7 +108,7 @@ def test_kernel_ptx_for_sm90(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kvstore.connectors.triton_decode as mod
+    import kvstore.codec_triton as mod
 
     sig = {"src_table": "*i64", "dst_table": "*i64", "bits_table": "*i64", "chan_table": "*i64", "norm": "fp32",
            **{k: "constexpr" for k in ("N", "D", "LOG_D", "S_TO", "S_TI", "N_IN", "ROTATE", "OUT_KIND")}}

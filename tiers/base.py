@@ -247,6 +247,14 @@ class Tier:
     def lost(self, location) -> bool:
         return False
 
+    def stored_encoded(self, location) -> int:
+        """The stored size of a block held encoded, which a reader may decode itself with `read_encoded`
+        (the disk tier); 0 here."""
+        return 0
+
+    def read_encoded(self, location, blob: np.ndarray) -> bool:
+        raise NotImplementedError(f"the {self.name} tier holds no encoded blocks")
+
     def durable(self, location) -> bool:
         """The block would survive a crash now (persistent tiers: its write is committed)."""
         return self.persistent

@@ -337,6 +337,19 @@ class DiskTier(Tier):
             return False
         return self.decoder is not None and self.decoder(blob, out)  # decoded here, in the reader thread
 
+    def stored_encoded(self, location: Location) -> int:
+        """The stored size of a block whose bytes here are encoded and written (after `read_blocks` said
+        so), else 0: a reader that decodes blocks itself (the GPU tier's, kvstore/gpu_decode.py) reads
+        those with `read_encoded`."""
+        if type(location) is int or location.codec is None or location.job is not None:
+            return 0
+        return sum(n for _, n in location.extents)
+
+    def read_encoded(self, location: Location, blob: np.ndarray) -> bool:
+        """(A reader thread.) An encoded block's stored bytes into `blob` (`stored_encoded` of them);
+        True if they verify against the tier's checksum. The codec's own checksum is the decoder's to check."""
+        return self.reader.read_block(location.extents, blob.size, location.checksum, [blob])
+
     def failed_writes(self) -> list[Key]:
         return [store_key(job.key) for job in self.take_failed()]
 

@@ -133,6 +133,11 @@ class GpuPool:
     def free_bytes(self) -> int:
         return self.pages.free_pages * self.page_bytes
 
+    @property
+    def stream(self):
+        """The pool's own CUDA stream (None on the emulated pool): work into the pool goes on it."""
+        return self._stream
+
     def copy(self, extents: Extents, host_segments: Sequence, into_pool: bool) -> None:
         """Copy one block between its pool extents and host views; synchronous for the caller (on CUDA:
         asynchronous DMA where the host memory is pinned, then one stream sync)."""

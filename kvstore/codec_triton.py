@@ -18,9 +18,11 @@ scaling, and bfloat16 by integer round-to-nearest-even. Exact groups (16 bits)
 are copied.
 
 Destinations: `layer_addrs[b, l]` is the address of block b's slice of layer l
-(the engine's KV tensor for that layer, at the block's engine block); inside it
-an element sits where the block's `BlockLayout` says. The worker builds these
-from its KV geometry (connectors/copy_plan.py) the way it builds copy plans.
+(a block's layers follow one another: its pages in the GPU tier, or an engine's
+KV tensor for that layer at the block's engine block); inside it an element
+sits where the block's `BlockLayout` says. The daemon's GPU tier uses it
+(kvstore/gpu_decode.py): a GPU reader's encoded disk blocks are expanded
+straight into the tier's pages.
 
 Importing this module imports triton.
 """

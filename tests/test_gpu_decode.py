@@ -1,0 +1,225 @@
+"""A GPU reader's encoded disk hits expanded on the GPU (kvstore/gpu_decode.py): the stored bytes go to the
+GPU tier encoded and the Triton kernel expands them there, byte-exact with the CPU decoder, the disk copy
+kept, the host arena untouched. Run on the emulated GPU tier (shared memory) with the kernel in Triton's
+interpreter; a damaged block is a miss, a GPU fault falls back to the CPU, `check()` after every scenario.
+Real shared memory, real files with O_DIRECT, LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore.codec import BlockLayout, Budget, decode, encode, from_float32
+from kvstore.compression import Compression, decode_into
+from kvstore.config import CompressionConfig
+from kvstore.gpu_decode import GpuExpander, expander_for
+from kvstore.keys import Namespace, block_key, key_hash
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.gpu import GpuPool, GpuTier
+from kvstore.tiers.host import HostArena
+from tests.helpers import chain_hashes
+
+pytest.importorskip("triton", reason="the GPU decoder is a Triton kernel (the test extra installs it)")
+
+PAGE = 4096
+LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HNC")  # what vLLM's CUDA backends' "LBHNC" is to the codec
+EXACT_NS = Namespace("m", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cuda/LBHNC")
+LOSSY_NS = dataclasses.replace(EXACT_NS, codec="k4v2")
+BLOCK = LAYOUT.block_bytes  # 16 KiB: a layer's slice is 8 KiB
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted():
+    """The kernel in Triton's interpreter (it reads and writes host memory: the emulated tier)."""
+    import kvstore.codec_triton as mod
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    importlib.reload(mod)
+    yield
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    importlib.reload(mod)
+
+
+def payload(h: bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+    return from_float32(rng.standard_normal(BLOCK // 2).astype(np.float32), "bfloat16").tobytes()
+
+
+def lossy(h: bytes) -> bytes:
+    """What the CPU decoder gives back of the block stored at k4v2."""
+    return decode(encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2)), LAYOUT).tobytes()
+
+
+class Harness:
+    def __init__(self, folder, gpu_decode=True, gpu_blocks=8, host_blocks=4):
+        self.folder = str(folder)
+        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", host_blocks * BLOCK, PAGE)
+        disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=decode_into)
+        self.gpu = GpuTier([GpuPool("cpu", gpu_blocks * BLOCK, PAGE)])
+        self.store = TieredStore([self.gpu, host, disk], compression=Compression(
+            CompressionConfig(disk=True, exact_when_busy=False, gpu_decode=gpu_decode)))
+
+    def close(self) -> None:
+        self.store.close()
+        self.store.host.close()
+
+    def spill(self, ns: Namespace, hashes) -> None:
+        """Put `hashes` into host, then filler chains until all of them sit on disk, written."""
+        store = self.store
+        ns_id = store.register_namespace(ns)
+        for salt in [None] + list(range(1000, 1100)):
+            chain = hashes if salt is None else chain_hashes(salt, 2)
+            prev = None
+            for h in chain:
+                (e,) = store.reserve(ns_id, [(h, prev)], "w")
+                prev = h
+                store.host.write(e.location, payload(h))
+                store.commit(ns_id, [h], "w")
+            if all(t == "disk" for t in store.lookup(ns.id, hashes).tiers):
+                store.disk.flush()
+                return
+        raise AssertionError("never reached the disk")
+
+    def read(self, ns: Namespace, hashes, tier: str = "gpu") -> list:
+        """(tier, bytes) of each block as a reader of `tier` gets it (None: a miss)."""
+        store = self.store
+        entries = asyncio.run(store.prepare_read(store.pin(ns.id, hashes, "r"), "r", tier))
+        out = [None if e is None else (e.tier, store.tiers[e.tier].read(e.location)) for e in entries]
+        store.release(ns.id, [key_hash(e.key) for e in entries if e is not None], "r")
+        return out
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path / "disk")
+    yield h
+    h.close()
+
+
+def test_a_gpu_readers_encoded_disk_hits_are_expanded_on_the_gpu(harness):
+    store = harness.store
+    assert store.expander is not None, store.gpu_decode_off
+    hashes = chain_hashes(1, 3)
+    harness.spill(LOSSY_NS, hashes)
+    host_used = store.host.used_bytes
+    got = harness.read(LOSSY_NS, hashes)
+    assert got == [("gpu", lossy(h)) for h in hashes]  # byte-exact with the CPU decoder
+    assert store.shared.counters["gpu_expanded_blocks"] == 3
+    assert store.host.used_bytes == host_used  # the host arena took no copy
+    for h in hashes:
+        e = store.index.entries[block_key(LOSSY_NS.id, h)]
+        assert "disk" in e.copies  # its encoded disk copy stays
+    assert store.stats()["gpu_decode"] == {"on": True, "reason": ""}
+    assert store.check() == []
+
+
+def test_exact_blocks_and_a_host_reader_take_the_cpu_way(harness):
+    store = harness.store
+    exact, lossy_hashes = chain_hashes(2, 2), chain_hashes(3, 2)
+    harness.spill(EXACT_NS, exact)
+    harness.spill(LOSSY_NS, lossy_hashes)
+    assert harness.read(EXACT_NS, exact) == [("gpu", payload(h)) for h in exact]  # through host, lifted
+    assert harness.read(LOSSY_NS, lossy_hashes, tier="host") == [("host", lossy(h)) for h in lossy_hashes]
+    assert store.shared.counters["gpu_expanded_blocks"] == 0
+    assert store.check() == []
+
+
+def test_blocks_in_a_cpu_engines_layout_are_decoded_on_the_cpu(harness):
+    """vLLM's CPU kernels store a head's keys transposed: the kernel does not read that layout, so those
+    blocks come up through the host arena, decoded on the CPU, never dropped."""
+    cpu_layout = BlockLayout(2, 2, 16, 64, "bfloat16", "HKTVND")
+    ns = dataclasses.replace(LOSSY_NS, layout="cpu/LBHNC")
+    hashes = chain_hashes(8, 2)
+    harness.spill(ns, hashes)
+    want = [decode(encode(np.frombuffer(payload(h), np.uint8), cpu_layout, Budget.uniform(cpu_layout, 4, 2)),
+                   cpu_layout).tobytes() for h in hashes]
+    assert [b for _, b in harness.read(ns, hashes)] == want
+    assert harness.store.shared.counters["gpu_expanded_blocks"] == 0
+    assert harness.store.check() == []
+
+
+def test_off_in_the_config_the_cpu_decodes(tmp_path):
+    h = Harness(tmp_path / "disk", gpu_decode=False)
+    try:
+        hashes = chain_hashes(4, 2)
+        h.spill(LOSSY_NS, hashes)
+        assert h.read(LOSSY_NS, hashes) == [("gpu", lossy(x)) for x in hashes]  # promoted to host, then lifted
+        assert h.store.shared.counters["gpu_expanded_blocks"] == 0
+        assert h.store.stats()["gpu_decode"] == {"on": False, "reason": "compression.gpu_decode is off"}
+        assert h.store.check() == []
+    finally:
+        h.close()
+
+
+def test_a_damaged_block_is_a_miss_and_never_served(harness):
+    store = harness.store
+    hashes = chain_hashes(5, 3)
+    harness.spill(LOSSY_NS, hashes)
+    slot = store.index.entries[block_key(LOSSY_NS.id, hashes[1])].location
+    with open(os.path.join(harness.folder, DATA_FILE), "r+b") as f:
+        f.seek(slot.extents[0][0] + 100)
+        byte = f.read(1)
+        f.seek(slot.extents[0][0] + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = harness.read(LOSSY_NS, hashes)
+    assert got == [("gpu", lossy(hashes[0])), None, None]  # the block and its subtree are gone
+    assert store.shared.counters["disk_checksum_failures"] == 1
+    assert store.lookup(LOSSY_NS.id, hashes).hits == 1
+    assert store.check() == []  # no gpu page left held
+
+
+def test_a_gpu_fault_falls_back_to_the_cpu(harness, monkeypatch):
+    store = harness.store
+    hashes = chain_hashes(6, 3)
+    harness.spill(LOSSY_NS, hashes)
+
+    def fault(self, items):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(GpuExpander, "__call__", fault)
+    got = harness.read(LOSSY_NS, hashes)
+    assert [b for _, b in got] == [lossy(h) for h in hashes]  # served all the same, decoded on the CPU
+    assert store.shared.counters["gpu_decode_errors"] == 1 and store.shared.counters["gpu_expanded_blocks"] == 0
+    assert store.check() == []
+
+
+def test_the_expander_writes_blocks_whose_layers_cross_page_runs_and_refuses_damaged_ones():
+    """Straight into the pages where each layer's slice is one run; through a scratch buffer where the
+    pages split a layer; a block whose codec checksum fails leaves its pages untouched."""
+    tier = GpuTier([GpuPool("cpu", 16 * PAGE, PAGE)])
+    expand, why = expander_for(tier, True)
+    assert expand is not None, why
+    blobs = [encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2, rotate=True))
+             for h in chain_hashes(7, 3)]
+    whole = [[0, BLOCK]]  # one run: layers at 0 and 8 KiB
+    split = [[5 * PAGE, PAGE], [8 * PAGE, 2 * PAGE], [12 * PAGE, PAGE]]  # layer 0 spans two runs
+    damaged = blobs[2].copy()
+    damaged[-1] ^= 1
+    pool = tier.pools[0].host
+    pool[:] = 0
+    assert expand([(whole, blobs[0]), (split, blobs[1]), ([[13 * PAGE, BLOCK - PAGE], [4 * PAGE, PAGE]], damaged)]) \
+        == [True, True, False]
+    assert np.array_equal(pool[:BLOCK], decode(blobs[0], LAYOUT))
+    got = np.concatenate([pool[o : o + n] for o, n in split])
+    assert np.array_equal(got, decode(blobs[1], LAYOUT))
+    assert not pool[13 * PAGE :].any() and not pool[4 * PAGE : 5 * PAGE].any()
+    tier.close()
+
+
+def test_without_the_interpreter_the_emulated_tier_decodes_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tier = GpuTier([GpuPool("cpu", 4 * PAGE, PAGE)])
+    expand, why = expander_for(tier, True)
+    assert expand is None and "TRITON_INTERPRET" in why
+    tier.close()
