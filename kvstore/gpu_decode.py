@@ -25,6 +25,7 @@ decodes on the CPU as before (`expander_for` says why).
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import nullcontext
 from typing import Sequence
 
@@ -55,6 +56,7 @@ class GpuExpander:
         from kvstore import codec_triton  # imports triton
 
         self.gpu, self.kernel = gpu, codec_triton
+        self._local = threading.local()
 
     @staticmethod
     def takes(layout: BlockLayout) -> bool:
@@ -97,9 +99,12 @@ class GpuExpander:
             for j, i in enumerate(scratch_of):
                 dsts[i] = scratch.data_ptr() + j * block + np.arange(layers, dtype=np.int64) * layer_bytes
             blobs = [blob for _, blob in items]
-            if cuda:  # the encoded bytes cross PCIe, one copy for the launch
+            if cuda:  # the encoded bytes cross PCIe, one copy from pinned memory for the launch
                 offsets = np.cumsum([0] + [b.size for b in blobs[:-1]])
-                staged = torch.from_numpy(np.concatenate(blobs)).to(device)
+                total = int(offsets[-1]) + blobs[-1].size
+                pinned = self._pinned(total)
+                np.concatenate(blobs, out=pinned.numpy()[:total])
+                staged = pinned[:total].to(device, non_blocking=True)
                 addrs = [staged.data_ptr() + int(o) for o in offsets]
             else:
                 addrs = [b.ctypes.data for b in blobs]
@@ -114,6 +119,17 @@ class GpuExpander:
                     pos += n
         if cuda:
             pool.stream.synchronize()
+
+    def _pinned(self, nbytes: int):
+        """The calling thread's pinned staging buffer (reader threads expand side by side), grown to a
+        power of two. A buffer is reused only after its thread's previous launch was synchronized."""
+        import torch
+
+        buf = getattr(self._local, "pinned", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.pinned = torch.empty(1 << max(nbytes - 1, 1).bit_length(), dtype=torch.uint8,
+                                                   pin_memory=True)
+        return buf
 
     @staticmethod
     def _layer_addrs(pages: list, base: int, layer_bytes: int, layers: int) -> np.ndarray | None:

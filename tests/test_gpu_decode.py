@@ -22,9 +22,9 @@ from kvstore.gpu_decode import GpuExpander, expander_for
 from kvstore.keys import Namespace, block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DATA_FILE, DiskTier
-from kvstore.tiers.gpu import GpuPool, GpuTier
+from kvstore.tiers.gpu import GpuPool, GpuTier, cuda_available
 from kvstore.tiers.host import HostArena
-from tests.helpers import chain_hashes
+from tests.helpers import chain_hashes, wait_for
 
 pytest.importorskip("triton", reason="the GPU decoder is a Triton kernel (the test extra installs it)")
 
@@ -33,6 +33,7 @@ LAYOUT = BlockLayout(2, 2, 16, 64, "bfloat16", "HNC")  # what vLLM's CUDA backen
 EXACT_NS = Namespace("m", "bfloat16", 2, 2, 64, 16, LAYOUT.block_bytes, layout="cuda/LBHNC")
 LOSSY_NS = dataclasses.replace(EXACT_NS, codec="k4v2")
 BLOCK = LAYOUT.block_bytes  # 16 KiB: a layer's slice is 8 KiB
+CUDA_OK, CUDA_REASON = cuda_available()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -223,3 +224,67 @@ def test_without_the_interpreter_the_emulated_tier_decodes_on_the_cpu(monkeypatc
     expand, why = expander_for(tier, True)
     assert expand is None and "TRITON_INTERPRET" in why
     tier.close()
+
+
+def test_through_the_daemon_a_gpu_clients_disk_hits_come_up_expanded_in_its_pool(daemon_factory, tmp_path):
+    """A real daemon (the config's [compression] and [gpu] sections, the kernel interpreted in its process)
+    and a client that maps the emulated pool as a GPU engine maps CUDA pools: its reads of blocks demoted
+    to disk come back in the GPU tier, expanded there."""
+    from kvstore.tiers.gpu import SLOT, open_pool
+
+    config = tmp_path / "kvstore.toml"
+    config.write_text("[compression]\ndisk = true\nexact_when_busy = false\n")
+    d = daemon_factory("--config", str(config), "--disk-path", str(tmp_path / "d"), "--disk-bytes", str(64 * BLOCK),
+                       "--gpu-device", "cpu", "--gpu-devices", "0", "--gpu-bytes", str(8 * BLOCK),
+                       "--gpu-page-bytes", str(BLOCK), host_bytes=str(4 * BLOCK), page_bytes=str(PAGE), disk=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    client = d.client()
+    ns_id = client.register(LOSSY_NS)
+    hashes = chain_hashes(9, 3)
+    for salt in [None] + list(range(2000, 2040)):  # the prompt, then others until it sits on disk
+        chain = hashes if salt is None else chain_hashes(salt, 2)
+        blocks = list(zip(chain, [None] + chain[:-1]))
+        extents = client.reserve(ns_id, blocks)
+        for h, ext in zip(chain, extents):
+            data, pos = np.frombuffer(payload(h), np.uint8), 0
+            for o, n in ext:
+                client.arena[o : o + n] = data[pos : pos + n]
+                pos += n
+        client.commit(ns_id, chain)
+        if all(t == "disk" for t in client.lookup(ns_id, hashes).tiers):
+            break
+    assert wait_for(lambda: client.stats()["tiers"]["disk"]["pending_writes"] == 0, timeout_s=20)
+    extents, at = client.acquire_at(ns_id, hashes, "gpu")
+    assert at == ["gpu"] * 3
+    pool = open_pool(client.gpu_pools[0], os.getuid())
+    for h, ext in zip(hashes, extents):
+        assert np.concatenate([pool[o % SLOT : o % SLOT + n] for o, n in ext]).tobytes() == lossy(h)
+    client.release(ns_id, hashes)
+    stats = client.stats()
+    assert stats["counters"]["gpu_expanded_blocks"] == 3 and stats["gpu_decode"] == {"on": True, "reason": ""}
+    assert d.check() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=f"needs CUDA: {CUDA_REASON}")
+def test_on_cuda_the_kernel_expands_into_vram_byte_exact(monkeypatch):
+    """The compiled kernel on a CUDA pool: encoded bytes staged in pinned memory, one copy to the device, the
+    kernel into the pages (and through the scratch buffer), byte-exact with the CPU decoder."""
+    import kvstore.codec_triton as mod
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(mod)
+    try:
+        tier = GpuTier([GpuPool("cuda:0", 16 * PAGE, PAGE)])
+        expand = GpuExpander(tier)
+        for rotate in (True, False):
+            blobs = [encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2, rotate=rotate))
+                     for h in chain_hashes(10, 2)]
+            split = [[5 * PAGE, PAGE], [8 * PAGE, 2 * PAGE], [12 * PAGE, PAGE]]
+            assert expand([([[0, BLOCK]], blobs[0]), (split, blobs[1])]) == [True, True]
+            assert tier.read([[0, BLOCK]]) == decode(blobs[0], LAYOUT).tobytes()
+            assert tier.read(split) == decode(blobs[1], LAYOUT).tobytes()
+        tier.close()
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+        importlib.reload(mod)

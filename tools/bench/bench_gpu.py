@@ -30,6 +30,10 @@ Results (`--json` prints one object):
 - `interference`: a bf16 8192^3 GEMM loop's slowdown on the forward stream while
   ~10 GB of loads from the arena run beside it, per executor (goal <= 5% for the
   default executor, "dma");
+- `expand`: encoded blocks (k4v2, k8v4) expanded into a GPU pool by the daemon's
+  expander, in KV bytes a second, and `x_exact_copy` against the pinned H2D copy
+  of the same blocks exact (goal >= 1: a compressed hit delivers more KV bytes a
+  second than an exact one);
 - every transfer's bytes are checked: its destination is filled with a constant, one transfer runs, the
   bytes are compared with the source (`verify`), then it is timed; a transfer that fails or moves other
   bytes gives its row an `error` and the run goes on (`errors` counts them). The default executor's
@@ -58,7 +62,7 @@ from kvstore.tiers import gpu  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 PROMPT_TOKENS = 8192
-GOALS = {"vs_limit": 0.9, "step_load_x_plain_copy": 1.1, "interference_slowdown": 0.05}
+GOALS = {"vs_limit": 0.9, "step_load_x_plain_copy": 1.1, "interference_slowdown": 0.05, "expand_x_exact_copy": 1.0}
 
 OWNER = r"""
 import json, sys
@@ -391,6 +395,48 @@ def interference(args, stores, executors: list[str]) -> dict:
     return out
 
 
+def expansion(args, blocks: int) -> dict:
+    """Encoded blocks expanded into a GPU pool by the daemon's expander (kvstore/gpu_decode.py: staged in
+    pinned memory, one copy to the device, the Triton kernel into the pages), against the pinned H2D copy
+    of the same blocks exact, in KV bytes delivered a second. Llama-3-8B blocks of 16 tokens, HNC."""
+    import numpy as np
+    import torch
+
+    from kvstore.codec import BlockLayout, Budget, decode, encode, from_float32
+    from kvstore.gpu_decode import GpuExpander
+
+    device = args.device
+    layout = BlockLayout(LAYERS, KV_HEADS, 16, HEAD_SIZE, "bfloat16", "HNC")
+    bb = layout.block_bytes
+    rng = np.random.default_rng(0)
+    payloads = [from_float32(rng.standard_normal(bb // 2, np.float32), "bfloat16") for _ in range(blocks)]
+    host = torch.empty(blocks * bb, dtype=torch.uint8, pin_memory=device != "cpu")
+    host.numpy()[:] = np.concatenate(payloads)
+    dev = torch.empty(blocks * bb, dtype=torch.uint8, device=device)
+    exact_s = timed(device, lambda: dev.copy_(host, non_blocking=True), args.iters)
+    out: dict = {"blocks": blocks, "block_bytes": bb, "exact_gbps": blocks * bb / exact_s / 1e9}
+    tier = gpu.GpuTier([gpu.GpuPool(device, blocks * bb, bb)])
+    try:
+        expand = GpuExpander(tier)
+        for name, budget in (("k4v2", Budget.uniform(layout, 4, 2)), ("k8v4", Budget.uniform(layout, 8, 4))):
+            blobs = [encode(p, layout, budget) for p in payloads]
+            items = [([[i * bb, bb]], blob) for i, blob in enumerate(blobs)]
+            try:
+                tier.pools[0].buf.fill_(SCRAMBLE)
+                if expand(items) != [True] * blocks:
+                    raise CaseFailed("the expander refused a block")
+                for i in checked_blocks(list(range(blocks))):
+                    if tier.read([[i * bb, bb]]) != decode(blobs[i], layout).tobytes():
+                        raise CaseFailed(f"block {i} differs from the CPU decoder's")
+                t = timed(device, lambda: expand(items), args.iters)
+                out[name] = {"ratio": bb / blobs[0].size, "gbps": blocks * bb / t / 1e9, "x_exact_copy": exact_s / t}
+            except Exception as exc:
+                out[f"{name}_error"] = repr(exc)
+    finally:
+        tier.close()
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
@@ -441,10 +487,14 @@ def main(argv=None) -> int:
             if args.device != "cpu":
                 result["interference"].update(interference(args, stores, [executor]))
                 written()
+        if args.device != "cpu":  # (on CPU the kernel runs interpreted: tests/test_gpu_decode.py checks it there)
+            result["expand"] = expansion(args, 8 if args.quick else 64)
+            written()
     finally:
         stores.close()
     default = [r for r in result["cases"] if r["executor"] == "dma" or args.device == "cpu"]
-    failed = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"])
+    failed = sum("error" in r for r in result["cases"]) + sum(k.endswith("_error") for k in result["interference"]) \
+        + sum(k.endswith("_error") for k in result.get("expand", {}))
     result["errors"] = failed + (not default)  # no copy engines at all: neither vLLM's op nor cuda.bindings
     result["worst_default_vs_limit"] = min((r.get("vs_limit", 0.0) for r in default), default=0.0)
     written()
@@ -463,6 +513,8 @@ def main(argv=None) -> int:
             print(f"step load {k}: {v['ms']:.2f} ms, {v['x_plain_copy']:.3f}x the plain copy")
         for k, v in result.get("interference", {}).items():
             print(f"interference {k}: {v:.3f}" if isinstance(v, float) else f"interference {k}: {v}")
+        for k, v in result.get("expand", {}).items():
+            print(f"expand {k}: {v}")
     return 1 if result["errors"] else 0
 
 

@@ -60,6 +60,16 @@ def goals(bench: dict | None, anchor: dict | None) -> list[dict]:
         if "dma_slowdown" in inter:
             rows.append({"goal": "GEMM slowdown beside loads (dma)", "value": inter["dma_slowdown"],
                          "want": f"<= {g['interference_slowdown']}", "met": inter["dma_slowdown"] <= g["interference_slowdown"]})
+    if bench and "expand" in bench:
+        g = bench["goals"]
+        for key, v in bench["expand"].items():
+            if key.endswith("_error"):
+                rows.append({"goal": f"encoded blocks ({key[:-6]}) expanded into the gpu tier", "value": None,
+                             "want": "no error", "met": False, "error": v})
+            elif isinstance(v, dict):
+                want = g.get("expand_x_exact_copy", 1.0)
+                rows.append({"goal": f"{key} blocks expanded on the GPU x the exact pinned H2D copy (KV bytes/s)",
+                             "value": v["x_exact_copy"], "want": f">= {want}", "met": v["x_exact_copy"] >= want})
     if bench and anchor:  # the same machine state: our limits against the anchor's
         for ours, theirs in (("limit_gbps", "h2d_limit_gbps"),):
             arena_loads = [c[ours] for c in bench.get("cases", [])
