@@ -130,3 +130,33 @@ def test_stats_shows_a_hybrid_model_s_attachments_on_its_spine_s_line():
                                                                 bytes={"disk": 6 << 20}), "ns-dense": row(model="d")})
     assert len(lines) == 2 and "ns-att" not in "".join(lines)
     assert "blocks 4" in lines[0] and "+ hybrid attachments 2 (6.0 MiB" in lines[0] and "attachments" not in lines[1]
+
+
+def test_the_prompt_is_tokenized_as_transformers_does_without_importing_it(tmp_path):
+    """`--model`'s tokenizer.json read by `tokenizers` gives transformers' ids and text (SmolLM2, with and
+    without special tokens); a tokenizer_config.json that switches BOS or EOS (which transformers applies on
+    load) or cleans up spaces leaves the model to transformers."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvstore.tools.harness.vllm_helpers import build_model, corpus_text
+    from kvstore.tools.inspect_cmd import _FastTokenizer, _fast_tokenizer
+
+    model = build_model("smollm2")
+    fast, ref = _fast_tokenizer(model), AutoTokenizer.from_pretrained(model)
+    assert isinstance(fast, _FastTokenizer)
+    text = corpus_text(3000, offset=500) + " <|im_start|>user\nWhat's 2+2?<|im_end|>"
+    for special in (True, False):
+        ids = fast(text, add_special_tokens=special)["input_ids"]
+        assert ids == ref(text, add_special_tokens=special)["input_ids"] and len(ids) > 500
+        assert fast.decode(ids[100:164]) == ref.decode(ids[100:164])
+    for switch in ({"add_bos_token": True}, {"add_eos_token": False}, {"clean_up_tokenization_spaces": True}):
+        other = tmp_path / str(len(list(tmp_path.iterdir())))
+        other.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(model, name), other / name)
+        assert _fast_tokenizer(str(other)) is not None  # (the copy alone is read by tokenizers)
+        config = json.loads((other / "tokenizer_config.json").read_text())
+        (other / "tokenizer_config.json").write_text(json.dumps({**config, **switch}))
+        assert _fast_tokenizer(str(other)) is None, switch

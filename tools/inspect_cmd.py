@@ -55,7 +55,51 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # -- input -----------------------------------------------------------------------------------
+class _FastTokenizer:
+    """A model's tokenizer.json run by `tokenizers` (the library under transformers' fast tokenizers): the
+    same ids, without importing transformers and torch (~10 s of every command line)."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.tok.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def _fast_tokenizer(model: str) -> _FastTokenizer | None:
+    """The model's tokenizer.json through `tokenizers`, where nothing in its tokenizer_config.json changes
+    what transformers would make of it (BOS/EOS switches, which transformers applies on load, or spaces
+    cleaned up in decoded text); else None."""
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(os.path.join(model, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        config = {}
+    except (OSError, ValueError):
+        return None
+    if any(config.get(k) is not None for k in ("add_bos_token", "add_eos_token")) \
+            or config.get("clean_up_tokenization_spaces"):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        return _FastTokenizer(Tokenizer.from_file(path))
+    except Exception:  # a file tokenizers cannot read: transformers tries it and says why
+        return None
+
+
 def _tokenizer(model: str):
+    fast = _fast_tokenizer(model)
+    if fast is not None:
+        return fast
     try:
         from transformers import AutoTokenizer
 
