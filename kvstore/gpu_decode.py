@@ -1,12 +1,13 @@
-"""Encoded disk blocks expanded on the GPU, straight into the GPU tier's pages.
+"""Encoded blocks expanded on the GPU, straight into the GPU tier's pages.
 
-Where a GPU reader acquires blocks stored encoded on disk (kvstore/compression.py)
-and the daemon has a GPU tier, the promotion (kvstore/promotion.py) reads each
-block's stored bytes, verified by the disk tier's checksum, and hands them here:
+Where a GPU reader acquires blocks stored encoded on disk or in the remote tier
+(kvstore/compression.py) and the daemon has a GPU tier, the promotion
+(kvstore/promotion.py) reads each block's stored bytes, verified by their
+tier's checksum, and hands them here:
 they cross PCIe encoded (one host-to-device copy a batch) and the Triton kernel
 (kvstore/codec_triton.py) expands them in the tier's pages, in the block's own
 layout, byte-exact with the CPU decoder. The CPU does no decoding and the host
-arena holds no copy of the block; its disk copy stays.
+arena holds no copy of the block; its copy below stays.
 
 `GpuExpander(items)` takes (GPU pages, stored bytes) per block and says per
 block whether it was expanded: False where the codec's header or checksum does

@@ -22,13 +22,17 @@ of its parent:
    already there. Without room the block stays in host, which a GPU reader
    also reads.
 
-A GPU reader's blocks stored encoded on disk skip the host arena where the
-store has a GPU expander (kvstore/gpu_decode.py, `[compression] gpu_decode`):
-GPU pages are allocated root first (a block whose parent is neither in the GPU
-tier nor going there, or that finds no room, goes the host way), the reader
-threads read the stored bytes and expand them on the GPU, and each block moves
-from disk to the GPU tier, keeping its disk copy. A GPU fault sends the batch
-the host way instead (`gpu_decode_errors`).
+A GPU reader's blocks stored encoded on disk or in the remote tier skip the
+host arena where the store has a GPU expander (kvstore/gpu_decode.py,
+`[compression] gpu_decode`), even where the read does not lift: their parents
+must sit in the GPU tier, so the read's host blocks before them and the exact
+blocks of the same batch (a sink block, one stored exact while the encoders
+were busy) go up first; GPU pages are allocated root first (a block whose
+parent is neither in the GPU tier nor going there, or that finds no room, goes
+the host way), the stored bytes are read (a reader thread; the remote tier's in
+one cluster call) and expanded on the GPU, and each block moves to the GPU tier
+keeping its copy below. A GPU fault sends the batch the host way instead
+(`gpu_decode_errors`).
 
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
@@ -121,6 +125,8 @@ class Promoter:
         if target is None or not target.client_readable:
             raise KVStoreError(f"cannot read from the {tier!r} tier")
         self.placement.reap()
+        if tier == "gpu" and self.expander is not None:
+            self._lift_for_expansion(entries)
         out = list(entries)
         batches: dict[str, dict[Key, Entry]] = {}  # per source tier, each block once
         for e in entries:
@@ -161,8 +167,16 @@ class Promoter:
     async def _promote(self, src: Tier, batch: list[Entry], gpu_reader: bool = False) -> dict[Key, bool | str]:
         try:
             served: dict[Key, bool | str] = {}
-            if gpu_reader and self.expander is not None:
-                served, batch = await self._expand(src, batch)
+            encoded = {e.key for e in batch if self._encoded_in(src, e)} if gpu_reader and self.expander else set()
+            if encoded:
+                exact = [e for e in batch if e.key not in encoded]
+                if exact:  # first, and lifted: a block expanded into the gpu tier needs its parent there
+                    served.update(await self._promote_batch(src, exact))
+                    for e in sorted(exact, key=lambda e: e.depth):
+                        if served[e.key] is True and self.index.get(e.key) is e and e.tier == "host":
+                            self._lift(e, "gpu")
+                expanded, batch = await self._expand(src, [e for e in batch if e.key in encoded])
+                served.update(expanded)
             if batch:
                 served.update(await self._promote_batch(src, batch))
             return served
@@ -241,7 +255,7 @@ class Promoter:
                 served[e.key] = "discarded"
                 continue
             parent = self.index.parent_of(e)
-            stored = src.stored_encoded(slot) if self._expandable(e) and src.read_blocks(slot) and not src.lost(slot) else 0
+            stored = src.stored_encoded(slot) if self._encoded_in(src, e) else 0
             if not stored or not (parent is None or parent.tier == "gpu" or parent.key in going):
                 rest.append(e)
                 continue
@@ -261,8 +275,11 @@ class Promoter:
             return served, rest
         slots = [e.location for e, _, _ in todo]
         work = [(slot, pages, stored) for slot, (_, pages, stored) in zip(slots, todo)]
+        # the remote tier's values in one cluster call; a local tier's are read in the reader thread
+        fetched = await self.remote.fetch_encoded([e for e, _, _ in todo]) if src.name == "remote" else None  # type: ignore[union-attr]
         try:
-            codes = await asyncio.get_running_loop().run_in_executor(self.reader(), self._read_expanded, src, work)
+            codes = await asyncio.get_running_loop().run_in_executor(self.reader(), self._read_expanded, src, work,
+                                                                     fetched)
         except Exception:  # the device or the kernel failed: the CPU decodes these instead
             log.exception("expanding %d encoded blocks on the GPU failed; they are decoded on the CPU", len(todo))
             self.counters["gpu_decode_errors"] += 1
@@ -291,21 +308,40 @@ class Promoter:
             self.placement.move(e, "gpu", pages, keep_copy=src.persistent)
             self.counters["promotions"] += 1
             self.counters["gpu_expanded_blocks"] += 1
+            if src.name == "remote":
+                self.counters["remote_promotions"] += 1
             served[e.key] = True
         return served, rest
 
-    def _expandable(self, e: Entry) -> bool:
-        """Whether the expander reads `e`'s layout (a GPU engine's; vLLM's CPU layouts are decoded on the CPU)."""
+    def _encoded_in(self, src: Tier, e: Entry) -> bool:
+        """`e` sits encoded and written in `src`, in a layout the expander reads (a GPU engine's; vLLM's CPU
+        layouts are decoded on the CPU)."""
         compression = self.placement.compression
         codec = None if compression is None else compression.codec(self.placement.shared.namespaces[key_ns(e.key)])
-        return codec is not None and self.expander.takes(codec.layout)  # type: ignore[union-attr]
+        if codec is None or not self.expander.takes(codec.layout):  # type: ignore[union-attr]
+            return False
+        slot = e.location
+        return src.read_blocks(slot) and not src.lost(slot) and src.stored_encoded(slot) > 0
 
-    def _read_expanded(self, src: Tier, work: list[tuple[object, object, int]]) -> Fetched:
-        """(A reader thread.) Read each block's stored bytes and verify them, then expand the verified
-        ones into their gpu pages in one launch. Per block: True, False (does not verify), None (read failed)."""
+    def _lift_for_expansion(self, entries: Sequence[Entry | None]) -> None:
+        """A GPU reader's blocks expanded into the gpu tier need their parents there: the read's host
+        blocks before the last one the expander will take go up first (while the gpu tier has room)."""
+        last = max((i for i, e in enumerate(entries) if e is not None and RANK[e.tier] > RANK["host"]
+                    and e.key not in self._tasks and self._encoded_in(self.placement.tiers[e.tier], e)), default=-1)
+        for e in entries[:last]:
+            if e is not None and e.tier == "host":
+                self._lift(e, "gpu")
+
+    def _read_expanded(self, src: Tier, work: list[tuple[object, object, int]], fetched: list | None = None) -> Fetched:
+        """(A reader thread.) Read each block's stored bytes and verify them (unless `fetched` has them:
+        bytes, False or None per block), then expand the verified ones into their gpu pages in one launch.
+        Per block: True, False (does not verify), None (read failed)."""
         codes: Fetched = []
-        blobs = []
-        for slot, _, stored in work:
+        blobs: list = []
+        if fetched is not None:
+            codes = [True if isinstance(got, np.ndarray) else got for got in fetched]
+            blobs = list(fetched)
+        for slot, _, stored in work if fetched is None else ():
             blob = np.empty(stored, np.uint8)
             try:
                 codes.append(src.read_encoded(slot, blob))

@@ -319,11 +319,27 @@ class RemoteSharing:
         except RemoteUnavailable:
             return [None] * len(items)
         for (e, _), code in zip(items, codes):
-            if code is False:  # not fetched again for a while: it may be re-published
-                self._bad[e.key] = time.monotonic() + BAD_VALUE_TTL_S
-                while len(self._bad) > 65536:
-                    self._bad.popitem(last=False)
+            if code is False:
+                self._remember_bad(e.key)
         return list(codes)
+
+    async def fetch_encoded(self, entries: list[Entry]) -> list:
+        """Remote entries' encoded values as stored, for the GPU tier's expander (kvstore/gpu_decode.py),
+        one cluster call: per block its bytes, False (absent, torn or foreign) or None (the call failed)."""
+        try:
+            blobs = await self.call("get", self.tier.get_encoded, [e.location for e in entries])
+        except RemoteUnavailable:
+            return [None] * len(entries)
+        for e, blob in zip(entries, blobs):
+            if blob is None:
+                self._remember_bad(e.key)
+        return [False if blob is None else blob for blob in blobs]
+
+    def _remember_bad(self, key: Key) -> None:
+        """A value that did not verify is not fetched again for a while (it may be re-published)."""
+        self._bad[key] = time.monotonic() + BAD_VALUE_TTL_S
+        while len(self._bad) > 65536:
+            self._bad.popitem(last=False)
 
     # -- publishing ------------------------------------------------------------------------
     def publishing(self, key: Key) -> bool:

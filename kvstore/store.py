@@ -115,7 +115,7 @@ class TieredStore:
             listeners.add(self.sharing)
         # a GPU reader's encoded disk blocks expanded on the GPU into the gpu tier (kvstore/gpu_decode.py)
         self.expander, self.gpu_decode_off = expander_for(
-            self.tiers.get("gpu"), compression is not None and "disk" in compression.tiers  # type: ignore[arg-type]
+            self.tiers.get("gpu"), compression is not None and bool(compression.tiers)  # type: ignore[arg-type]
             and compression.config.gpu_decode)
         self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing, self.expander)
         self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import json
 import os
 import uuid
 
@@ -63,13 +64,13 @@ def lossy(h: bytes) -> bytes:
 
 
 class Harness:
-    def __init__(self, folder, gpu_decode=True, gpu_blocks=8, host_blocks=4):
+    def __init__(self, folder, gpu_decode=True, gpu_blocks=8, host_blocks=4, profile_dir=""):
         self.folder = str(folder)
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", host_blocks * BLOCK, PAGE)
         disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=decode_into)
         self.gpu = GpuTier([GpuPool("cpu", gpu_blocks * BLOCK, PAGE)])
         self.store = TieredStore([self.gpu, host, disk], compression=Compression(
-            CompressionConfig(disk=True, exact_when_busy=False, gpu_decode=gpu_decode)))
+            CompressionConfig(disk=True, exact_when_busy=False, gpu_decode=gpu_decode, profile_dir=profile_dir)))
 
     def close(self) -> None:
         self.store.close()
@@ -123,6 +124,40 @@ def test_a_gpu_readers_encoded_disk_hits_are_expanded_on_the_gpu(harness):
         assert "disk" in e.copies  # its encoded disk copy stays
     assert store.stats()["gpu_decode"] == {"on": True, "reason": ""}
     assert store.check() == []
+
+
+def test_a_parent_in_host_goes_up_first_and_its_children_are_expanded(harness):
+    """The tree keeps a child out of a faster tier than its parent: the read's host blocks before the
+    expanded ones are lifted into the gpu tier first."""
+    store = harness.store
+    hashes = chain_hashes(11, 3)
+    harness.spill(LOSSY_NS, hashes)
+    assert harness.read(LOSSY_NS, hashes[:1], tier="host") == [("host", lossy(hashes[0]))]
+    assert harness.read(LOSSY_NS, hashes) == [("gpu", lossy(h)) for h in hashes]
+    counters = store.shared.counters
+    assert counters["gpu_expanded_blocks"] == 2 and counters["lifts"] == 1
+    assert store.check() == []
+
+
+def test_a_sink_block_stored_exact_comes_up_first_and_the_rest_are_expanded(tmp_path):
+    """A profile whose first block stays exact (the attention sink): that block takes the host way and is
+    lifted, within the same promotion, so the encoded blocks below it can be expanded into the gpu tier."""
+    bits = [[[4, 2], [4, 2]], [[4, 2], [4, 2]]]
+    (tmp_path / "sink1.json").write_text(json.dumps({"format": "kvstore-codec-profile/1", "name": "sink1",
+                                                     "bits": bits, "sink_blocks": 1}))
+    ns = dataclasses.replace(LOSSY_NS, codec="sink1")
+    h = Harness(tmp_path / "disk", profile_dir=str(tmp_path))
+    try:
+        hashes = chain_hashes(12, 3)
+        h.spill(ns, hashes)
+        budget = Budget(np.array(bits, np.uint8))
+        want = [payload(hashes[0])] + [decode(encode(np.frombuffer(payload(x), np.uint8), LAYOUT, budget),
+                                              LAYOUT).tobytes() for x in hashes[1:]]
+        assert h.read(ns, hashes) == [("gpu", b) for b in want]
+        assert h.store.shared.counters["gpu_expanded_blocks"] == 2 and h.store.shared.counters["lifts"] == 1
+        assert h.store.check() == []
+    finally:
+        h.close()
 
 
 def test_exact_blocks_and_a_host_reader_take_the_cpu_way(harness):

@@ -541,3 +541,44 @@ def test_a_published_block_is_hashed_once(tmp_path, mooncake, started):
         assert all(np.array_equal(g, p) for g, p in zip(c.get(ns, hs), payloads))
     host = again.stats()["tiers"]["host"]
     assert host["verified_blocks"] == 6 and host["corrupt_blocks"] == 0
+
+
+def test_a_gpu_readers_encoded_remote_hits_are_expanded_on_the_gpu(tmp_path, mooncake, started):
+    """A daemon with a GPU tier (emulated; the Triton kernel interpreted in its process): a GPU reader's
+    remote hits stored encoded come from the cluster as stored and are expanded into the gpu tier
+    (kvstore/gpu_decode.py), the sink block (exact) lifted first; the bytes are the CPU decoder's."""
+    pytest.importorskip("triton", reason="the GPU decoder is a Triton kernel (the test extra installs it)")
+    from kvstore.tiers.gpu import SLOT, open_pool
+
+    gpu_layout = BlockLayout(2, 2, 16, 64, "bfloat16", "HNC")  # what a CUDA engine's "LBHNC" is to the codec
+    ns_spec = Namespace(**{**LOSSY.to_dict(), "model": "remote-lossy-gpu", "layout": "cuda/LBHNC"})
+    master = Master(log_path=tmp_path / "master.log").start()
+    started.append(master)
+    cfg = compressing_config(tmp_path, master, publish="evicted")
+    block = gpu_layout.block_bytes
+    d = start_daemon(tmp_path, "--config", cfg, "--gpu-device", "cpu", "--gpu-devices", "0",
+                     "--gpu-bytes", str(8 * block), "--gpu-page-bytes", str(block), name="zgpu",
+                     host_bytes="128KiB", page_bytes="16KiB", log_path=str(tmp_path / "d.log"),
+                     env={**os.environ, "TRITON_INTERPRET": "1"})
+    started.append(d)
+    hs, parents = chain(36, 4)
+    payloads = kv_payloads(36, 4)
+    others, other_parents = chain(37, 8)
+    with d.client() as c:
+        ns = c.register(ns_spec)
+        assert c.put(ns, list(zip(hs, parents, payloads))) == 4
+        assert c.put(ns, list(zip(others, other_parents, kv_payloads(37, 8)))) == 8  # the first chain leaves
+        assert wait_counter(d, "remote_published_blocks", 4)["counters"]["remote_published_compressed_blocks"] == 3
+        assert c.lookup(ns, hs).tiers == ("remote",) * 4
+        extents, at = c.acquire_at(ns, hs, "gpu")
+        assert at == ["gpu"] * 4
+        pool = open_pool(c.gpu_pools[0], os.getuid())
+        got = [np.concatenate([pool[o % SLOT : o % SLOT + n] for o, n in ext]) for ext in extents]
+        c.release(ns, hs)
+    budget = Budget(np.array(MIXED_BITS))
+    assert np.array_equal(got[0], payloads[0])  # the sink block: exact
+    for g, p in zip(got[1:], payloads[1:]):
+        assert np.array_equal(g, decode(encode(p, gpu_layout, budget), gpu_layout))
+    counters = d.stats()["counters"]
+    assert counters["gpu_expanded_blocks"] == 3 and counters["remote_promotions"] == 4 and counters["lifts"] == 1
+    assert d.check() == []

@@ -298,6 +298,9 @@ class MooncakeTier(Tier):
     def read_blocks(self, location) -> bool:
         return True
 
+    def stored_encoded(self, location: RemoteRef) -> int:
+        return location.stored if location.codec is not None else 0
+
     def read_into(self, location: RemoteRef, out: Sequence[np.ndarray]) -> bool:
         return self.get_into([(location, list(out))])[0]
 
@@ -312,25 +315,45 @@ class MooncakeTier(Tier):
         out: list[bool] = []
         for chunk in self._chunks(items):
             bounce = self._bounce_buffer("get", sum(ref.stored for ref, _ in chunk))
-            heads = [self._hbuf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(chunk))]
             targets, pos = [], 0
             for ref, views in chunk:
                 targets.append(views if ref.codec is None else [bounce[pos : pos + ref.stored]])
                 pos += ref.stored
-            ptrs = [[h.ctypes.data] + [v.ctypes.data for v in views] for h, views in zip(heads, targets)]
-            sizes = [[HEADER_BYTES] + [v.nbytes for v in views] for views in targets]
-            got = self._mc.batch_get_into_multi_buffers([ref.key for ref, _ in chunk], ptrs, sizes)
-            oks, decode = [], []
-            for i, ((ref, views), target, head, n, size) in enumerate(zip(chunk, targets, heads, got, sizes)):
-                nbytes = sum(size) - HEADER_BYTES
-                checksum = header_checksum(head, ref, nbytes) if n == HEADER_BYTES + nbytes else None
-                oks.append(checksum is not None and payload_checksum(target) == checksum)
-                if oks[-1] and ref.codec is not None:
-                    decode.append((i, target[0], views))
+            oks = self._get_chunk([ref for ref, _ in chunk], targets)
+            decode = [(i, target[0], views) for i, ((ref, views), target, ok) in enumerate(zip(chunk, targets, oks))
+                      if ok and ref.codec is not None]
             for (i, _, _), ok in zip(decode, self._map(self._decode, decode)):  # in this thread and the encoders'
                 oks[i] = ok
             out.extend(oks)
         return out
+
+    def get_encoded(self, refs: list[RemoteRef]) -> list[np.ndarray | None]:
+        """Fetch encoded values as stored, for a reader that decodes them itself (the GPU tier's expander,
+        kvstore/gpu_decode.py): per ref its bytes (header and checksum verified), or None."""
+        out: list[np.ndarray | None] = []
+        for chunk in self._chunks([(ref,) for ref in refs]):
+            bounce = self._bounce_buffer("get", sum(ref.stored for ref, in chunk))
+            targets, pos = [], 0
+            for ref, in chunk:
+                targets.append([bounce[pos : pos + ref.stored]])
+                pos += ref.stored
+            oks = self._get_chunk([ref for ref, in chunk], targets)
+            out.extend(target[0].copy() if ok else None for target, ok in zip(targets, oks))
+        return out
+
+    def _get_chunk(self, refs: list[RemoteRef], targets: list[list[np.ndarray]]) -> list[bool]:
+        """One batched fetch of `refs`' values into `targets` (registered memory); per block whether its
+        header and checksum verify."""
+        heads = [self._hbuf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(refs))]
+        ptrs = [[h.ctypes.data] + [v.ctypes.data for v in views] for h, views in zip(heads, targets)]
+        sizes = [[HEADER_BYTES] + [v.nbytes for v in views] for views in targets]
+        got = self._mc.batch_get_into_multi_buffers([ref.key for ref in refs], ptrs, sizes)
+        oks = []
+        for ref, target, head, n, size in zip(refs, targets, heads, got, sizes):
+            nbytes = sum(size) - HEADER_BYTES
+            checksum = header_checksum(head, ref, nbytes) if n == HEADER_BYTES + nbytes else None
+            oks.append(checksum is not None and payload_checksum(target) == checksum)
+        return oks
 
     def _decode(self, job) -> bool:
         _, blob, views = job
