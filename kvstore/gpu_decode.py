@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.codec import BlockLayout, CorruptBlock, read_header
+from kvstore.codec import FLAG_ROTATE, BlockLayout, CorruptBlock, read_header
 from kvstore.tiers.gpu import SLOT, GpuPool, GpuTier
 
 CPU_ORDERS = ("HKTVND", "AMX")  # vLLM's CPU kernels' layouts: no GPU engine stores them
@@ -69,16 +69,16 @@ class GpuExpander:
         (False: it does not verify, or it is not a block these pages hold). Blocking: a reader thread
         calls it, and it returns once the pages hold the blocks."""
         done = [False] * len(items)
-        groups: dict[tuple[int, BlockLayout], list[int]] = {}  # (pool, layout) -> the blocks of one launch
+        groups: dict[tuple, list[int]] = {}  # (pool, layout, rotated) -> the blocks of one launch
         for i, (pages, blob) in enumerate(items):
             try:
-                layout, _, _ = read_header(blob)
+                layout, _, flags = read_header(blob)
             except CorruptBlock:
                 continue
             if not self.takes(layout) or layout.block_bytes != sum(n for _, n in pages):
                 continue
-            groups.setdefault((pages[0][0] // SLOT, layout), []).append(i)
-        for (k, layout), idx in groups.items():
+            groups.setdefault((pages[0][0] // SLOT, layout, bool(flags & FLAG_ROTATE)), []).append(i)
+        for (k, layout, _), idx in groups.items():
             self._launch(self.gpu.pools[k], layout, [items[i] for i in idx])
             for i in idx:
                 done[i] = True

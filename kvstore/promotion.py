@@ -78,7 +78,7 @@ class Promoter:
     def __init__(self, placement: Placement, index: BlockIndex, shared: Shared, read_threads: int = 4,
                  remote: RemoteSharing | None = None, expander: Callable | None = None) -> None:
         self.placement, self.index, self.remote = placement, index, remote
-        self.expander = expander  # encoded disk blocks into the gpu tier (kvstore/gpu_decode.py), where there is one
+        self.expander = expander  # encoded blocks into the gpu tier (kvstore/gpu_decode.py), where there is one
         self.host = placement.tiers["host"]
         self.counters = shared.counters
         self._tasks: dict[Key, asyncio.Task] = {}  # the promotion in flight of each block

@@ -236,8 +236,8 @@ def test_the_expander_writes_blocks_whose_layers_cross_page_runs_and_refuses_dam
     tier = GpuTier([GpuPool("cpu", 16 * PAGE, PAGE)])
     expand, why = expander_for(tier, True)
     assert expand is not None, why
-    blobs = [encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2, rotate=True))
-             for h in chain_hashes(7, 3)]
+    blobs = [encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2, rotate=i != 1))
+             for i, h in enumerate(chain_hashes(7, 3))]  # (rotated and not: two launches)
     whole = [[0, BLOCK]]  # one run: layers at 0 and 8 KiB
     split = [[5 * PAGE, PAGE], [8 * PAGE, 2 * PAGE], [12 * PAGE, PAGE]]  # layer 0 spans two runs
     damaged = blobs[2].copy()
