@@ -25,14 +25,15 @@ of its parent:
 A GPU reader's blocks stored encoded on disk or in the remote tier skip the
 host arena where the store has a GPU expander (kvstore/gpu_decode.py,
 `[compression] gpu_decode`), even where the read does not lift: their parents
-must sit in the GPU tier, so the read's host blocks before them and the exact
-blocks of the same batch (a sink block, one stored exact while the encoders
-were busy) go up first; GPU pages are allocated root first (a block whose
-parent is neither in the GPU tier nor going there, or that finds no room, goes
-the host way), the stored bytes are read (a reader thread; the remote tier's in
-one cluster call) and expanded on the GPU, and each block moves to the GPU tier
-keeping its copy below. A GPU fault sends the batch the host way instead
-(`gpu_decode_errors`).
+must sit in the GPU tier, so the read's host blocks before them go up first,
+and the batch is taken root first in runs of one kind: a run of exact blocks
+(a sink block, one stored exact while the encoders were busy) goes the host
+way and up; a run of encoded ones is expanded: GPU pages allocated root first
+(a block whose parent is neither in the GPU tier nor going there, or that
+finds no room, goes the host way), the stored bytes are read (a reader thread;
+the remote tier's in one cluster call) and expanded on the GPU, and each block
+moves to the GPU tier keeping its copy below. A GPU fault sends the batch the
+host way instead (`gpu_decode_errors`).
 
 What the reader still cannot read (a block in a faster tier than the one it
 asked for: a CPU reader and a block in the GPU pool) is answered as a miss.
@@ -51,6 +52,7 @@ store's `pin`, `after_a_miss` (a prefix read stops at its first miss).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -166,19 +168,27 @@ class Promoter:
     # -- into the host arena ---------------------------------------------------------------
     async def _promote(self, src: Tier, batch: list[Entry], gpu_reader: bool = False) -> dict[Key, bool | str]:
         try:
-            served: dict[Key, bool | str] = {}
             encoded = {e.key for e in batch if self._encoded_in(src, e)} if gpu_reader and self.expander else set()
-            if encoded:
-                exact = [e for e in batch if e.key not in encoded]
-                if exact:  # first, and lifted: a block expanded into the gpu tier needs its parent there
-                    served.update(await self._promote_batch(src, exact))
-                    for e in sorted(exact, key=lambda e: e.depth):
-                        if served[e.key] is True and self.index.get(e.key) is e and e.tier == "host":
-                            self._lift(e, "gpu")
-                expanded, batch = await self._expand(src, [e for e in batch if e.key in encoded])
-                served.update(expanded)
-            if batch:
-                served.update(await self._promote_batch(src, batch))
+            if not encoded:
+                return await self._promote_batch(src, batch)
+            # Root first, in runs of one kind: a run of exact blocks (a sink, one stored exact while the
+            # encoders were busy) goes the host way and up into the gpu tier, where the expanded blocks
+            # below it need their parent; a run of encoded blocks is expanded (what cannot be goes the
+            # host way at once, before the deeper runs).
+            served: dict[Key, bool | str] = {}
+            ordered = sorted(batch, key=lambda e: (e.depth, e.key in encoded))
+            for kind, run in itertools.groupby(ordered, key=lambda e: e.key in encoded):
+                run = list(run)
+                if kind:
+                    expanded, run = await self._expand(src, run)
+                    served.update(expanded)
+                    if run:
+                        served.update(await self._promote_batch(src, run))
+                    continue
+                served.update(await self._promote_batch(src, run))
+                for e in run:
+                    if served[e.key] is True and self.index.get(e.key) is e and e.tier == "host":
+                        self._lift(e, "gpu")
             return served
         finally:
             this = asyncio.current_task()

@@ -323,3 +323,19 @@ def test_on_cuda_the_kernel_expands_into_vram_byte_exact(monkeypatch):
     finally:
         os.environ["TRITON_INTERPRET"] = "1"
         importlib.reload(mod)
+
+
+def test_a_block_stored_exact_in_the_middle_of_a_chain_keeps_the_chain_whole(harness, monkeypatch):
+    """Encoded, exact (as a demotion while the encoders were busy stores it), encoded: taken root first in
+    runs of one kind, the exact block goes the host way and up between two expansions."""
+    store = harness.store
+    hashes = chain_hashes(13, 3)
+    middle = block_key(LOSSY_NS.id, hashes[1])
+    codec_for = store.placement.codec_for
+    monkeypatch.setattr(store.placement, "codec_for", lambda e, dst: None if e.key == middle else codec_for(e, dst))
+    harness.spill(LOSSY_NS, hashes)
+    assert harness.read(LOSSY_NS, hashes) == [("gpu", lossy(hashes[0])), ("gpu", payload(hashes[1])),
+                                               ("gpu", lossy(hashes[2]))]
+    counters = store.shared.counters
+    assert counters["gpu_expanded_blocks"] == 2 and counters["lifts"] == 1
+    assert store.check() == []
