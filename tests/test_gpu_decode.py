@@ -11,6 +11,8 @@ import dataclasses
 import importlib
 import json
 import os
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -297,6 +299,9 @@ def test_through_the_daemon_a_gpu_clients_disk_hits_come_up_expanded_in_its_pool
     client.release(ns_id, hashes)
     stats = client.stats()
     assert stats["counters"]["gpu_expanded_blocks"] == 3 and stats["gpu_decode"] == {"on": True, "reason": ""}
+    human = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", d.socket_path],
+                           capture_output=True, text=True, timeout=60)
+    assert "gpu decode: on; 3 blocks expanded on the GPU, 0 launches failed" in human.stdout, human.stdout + human.stderr
     assert d.check() == []
 
 

@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
               f"compacted since: {k['compacted_blocks']}; waiting {k['waiting_blocks']}")
         print(f"         encoded copies of promoted blocks: {stats['tiers']['disk'].get('encoded_copies', 0)} kept; "
               f"{c.get('disk_encoded_copies_dropped', 0)} dropped for room")
+    if "gpu_decode" in stats:  # a gpu tier and a tier that compresses
+        g = stats["gpu_decode"]
+        print("  gpu decode: " + (f"on; {c.get('gpu_expanded_blocks', 0)} blocks expanded on the GPU, "
+                                   f"{c.get('gpu_decode_errors', 0)} launches failed" if g["on"] else f"off ({g['reason']})"))
     print(f"  lookups: {c.get('lookup_hit_blocks', 0)}/{c.get('lookup_blocks', 0)} blocks found; "
           f"puts {c.get('put_blocks', 0)}; misses {c.get('miss_blocks', 0)}")
     for line in namespace_lines(stats.get("by_namespace", {})):
