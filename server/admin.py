@@ -184,6 +184,13 @@ class StoreCollector:
                 dev_cap.add_metric(["gpu", device], d["capacity_bytes"])
             yield dev_bytes
             yield dev_cap
+        if "gpu_decode" in s:  # a gpu tier and a tier that compresses (kvstore/gpu_decode.py)
+            yield CounterMetricFamily("kvstore_gpu_expanded_blocks",
+                                      "Encoded blocks a GPU reader got expanded on the GPU into the gpu tier",
+                                      value=c.get("gpu_expanded_blocks", 0))
+            yield CounterMetricFamily("kvstore_gpu_decode_errors",
+                                      "GPU expansions that failed (their blocks were decoded on the CPU)",
+                                      value=c.get("gpu_decode_errors", 0))
         yield GaugeMetricFamily("kvstore_sessions", "Open client connections", value=s["sessions"])
         if "remote" in s:  # the remote tier is in the chain
             remote_errors = CounterMetricFamily("kvstore_remote_errors", "Remote tier operations that failed or timed out",
@@ -192,7 +199,7 @@ class StoreCollector:
                 remote_errors.add_metric([op], s["remote"]["errors"].get(op, 0))
             yield remote_errors
             for name, help_ in (("remote_published_blocks", "Blocks published to the remote tier"),
-                                ("remote_promotions", "Blocks fetched from the remote tier into the host arena"),
+                                ("remote_promotions", "Blocks fetched from the remote tier (into the host arena, or expanded into the gpu tier)"),
                                 ("remote_lookup_hit_blocks", "Blocks a lookup found in the remote tier")):
                 yield CounterMetricFamily(f"kvstore_{name}", help_, value=c.get(name, 0))
         yield from namespace_families(s)  # per model, bounded (server/metrics.py)

@@ -302,6 +302,7 @@ def test_through_the_daemon_a_gpu_clients_disk_hits_come_up_expanded_in_its_pool
     human = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", d.socket_path],
                            capture_output=True, text=True, timeout=60)
     assert "gpu decode: on; 3 blocks expanded on the GPU, 0 launches failed" in human.stdout, human.stdout + human.stderr
+    assert "kvstore_gpu_expanded_blocks_total 3.0" in d.http("/metrics")[1].decode()
     assert d.check() == []
 
 
