@@ -28,19 +28,25 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import nullcontext
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from kvstore.codec import FLAG_ROTATE, BlockLayout, CorruptBlock, read_header
 from kvstore.tiers.gpu import SLOT, GpuPool, GpuTier
 
+if TYPE_CHECKING:
+    from kvstore.compression import Compression
+
 CPU_ORDERS = ("HKTVND", "AMX")  # vLLM's CPU kernels' layouts: no GPU engine stores them
 
 
-def expander_for(gpu: GpuTier | None, enabled: bool) -> tuple["GpuExpander | None", str]:
-    """The GPU tier's expander, or (None, why the CPU decodes instead)."""
-    if not enabled:
+def expander_for(gpu: GpuTier | None, compression: "Compression | None") -> tuple["GpuExpander | None", str]:
+    """The GPU tier's expander for a store that compresses as `compression` says, or (None, why the CPU
+    decodes instead)."""
+    if compression is None or not compression.tiers:
+        return None, "no tier compresses"
+    if not compression.config.gpu_decode:
         return None, "compression.gpu_decode is off"
     if gpu is None:
         return None, "no gpu tier"

@@ -227,21 +227,8 @@ class Promoter:
             return served
         slots = [e.location for e, _ in todo]
         codes = await self._fetch(src, todo)
-        this = asyncio.current_task()
         for (e, alloc), slot, code in zip(todo, slots, codes):
-            parent_task = self._tasks.get(e.parent) if e.parent is not None else None
-            if parent_task is not None and parent_task is not this:
-                await asyncio.shield(parent_task)  # its parent comes up from another tier
-            if self.index.get(e.key) is not e or e.location is not slot:
-                continue  # discarded with a corrupt ancestor meanwhile
-            if code is not True:
-                self._failed(src, e, code)
-                served[e.key] = f"{'read_error' if code is None else 'checksum'}_{src.name}"
-                continue
-            parent = self.index.parent_of(e)
-            if parent is not None and RANK[parent.tier] > RANK["host"]:
-                self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
-                served[e.key] = "parent_not_promoted"
+            if not await self._may_move(src, e, slot, code, "host", served):
                 continue
             del self._held_pages[e.key]
             self.placement.move(e, "host", alloc, keep_copy=src.persistent)
@@ -297,22 +284,9 @@ class Promoter:
                 del self._held_pages[e.key]
                 self.placement.tiers["gpu"].free(pages)
             return served, rest + [e for e, _, _ in todo]
-        this = asyncio.current_task()
         for (e, pages, _), slot, code in zip(todo, slots, codes):
-            parent_task = self._tasks.get(e.parent) if e.parent is not None else None
-            if parent_task is not None and parent_task is not this:
-                await asyncio.shield(parent_task)
-            if self.index.get(e.key) is not e or e.location is not slot:
-                served[e.key] = "discarded"
-                continue
-            if code is not True:
-                self._failed(src, e, code)
-                served[e.key] = f"{'read_error' if code is None else 'checksum'}_{src.name}"
-                continue
-            parent = self.index.parent_of(e)
-            if parent is not None and parent.tier != "gpu":
-                self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
-                served[e.key] = "parent_not_promoted"
+            served[e.key] = "discarded"
+            if not await self._may_move(src, e, slot, code, "gpu", served):
                 continue
             del self._held_pages[e.key]
             self.placement.move(e, "gpu", pages, keep_copy=src.persistent)
@@ -363,6 +337,28 @@ class Promoter:
         for i, ok in zip(good, self.expander([(work[i][1], blobs[i]) for i in good])):  # type: ignore[misc]
             codes[i] = ok
         return codes
+
+    async def _may_move(self, src: Tier, e: Entry, slot: object, code: bool | None, into: str,
+                        served: dict[Key, bool | str]) -> bool:
+        """Whether a fetched block may now move into `into` (root first): once a promotion of its parent
+        from another tier is over, it is still the block fetched (not discarded with a corrupt ancestor
+        meanwhile), its bytes verified, and its parent sits in `into` or a faster tier. Else `served`
+        says why (a block discarded meanwhile keeps what it says)."""
+        parent_task = self._tasks.get(e.parent) if e.parent is not None else None
+        if parent_task is not None and parent_task is not asyncio.current_task():
+            await asyncio.shield(parent_task)  # its parent comes up from another tier
+        if self.index.get(e.key) is not e or e.location is not slot:
+            return False
+        if code is not True:
+            self._failed(src, e, code)
+            served[e.key] = f"{'read_error' if code is None else 'checksum'}_{src.name}"
+            return False
+        parent = self.index.parent_of(e)
+        if parent is not None and RANK[parent.tier] > RANK[into]:
+            self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
+            served[e.key] = "parent_not_promoted"
+            return False
+        return True
 
     def _failed(self, src: Tier, e: Entry, code: bool | None) -> None:
         if code is None:

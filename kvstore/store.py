@@ -113,10 +113,8 @@ class TieredStore:
             self.sharing = RemoteSharing(self.tiers["remote"], self.index, self.placement, self.shared,  # type: ignore[arg-type]
                                          sharing or SharingOptions())
             listeners.add(self.sharing)
-        # a GPU reader's encoded disk blocks expanded on the GPU into the gpu tier (kvstore/gpu_decode.py)
-        self.expander, self.gpu_decode_off = expander_for(
-            self.tiers.get("gpu"), compression is not None and bool(compression.tiers)  # type: ignore[arg-type]
-            and compression.config.gpu_decode)
+        # a GPU reader's encoded blocks expanded on the GPU into the gpu tier (kvstore/gpu_decode.py)
+        self.expander, self.gpu_decode_off = expander_for(self.tiers.get("gpu"), compression)  # type: ignore[arg-type]
         self.promoter = Promoter(self.placement, self.index, self.shared, read_threads, self.sharing, self.expander)
         self.demoter: GpuDemoter | None = None  # free room in the gpu tier, kept off the event loop
         if "gpu" in self.tiers:

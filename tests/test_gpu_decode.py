@@ -236,7 +236,7 @@ def test_the_expander_writes_blocks_whose_layers_cross_page_runs_and_refuses_dam
     """Straight into the pages where each layer's slice is one run; through a scratch buffer where the
     pages split a layer; a block whose codec checksum fails leaves its pages untouched."""
     tier = GpuTier([GpuPool("cpu", 16 * PAGE, PAGE)])
-    expand, why = expander_for(tier, True)
+    expand, why = expander_for(tier, Compression(CompressionConfig(disk=True)))
     assert expand is not None, why
     blobs = [encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2, rotate=i != 1))
              for i, h in enumerate(chain_hashes(7, 3))]  # (rotated and not: two launches)
@@ -258,7 +258,7 @@ def test_the_expander_writes_blocks_whose_layers_cross_page_runs_and_refuses_dam
 def test_without_the_interpreter_the_emulated_tier_decodes_on_the_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     tier = GpuTier([GpuPool("cpu", 4 * PAGE, PAGE)])
-    expand, why = expander_for(tier, True)
+    expand, why = expander_for(tier, Compression(CompressionConfig(disk=True)))
     assert expand is None and "TRITON_INTERPRET" in why
     tier.close()
 
