@@ -197,8 +197,8 @@ class CompressionConfig:
     remote: bool = False  # blocks published to the remote tier are stored compressed (and found so)
     profile_dir: str = ""  # where `<name>.json` codec profiles are (built-in names need none)
     exact_when_busy: bool = True  # a block demoted while encoding it would hold the disk's writer up is stored exact
-    # a GPU reader's encoded disk blocks are expanded on the GPU (Triton) straight into the gpu tier, where there
-    # is one; false: decoded on the CPU into the host arena, as for every other reader
+    # a GPU reader's encoded disk and remote blocks are expanded on the GPU (Triton) straight into the gpu tier,
+    # where there is one; false: decoded on the CPU into the host arena, as for every other reader
     gpu_decode: bool = True
 
     def __post_init__(self) -> None:

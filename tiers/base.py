@@ -249,7 +249,7 @@ class Tier:
 
     def stored_encoded(self, location) -> int:
         """The stored size of a block held encoded, which a reader may decode itself with `read_encoded`
-        (the disk tier); 0 here."""
+        (the disk tier; the remote tier's come through kvstore/sharing.py); 0 here."""
         return 0
 
     def read_encoded(self, location, blob: np.ndarray) -> bool:
