@@ -228,14 +228,7 @@ class Promoter:
         slots = [e.location for e, _ in todo]
         codes = await self._fetch(src, todo)
         for (e, alloc), slot, code in zip(todo, slots, codes):
-            if not await self._may_move(src, e, slot, code, "host", served):
-                continue
-            del self._held_pages[e.key]
-            self.placement.move(e, "host", alloc, keep_copy=src.persistent)
-            self.counters["promotions"] += 1
-            if src.name == "remote":
-                self.counters["remote_promotions"] += 1  # the remote tier's own count (a metric)
-            served[e.key] = True
+            await self._move_up(src, e, slot, code, "host", alloc, served)
         return served
 
     # -- straight into the gpu tier, expanded there ------------------------------------------
@@ -252,7 +245,7 @@ class Promoter:
                 served[e.key] = "discarded"
                 continue
             parent = self.index.parent_of(e)
-            stored = src.stored_encoded(slot) if self._encoded_in(src, e) else 0
+            stored = src.stored_encoded(slot)  # (the caller found it encoded: `_encoded_in`)
             if not stored or not (parent is None or parent.tier == "gpu" or parent.key in going):
                 rest.append(e)
                 continue
@@ -286,15 +279,8 @@ class Promoter:
             return served, rest + [e for e, _, _ in todo]
         for (e, pages, _), slot, code in zip(todo, slots, codes):
             served[e.key] = "discarded"
-            if not await self._may_move(src, e, slot, code, "gpu", served):
-                continue
-            del self._held_pages[e.key]
-            self.placement.move(e, "gpu", pages, keep_copy=src.persistent)
-            self.counters["promotions"] += 1
-            self.counters["gpu_expanded_blocks"] += 1
-            if src.name == "remote":
-                self.counters["remote_promotions"] += 1
-            served[e.key] = True
+            if await self._move_up(src, e, slot, code, "gpu", pages, served):
+                self.counters["gpu_expanded_blocks"] += 1
         return served, rest
 
     def _encoded_in(self, src: Tier, e: Entry) -> bool:
@@ -320,30 +306,32 @@ class Promoter:
         """(A reader thread.) Read each block's stored bytes and verify them (unless `fetched` has them:
         bytes, False or None per block), then expand the verified ones into their gpu pages in one launch.
         Per block: True, False (does not verify), None (read failed)."""
-        codes: Fetched = []
-        blobs: list = []
-        if fetched is not None:
-            codes = [True if isinstance(got, np.ndarray) else got for got in fetched]
-            blobs = list(fetched)
-        for slot, _, stored in work if fetched is None else ():
-            blob = np.empty(stored, np.uint8)
-            try:
-                codes.append(src.read_encoded(slot, blob))
-            except OSError as exc:
-                log.error("%s tier: read of an encoded block failed: %s", src.name, exc)
-                codes.append(None)
-            blobs.append(blob)
+        if fetched is None:
+            fetched = [self._read_stored(src, slot, stored) for slot, _, stored in work]
+        codes: Fetched = [True if isinstance(got, np.ndarray) else got for got in fetched]
         good = [i for i, code in enumerate(codes) if code is True]
-        for i, ok in zip(good, self.expander([(work[i][1], blobs[i]) for i in good])):  # type: ignore[misc]
+        for i, ok in zip(good, self.expander([(work[i][1], fetched[i]) for i in good])):  # type: ignore[misc]
             codes[i] = ok
         return codes
 
-    async def _may_move(self, src: Tier, e: Entry, slot: object, code: bool | None, into: str,
-                        served: dict[Key, bool | str]) -> bool:
-        """Whether a fetched block may now move into `into` (root first): once a promotion of its parent
-        from another tier is over, it is still the block fetched (not discarded with a corrupt ancestor
-        meanwhile), its bytes verified, and its parent sits in `into` or a faster tier. Else `served`
-        says why (a block discarded meanwhile keeps what it says)."""
+    @staticmethod
+    def _read_stored(src: Tier, slot: object, stored: int) -> np.ndarray | bool | None:
+        """A local tier's encoded block as stored: its bytes, False (they do not verify) or None (the read
+        failed), as the remote tier's `fetch_encoded` answers."""
+        blob = np.empty(stored, np.uint8)
+        try:
+            return blob if src.read_encoded(slot, blob) else False
+        except OSError as exc:
+            log.error("%s tier: read of an encoded block failed: %s", src.name, exc)
+            return None
+
+    async def _move_up(self, src: Tier, e: Entry, slot: object, code: bool | None, into: str, pages: object,
+                       served: dict[Key, bool | str]) -> bool:
+        """Move a fetched block (root first) from `src` into `pages` of `into`, keeping a persistent
+        tier's copy, where it may: once a promotion of its parent from another tier is over, it is still
+        the block fetched (not discarded with a corrupt ancestor meanwhile), its bytes verified, and its
+        parent sits in `into` or a faster tier. Else `served` says why (a block discarded meanwhile keeps
+        what it says) and its pages stay held, for the promotion's end to free."""
         parent_task = self._tasks.get(e.parent) if e.parent is not None else None
         if parent_task is not None and parent_task is not asyncio.current_task():
             await asyncio.shield(parent_task)  # its parent comes up from another tier
@@ -358,6 +346,12 @@ class Promoter:
             self.counters[f"promotions_skipped_parent_on_{parent.tier}"] += 1
             served[e.key] = "parent_not_promoted"
             return False
+        del self._held_pages[e.key]
+        self.placement.move(e, into, pages, keep_copy=src.persistent)
+        self.counters["promotions"] += 1
+        if src.name == "remote":
+            self.counters["remote_promotions"] += 1  # the remote tier's own count (a metric)
+        served[e.key] = True
         return True
 
     def _failed(self, src: Tier, e: Entry, code: bool | None) -> None:
