@@ -49,8 +49,14 @@ class Harness:
     def open(self) -> None:
         host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", self.host_blocks * BLOCK, PAGE)
         disk = DiskTier(self.folder, self.disk_pages * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=self.decoder)
-        self.store = TieredStore([host, disk], compression=Compression(
-            CompressionConfig(disk=self.compress, profile_dir=self.profile_dir, exact_when_busy=self.exact_when_busy)))
+        self.store = TieredStore([*self.tiers_above(), host, disk], compression=Compression(self.compression_config()))
+
+    def tiers_above(self) -> list:
+        """Tiers above the arena: none here (tests/test_gpu_decode.py adds a GPU tier)."""
+        return []
+
+    def compression_config(self) -> CompressionConfig:
+        return CompressionConfig(disk=self.compress, profile_dir=self.profile_dir, exact_when_busy=self.exact_when_busy)
 
     def close(self) -> None:
         self.store.close()

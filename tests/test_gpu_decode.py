@@ -13,21 +13,19 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 
-from kvstore.codec import BlockLayout, Budget, decode, encode, from_float32
-from kvstore.compression import Compression, decode_into
+from kvstore.codec import BlockLayout, Budget, decode, encode
+from kvstore.compression import Compression
 from kvstore.config import CompressionConfig
 from kvstore.gpu_decode import GpuExpander, expander_for
 from kvstore.keys import Namespace, block_key, key_hash
-from kvstore.store import TieredStore
-from kvstore.tiers.disk import DATA_FILE, DiskTier
+from kvstore.tiers.disk import DATA_FILE
 from kvstore.tiers.gpu import GpuPool, GpuTier, cuda_available
-from kvstore.tiers.host import HostArena
 from tests.helpers import chain_hashes, wait_for
+from tests.test_compression_store import Harness as StoreHarness, payload
 
 pytest.importorskip("triton", reason="the GPU decoder is a Triton kernel (the test extra installs it)")
 
@@ -55,45 +53,30 @@ def interpreted():
     importlib.reload(mod)
 
 
-def payload(h: bytes) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-    return from_float32(rng.standard_normal(BLOCK // 2).astype(np.float32), "bfloat16").tobytes()
-
-
 def lossy(h: bytes) -> bytes:
     """What the CPU decoder gives back of the block stored at k4v2."""
     return decode(encode(np.frombuffer(payload(h), np.uint8), LAYOUT, Budget.uniform(LAYOUT, 4, 2)), LAYOUT).tobytes()
 
 
-class Harness:
-    def __init__(self, folder, gpu_decode=True, gpu_blocks=8, host_blocks=4, profile_dir=""):
-        self.folder = str(folder)
-        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", host_blocks * BLOCK, PAGE)
-        disk = DiskTier(self.folder, 256 * PAGE, page_bytes=PAGE, staging_bytes=16 * BLOCK, decoder=decode_into)
-        self.gpu = GpuTier([GpuPool("cpu", gpu_blocks * BLOCK, PAGE)])
-        self.store = TieredStore([self.gpu, host, disk], compression=Compression(
-            CompressionConfig(disk=True, exact_when_busy=False, gpu_decode=gpu_decode, profile_dir=profile_dir)))
+class Harness(StoreHarness):
+    """tests/test_compression_store.py's store (a host arena of 4 blocks over a disk tier that compresses,
+    every opted-in demotion encoded) with an emulated GPU tier of 8 blocks above it."""
 
-    def close(self) -> None:
-        self.store.close()
-        self.store.host.close()
+    def __init__(self, folder, gpu_decode=True, profile_dir=""):
+        self.gpu_decode = gpu_decode
+        super().__init__(folder, profile_dir=profile_dir)
+
+    def tiers_above(self) -> list:
+        self.gpu = GpuTier([GpuPool("cpu", 8 * BLOCK, PAGE)])
+        return [self.gpu]
+
+    def compression_config(self) -> CompressionConfig:
+        return dataclasses.replace(super().compression_config(), gpu_decode=self.gpu_decode)
 
     def spill(self, ns: Namespace, hashes) -> None:
-        """Put `hashes` into host, then filler chains until all of them sit on disk, written."""
-        store = self.store
-        ns_id = store.register_namespace(ns)
-        for salt in [None] + list(range(1000, 1100)):
-            chain = hashes if salt is None else chain_hashes(salt, 2)
-            prev = None
-            for h in chain:
-                (e,) = store.reserve(ns_id, [(h, prev)], "w")
-                prev = h
-                store.host.write(e.location, payload(h))
-                store.commit(ns_id, [h], "w")
-            if all(t == "disk" for t in store.lookup(ns.id, hashes).tiers):
-                store.disk.flush()
-                return
-        raise AssertionError("never reached the disk")
+        """Put `hashes`, then filler chains until all of them sit on disk, written."""
+        super().spill(ns, hashes)
+        self.store.disk.flush()
 
     def read(self, ns: Namespace, hashes, tier: str = "gpu") -> list:
         """(tier, bytes) of each block as a reader of `tier` gets it (None: a miss)."""
