@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.tools.harness import engine_fork
 from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon
 from kvstore.tools.harness.vllm_helpers import base_env
 
@@ -65,8 +66,10 @@ class EngineProc:
         log = open(self.folder / "engine.log", "w")
         tmp = self.folder / "tmp"
         tmp.mkdir(exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, str(ENGINE), str(self.folder / "spec.json")], cwd=REPO,
-                                     env=base_env(str(tmp)), stdout=log, stderr=subprocess.STDOUT)
+        env, spec_path = base_env(str(tmp)), str(self.folder / "spec.json")
+        self.proc = engine_fork.start(str(ENGINE), [spec_path], str(REPO), env, log.name, log.name) \
+            or subprocess.Popen([sys.executable, str(ENGINE), spec_path], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
         log.close()
         return self
 

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.tools.harness import engine_fork
 from kvstore.tools.harness.daemon_proc import DaemonProc
 from kvstore.tools.harness.daemon_proc import start_daemon as launch_daemon
 
@@ -143,8 +144,9 @@ class EngineRun:
         # files, not pipes: an engine beside another must never block on a full pipe nobody reads yet
         self._out = open(os.path.join(tmp, "stdout.log"), "w+")
         self._err = open(os.path.join(tmp, "stderr.log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env, text=True,
-                                     stdout=self._out, stderr=self._err)
+        self.proc = engine_fork.start(str(RUNNER), [spec_path], str(REPO), env, self._out.name, self._err.name) \
+            or subprocess.Popen([sys.executable, str(RUNNER), spec_path], cwd=REPO, env=env, text=True,
+                                stdout=self._out, stderr=self._err)
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
 

@@ -1,0 +1,130 @@
+"""Engine processes forked from one that has already imported vLLM.
+
+Importing vLLM and torch takes 13-16 s of CPU on the test machines, and a
+test run starts about a hundred engines. `start` runs a harness script
+(tools/harness/engine_runner.py, tools/harness/chaos_engine.py) in a process
+forked from a zygote: multiprocessing's fork server, started once per test
+process, which imports vLLM (this module's `preload`) and nothing else: no
+model, no thread pool, no CUDA. Each engine is still its own process, with
+its own environment, working directory, stdout and stderr files, as a
+`subprocess.Popen` of `sys.executable SCRIPT ARGS` would be.
+
+What an environment variable decides at import time is applied again in the
+child: torch's thread count (`OMP_NUM_THREADS`), vLLM's log level
+(`VLLM_LOGGING_LEVEL`), the temporary folder (`TMPDIR`). A variable that only
+an import reads, and that differs from the zygote's, cannot be honoured:
+`start` returns None for such an environment (`IMPORT_TIME`), and for
+another Python or with `KVSTORE_ENGINE_FORK=0`, and the caller starts a
+plain subprocess.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+# Read when torch, triton or vLLM's platform are imported: an engine that needs another value than the
+# zygote's gets a plain subprocess.
+IMPORT_TIME = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "VLLM_TARGET_DEVICE", "LD_PRELOAD", "PYTHONHASHSEED",
+               "VLLM_PLUGINS", "KMP_AFFINITY", "MKL_NUM_THREADS")
+_ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+_ctx = None
+_zygote: dict = {}  # the IMPORT_TIME variables the zygote was started with
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSTORE_ENGINE_FORK", "1") != "0"
+
+
+def preload() -> None:
+    """What the zygote imports (run in the fork server, before any engine is forked)."""
+    os.environ.update(_ZYGOTE_ENV)
+    import torch  # noqa: F401
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
+
+
+def _context():
+    global _ctx
+    if _ctx is None:
+        _zygote.update({k: os.environ.get(k) for k in IMPORT_TIME})
+        _ctx = multiprocessing.get_context("forkserver")
+        _ctx.set_forkserver_preload([__name__.rpartition(".")[0] + ".engine_zygote"])
+    return _ctx
+
+
+def _child(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str) -> None:
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None  # TMPDIR again
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1") or 1)))
+    logger = sys.modules.get("vllm.logger")
+    if logger is not None and hasattr(logger, "_configure_vllm_root_logger"):
+        logger._configure_vllm_root_logger()  # the log level of this engine's environment
+    for path in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [REPO]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    sys.argv = [script, *argv]
+    import runpy
+
+    import atexit
+
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # what a normal interpreter exit runs (multiprocessing ends with os._exit)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class ForkedProc:
+    """The part of `subprocess.Popen` the harness uses, for a forked engine."""
+
+    def __init__(self, proc, args: list[str]) -> None:
+        self._proc, self.args, self.pid = proc, args, proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+
+def start(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str) -> ForkedProc | None:
+    """`script argv` in a process forked from the zygote, or None where it must be a plain subprocess."""
+    if not enabled():
+        return None
+    ctx = _context()
+    if any(env.get(k) != _zygote[k] for k in IMPORT_TIME):
+        return None
+    proc = ctx.Process(target=_child, args=(script, list(argv), cwd, dict(env), stdout, stderr),
+                              name=os.path.basename(script))
+    proc.start()
+    return ForkedProc(proc, [sys.executable, script, *argv])
