@@ -4,7 +4,7 @@ Importing vLLM and torch takes 13-16 s of CPU on the test machines, and a
 test run starts about a hundred engines. `start` runs a harness script
 (tools/harness/engine_runner.py, tools/harness/chaos_engine.py) in a process
 forked from a zygote: multiprocessing's fork server, started once per test
-process, which imports vLLM (this module's `preload`) and nothing else: no
+process, which imports vLLM (`PRELOAD`) and nothing else: no
 model, no thread pool, no CUDA. Each engine is still its own process, with
 its own environment, working directory, stdout and stderr files, as a
 `subprocess.Popen` of `sys.executable SCRIPT ARGS` would be.
@@ -21,6 +21,7 @@ plain subprocess.
 from __future__ import annotations
 
 import multiprocessing
+from multiprocessing import forkserver
 import os
 import sys
 
@@ -39,21 +40,28 @@ def enabled() -> bool:
     return os.environ.get("KVSTORE_ENGINE_FORK", "1") != "0"
 
 
-def preload() -> None:
-    """What the zygote imports (run in the fork server, before any engine is forked)."""
-    os.environ.update(_ZYGOTE_ENV)
-    import torch  # noqa: F401
-    import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401
-    import vllm.v1.engine.llm_engine  # noqa: F401
+# What the zygote imports: modules only, none of this repository's (an engine imports those from its own
+# checkout, REPO, as a subprocess would).
+PRELOAD = ["torch", "vllm", "vllm.v1.engine.llm_engine"]
 
 
 def _context():
     global _ctx
     if _ctx is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        saved = {k: os.environ.get(k) for k in _ZYGOTE_ENV}
+        os.environ.update(_ZYGOTE_ENV)  # the fork server starts with this process's environment
+        try:
+            forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         _zygote.update({k: os.environ.get(k) for k in IMPORT_TIME})
-        _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload([__name__.rpartition(".")[0] + ".engine_zygote"])
+        _ctx = ctx
     return _ctx
 
 
