@@ -1,7 +1,7 @@
 """Engine processes forked from one that has already imported vLLM.
 
-Importing vLLM and torch takes 13-16 s of CPU on the test machines, and a
-test run starts about a hundred engines. `start` runs a harness script
+Importing vLLM and torch takes 13-23 s on the 2-core test machines, and
+every engine test pays it for each engine it starts. `start` runs a harness script
 (tools/harness/engine_runner.py, tools/harness/chaos_engine.py) in a process
 forked from a zygote: multiprocessing's fork server, started once per test
 process, which imports vLLM (`PRELOAD`) and nothing else: no
@@ -13,19 +13,21 @@ What an environment variable decides at import time is applied again in the
 child: torch's thread count (`OMP_NUM_THREADS`), vLLM's log level
 (`VLLM_LOGGING_LEVEL`), the temporary folder (`TMPDIR`). A variable that only
 an import reads, and that differs from the zygote's, cannot be honoured:
-`start` returns None for such an environment (`IMPORT_TIME`), and for
-another Python or with `KVSTORE_ENGINE_FORK=0`, and the caller starts a
-plain subprocess.
+`start` returns None for such an environment (`IMPORT_TIME`), and with
+`KVSTORE_ENGINE_FORK=0`, and the caller starts a plain subprocess.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
-from multiprocessing import forkserver
 import os
+import runpy
+import subprocess
 import sys
+import tempfile
+from multiprocessing import forkserver
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 # Read when torch, triton or vLLM's platform are imported: an engine that needs another value than the
 # zygote's gets a plain subprocess.
 IMPORT_TIME = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "VLLM_TARGET_DEVICE", "LD_PRELOAD", "PYTHONHASHSEED",
@@ -41,7 +43,7 @@ def enabled() -> bool:
 
 
 # What the zygote imports: modules only, none of this repository's (an engine imports those from its own
-# checkout, REPO, as a subprocess would).
+# checkout, as a subprocess would).
 PRELOAD = ["torch", "vllm", "vllm.v1.engine.llm_engine"]
 
 
@@ -73,22 +75,17 @@ def _child(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stder
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    import tempfile
-
     tempfile.tempdir = None  # TMPDIR again
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1") or 1)))
     logger = sys.modules.get("vllm.logger")
     if logger is not None and hasattr(logger, "_configure_vllm_root_logger"):
         logger._configure_vllm_root_logger()  # the log level of this engine's environment
-    for path in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [REPO]):
+    # sys.path as a subprocess's starts: the script's folder, then PYTHONPATH
+    for path in reversed([os.path.dirname(script), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]):
         if path not in sys.path:
             sys.path.insert(0, path)
     sys.argv = [script, *argv]
-    import runpy
-
-    import atexit
-
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
@@ -111,8 +108,6 @@ class ForkedProc:
         return self._proc.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         self._proc.join(timeout)
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
@@ -120,9 +115,6 @@ class ForkedProc:
 
     def kill(self) -> None:
         self._proc.kill()
-
-    def terminate(self) -> None:
-        self._proc.terminate()
 
 
 def start(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str) -> ForkedProc | None:
@@ -133,6 +125,6 @@ def start(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr
     if any(env.get(k) != _zygote[k] for k in IMPORT_TIME):
         return None
     proc = ctx.Process(target=_child, args=(script, list(argv), cwd, dict(env), stdout, stderr),
-                              name=os.path.basename(script))
+                       name=os.path.basename(script))
     proc.start()
     return ForkedProc(proc, [sys.executable, script, *argv])
