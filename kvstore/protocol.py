@@ -92,11 +92,14 @@ def want_hash(value: Any, what: str) -> bytes:
     return value
 
 
+_HASH_LEN = {HASH_BYTES}
+
+
 def want_hashes(args: dict, limit: int, name: str = "hashes") -> list[bytes]:
     hashes = want(args, name, list)
     if len(hashes) > limit:
         raise ProtocolError(f"{len(hashes)} blocks in one request; the limit is {limit}")
-    if hashes and (set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {HASH_BYTES}):
+    if hashes and (list(map(type, hashes)).count(bytes) != len(hashes) or {*map(len, hashes)} != _HASH_LEN):
         for i, h in enumerate(hashes):  # name the first offender
             want_hash(h, f"{name}[{i}]")
     return hashes

@@ -191,7 +191,7 @@ class TieredStore:
         get, tag = self.index.entries.get, ns_tag(ns_id)
         for h in hashes:
             e = get(tag + h)
-            if e is None or not e.committed:
+            if e is None or e.last_access is None:  # (`committed`, inline: a lookup's per-block step)
                 break
             tiers.append(e.tier)
         for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
@@ -211,7 +211,7 @@ class TieredStore:
             await self.extend_from_remote(ns_id, hashes)
         entries = self.pin(ns_id, hashes, owner, prefix)
         found = [e.tier if e is not None else None for e in entries]
-        if any(t is not None and t != tier for t in found):
+        if found.count(tier) + found.count(None) != len(found):  # (one elsewhere: counted in C)
             entries = await self.prepare_read(entries, owner, tier, lift)
         return entries, found
 
@@ -231,7 +231,7 @@ class TieredStore:
         hits: list[Entry] = []
         for h in hashes:
             e = get(tag + h)
-            if e is None or not e.committed or missed:
+            if e is None or e.last_access is None or missed:  # (`committed`, inline)
                 if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
                     self.shared.counters[PRESENT_MISS + "after_a_miss"] += 1
                 out.append(None)

@@ -299,7 +299,8 @@ class HostArena(Tier):
         if self.index is None:
             return []
         corrupt = self.index.altered()
-        self._lost = {id(extents): extents for _, extents in corrupt}  # (the lists kept alive: ids stay theirs)
+        if corrupt or self._lost:
+            self._lost = {id(extents): extents for _, extents in corrupt}  # (the lists kept alive: ids stay theirs)
         return [key for key, _ in corrupt]
 
     def lost(self, location: Extents) -> bool:

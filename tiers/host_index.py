@@ -393,6 +393,8 @@ class HostIndex:
     def altered(self) -> list[tuple[tuple, list]]:
         """(key, extents) of the adopted blocks found altered that are still in the tier (each until the
         store discards it; one not adopted yet stays listed until it is, or until its record is released)."""
+        if not self._altered:  # (the usual answer, asked at every request: no lock taken for it)
+            return []
         with self._verdict:
             return list(self._altered.items())
 
