@@ -1,10 +1,11 @@
 """Engines forked from a zygote that imported vLLM (tools/harness/engine_fork.py) get what a subprocess
 would: their own environment, working directory, temporary folder, thread count, stdout and stderr files
-and exit status; and an environment the zygote cannot honour gets a plain subprocess (None)."""
+and exit status, or one socket as their stdin and stdout; and an environment the zygote cannot honour gets a plain subprocess (None)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 
 import pytest
@@ -71,3 +72,23 @@ def test_what_only_an_import_reads_gets_a_plain_subprocess(probe, tmp_path, monk
     assert start(probe, tmp_path, "run", "0", TRITON_INTERPRET=flipped)[0] is None
     monkeypatch.setenv("KVSTORE_ENGINE_FORK", "0")
     assert start(probe, tmp_path, "run", "0")[0] is None  # (the callers then start a plain subprocess)
+
+
+def test_a_forked_engine_can_talk_over_one_socket_as_its_stdin_and_stdout(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSTORE_ENGINE_FORK", raising=False)
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nfor line in sys.stdin:\n    print(line.strip().upper(), flush=True)\n"
+                      "print('left', file=sys.stderr)\n")
+    ours, theirs = socket.socketpair()
+    with ours:
+        with theirs:
+            proc = engine_fork.start(str(script), [], str(tmp_path), base_env(str(tmp_path)), None,
+                                     str(tmp_path / "err.log"), stdio=theirs)
+        assert proc is not None
+        to, back = ours.makefile("w"), ours.makefile("r")
+        to.write("one\ntwo\n")
+        to.flush()
+        assert [back.readline(), back.readline()] == ["ONE\n", "TWO\n"]
+        ours.shutdown(socket.SHUT_WR)  # its stdin ends: the script leaves
+        assert proc.wait(timeout=60) == 0 and back.readline() == ""
+    assert "left" in (tmp_path / "err.log").read_text()

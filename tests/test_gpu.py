@@ -12,15 +12,20 @@ sha256 of its payload in the saving and the loading engine.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.helpers import wait_for
 from kvstore.tiers import gpu
+from kvstore.tools.harness import engine_fork
 from kvstore.tools.harness.daemon_proc import ROOT
 
 CUDA_OK, CUDA_REASON = gpu.cuda_available()
@@ -36,14 +41,31 @@ def gpu_flags(device: str, blocks_per_device: int, devices: str = "0") -> list[s
     return [*kind, "--gpu-bytes", str(blocks_per_device * BLOCK), "--gpu-page-bytes", str(BLOCK)]
 
 
-class EngineProc:
-    """A `kv_engine` process; `ask` sends one request and returns its reply. It starts at once and is waited
-    for at its first use, so that engines made one after another start side by side."""
+def start_script(script: Path, argv: list[str]) -> tuple:
+    """`script argv` from the repository root, forked from the engines' zygote (tools/harness/engine_fork.py:
+    vLLM imported once) with one socket as its stdin and stdout, or, where the zygote cannot serve this
+    environment, a subprocess with pipes. Returns (process, its stdin, its stdout, its stderr's file)."""
+    err = tempfile.NamedTemporaryFile(prefix=f"{script.stem}-", suffix=".log", delete=False).name
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        proc = engine_fork.start(str(script), argv, str(ROOT), env, None, err, stdio=theirs)
+        if proc is not None:
+            return proc, ours.makefile("w"), ours.makefile("r"), err  # the files keep the socket open
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(script), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=f, text=True, cwd=ROOT, env=env)
+    return proc, proc.stdin, proc.stdout, err
 
-    def __init__(self, socket: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
-        args = [sys.executable, "-m", "tests.kv_engine", socket, "--device", device, "--layout", layout,
-                "--seed", str(seed)] + (["--whole-step"] if whole_step else [])
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+class EngineProc:
+    """A `kv_engine` process (`start_script`); `ask` sends one request and returns its reply. It starts at once
+    and is waited for at its first use, so that engines made one after another start side by side."""
+
+    def __init__(self, socket_path: str, device: str, layout: str = "LBHNC", seed: int = 0, whole_step: bool = False):
+        argv = [socket_path, "--device", device, "--layout", layout, "--seed", str(seed)] + \
+            (["--whole-step"] if whole_step else [])
+        self.proc, self._to, self._from, self._err = start_script(ROOT / "tests" / "kv_engine.py", argv)
         self._hello: dict | None = None
 
     def ready(self) -> dict:
@@ -58,24 +80,38 @@ class EngineProc:
         return self.ready()["block_outermost"]
 
     def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
+        line = self._from.readline()
         if not line:
-            raise AssertionError(f"engine died (exit {self.proc.wait(timeout=30)})")
+            code = self.proc.wait(timeout=30)
+            raise AssertionError(f"engine died (exit {code}):\n{Path(self._err).read_text()[-4000:]}")
         return json.loads(line)
+
+    def _send(self, req: dict) -> None:
+        self._to.write(json.dumps(req) + "\n")
+        self._to.flush()
 
     def ask(self, op: str, tokens: list[int], ids: list[int]) -> dict:
         self.ready()
-        self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens, "ids": ids}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"op": op, "tokens": tokens, "ids": ids})
         reply = self._reply()
         assert reply["ok"], reply
         return reply
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.write('{"op": "quit"}\n')
-            self.proc.stdin.flush()
+            self._send({"op": "quit"})
             assert self.proc.wait(timeout=60) == 0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for f in (self._to, self._from):
+            try:
+                f.close()
+            except OSError:  # a pipe whose reader is gone
+                pass
+        Path(self._err).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -89,9 +125,7 @@ def engines():
 
     yield make
     for e in started:
-        if e.proc.poll() is None:
-            e.proc.kill()
-            e.proc.wait(timeout=30)
+        e.kill()
 
 
 def prompt(n_blocks: int, base: int) -> list[int]:
@@ -159,16 +193,18 @@ def test_a_killed_engine_leaks_no_pool_page(daemon_factory, device, tmp_path):
         "ext, at = c.reserve_at(ns, [(h, p) for h, p in zip(hs, [None] + hs[:-1])], 'gpu')\n"
         "print(at.count('gpu'), flush=True)\n"
         "time.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, str(script), d.socket_path, device], stdout=subprocess.PIPE, text=True)
+    proc, _, out, err = start_script(script, [d.socket_path, device])
     try:
-        assert int(proc.stdout.readline()) == 4
+        assert int(out.readline() or Path(err).read_text()) == 4
         assert d.stats()["tiers"]["gpu"]["used_bytes"] == 4 * BLOCK
-        proc.send_signal(signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         assert wait_for(lambda: d.stats()["tiers"]["gpu"]["used_bytes"] == 0, timeout_s=20)
         assert d.stats()["reserved_blocks"] == 0 and d.check() == []
     finally:
         proc.kill()
+        out.close()
+        Path(err).unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

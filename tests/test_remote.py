@@ -102,7 +102,8 @@ def two_hosts(mooncake):
 def started(tmp_path):
     procs: list = []
     yield procs
-    for p in reversed(procs):
+    # daemons before masters: a daemon leaving unmounts its segment, which waits out its retries on a dead master
+    for p in sorted(reversed(procs), key=lambda p: not hasattr(p, "stop")):
         if hasattr(p, "stop"):
             if p.alive():
                 p.stop(signal.SIGTERM, timeout=30)

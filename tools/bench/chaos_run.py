@@ -25,9 +25,12 @@ with one OpenMP thread each; tools/harness/chaos_engine.py):
   preemption) did not change a greedy output in this workload; `--control`
   checks that on each run: the same engines and workload without the
   connector, compared with the same baseline;
-* the store-bytes reference: the baseline engine also serves the token prefixes
-  of a sample of stored blocks and copies its KV for them out of its paged
-  cache (chaos_engine.py's capture).
+* the store-bytes reference: the baseline engines copy the KV of a sample of
+  stored blocks out of their paged caches (chaos_engine.py's capture), from the
+  prefill of a baseline request whose prompt begins with the block's tokens, or
+  else from a prefill of those tokens of its own (`capture_plan`, one per
+  sequence, none a prefix of another). The report's `wall_s` says how long
+  each baseline took.
 
 The oracles are tools/bench/chaos_oracles.py; `run_chaos` returns the report
 (also printed as JSON with `--json`). Planted bugs (`ChaosConfig.plant`,
@@ -179,50 +182,77 @@ def sample_store(cfg: ChaosConfig, daemon: Daemon, work, engines: list, model: s
             (arr,) = c.get(ns, [h])
             if arr is not None:
                 stored[h] = bytes(arr)
-    chains: dict[tuple, int] = {}  # one capture per sequence, up to its deepest sampled block
-    for h in stored:
-        seq, depth = known[h]
-        key = tuple(seq)
-        chains[key] = max(chains.get(key, -1), depth)
-    captures = [list(seq[: (depth + 1) * cfg.block_size]) for seq, depth in chains.items()]
-    index = {key: j for j, key in enumerate(chains)}
+    captures, picked = capture_plan([known[h] for h in stored], cfg.block_size)
     return {"blocks": len(rows), "known": len(found), "unknown": len(rows) - len(found), "captures": captures,
-            "picked": [(h, index[tuple(known[h][0])], known[h][1]) for h in stored], "bytes": stored}
+            "picked": [(h, chain, depth) for h, (chain, depth) in zip(stored, picked)], "bytes": stored}
+
+
+def capture_plan(blocks: list[tuple[list, int]], block_size: int) -> tuple[list[list], list[tuple[int, int]]]:
+    """The prefills that capture fresh KV for `blocks` ((sequence, block index) each): per sequence, its
+    tokens up to its deepest sampled block, leaving out any that is a prefix of a longer one (its blocks
+    are the longer one's at the same indices). Returns the captures' token lists and, per block, (capture,
+    block index)."""
+    upto: dict[tuple, tuple] = {}  # sequence -> its tokens up to its deepest sampled block
+    for seq, depth in blocks:
+        toks = tuple(seq[: (depth + 1) * block_size])
+        if len(toks) > len(upto.get(tuple(seq), ())):
+            upto[tuple(seq)] = toks
+    kept: list[tuple] = []
+    for toks in sorted(dict.fromkeys(upto.values()), key=len, reverse=True):  # stable: ties in order seen
+        if not any(k[: len(toks)] == toks for k in kept):
+            kept.append(toks)
+    where = []
+    for seq, depth in blocks:
+        toks = tuple(seq[: (depth + 1) * block_size])
+        where.append((next(j for j, k in enumerate(kept) if k[: len(toks)] == toks), depth))
+    return [list(k) for k in kept], where
 
 
 def run_baselines(cfg: ChaosConfig, model: str, work, arms: list[dict], folder: Path, stored: dict | None) -> dict:
-    """Per profile, the finished requests served alone without the connector (and, in the plain baseline,
-    the captures of the sampled stored blocks' prefixes)."""
-    procs = []
+    """Per profile, the finished requests served alone without the connector, and the captures of the
+    sampled stored blocks' prefixes: a capture whose tokens begin a baseline request's prompt is taken from
+    that request's prefill, the others are prefills of their own in the plain baseline. The captures, of
+    every baseline, are the first profile's `captures` (`cap<j>.<block>`)."""
     profiles = list(dict.fromkeys(cfg.engines)) if "outputs" in cfg.oracles else [cfg.engines[0]]
-    for p_i, profile in enumerate(profiles):
-        reqs, seen = [], set()
+    reqs: dict[str, list[dict]] = {}
+    seen = set()
+    for profile in profiles:
+        reqs[profile] = []
         for arm in arms if "outputs" in cfg.oracles else []:
             for e_i, (name, res) in enumerate(arm["engines"].items()):
                 if cfg.engines[e_i] != profile:
                     continue
                 for r in work.for_engine(e_i):
-                    key = _served_as(r)
+                    key = (profile, _served_as(r))
                     if res["results"].get(r.rid, {}).get("outcome") == "finished" and key not in seen:
                         seen.add(key)
-                        reqs.append(dict(r.to_json(), abort=None, arrive_step=0))
-        if p_i == 0 and stored:
-            reqs += [{"rid": f"cap{j}", "engine": -1, "ids": toks, "max_tokens": 2, "arrive_step": 0,
-                      "capture": True, "kind": "capture"} for j, toks in enumerate(stored["captures"])]
-        spec = {"engine": engine_kwargs(cfg, model, profile, None, serial=True), "requests": reqs, "serial": True,
-                "hold": False}
+                        reqs[profile].append(dict(r.to_json(), abort=None, arrive_step=0))
+    taken_from: dict[int, str] = {}  # capture -> the request whose prefill it is
+    for j, toks in enumerate(stored["captures"] if stored else []):
+        host = next((r for rs in reqs.values() for r in rs if r["ids"][: len(toks)] == toks), None)
+        if host is None:
+            host = {"rid": f"cap{j}", "engine": -1, "ids": toks, "max_tokens": 2, "arrive_step": 0, "kind": "capture"}
+            reqs[profiles[0]].append(host)
+        host["capture"] = True
+        taken_from[j] = host["rid"]
+    procs = []
+    for profile in profiles:
+        spec = {"engine": engine_kwargs(cfg, model, profile, None, serial=True), "requests": reqs[profile],
+                "serial": True, "hold": False}
         procs.append(EngineProc(f"baseline-{profile}", folder / f"baseline-{profile}", spec).start())
     wait_all(procs, cfg.timeout_s, idle=False)
-    out = {}
+    out, blocks = {}, {}
     for p in procs:
-        res = p.result()
+        out[p.name.removeprefix("baseline-")] = p.result()
         kv = Path(str(p.out) + ".kv.npz")
         if kv.exists():
             import numpy as np
 
             with np.load(kv) as z:
-                res["captures"] = {k: z[k] for k in z.files}
-        out[p.name.removeprefix("baseline-")] = res
+                blocks.update({k: z[k] for k in z.files})
+    if stored:
+        out[profiles[0]]["captures"] = {f"cap{j}.{key.rsplit('.', 1)[1]}": arr for j, rid in taken_from.items()
+                                        for key, arr in blocks.items() if key.rsplit(".", 1)[0] == rid}
     return out
 
 
@@ -275,7 +305,9 @@ def run_chaos(cfg: ChaosConfig, workdir: str | None = None, keep: bool = False) 
     report["oracles"] = evaluate(cfg, work, chaos, daemon, baselines, stored)
     if control is not None:
         report["control"] = outputs_oracle(cfg, work, control, baselines)
-    report["wall_s"] = {"total": time.time() - t0, "chaos_arm": t_chaos - t0}
+    report["wall_s"] = {"total": time.time() - t0, "chaos_arm": t_chaos - t0,
+                        **{f"baseline_{name}": {"startup": round(b["startup_s"], 1), "run": round(b["run_s"], 1),
+                                                "requests": len(b["results"])} for name, b in baselines.items()}}
     report["ok"] = all(v["ok"] for v in report["oracles"].values())
     (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
     if not keep and report["ok"]:  # a failed run keeps its folder (logs, results, report) for a post-mortem

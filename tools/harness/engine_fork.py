@@ -23,6 +23,7 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,11 +68,18 @@ def _context():
     return _ctx
 
 
-def _child(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str) -> None:
+def _child(script: str, argv: list[str], cwd: str, env: dict, stdout: str | None, stderr: str,
+           stdio: socket.socket | None = None) -> None:
     for fd, path in ((1, stdout), (2, stderr)):
-        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+        if path is not None:
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+    if stdio is not None:  # stdin and stdout are the socket
+        for fd in (0, 1):
+            os.dup2(stdio.fileno(), fd)
+        stdio.close()
+        sys.stdin = open(0, closefd=False)  # multiprocessing gave the child /dev/null
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -117,14 +125,17 @@ class ForkedProc:
         self._proc.kill()
 
 
-def start(script: str, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str) -> ForkedProc | None:
-    """`script argv` in a process forked from the zygote, or None where it must be a plain subprocess."""
+def start(script: str, argv: list[str], cwd: str, env: dict, stdout: str | None, stderr: str,
+          stdio: socket.socket | None = None) -> ForkedProc | None:
+    """`script argv` in a process forked from the zygote, or None where it must be a plain subprocess.
+    With `stdio` (one end of a socket pair), the script's stdin and stdout are that socket, and `stdout` is
+    None."""
     if not enabled():
         return None
     ctx = _context()
     if any(env.get(k) != _zygote[k] for k in IMPORT_TIME):
         return None
-    proc = ctx.Process(target=_child, args=(script, list(argv), cwd, dict(env), stdout, stderr),
+    proc = ctx.Process(target=_child, args=(script, list(argv), cwd, dict(env), stdout, stderr, stdio),
                        name=os.path.basename(script))
     proc.start()
     return ForkedProc(proc, [sys.executable, script, *argv])
