@@ -18,7 +18,7 @@ import json, os, sys, tempfile, time
 import torch
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("KVSTORE_FORK_PROBE"),
                   "tmp": tempfile.gettempdir(), "threads": torch.get_num_threads(),
-                  "preloaded": "vllm" in sys.modules, "pid": os.getpid()}))
+                  "preloaded": "vllm" in sys.modules, "numba": "numba" in sys.modules, "pid": os.getpid()}))
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "sleep":
     time.sleep(60)
@@ -52,6 +52,7 @@ def test_a_forked_engine_has_its_own_environment_files_and_exit_status(probe, tm
     assert seen["argv"] == ["run", "3"] and seen["cwd"] == str(tmp_path) and seen["x"] == "yes"
     assert seen["tmp"] == str(tmp_path / "t") and seen["threads"] == 2
     assert seen["preloaded"], "the zygote did not import vLLM: every engine pays the import again"
+    assert not seen["numba"], "the zygote imported numba: an engine's NUMBA_NUM_THREADS no longer applies"
     assert seen["pid"] == proc.pid
     assert "to stderr" in err.read_text()
 

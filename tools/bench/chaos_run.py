@@ -29,7 +29,7 @@ with one OpenMP thread each; tools/harness/chaos_engine.py):
   stored blocks out of their paged caches (chaos_engine.py's capture), from the
   prefill of a baseline request whose prompt begins with the block's tokens, or
   else from a prefill of those tokens of its own (`capture_plan`, one per
-  sequence, none a prefix of another). The report's `wall_s` says how long
+  sequence, none a prefix of another) in the least loaded baseline. The report's `wall_s` says how long
   each baseline took.
 
 The oracles are tools/bench/chaos_oracles.py; `run_chaos` returns the report
@@ -211,8 +211,9 @@ def capture_plan(blocks: list[tuple[list, int]], block_size: int) -> tuple[list[
 def run_baselines(cfg: ChaosConfig, model: str, work, arms: list[dict], folder: Path, stored: dict | None) -> dict:
     """Per profile, the finished requests served alone without the connector, and the captures of the
     sampled stored blocks' prefixes: a capture whose tokens begin a baseline request's prompt is taken from
-    that request's prefill, the others are prefills of their own in the plain baseline. The captures, of
-    every baseline, are the first profile's `captures` (`cap<j>.<block>`)."""
+    that request's prefill, the others are prefills of their own, each in the baseline with the fewest
+    requests then (the same model's prefill in each). The captures, of every baseline, are the first
+    profile's `captures` (`cap<j>.<block>`)."""
     profiles = list(dict.fromkeys(cfg.engines)) if "outputs" in cfg.oracles else [cfg.engines[0]]
     reqs: dict[str, list[dict]] = {}
     seen = set()
@@ -230,9 +231,9 @@ def run_baselines(cfg: ChaosConfig, model: str, work, arms: list[dict], folder: 
     taken_from: dict[int, str] = {}  # capture -> the request whose prefill it is
     for j, toks in enumerate(stored["captures"] if stored else []):
         host = next((r for rs in reqs.values() for r in rs if r["ids"][: len(toks)] == toks), None)
-        if host is None:
+        if host is None:  # into the baseline with the fewest requests so far
             host = {"rid": f"cap{j}", "engine": -1, "ids": toks, "max_tokens": 2, "arrive_step": 0, "kind": "capture"}
-            reqs[profiles[0]].append(host)
+            min(reqs.values(), key=len).append(host)
         host["capture"] = True
         taken_from[j] = host["rid"]
     procs = []

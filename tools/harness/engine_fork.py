@@ -44,7 +44,8 @@ def enabled() -> bool:
 
 
 # What the zygote imports: modules only, none of this repository's (an engine imports those from its own
-# checkout, as a subprocess would).
+# checkout, as a subprocess would), and not numba (an engine's NUMBA_NUM_THREADS applies when vLLM's ngram
+# proposer imports it).
 PRELOAD = ["torch", "vllm", "vllm.v1.engine.llm_engine"]
 
 
@@ -57,13 +58,13 @@ def _context():
         os.environ.update(_ZYGOTE_ENV)  # the fork server starts with this process's environment
         try:
             forkserver.ensure_running()
+            _zygote.update({k: os.environ.get(k) for k in IMPORT_TIME})  # what the zygote imported with
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        _zygote.update({k: os.environ.get(k) for k in IMPORT_TIME})
         _ctx = ctx
     return _ctx
 

@@ -64,6 +64,9 @@ def base_env(tmpdir: str, threads: int = 1, multiprocess: bool = False) -> dict[
         TRANSFORMERS_OFFLINE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         OMP_NUM_THREADS=str(threads),
+        # numba's pool (vLLM's ngram proposer, which runs it on one thread): its idle workers spin, and an engine
+        # beside an ngram engine ran at half its speed on two cores
+        NUMBA_NUM_THREADS="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
         VLLM_NO_USAGE_STATS="1",
