@@ -29,8 +29,8 @@ with one OpenMP thread each; tools/harness/chaos_engine.py):
   stored blocks out of their paged caches (chaos_engine.py's capture), from the
   prefill of a baseline request whose prompt begins with the block's tokens, or
   else from a prefill of those tokens of its own (`capture_plan`, one per
-  sequence, none a prefix of another) in the least loaded baseline. The report's `wall_s` says how long
-  each baseline took.
+  sequence, none a prefix of another) in the least loaded baseline. The
+  report's `wall_s` says how long each baseline took.
 
 The oracles are tools/bench/chaos_oracles.py; `run_chaos` returns the report
 (also printed as JSON with `--json`). Planted bugs (`ChaosConfig.plant`,
