@@ -1,6 +1,7 @@
 """Engines forked from a zygote that imported vLLM (tools/harness/engine_fork.py) get what a subprocess
 would: their own environment, working directory, temporary folder, thread count, stdout and stderr files
-and exit status, or one socket as their stdin and stdout; and an environment the zygote cannot honour gets a plain subprocess (None)."""
+(or one socket as their stdin and stdout) and exit status; and an environment the zygote cannot honour
+gets a plain subprocess (None)."""
 
 from __future__ import annotations
 

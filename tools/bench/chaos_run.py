@@ -242,7 +242,7 @@ def run_baselines(cfg: ChaosConfig, model: str, work, arms: list[dict], folder: 
                 "serial": True, "hold": False}
         procs.append(EngineProc(f"baseline-{profile}", folder / f"baseline-{profile}", spec).start())
     wait_all(procs, cfg.timeout_s, idle=False)
-    out, blocks = {}, {}
+    out, blocks = {}, {}  # blocks: request id -> {block index: its KV}
     for p in procs:
         out[p.name.removeprefix("baseline-")] = p.result()
         kv = Path(str(p.out) + ".kv.npz")
@@ -250,10 +250,12 @@ def run_baselines(cfg: ChaosConfig, model: str, work, arms: list[dict], folder: 
             import numpy as np
 
             with np.load(kv) as z:
-                blocks.update({k: z[k] for k in z.files})
+                for key in z.files:  # "<rid>.<block>"
+                    rid, i = key.rsplit(".", 1)
+                    blocks.setdefault(rid, {})[i] = z[key]
     if stored:
-        out[profiles[0]]["captures"] = {f"cap{j}.{key.rsplit('.', 1)[1]}": arr for j, rid in taken_from.items()
-                                        for key, arr in blocks.items() if key.rsplit(".", 1)[0] == rid}
+        out[profiles[0]]["captures"] = {f"cap{j}.{i}": arr for j, rid in taken_from.items()
+                                        for i, arr in blocks.get(rid, {}).items()}
     return out
 
 
