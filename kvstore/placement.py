@@ -161,22 +161,33 @@ class Placement:
 
     def room_for_batch(self, ns_id: str, block_bytes: int, blocks: Sequence[tuple[bytes, bytes | None]],
                        t: Tier) -> int:
-        """Make room in `t` for the (hash, parent) blocks of a reserve (or one block, where a tier lies
-        below) in one eviction pass. Best effort: blocks that still find no room are skipped one by one.
-        Returns how many of the blocks the index does not hold."""
+        """Make room in `t` for the (hash, parent) blocks of a reserve in one eviction pass. Best effort:
+        blocks that still find no room are skipped one by one. Returns how many of the blocks will take
+        pages: those the index does not hold, less those whose parent sits in a slower tier (skipped).
+
+        The parents of the batch are protected, so no eviction demotes a later block's parent."""
         entries = self.index.entries
         tag = ns_tag(ns_id)
-        new = [(h, p) for h, p in blocks if tag + h not in entries]
-        need = len(new) * t.pages_for(block_bytes) * t.page_bytes
-        if need <= t.free_bytes:
-            return len(new)
         parent_tag = ns_tag(self.shared.namespaces[ns_id].anchor or ns_id)
-        protect = {parent_tag + p for _, p in new if p is not None and parent_tag + p in entries}
+        rank = RANK[t.name]
+        new, protect = 0, set()
+        for h, p in blocks:
+            if tag + h in entries:
+                continue
+            parent = entries.get(parent_tag + p) if p is not None else None
+            if parent is not None:
+                if RANK[parent.tier] > rank:
+                    continue  # (the reserve skips it: a child never sits faster than its parent)
+                protect.add(parent.key)
+            new += 1
+        need = new * t.pages_for(block_bytes) * t.page_bytes
+        if need <= t.free_bytes:
+            return new
         try:
             self.make_room(t.name, lambda: need - t.free_bytes, protect)
         except CapacityError:
             pass
-        return len(new)
+        return new
 
     def make_room(self, tier: str, shortfall: Callable[[], int], protect: Key | set | None = None) -> None:
         """Evict leaves of `tier` until `shortfall()` (bytes still missing) is <= 0.
@@ -268,11 +279,12 @@ class Placement:
         if below.scanning:  # it knows no free page yet (tiers/record_scan.py)
             self.counters[f"demotions_dropped_{below.name}_scanning"] += 1
             return False
-        try:
-            self.make_room(below.name, lambda: below.shortfall(nbytes))
-        except CapacityError:
-            self.counters[f"demotions_dropped_{below.name}_full"] += 1
-            return False
+        if below.shortfall(nbytes) > 0:
+            try:
+                self.make_room(below.name, lambda: below.shortfall(nbytes))
+            except CapacityError:
+                self.counters[f"demotions_dropped_{below.name}_full"] += 1
+                return False
         alloc = below.allocate(nbytes)
         assert alloc is not None
         location, ok = self.copy_block(e, below, alloc, codec)

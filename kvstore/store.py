@@ -297,10 +297,10 @@ class TieredStore:
         if self.recovery.active:  # the blocks and their parents, where their records wait for adoption
             tag, parent_tag = ns_tag(ns_id), ns_tag(ns.anchor or ns_id)
             self.recovery.adopt_now([tag + h for h, _ in blocks] + [parent_tag + p for _, p in blocks if p])
-        # With a tier below, room is made block by block: an eviction may demote a later block's parent,
-        # so each parent's tier is looked at just before its child's room is made. (So too with a
-        # preferred tier: room is made only for the blocks that do not go there.)
-        per_block = placement.next_tier(tier) is not None or prefer is not None
+        # Room for the batch is made in one pass (placement.room_for_batch: the batch's parents protected,
+        # the tier below making room for the victims first). With a preferred tier, room is made block by
+        # block, only for the blocks that do not go there, each parent's tier looked at first.
+        per_block = prefer is not None
         nbytes = ns.block_bytes
         # Pages for a batch are taken from the free list in one call (the pages the block-by-block
         # allocations would get, in order); when they run out, room is made block by block.

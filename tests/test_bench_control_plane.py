@@ -61,11 +61,15 @@ def test_profile_without_py_spy_is_a_usage_error_before_any_daemon_starts(monkey
 def test_the_store_core_alone_is_measured_with_and_without_the_kept_arenas_index_and_leaves_nothing():
     import glob
 
-    before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
+    import tempfile
+
+    left = ["/dev/shm/kvstore-bench-cp-*", f"{tempfile.gettempdir()}/kvstore-bench-cp-disk-*"]  # arenas, disk folders
+    before = {pattern: set(glob.glob(pattern)) for pattern in left}
     r = bench_control_plane.in_process(["lru"], n=256, batch=64, chain=64, rounds=1)
-    assert set(r) == {f"lru_{arena}_{op}_us" for arena in ("plain", "kept") for op in ("write_full", "read")}
+    assert set(r) == {f"lru_{arena}_{op}_us" for arena in ("plain", "kept")
+                      for op in ("write_full", "write_full_disk", "read")}
     assert all(v > 0 for v in r.values())
-    assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before
+    assert {pattern: set(glob.glob(pattern)) for pattern in left} == before
 
 
 def test_instructions_without_the_in_process_arms_is_a_usage_error_before_any_daemon_starts(monkeypatch, capsys):
@@ -93,9 +97,10 @@ def test_instructions_per_block_are_the_difference_of_two_counted_store_runs(mon
     monkeypatch.setattr(callgrind, "instructions_many", count)
     r = bench_control_plane.in_process_instructions(["lru"], n=256, batch=64, chain=64)
     assert r == {"lru_plain_write_full_instructions": 14.0, "lru_kept_write_full_instructions": 18.0,
+                 "lru_plain_write_full_disk_instructions": 14.0, "lru_kept_write_full_disk_instructions": 18.0,
                  "lru_plain_read_instructions": 7.0, "lru_kept_read_instructions": 9.0}
     assert sorted(seen) == sorted((p, kept, op, rounds) for p in ["lru"] for kept in (False, True)
-                                  for op in ("write_full", "read") for rounds in (1, 3))
+                                  for op in ("write_full", "write_full_disk", "read") for rounds in (1, 3))
 
 
 def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
@@ -105,7 +110,7 @@ def test_a_counted_store_run_writes_through_the_store_and_leaves_nothing():
 
     before = set(glob.glob("/dev/shm/kvstore-bench-cp-*"))
     # its own process, as under callgrind: it turns the index's checksums off and tunes the collector
-    for op in ("write_full", "read"):
+    for op in ("write_full", "write_full_disk", "read"):
         subprocess.run([sys.executable, bench_control_plane.__file__, "--store-run", "attention", "1", op, "1", "256",
                         "64", "64"], check=True, timeout=120)
     assert set(glob.glob("/dev/shm/kvstore-bench-cp-*")) == before

@@ -45,9 +45,11 @@ into `DIR/<policy>-<arm><batch>.txt` (py-spy's raw stacks) and prints the top
 functions by own samples of each; the sampler takes some CPU of
 the two cores, so timings of a profiled run are not the figures.
 
-`--in-process` adds the store core alone: full-tier writes and reads (lookup, acquire, release)
-through a `TieredStore` on an event loop in this process, with and without the kept arena's index
-(no client, socket or RPC), CPU microseconds per block; with `--instructions` also their
+`--in-process` adds the store core alone: full-tier writes, full-tier writes through a disk tier
+(`write_full_disk`: the host tier's victims demoted into a full disk tier, which evicts in turn) and
+reads (lookup, acquire, release) through a `TieredStore` on an event loop in this process, with and
+without the kept arena's index (no client, socket or RPC), CPU microseconds per block (the disk
+writer's thread included); with `--instructions` also their
 instructions per block under callgrind (valgrind; ~1 min per 1,000 blocks per write arm on two
 cores), which stay put on a loaded VM.
 
@@ -246,16 +248,18 @@ def bench_batch(tmp: str, policies: list[str], n: int, batch: int, chain: int, r
     return rows
 
 
-OPS = ("write_full", "read")  # the store core's arms: full-tier writes; reads (lookup, acquire, release)
+# The store core's arms: full-tier writes; the same through a disk tier below; reads (lookup, acquire, release)
+OPS = ("write_full", "write_full_disk", "read")
 
 
 def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int) -> dict:
     """The store core alone, through a `TieredStore` in this process on an event loop (the host index
     writes a turn at a time, as in the daemon), with and without the kept arena's placement index; no
-    client, socket, RPC or bytes; the daemon's collector settings (undone after). Two arms: full-tier
-    writes (reserve + commit, every batch evicts) and reads (lookup + acquire + release of chains the
-    store holds, every block a hit). CPU microseconds per block, median of the rounds. Set against the
-    daemon's figures, it says where a request's time goes."""
+    client, socket, RPC or bytes; the daemon's collector settings (undone after). Three arms: full-tier
+    writes (reserve + commit, every batch evicts), the same into a host tier over a full disk tier
+    (every victim is demoted, and the disk tier evicts for it) and reads (lookup + acquire + release of
+    chains the store holds, every block a hit). CPU microseconds per block, median of the rounds. Set
+    against the daemon's figures, it says where a request's time goes."""
     import asyncio
     import gc
 
@@ -305,20 +309,27 @@ def _store_run(policy: str, kept: bool, op: str, rounds: int, n: int, batch: int
 
 async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain: int, rounds: int) -> list[float]:
     """`in_process`'s rounds of `op` (OPS) for one policy and arena: CPU microseconds per block of each
-    round. Writes go into a host tier of n / 2 blocks, filled first; reads read n blocks written first."""
+    round. Writes go into a host tier of n / 2 blocks (`write_full_disk`: n / 4 over a disk tier of
+    n / 2, in a temporary folder), filled first; reads read n blocks written first."""
     import asyncio
+    import shutil
+    import tempfile
 
     from kvstore.store import TieredStore
+    from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.host import HostArena
     from kvstore.tiers.host_index import index_path, remove_index
 
     if op not in OPS:
         raise ValueError(f"unknown arm {op!r}: one of {OPS}")
-    capacity = n // 2 if op == "write_full" else n + batch
+    capacity = {"write_full": n // 2, "write_full_disk": n // 4}.get(op, n + batch)
     host = HostArena(f"/dev/shm/kvstore-bench-cp-{os.getpid()}-{policy}", capacity * BLOCK_BYTES, BLOCK_BYTES,
                      prefault=True, persistent=kept)
-    store = TieredStore(host, policy=policy)
+    folder = tempfile.mkdtemp(prefix="kvstore-bench-cp-disk-") if op == "write_full_disk" else None
+    chain_of_tiers = [host, DiskTier(folder, n // 2 * BLOCK_BYTES, BLOCK_BYTES)] if folder else [host]
+    store = TieredStore(chain_of_tiers, policy=policy)
     try:
+        store.start()
         ns = store.register_namespace(Namespace("bench-cp-inproc", "bf16", 1, 1, 128, 16, BLOCK_BYTES))
 
         async def write(blocks: list) -> None:
@@ -345,13 +356,16 @@ async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain
         await write(held)  # writes: from now on every batch evicts; reads: what they read
         times = []
         for r in range(rounds):
-            blocks = chains(n, chain, 30_000 + r) if op == "write_full" else held
+            writes = op != "read"
+            blocks = chains(n, chain, 30_000 + r) if writes else held
             t0 = time.process_time()
-            await (write(blocks) if op == "write_full" else read(blocks))
+            await (write(blocks) if writes else read(blocks))
             times.append((time.process_time() - t0) / n * 1e6)
         return times
     finally:
         store.close(persist=False)  # (a kept arena stays: removed here)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         if os.path.exists(host.path):
             os.unlink(host.path)
         remove_index(index_path(host.path))
