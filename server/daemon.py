@@ -53,6 +53,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections import Counter
 
@@ -76,6 +77,7 @@ DISCARD_FACTOR = 4  # an authenticated peer's oversize frame up to this many lim
 LISTEN_BACKLOG = 4096  # pending connects the listeners queue (the kernel caps it at net.core.somaxconn):
 # asyncio's default of 100 made local connects fail with EAGAIN when many engine workers started together
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython's default: 700); see tune_gc
+GC_NO_FULL = 1 << 30  # middle collections before a full one: never reached, no full collection runs (tune_gc)
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 
 
@@ -121,7 +123,7 @@ class Daemon:
         }
         sc = config.server
         self.handlers = Handlers(self.store, sc.token_scopes, sc.max_batch_blocks, sc.max_frame_bytes, info,
-                                 gpu_info=lambda: gpu_info(self.store))
+                                 gpu_info=lambda: gpu_info(self.store), stats=self.full_stats)
         self.errors: Counter = Counter()
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
@@ -129,6 +131,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._admin_runner = None
+        self.gc_pauses = GcPauses()
         self.tcp_port: int | None = None
         self.admin_port: int | None = None
         self.events = EventPublisher(config.events, self.store.shared.namespaces) if config.events.enabled else None
@@ -136,7 +139,8 @@ class Daemon:
         self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
     def full_stats(self) -> dict:
-        """The store's stats with the daemon's sessions and error counts (admin /stats and /metrics)."""
+        """The store's stats with the daemon's sessions, error counts and collector (admin /stats and /metrics, and
+        the `stats` request)."""
         stats = self.store.stats()
         stats["sessions"] = len(self.sessions)
         stats["tcp_unauthenticated"] = sum(map(self._unauthenticated, self.sessions.values()))
@@ -146,7 +150,7 @@ class Daemon:
         stats["ops"] = dict(self.handlers.op_counts)
         stats["event_loop"] = self.event_loop
         stats["gc"] = {"threshold": list(gc.get_threshold()), "frozen": gc.get_freeze_count(),
-                       "collections": [g["collections"] for g in gc.get_stats()]}
+                       "collections": [g["collections"] for g in gc.get_stats()], "pauses": self.gc_pauses.stats()}
         if self.events is not None:
             stats["events"] = self.events.stats()
         return stats
@@ -216,6 +220,7 @@ class Daemon:
     async def run(self) -> None:
         await self.start()
         tune_gc()
+        gc.callbacks.append(self.gc_pauses)
         events = self.handlers.info.get("events") or {}
         print(f"kvstore ready socket={self.config.server.socket_path} admin_port={self.admin_port} "
               f"tcp_port={self.tcp_port} events={events.get('endpoint')} "
@@ -259,6 +264,8 @@ class Daemon:
         if self._lock_fd is not None:
             unlink_quietly(self.config.lock_path)  # still held: no other daemon of this name is running
             os.close(self._lock_fd)
+        if self.gc_pauses in gc.callbacks:
+            gc.callbacks.remove(self.gc_pauses)
         log.info("stopped")
 
     # -- connections ----------------------------------------------------------
@@ -378,8 +385,8 @@ class Daemon:
 
 def tune_gc() -> None:
     """Once the daemon serves: what startup made (modules, the blocks recovered from the kept arena and
-    the disk) is frozen out of the cyclic collector's scans, and young collections run every
-    GC_GEN0_THRESHOLD allocations instead of 700.
+    the disk) is frozen out of the cyclic collector's scans, young collections run every
+    GC_GEN0_THRESHOLD allocations instead of 700, and no full collection runs.
 
     The store's per-block objects (entries, the policy's values, the index's records) are freed by
     reference counting; the cyclic collector finds nothing among them, yet at the default threshold it
@@ -389,11 +396,46 @@ def tune_gc() -> None:
     reads unchanged (docs/benchmarks.md, "Control plane"). Cyclic garbage (asyncio's exceptions and
     futures) still goes, at most GC_GEN0_THRESHOLD allocations later. No collection runs first: with
     millions of blocks recovered it would walk every one of their objects before the daemon serves (the
-    collector is off from the daemon's start to here: what startup made is kept, not garbage)."""
+    collector is off from the daemon's start to here: what startup made is kept, not garbage).
+
+    A full collection walks every object the blocks written since the start hold, about four a block,
+    with the event loop stopped: CPython starts one each time the objects that survived two young
+    collections since the last one grow by a quarter, so a daemon replacing its blocks paused 0.36 s
+    every ~150,000 blocks written at 3 x 10^5 blocks, and would pause ~13 s at 10^7 (docs/benchmarks.md,
+    "Collector pauses"): every engine's lookups and loads wait that long. The full collection's threshold
+    is set past reach (GC_NO_FULL): the young and middle collections still free the garbage cycles of
+    requests and connections; a cycle that lived through both and died later (a long-lived connection's,
+    once closed) stays until the process ends. `GcPauses` shows what the collector costs the daemon."""
     gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+    _, gen1, _ = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, GC_NO_FULL)
     gc.enable()
+
+
+class GcPauses:
+    """The cyclic collector's pauses per generation (young, middle, full): how many, the longest and
+    their sum, as `gc.callbacks` sees them (stats()["gc"]["pauses"], and /metrics). A collection holds
+    the GIL, so whichever thread it runs in, the event loop waits for it."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.longest_s = [0.0, 0.0, 0.0]
+        self.total_s = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        g, took = info["generation"], time.perf_counter() - self._start
+        self.count[g] += 1
+        self.total_s[g] += took
+        if took > self.longest_s[g]:
+            self.longest_s[g] = took
+
+    def stats(self) -> list[dict]:
+        return [{"collections": n, "longest_ms": round(longest * 1e3, 3), "total_s": round(total, 3)}
+                for n, longest, total in zip(self.count, self.longest_s, self.total_s)]
 
 
 def _buffer_frames_of(reader: asyncio.StreamReader, max_frame_bytes: int) -> None:

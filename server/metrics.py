@@ -7,7 +7,7 @@ is bounded: the first MAX_MODEL_LABELS models the daemon registered (in
 registration order, which never changes while it runs) get their own label;
 every later one is counted under OTHER_MODEL, so each series stays monotonic.
 Names longer than MAX_LABEL_CHARS keep their last characters (a path's model
-folder). Also: requests per op, and the KV-event publisher's counts.
+folder). Also: requests per op, the cyclic collector's pauses, and the KV-event publisher's counts.
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ def daemon_families(stats: dict) -> Iterator:
     for op, n in stats.get("ops", {}).items():
         ops.add_metric([op], n)
     yield ops
+    pauses = stats.get("gc", {}).get("pauses")
+    if pauses:  # the cyclic collector's pauses (server/daemon.py GcPauses): what they stop the event loop for
+        total = CounterMetricFamily("kvstore_gc_pause_seconds", "Time in cyclic collections, per generation",
+                                    labels=["generation"])
+        longest = GaugeMetricFamily("kvstore_gc_pause_longest_seconds", "The longest cyclic collection, per generation",
+                                    labels=["generation"])
+        for g, p in enumerate(pauses):
+            total.add_metric([str(g)], p["total_s"])
+            longest.add_metric([str(g)], p["longest_ms"] / 1e3)
+        yield total
+        yield longest
     events = stats.get("events")
     if events is not None:  # KV events are on
         yield CounterMetricFamily("kvstore_events_published", "KV events published", value=events.get("events", 0))

@@ -50,8 +50,11 @@ class Session:
 
 class Handlers:
     def __init__(self, store: TieredStore, scopes: tuple[TokenScope, ...], max_batch: int, max_frame: int,
-                 info: dict[str, Any], gpu_info: Callable[[], dict] | None = None) -> None:
+                 info: dict[str, Any], gpu_info: Callable[[], dict] | None = None,
+                 stats: Callable[[], dict] | None = None) -> None:
+        """`stats`: what the `stats` request answers (the daemon's: the store's and its own; else the store's)."""
         self.store = store
+        self._stats = stats or store.stats
         self.gpu_info = gpu_info or (lambda: {"available": False, "reason": "not configured"})
         self.scopes = scopes
         self.max_batch = max_batch
@@ -141,7 +144,7 @@ class Handlers:
         return {"ns": self.store.register_namespace(ns)}
 
     def stats(self, s: Session, args: dict) -> dict:
-        return self.store.stats()
+        return self._stats()
 
     def blocks(self, s: Session, args: dict) -> dict:
         """A listing for inspection tools: [ns, hash, tier, depth, pins, committed, nbytes] rows."""

@@ -130,14 +130,44 @@ def test_admin_plane(daemon):
 
 def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_objects_less_often(daemon):
     """server/daemon.py's tune_gc ran once the daemon served: its stats and /metrics say so."""
-    from kvstore.server.daemon import GC_GEN0_THRESHOLD
+    from kvstore.server.daemon import GC_GEN0_THRESHOLD, GC_NO_FULL
 
     gc_stats = daemon.stats()["gc"]
     assert gc_stats["threshold"][0] == GC_GEN0_THRESHOLD > 700
+    assert gc_stats["threshold"][2] == GC_NO_FULL  # no full collection
     assert gc_stats["frozen"] > 10_000  # modules, classes, functions: everything startup made
     assert len(gc_stats["collections"]) == 3
+    assert [set(p) for p in gc_stats["pauses"]] == [{"collections", "longest_ms", "total_s"}] * 3
     text = daemon.http("/metrics")[1].decode()
     assert 'python_gc_collections_total{generation="0"}' in text
+    assert 'kvstore_gc_pause_seconds_total{generation="2"}' in text
+    assert 'kvstore_gc_pause_longest_seconds{generation="0"}' in text
+
+
+def test_tune_gc_runs_no_full_collection_however_many_objects_survive_and_pauses_are_counted():
+    """A full collection walks every block's objects with the loop stopped (seconds at 10^7 blocks): after
+    tune_gc, objects that survive young and middle collections never start one; GcPauses counts and
+    times the collections that do run."""
+    import gc
+
+    from kvstore.server.daemon import GcPauses, tune_gc
+
+    threshold = gc.get_threshold()
+    pauses = GcPauses()
+    tune_gc()
+    gc.callbacks.append(pauses)
+    try:
+        full = gc.get_stats()[2]["collections"]
+        kept = [[i] for i in range(3_000_000)]  # 150 young collections' worth, every object surviving
+        assert gc.get_stats()[2]["collections"] == full
+        assert pauses.count[0] >= 100 and pauses.count[1] >= 10 and pauses.count[2] == 0
+        gc.collect()  # (one asked for still runs)
+        assert pauses.count[2] == 1 and pauses.longest_s[2] > 0 and pauses.stats()[2]["collections"] == 1
+        del kept
+    finally:
+        gc.callbacks.remove(pauses)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 @pytest.mark.parametrize("choice,serves_on", [("auto", "uvloop"), ("asyncio", "asyncio")])

@@ -34,6 +34,9 @@ down to the disk tier. Then, against that daemon:
   written through the full daemon, each evicting one: what the policies
   remember of evicted blocks (their ghost tables, up to 16 x the resident
   blocks) is in it, as in a daemon that has run for a while;
+- `gc_longest_pause_ms` / `gc_full_collections`: the daemon's longest cyclic
+  collection (its event loop stopped meanwhile) and its full collections,
+  over the fill, the measures and the churn (server/daemon.py `GcPauses`);
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line, found once
@@ -320,6 +323,10 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                 wait_settled(client)
                 held = client.stats()["blocks"]
                 row["rss_bytes_per_block_churned"] = round((rss_anon(d.proc.pid) - rss0) / held, 1)
+            pauses = client.stats()["gc"].get("pauses")
+            if pauses:
+                row["gc_longest_pause_ms"] = max(p["longest_ms"] for p in pauses)
+                row["gc_full_collections"] = pauses[2]["collections"]
             before = sum(client.lookup(ns, hs).hits for hs in samples)
         t0 = time.perf_counter()
         d.proc.send_signal(signal.SIGTERM)

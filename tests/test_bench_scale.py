@@ -1,0 +1,25 @@
+"""tools/bench/bench_scale.py runs small on a CPU: a daemon filled with 10^4 blocks over a disk tier reports
+every figure the scale goals name, restarts, and keeps its blocks."""
+
+from __future__ import annotations
+
+import json
+
+from kvstore.tools.bench.bench_scale import main
+
+
+def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_BENCH_DIR", str(tmp_path))
+    assert main(["--json", "--max-blocks", "10000", "--host-blocks", "2048", "--chain", "64", "--lookups", "50",
+                 "--rounds", "1", "--churn", "0.5", "--no-mooncake"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["blocks"] for r in rows] == [10_000]
+    r = rows[0]
+    assert r["indexed_blocks"] == 10_000 and r["host_blocks"] == 2048 and r["churn_blocks"] == 5_000
+    for key in ("rss_bytes_per_block", "lookup_p50_ms", "lookup_p99_ms", "read_us_per_block",
+                "write_full_us_per_block", "restart_s", "disk_recovery_s"):
+        assert r[key] > 0, key
+    assert r["lookup_p99_ms"] >= r["lookup_p50_ms"]
+    assert r["kept"] == r["sampled"] > 0  # every sampled block found again after the restart
+    assert r["write_full_disk"]["writes"] > 0  # the full-tier writes went through the disk tier
+    assert r["gc_full_collections"] == 0 and r["gc_longest_pause_ms"] > 0  # young collections ran, no full one
