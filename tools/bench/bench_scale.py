@@ -36,7 +36,8 @@ down to the disk tier. Then, against that daemon:
   blocks) is in it, as in a daemon that has run for a while;
 - `gc_longest_pause_ms` / `gc_full_collections`: the daemon's longest cyclic
   collection (its event loop stopped meanwhile) and its full collections,
-  over the fill, the measures and the churn (server/daemon.py `GcPauses`);
+  over the fill, the measures and the churn, and `gc_pauses` per generation
+  (server/daemon.py `GcPauses`);
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line, found once
@@ -327,6 +328,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             if pauses:
                 row["gc_longest_pause_ms"] = max(p["longest_ms"] for p in pauses)
                 row["gc_full_collections"] = pauses[2]["collections"]
+                row["gc_pauses"] = pauses  # per generation: collections, longest_ms, total_s
             before = sum(client.lookup(ns, hs).hits for hs in samples)
         t0 = time.perf_counter()
         d.proc.send_signal(signal.SIGTERM)
