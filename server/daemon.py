@@ -386,7 +386,8 @@ class Daemon:
 def tune_gc() -> None:
     """Once the daemon serves: what startup made (modules, the blocks recovered from the kept arena and
     the disk) is frozen out of the cyclic collector's scans, young collections run every
-    GC_GEN0_THRESHOLD allocations instead of 700, and no full collection runs.
+    GC_GEN0_THRESHOLD allocations instead of 700, what survives one joins the frozen objects, and no full
+    collection runs. `untune_gc` undoes it (for a process that goes on: benchmarks, tests).
 
     The store's per-block objects (entries, the policy's values, the index's records) are freed by
     reference counting; the cyclic collector finds nothing among them, yet at the default threshold it
@@ -398,18 +399,36 @@ def tune_gc() -> None:
     millions of blocks recovered it would walk every one of their objects before the daemon serves (the
     collector is off from the daemon's start to here: what startup made is kept, not garbage).
 
-    A full collection walks every object the blocks written since the start hold, about four a block,
-    with the event loop stopped: CPython starts one each time the objects that survived two young
-    collections since the last one grow by a quarter, so a daemon replacing its blocks paused 0.36 s
-    every ~150,000 blocks written at 3 x 10^5 blocks, and would pause ~13 s at 10^7 (docs/benchmarks.md,
-    "Collector pauses"): every engine's lookups and loads wait that long. The full collection's threshold
-    is set past reach (GC_NO_FULL): the young and middle collections still free the garbage cycles of
-    requests and connections; a cycle that lived through both and died later (a long-lived connection's,
-    once closed) stays until the process ends. `GcPauses` shows what the collector costs the daemon."""
+    Every collection stops the event loop for as long as it walks its generation (docs/benchmarks.md,
+    "Collector pauses"). A full one walks every block's objects: 0.64 s at 10^6 blocks, ~6 s at 10^7,
+    each time the survivors of young collections have grown by a quarter (a daemon replacing its blocks:
+    every few million blocks written). A middle one walked the survivors of ten young ones: up to 146 ms
+    while a daemon replaced its blocks. So the objects that survive a young collection, nearly all of
+    them blocks' state, are frozen at once (`_freeze_survivors`: a list splice), and the full threshold is
+    past reach (GC_NO_FULL): young collections alone run, over what was allocated since the last one. The
+    price: a garbage cycle that lived through a young collection (a few ms) and died later stays until the
+    process ends. `GcPauses` shows what the collector costs the daemon."""
     gc.freeze()
     _, gen1, _ = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, GC_NO_FULL)
+    if _freeze_survivors not in gc.callbacks:
+        gc.callbacks.append(_freeze_survivors)
     gc.enable()
+
+
+def untune_gc(threshold: tuple[int, ...]) -> None:
+    """Undo `tune_gc` in a process that goes on: survivors are no longer frozen, what was frozen is the
+    collector's again, and `threshold` (what `gc.get_threshold()` said before) is back."""
+    if _freeze_survivors in gc.callbacks:
+        gc.callbacks.remove(_freeze_survivors)
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
+
+
+def _freeze_survivors(phase: str, info: dict) -> None:
+    """A `gc.callbacks` entry: after a young collection, what survived it is frozen (`tune_gc`)."""
+    if phase == "stop" and info["generation"] == 0:
+        gc.freeze()
 
 
 class GcPauses:

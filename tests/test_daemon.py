@@ -144,30 +144,40 @@ def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_obje
     assert 'kvstore_gc_pause_longest_seconds{generation="0"}' in text
 
 
-def test_tune_gc_runs_no_full_collection_however_many_objects_survive_and_pauses_are_counted():
-    """A full collection walks every block's objects with the loop stopped (seconds at 10^7 blocks): after
-    tune_gc, objects that survive young and middle collections never start one; GcPauses counts and
-    times the collections that do run."""
+def test_tune_gc_freezes_what_survives_a_young_collection_and_runs_no_other():
+    """A full collection walks every block's objects with the loop stopped (seconds at 10^7 blocks), a
+    middle one the survivors of ten young ones: after tune_gc, objects that survive young collections are
+    frozen and start no other collection; cyclic garbage that dies young still goes; GcPauses counts and
+    times the collections that run; untune_gc undoes it all."""
     import gc
 
-    from kvstore.server.daemon import GcPauses, tune_gc
+    from kvstore.server.daemon import GcPauses, tune_gc, untune_gc
 
     threshold = gc.get_threshold()
     pauses = GcPauses()
     tune_gc()
     gc.callbacks.append(pauses)
     try:
-        full = gc.get_stats()[2]["collections"]
+        frozen = gc.get_freeze_count()
+        middle, full = (gc.get_stats()[g]["collections"] for g in (1, 2))
         kept = [[i] for i in range(3_000_000)]  # 150 young collections' worth, every object surviving
-        assert gc.get_stats()[2]["collections"] == full
-        assert pauses.count[0] >= 100 and pauses.count[1] >= 10 and pauses.count[2] == 0
+        assert [gc.get_stats()[g]["collections"] for g in (1, 2)] == [middle, full]
+        assert pauses.count[0] >= 100 and pauses.count[1] == pauses.count[2] == 0
+        assert gc.get_freeze_count() >= frozen + 2_900_000  # (frozen young collection by young collection)
+        gc.collect(0)  # (the last lists join the frozen objects)
+        frozen, freed = gc.get_freeze_count(), gc.get_stats()[0]["collected"]
+        for _ in range(200_000):  # garbage cycles dying young: young collections free them, none is frozen
+            a: list = []
+            a.append(a)
+        assert gc.get_stats()[0]["collected"] - freed > 150_000
+        assert gc.get_freeze_count() - frozen < 1_000
         gc.collect()  # (one asked for still runs)
         assert pauses.count[2] == 1 and pauses.longest_s[2] > 0 and pauses.stats()[2]["collections"] == 1
         del kept
     finally:
         gc.callbacks.remove(pauses)
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
+        untune_gc(threshold)
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("choice,serves_on", [("auto", "uvloop"), ("asyncio", "asyncio")])

@@ -263,7 +263,7 @@ def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int)
     import asyncio
     import gc
 
-    from kvstore.server.daemon import tune_gc
+    from kvstore.server.daemon import tune_gc, untune_gc
 
     threshold = gc.get_threshold()
     tune_gc()
@@ -275,8 +275,7 @@ def in_process(policies: list[str], n: int, batch: int, chain: int, rounds: int)
                     times = asyncio.run(_store_ops(policy, kept, op, n, batch, chain, rounds))
                     out[f"{policy}_{'kept' if kept else 'plain'}_{op}_us"] = statistics.median(times)
     finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
+        untune_gc(threshold)
     return out
 
 
