@@ -54,7 +54,7 @@ class Handlers:
                  stats: Callable[[], dict] | None = None) -> None:
         """`stats`: what the `stats` request answers (the daemon's: the store's and its own; else the store's)."""
         self.store = store
-        self._stats = stats or store.stats
+        self._stats = stats
         self.gpu_info = gpu_info or (lambda: {"available": False, "reason": "not configured"})
         self.scopes = scopes
         self.max_batch = max_batch
@@ -144,7 +144,7 @@ class Handlers:
         return {"ns": self.store.register_namespace(ns)}
 
     def stats(self, s: Session, args: dict) -> dict:
-        return self._stats()
+        return self._stats() if self._stats is not None else self.store.stats()
 
     def blocks(self, s: Session, args: dict) -> dict:
         """A listing for inspection tools: [ns, hash, tier, depth, pins, committed, nbytes] rows."""

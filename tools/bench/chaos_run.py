@@ -67,6 +67,9 @@ PROFILES = {  # engine profile -> (speculative config, load_async)
     "plain": (None, False), "async": (None, True), "ngram": (NGRAM, False), "ngram_async": (NGRAM, True),
 }
 ALL_ORACLES = ("outputs", "stored_bytes", "daemon_state", "rss", "reuse")
+# How often the run samples every process's memory (and looks at the engines): an engine of the short planted
+# runs is busy for under a second, and the rss oracle judges a process on three samples at least.
+RSS_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def run_engines(cfg: ChaosConfig, model: str, work, folder: Path, daemon: Daemon
             snapshots.append(daemon.kill_and_restart(cfg.down_s))
             rss["daemon"].append((time.time(), float("nan")))  # a new process from here
 
-    wait_all(engines, cfg.timeout_s, tick)
+    wait_all(engines, cfg.timeout_s, tick, every_s=RSS_EVERY_S)
     (folder / "rss.json").write_text(json.dumps(rss))
     if daemon is not None:
         snapshots.append(daemon.snapshot("end"))  # engines idle, their connections open

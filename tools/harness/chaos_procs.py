@@ -103,8 +103,9 @@ class EngineProc:
         return json.loads(self.out.read_text())
 
 
-def wait_all(engines: list[EngineProc], timeout_s: float, tick=None, idle: bool = True) -> None:
-    """Until every engine is idle (or has exited, with `idle` false); `tick()` runs every 0.25 s."""
+def wait_all(engines: list[EngineProc], timeout_s: float, tick=None, idle: bool = True, every_s: float = 0.25) -> None:
+    """Until every engine is idle (or has exited, with `idle` false), looking every `every_s`; `tick()` runs
+    each time."""
     deadline = time.monotonic() + timeout_s
     while True:
         for e in engines:
@@ -118,7 +119,7 @@ def wait_all(engines: list[EngineProc], timeout_s: float, tick=None, idle: bool 
             raise TimeoutError(f"engines not done after {timeout_s} s: {[e.name for e, d in zip(engines, done) if not d]}")
         if tick is not None:
             tick()
-        time.sleep(0.25)
+        time.sleep(every_s)
 
 
 @dataclass
