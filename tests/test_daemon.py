@@ -75,6 +75,23 @@ def test_lookup_counts_leading_blocks_only(daemon):
     assert daemon.check() == []
 
 
+def test_a_reserve_of_several_slices_stores_every_block_byte_exact(daemon):
+    """A reserve larger than RESERVE_SLICE_BLOCKS is reserved a slice at a time, other requests served in
+    between (server/rpc.py): one request's chain comes back whole, every block in order and byte-exact."""
+    from kvstore.server.rpc import RESERVE_SLICE_BLOCKS
+
+    n = 3 * RESERVE_SLICE_BLOCKS + 5
+    hs, ps = chain(9, n)
+    payloads = [np.random.default_rng(i).integers(0, 256, NS.block_bytes, dtype=np.uint8) for i in range(n)]
+    with KVClient(daemon.socket_path) as c:
+        ns = c.register(NS)
+        assert c.put(ns, list(zip(hs, ps, payloads)), chunk=n) == n  # (one reserve of n blocks)
+        assert c.lookup(ns, hs).hits == n
+        assert all(np.array_equal(g, w) for g, w in zip(c.get(ns, hs), payloads))
+    assert daemon.stats()["ops"]["reserve"] == 1
+    assert daemon.check() == []
+
+
 def test_namespaces_do_not_share_blocks(daemon):
     hs, ps = chain(4, 2)
     with KVClient(daemon.socket_path) as c:

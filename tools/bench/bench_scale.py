@@ -33,7 +33,10 @@ down to the disk tier. Then, against that daemon:
   once F x N more blocks (new chains, `churn_blocks`, in `churn_s`) have been
   written through the full daemon, each evicting one: what the policies
   remember of evicted blocks (their ghost tables, up to 16 x the resident
-  blocks) is in it, as in a daemon that has run for a while;
+  blocks) is in it, as in a daemon that has run for a while; meanwhile a second
+  client looks up 32-block pieces of the sample chains, one every 10 ms, each
+  timed from when it was due (`churn_lookups`, `churn_lookup_p50_ms` / `_p99_ms` / `_p999_ms` / `_max_ms`:
+  what an engine's lookups wait while the daemon replaces its blocks);
 - `gc_longest_pause_ms` / `gc_full_collections`: the daemon's longest cyclic
   collection (its event loop stopped meanwhile) and its full collections,
   over the fill, the measures and the churn, and `gc_pauses` per generation
@@ -67,6 +70,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -190,6 +194,52 @@ def host_chains(client: KVClient, ns: str, seed: int, lengths: list[int], want: 
             if got >= want:
                 break
     return out
+
+
+class LookupsMeanwhile:
+    """A second client looking up 32-block pieces of the sample chains, one every EVERY_S (open loop: each
+    timed from when it was due, so one that waits behind another counts its wait), in a thread, while the
+    body of the `with` runs (the churn's writes): what an engine's lookups wait while the daemon replaces
+    its blocks, collector pauses included (`summary`: p50, p99, p99.9, the longest, and how many)."""
+
+    EVERY_S = 0.01
+
+    def __init__(self, socket_path: str, ns: str, samples: list[list[bytes]], spin_us: float) -> None:
+        self.client = KVClient(socket_path, name="bench-scale-lookups", timeout_s=600, spin_us=spin_us)
+        self.ns, self.samples, self.took = ns, samples, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-scale-lookups", daemon=True)
+
+    def __enter__(self) -> LookupsMeanwhile:
+        self.client.connect()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+    def _run(self) -> None:
+        rng = random.Random(2)
+        due = time.perf_counter()
+        while not self._stop.is_set():
+            chain = self.samples[rng.randrange(len(self.samples))]
+            start = rng.randrange(0, max(1, len(chain) - LOOKUP + 1))
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            self.client.lookup(self.ns, chain[start : start + LOOKUP])  # (evicted blocks are misses: timed the same)
+            self.took.append(time.perf_counter() - due)
+            due += self.EVERY_S
+
+    def summary(self, prefix: str) -> dict:
+        if len(self.took) < 100:
+            return {f"{prefix}s": len(self.took)}
+        q = statistics.quantiles(self.took, n=1000)
+        return {f"{prefix}s": len(self.took), f"{prefix}_p50_ms": round(statistics.median(self.took) * 1e3, 3),
+                f"{prefix}_p99_ms": round(q[989] * 1e3, 3), f"{prefix}_p999_ms": round(q[998] * 1e3, 3),
+                f"{prefix}_max_ms": round(max(self.took) * 1e3, 3)}
 
 
 def reads(client: KVClient, ns: str, chains: list[list[bytes]], batch: int, rounds: int) -> float:
@@ -318,13 +368,15 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             wait_settled(client)
             if args.churn:  # written through: the policies' history fills, as a long-running daemon's does
                 t0 = time.perf_counter()
-                row["churn_blocks"] = put_chains(client, ns, 200, chain_lengths(int(args.churn * n), args.chain),
-                                                 args.batch, payload)
+                with LookupsMeanwhile(d.socket_path, ns, samples, args.client_spin_us) as meanwhile:
+                    row["churn_blocks"] = put_chains(client, ns, 200, chain_lengths(int(args.churn * n), args.chain),
+                                                     args.batch, payload)
                 row["churn_s"] = round(time.perf_counter() - t0, 1)
+                row.update(meanwhile.summary("churn_lookup"))
                 wait_settled(client)
                 held = client.stats()["blocks"]
                 row["rss_bytes_per_block_churned"] = round((rss_anon(d.proc.pid) - rss0) / held, 1)
-            pauses = client.stats()["gc"].get("pauses")
+            pauses = client.stats().get("gc", {}).get("pauses")
             if pauses:
                 row["gc_longest_pause_ms"] = max(p["longest_ms"] for p in pauses)
                 row["gc_full_collections"] = pauses[2]["collections"]
