@@ -297,9 +297,9 @@ class TieredStore:
         if self.recovery.active:  # the blocks and their parents, where their records wait for adoption
             tag, parent_tag = ns_tag(ns_id), ns_tag(ns.anchor or ns_id)
             self.recovery.adopt_now([tag + h for h, _ in blocks] + [parent_tag + p for _, p in blocks if p])
-        # Room for the batch is made in one pass (placement.room_for_batch: the batch's parents protected,
-        # the tier below making room for the victims first). With a preferred tier, room is made block by
-        # block, only for the blocks that do not go there, each parent's tier looked at first.
+        # Room for the batch is made in one eviction pass (placement.room_for_batch: the batch's parents
+        # protected; each victim demoted makes its own room in the tier below). With a preferred tier, room
+        # is made block by block, only for the blocks that do not go there, each parent's tier looked at first.
         per_block = prefer is not None
         nbytes = ns.block_bytes
         # Pages for a batch are taken from the free list in one call (the pages the block-by-block

@@ -260,13 +260,13 @@ class Handlers:
         ns = want(args, "ns", str)
         prefer = self._reader_tier(args)
         blocks = want_blocks(args, self.max_batch, with_payload=False)
+        into = prefer if prefer != "host" else None
         entries = []
         for i in range(0, len(blocks), RESERVE_SLICE_BLOCKS):
             if i:  # twice: a request that arrived meanwhile is read in the first turn, handled in the second
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
-            entries += self.store.reserve(ns, blocks[i : i + RESERVE_SLICE_BLOCKS], s.owner,
-                                          prefer=prefer if prefer != "host" else None)
+            entries += self.store.reserve(ns, blocks[i : i + RESERVE_SLICE_BLOCKS], s.owner, prefer=into)
         reply: dict[str, Any] = {"extents": [e.location if e is not None else None for e in entries]}
         if prefer != "host":
             reply["at"] = [e.tier if e is not None else None for e in entries]
