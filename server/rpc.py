@@ -260,17 +260,24 @@ class Handlers:
         ns = want(args, "ns", str)
         prefer = self._reader_tier(args)
         blocks = want_blocks(args, self.max_batch, with_payload=False)
-        into = prefer if prefer != "host" else None
-        entries = []
+        entries = await self._reserve_sliced(s, ns, blocks, prefer if prefer != "host" else None)
+        reply: dict[str, Any] = {"extents": [e.location if e is not None else None for e in entries]}
+        if prefer != "host":
+            reply["at"] = [e.tier if e is not None else None for e in entries]
+        return reply
+
+    async def _reserve_sliced(self, s: Session, ns: str, blocks: list, into: str | None = None,
+                              entries: list | None = None) -> list:
+        """`store.reserve` of (hash, parent) `blocks`, RESERVE_SLICE_BLOCKS at a time, other requests served
+        between the slices; the entries in order (None where a block was not reserved), appended to
+        `entries` as each slice is reserved (so a caller can abort what was reserved before a failure)."""
+        entries = [] if entries is None else entries
         for i in range(0, len(blocks), RESERVE_SLICE_BLOCKS):
             if i:  # twice: a request that arrived meanwhile is read in the first turn, handled in the second
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
             entries += self.store.reserve(ns, blocks[i : i + RESERVE_SLICE_BLOCKS], s.owner, prefer=into)
-        reply: dict[str, Any] = {"extents": [e.location if e is not None else None for e in entries]}
-        if prefer != "host":
-            reply["at"] = [e.tier if e is not None else None for e in entries]
-        return reply
+        return entries
 
     def _reader_tier(self, args: dict) -> str:
         """The tier a local client reads and writes besides the arena: "host" (default) or "gpu"."""
@@ -292,7 +299,9 @@ class Handlers:
         self.store.abort(want(args, "ns", str), want_hashes(args, self.max_batch), s.owner)
         return {}
 
-    def put(self, s: Session, args: dict) -> dict:
+    async def put(self, s: Session, args: dict) -> dict:
+        """A remote client's blocks, payloads inline: reserved a slice at a time as `reserve` does (other
+        requests served between), written, then committed together; a failure aborts them all."""
         ns = want(args, "ns", str)
         blocks = want_blocks(args, self.max_batch, with_payload=True)
         tokens = want_token_blocks(args, len(blocks))
@@ -300,9 +309,10 @@ class Handlers:
         for i, (_, _, payload) in enumerate(blocks):
             if len(payload) != block_bytes:
                 raise NamespaceError(f"blocks[{i}] payload is {len(payload)} B; the namespace's blocks are {block_bytes} B")
-        entries = self.store.reserve(ns, [(h, p) for h, p, _ in blocks], s.owner)
+        entries: list = []
         written, written_tokens = [], []
         try:
+            await self._reserve_sliced(s, ns, [(h, p) for h, p, _ in blocks], entries=entries)
             for i, (entry, (h, _, payload)) in enumerate(zip(entries, blocks)):
                 if entry is not None:
                     self.store.host.write(entry.location, payload)

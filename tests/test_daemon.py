@@ -122,6 +122,30 @@ def test_tcp_clients_need_the_token_and_carry_payloads_inline(daemon_factory):
     assert d.check() == []
 
 
+def test_a_tcp_put_of_several_slices_stores_every_block_byte_exact(daemon_factory):
+    """A remote client's put larger than RESERVE_SLICE_BLOCKS is reserved a slice at a time, other
+    requests served in between (server/rpc.py `put`), and committed together: one request's chain comes
+    back whole, in order and byte-exact, to the remote client and to a local one."""
+    from kvstore.server.rpc import RESERVE_SLICE_BLOCKS
+
+    token = "s" * 24
+    d = daemon_factory("--tcp-port", "0", "--tcp-token", token)
+    small = namespace(block_bytes=4096)
+    n = 2 * RESERVE_SLICE_BLOCKS + 7
+    hs, ps = chain(11, n)
+    payloads = [np.random.default_rng(i).integers(0, 256, small.block_bytes, dtype=np.uint8) for i in range(n)]
+    with KVClient(tcp=("127.0.0.1", d.tcp_port), token=token) as remote:
+        ns = remote.register(small)
+        assert remote.put(ns, list(zip(hs, ps, payloads))) == n
+        assert all(np.array_equal(g, w) for g, w in zip(remote.get(ns, hs), payloads))
+    with KVClient(d.socket_path) as local:
+        ns = local.register(small)
+        assert local.lookup(ns, hs).hits == n
+        assert all(np.array_equal(g, w) for g, w in zip(local.get(ns, hs), payloads))
+    assert d.stats()["ops"]["put"] == 1  # (one request: its slices were the daemon's doing)
+    assert d.check() == []
+
+
 def test_admin_plane(daemon):
     with KVClient(daemon.socket_path) as c:
         ns = c.register(NS)
