@@ -78,6 +78,9 @@ LISTEN_BACKLOG = 4096  # pending connects the listeners queue (the kernel caps i
 # asyncio's default of 100 made local connects fail with EAGAIN when many engine workers started together
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython's default: 700); see tune_gc
 GC_NO_FULL = 1 << 30  # middle collections before a full one: never reached, no full collection runs (tune_gc)
+# A young collection at least this often while serving (`YoungCollections`): it walks what was allocated
+# since the last one, so its pause is bounded by the loop's time, not by how many of those objects died.
+GC_YOUNG_EVERY_S = 0.02
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 
 
@@ -136,6 +139,7 @@ class Daemon:
         self.admin_port: int | None = None
         self.events = EventPublisher(config.events, self.store.shared.namespaces) if config.events.enabled else None
         self._flusher: asyncio.Task | None = None
+        self._young: YoungCollections | None = None
         self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
     def full_stats(self) -> dict:
@@ -221,6 +225,7 @@ class Daemon:
         await self.start()
         tune_gc()
         gc.callbacks.append(self.gc_pauses)
+        self._young = YoungCollections(asyncio.get_running_loop())
         events = self.handlers.info.get("events") or {}
         print(f"kvstore ready socket={self.config.server.socket_path} admin_port={self.admin_port} "
               f"tcp_port={self.tcp_port} events={events.get('endpoint')} "
@@ -257,6 +262,8 @@ class Daemon:
         await self.store.stop()  # what is queued for the remote tier is published (bounded)
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._young is not None:
+            self._young.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         if self.events is not None:
             self.events.close()  # after the store's close: blocks persisted at close are reported too
@@ -429,6 +436,31 @@ def _freeze_survivors(phase: str, info: dict) -> None:
     """A `gc.callbacks` entry: after a young collection, what survived it is frozen (`tune_gc`)."""
     if phase == "stop" and info["generation"] == 0:
         gc.freeze()
+
+
+class YoungCollections:
+    """A young collection every `every_s` of the event loop's time (`GC_YOUNG_EVERY_S`), beside those
+    CPython starts itself (`tune_gc`).
+
+    CPython starts one when its count of tracked objects, allocations less deallocations, passes the
+    threshold, and the collection walks every object allocated since the last one that is still alive. A
+    daemon replacing its blocks frees an old block's objects for each new block's: the count barely
+    moves, while the new blocks' objects pile up in the young generation, and the collection that came
+    at last walked all of them with the event loop stopped (up to 200 ms at 10^5 blocks). On the loop's
+    clock the young generation holds only what the daemon allocated in `every_s`: a few milliseconds
+    at most, for the same total (docs/benchmarks.md, "Collector pauses"). An idle daemon's collection
+    finds nearly nothing (tens of microseconds)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float = GC_YOUNG_EVERY_S) -> None:
+        self._loop, self._every_s = loop, every_s
+        self._handle = loop.call_later(every_s, self._collect)
+
+    def _collect(self) -> None:
+        gc.collect(0)
+        self._handle = self._loop.call_later(self._every_s, self._collect)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 class GcPauses:

@@ -221,6 +221,62 @@ def test_tune_gc_freezes_what_survives_a_young_collection_and_runs_no_other():
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
 
+def test_young_collections_run_on_the_loops_clock_while_old_objects_die_as_new_ones_are_made():
+    """A daemon replacing its blocks frees an old object for each new one: CPython's count (allocations
+    less deallocations) stays under its threshold while the young generation grows without bound, until
+    one collection walks it all with the loop stopped. YoungCollections collects on the loop's clock
+    instead, so the young generation holds what a few milliseconds allocated; cancel() stops it."""
+    import asyncio
+    import gc
+
+    from kvstore.server.daemon import GcPauses, YoungCollections, tune_gc, untune_gc
+
+    threshold = gc.get_threshold()
+    tune_gc()
+    old = [[i] for i in range(400_000)]
+    gc.collect(0)  # (they are frozen: the daemon's blocks)
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
+
+    async def replace(young: YoungCollections | None) -> int:
+        """Replace the old objects one for one, a slice per turn of the loop; the largest young
+        generation seen."""
+        most = 0
+        for i in range(0, len(old), 20_000):
+            for j in range(i, i + 20_000):
+                old[j] = [j]  # (a new object, an old one freed: the count does not move)
+            most = max(most, len(gc.get_objects(0)))
+            await asyncio.sleep(0.003)
+        if young is not None:
+            young.cancel()
+        return most
+
+    async def run(every_s: float | None) -> int:
+        young = YoungCollections(asyncio.get_running_loop(), every_s) if every_s else None
+        return await replace(young)
+
+    try:
+        piled_up = asyncio.run(run(None))
+        gc.collect(0)  # (the new objects join the frozen ones: the next run starts as this one did)
+        collections = pauses.count[0]
+        bounded = asyncio.run(run(0.01))
+        assert pauses.count[0] - collections >= 3
+        assert piled_up >= 390_000, "CPython's own threshold let the young generation grow (the control)"
+        assert bounded <= 200_000, f"collected on the loop's clock, it stayed small: {bounded}"
+        after = pauses.count[0]
+
+        async def idle() -> None:
+            young = YoungCollections(asyncio.get_running_loop(), 0.005)
+            young.cancel()
+            await asyncio.sleep(0.05)
+
+        asyncio.run(idle())
+        assert pauses.count[0] == after, "no collection after cancel()"
+    finally:
+        gc.callbacks.remove(pauses)
+        untune_gc(threshold)
+
+
 @pytest.mark.parametrize("choice,serves_on", [("auto", "uvloop"), ("asyncio", "asyncio")])
 def test_the_daemon_serves_on_the_event_loop_configured(daemon_factory, tmp_path, choice, serves_on):
     """[server] event_loop: uvloop (a dependency) unless asyncio's own is asked for; both serve."""
