@@ -447,9 +447,10 @@ class YoungCollections:
     daemon replacing its blocks frees an old block's objects for each new block's: the count barely
     moves, while the new blocks' objects pile up in the young generation, and the collection that came
     at last walked all of them with the event loop stopped (up to 200 ms at 10^5 blocks). On the loop's
-    clock the young generation holds only what the daemon allocated in `every_s`: a few milliseconds
-    at most, for the same total (docs/benchmarks.md, "Collector pauses"). An idle daemon's collection
-    finds nearly nothing (tens of microseconds)."""
+    clock the young generation holds only what the daemon allocated in `every_s`: a pause of a few
+    milliseconds (docs/benchmarks.md, "Collector pauses"). The price: a block's objects are walked once
+    even when it is evicted within seconds, 3-4% of the CPU of full-tier writes. An idle daemon's
+    collection finds nearly nothing."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float = GC_YOUNG_EVERY_S) -> None:
         self._loop, self._every_s = loop, every_s
