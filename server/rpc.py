@@ -35,9 +35,10 @@ from kvstore.tokens import TokenScope
 from kvstore.server.auth import Grant, authenticate, unix_grant
 
 log = logging.getLogger(__name__)
-# A reserve's blocks handled at a time, other requests served between (Handlers.reserve): ~5 ms of the
-# loop a slice into full tiers over a disk tier.
-RESERVE_SLICE_BLOCKS = 64
+# A reserve's blocks handled at a time, other requests served between (Handlers.reserve): ~1.5 ms of the
+# loop a slice into full tiers over a disk tier (64: ~5 ms, and another engine's lookups waited 3x longer
+# at the median; docs/benchmarks.md, "Lookups while the daemon replaces its blocks").
+RESERVE_SLICE_BLOCKS = 16
 
 
 @dataclass

@@ -64,13 +64,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -198,40 +198,34 @@ def host_chains(client: KVClient, ns: str, seed: int, lengths: list[int], want: 
 
 class LookupsMeanwhile:
     """A second client looking up 32-block pieces of the sample chains, one every EVERY_S (open loop: each
-    timed from when it was due, so one that waits behind another counts its wait), in a thread, while the
-    body of the `with` runs (the churn's writes): what an engine's lookups wait while the daemon replaces
-    its blocks, collector pauses included (`summary`: p50, p99, p99.9, the longest, and how many)."""
+    timed from when it was due, so one that waits behind another counts its wait), in a process of its
+    own as an engine is (a thread of this one would wait for this process's GIL behind the churn's
+    writer), while the body of the `with` runs (the churn's writes): what an engine's lookups wait while
+    the daemon replaces its blocks, collector pauses included (`summary`: p50, p99, p99.9, the longest,
+    and how many)."""
 
     EVERY_S = 0.01
 
     def __init__(self, socket_path: str, ns: str, samples: list[list[bytes]], spin_us: float) -> None:
-        self.client = KVClient(socket_path, name="bench-scale-lookups", timeout_s=600, spin_us=spin_us)
-        self.ns, self.samples, self.took = ns, samples, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-scale-lookups", daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self._stop, self._ready = ctx.Event(), ctx.Event()
+        self._took, theirs = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_look_up_until, name="bench-scale-lookups", daemon=True,
+                                 args=(socket_path, ns, samples, spin_us, self.EVERY_S, self._ready, self._stop, theirs))
+        self.took: list[float] = []
 
     def __enter__(self) -> LookupsMeanwhile:
-        self.client.connect()
-        self._thread.start()
+        self._proc.start()
+        if not self._ready.wait(60):
+            self._proc.kill()
+            raise RuntimeError("the lookup client did not connect")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
-        self.client.close()
-
-    def _run(self) -> None:
-        rng = random.Random(2)
-        due = time.perf_counter()
-        while not self._stop.is_set():
-            chain = self.samples[rng.randrange(len(self.samples))]
-            start = rng.randrange(0, max(1, len(chain) - LOOKUP + 1))
-            wait = due - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            self.client.lookup(self.ns, chain[start : start + LOOKUP])  # (evicted blocks are misses: timed the same)
-            self.took.append(time.perf_counter() - due)
-            due += self.EVERY_S
+        if self._took.poll(120):
+            self.took = self._took.recv()
+        self._proc.join(10)
 
     def summary(self, prefix: str) -> dict:
         if len(self.took) < 100:
@@ -240,6 +234,25 @@ class LookupsMeanwhile:
         return {f"{prefix}s": len(self.took), f"{prefix}_p50_ms": round(statistics.median(self.took) * 1e3, 3),
                 f"{prefix}_p99_ms": round(q[989] * 1e3, 3), f"{prefix}_p999_ms": round(q[998] * 1e3, 3),
                 f"{prefix}_max_ms": round(max(self.took) * 1e3, 3)}
+
+
+def _look_up_until(socket_path: str, ns: str, samples: list[list[bytes]], spin_us: float, every_s: float,
+                    ready, stop, took) -> None:
+    """`LookupsMeanwhile`'s process: look up until `stop` is set, then send the times (s) through `took`."""
+    rng, out = random.Random(2), []
+    with KVClient(socket_path, name="bench-scale-lookups", timeout_s=600, spin_us=spin_us) as client:
+        ready.set()
+        due = time.perf_counter()
+        while not stop.is_set():
+            chain = samples[rng.randrange(len(samples))]
+            start = rng.randrange(0, max(1, len(chain) - LOOKUP + 1))
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            client.lookup(ns, chain[start : start + LOOKUP])  # (evicted blocks are misses: timed the same)
+            out.append(time.perf_counter() - due)
+            due += every_s
+    took.send(out)
 
 
 def reads(client: KVClient, ns: str, chains: list[list[bytes]], batch: int, rounds: int) -> float:
