@@ -327,6 +327,21 @@ class AttentionPolicy(EvictionPolicy):
             stack.extend(kids.get(child, ()))
         return best  # type: ignore[return-value]
 
+    def _children_below(self, keys: Sequence[Key]) -> dict[Key, list]:
+        """`_children()` for the subtrees of the tracked `keys` only, read from the store's tree
+        (`tree_children`): what `value` walks of them, in O(their size). `_children()` walks every tracked
+        key: 0.36 s a `kvstore inspect` of a tier of 10^6 blocks, with the daemon's loop stopped."""
+        tracked, children = self._leaves.tracked, self.tree_children
+        assert children is not None
+        kids: dict[Key, list] = {}
+        stack = [k for k in keys if k in tracked]
+        while stack:
+            key = stack.pop()
+            if key not in kids:
+                below = kids[key] = [c for c in children(key) if c in tracked]
+                stack.extend(below)
+        return kids
+
     def _children(self) -> dict[Key, list]:
         kids: dict[Key, list] = {}
         for key, block in self._leaves.tracked.items():
@@ -520,7 +535,7 @@ class AttentionPolicy(EvictionPolicy):
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """log2 of the value now (the subtree's best, decayed to the present): higher stays longer."""
         now = self._taus()[self._lead]
-        kids = self._children()
+        kids = self._children() if self.tree_children is None else self._children_below(keys)
         return [f"log2 V {self.value(k, kids) - now:+.2f}" if k in self._leaves else None for k in keys]
 
     def __contains__(self, key: Key) -> bool:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Hashable, NamedTuple, Sequence
+from typing import Callable, ClassVar, Hashable, Iterable, NamedTuple, Sequence
 
 Key = Hashable
 Clock = Callable[[], float]
@@ -68,6 +68,10 @@ class EvictionPolicy(ABC):
     """Base class; subclasses override the event hooks they need and `victims`."""
 
     name: ClassVar[str] = "base"
+    # The store's prefix tree, for read-only walks (`describe`): a key's children's keys, whatever tier
+    # they sit in. The store sets it (kvstore/placement.py); None for a policy used on its own (policy_sim,
+    # replay's swapped policies), which then walks its own state.
+    tree_children: Callable[[Key], Iterable[Key]] | None = None
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
@@ -97,7 +101,8 @@ class EvictionPolicy(ABC):
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
         """What the policy holds of each key, in a few words for `kvstore inspect` (None: untracked).
-        Read-only; may walk the policy's state once per call."""
+        Read-only; it runs on the daemon's loop, so it should cost what the keys (and, with
+        `tree_children`, their subtrees) cost, not what the tier holds."""
         return [None] * len(keys)
 
     @abstractmethod

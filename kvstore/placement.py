@@ -46,7 +46,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, PolicyError
-from kvstore.entry import RANK, Entry, Key, Shared, is_leaf_in
+from kvstore.entry import RANK, Entry, Key, Shared, children_of, is_leaf_in
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockIndex
 from kvstore.keys import Namespace, key_hash, key_ns, ns_tag
@@ -84,6 +84,8 @@ class Placement:
         self.tiers: dict[str, Tier] = {t.name: t for t in self.chain}
         self.index = index
         self.policies = policies  # tier name -> its policy (the store's tools may swap one before use)
+        for policy in policies.values():  # (what `describe` walks of a block's subtree)
+            policy.tree_children = self._children_keys
         self.shared = shared
         self.counters, self.tier_stats = shared.counters, shared.tier_stats
         # where each tier's victims go: the next tier, where it takes demotions
@@ -106,6 +108,11 @@ class Placement:
             if tier.persistent:
                 tier.persist_namespace(ns.id, ns.to_dict())
             tier.prewarm(ns.block_bytes)
+
+    def _children_keys(self, key: Key) -> tuple | set:
+        """The keys of `key`'s children in the index, whatever tier they sit in (none: not indexed)."""
+        e = self.index.entries.get(key)
+        return () if e is None else children_of(e)
 
     # -- blocks entering and being read: what the tiers' indexes and the policies hear --------
     def record_in_tier(self, entries: Sequence[Entry], stamp: float) -> None:

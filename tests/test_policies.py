@@ -541,3 +541,34 @@ def test_the_demotions_of_one_reserve_share_one_clock_reading(tmp_path):
     finally:
         store.close()
         host.close()
+
+
+def test_attention_describes_a_block_from_its_subtree_not_from_the_whole_tier(make_store):
+    """`kvstore inspect` runs on the daemon's loop: the default policy's value of a block (the best of its
+    subtree) is read from the store's tree (`tree_children`), walking the asked blocks' subtrees only. It
+    says what the walk over every tracked block says, after hits that lifted values unevenly."""
+    store, ns, clock = make_store("attention", 64)
+    chains = [[h("c", c, i) for i in range(6)] for c in range(6)]
+    for chain in chains:  # each chain's head, then later its tail: a tail's value is above its head's own
+        assert put_chain(store, ns, chain[:3]) == 3
+        clock.now += 300.0
+    for chain in chains:
+        assert all(store.reserve(ns, list(zip(chain[3:], chain[2:5])), "w"))
+        store.commit(ns, chain[3:], "w")
+        clock.now += 300.0
+    store.pin(ns, chains[2][:4], "r")  # hits lift the hit blocks' values, and their ancestors'
+    store.release(ns, chains[2][:4], "r")
+    policy = store.placement.policies["host"]
+    keys = [block_key(ns, hs[i]) for hs in chains for i in (0, 3, 5)]
+    walked: list = []
+    tree = policy.tree_children
+    assert tree is not None, "the store hands its policies its tree"
+    policy.tree_children = lambda key: walked.append(key) or tree(key)
+    policy.describe(keys[:3])
+    assert walked and set(walked) <= {block_key(ns, x) for x in chains[0]}, "only the asked subtree is walked"
+    policy.tree_children = tree
+    from_tree = policy.describe(keys)
+    policy.tree_children = None  # (a policy on its own: it walks every block it tracks)
+    assert from_tree == policy.describe(keys)
+    assert all(d is not None and d.startswith("log2 V ") for d in from_tree)
+    assert len(set(from_tree)) > 3, "values differ between the blocks (the comparison can fail)"
