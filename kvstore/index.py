@@ -128,6 +128,12 @@ class BlockIndex:
         self.listeners.stored(e, tier)
         return e
 
+    def count_blocks(self, tags: set) -> int:
+        """The blocks, committed or reserved, of the namespaces whose tags are `tags`: the tally's and the
+        reservations' count, in O(namespaces x tiers + reserved blocks)."""
+        committed = sum(row[0] for (tag, _), row in self.held.items() if tag in tags)
+        return committed + sum(key[:TAG_BYTES] in tags for keys in self.reserved_by_owner.values() for key in keys)
+
     def _count(self, e: Entry, sign: int) -> None:
         """Add (+1) or take out (-1) committed `e` in the tally, where it sits now."""
         tag = e.key[:TAG_BYTES]

@@ -146,6 +146,40 @@ def test_a_tcp_put_of_several_slices_stores_every_block_byte_exact(daemon_factor
     assert d.check() == []
 
 
+def test_a_listing_looks_for_its_rows_a_slice_at_a_time_and_skips_what_left_meanwhile(monkeypatch):
+    """`blocks` (kvstore ls) on a daemon of millions of blocks: the rows are looked for until `limit`
+    are found, and past LIST_SLICE_BLOCKS examined the loop serves other requests between slices of a
+    snapshot of the keys; a block removed meanwhile is not listed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvstore.server import rpc
+
+    monkeypatch.setattr(rpc, "LIST_SLICE_BLOCKS", 10)
+    entries = {i: SimpleNamespace(key=i, odd=i % 2 == 1) for i in range(100)}
+    turns: list[int] = []
+
+    async def other_requests() -> None:  # runs whenever the listing yields
+        for _ in range(20):
+            turns.append(len(entries))
+            entries.pop(95, None)  # a block the listing has not reached yet leaves
+            entries[1000 + len(turns)] = SimpleNamespace(key=-1, odd=True)  # (new ones: after the snapshot)
+            await asyncio.sleep(0)
+
+    async def run() -> tuple[list, list]:
+        task = asyncio.ensure_future(other_requests())
+        first = await rpc._first_entries(entries, lambda e: e.odd, 3)
+        assert not turns, "found within the first slice: no turn given"
+        every = await rpc._first_entries(entries, lambda e: e.odd, 1000)
+        await task
+        return first, every
+
+    first, every = asyncio.run(run())
+    assert [e.key for e in first] == [1, 3, 5]
+    assert [e.key for e in every] == [k for k in range(1, 100, 2) if k != 95]
+    assert turns, "the loop served other requests during the long listing"
+
+
 def test_admin_plane(daemon):
     with KVClient(daemon.socket_path) as c:
         ns = c.register(NS)
@@ -360,6 +394,11 @@ def test_ls_and_evict_cli(daemon):
                                     cwd=ROOT, capture_output=True, text=True, timeout=30)
     listing = json.loads(cli("ls", "--json", "--ns", ns).stdout)
     assert listing["total"] == 3
+    with KVClient(daemon.socket_path) as c:  # a reservation is a block of the listing's total too
+        other, _ = chain(10, 1)
+        c.reserve(c.register(NS), [(other[0], None)])
+        rows, total = c.list_blocks(ns, limit=2)
+        assert total == 4 and len(rows) == 2
     assert {b["hash"] for b in listing["blocks"]} == {h.hex() for h in hs}
     assert sorted(b["depth"] for b in listing["blocks"]) == [0, 1, 2]
     out = cli("evict", "--ns", ns, hs[1].hex())  # removes block 1 and its child
