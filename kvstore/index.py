@@ -30,7 +30,7 @@ store's listeners (kvstore/block_events.py).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import (CHILD, Entry, Key, Owner, _Rare, add_children, child_depth, children_of, count_hit,
@@ -38,6 +38,9 @@ from kvstore.entry import (CHILD, Entry, Key, Owner, _Rare, add_children, child_
 from kvstore.errors import KVStoreError
 from kvstore.keys import BLOCK_BYTES, TAG_BYTES, key_hash, ns_tag
 
+
+
+REPORT_STEP_BLOCKS = 4096  # blocks `report_steps` examines between two yields (a few ms)
 
 
 class BlockIndex:
@@ -262,20 +265,43 @@ class BlockIndex:
         return (self.copies if getattr(location, "codec", None) is None else self.encoded_copies)[tier]
 
     def report_all(self, tiers: Sequence[str]) -> None:
-        """Report every committed block as stored in each tier holding it (after a `cleared`).
-        Tier by tier, each chain walked from its root, so a parent comes before its children and a
-        chain's blocks come together."""
+        """Report every committed block as stored in each tier holding it (after a `cleared`): all of
+        `report_steps` at once."""
+        for _ in self.report_steps(tiers):
+            pass
+
+    def report_steps(self, tiers: Sequence[str], step: int = REPORT_STEP_BLOCKS) -> Iterator[None]:
+        """`report_all`, yielding after every `step` blocks examined, so that a caller can let other work
+        run in between (a resync of the KV events of 10^7 blocks is seconds of reports). Root by root,
+        tier by tier, each tree walked from its root, so a parent comes before its children and a chain's
+        blocks come together. What changes between two steps was reported as it happened; the walk
+        reports each block as it finds it then (one removed meanwhile is skipped, one added meanwhile may
+        be reported twice)."""
         if not self.listeners.follows_tiers:
             return
-        roots = [e for e in self.entries.values() if e.parent is None]
-        for tier in tiers:
-            for root in roots:
-                stack = [root]
-                while stack:
-                    e = stack.pop()
-                    if e.committed and tier in held_tiers(e):
-                        self.listeners.stored(e, tier)
-                    stack.extend(self.entries[k] for k in children_of(e))
+        entries = self.entries
+        keys = list(entries)  # (a copy in C: the roots are looked for among them step by step)
+        done = 0
+        for root in keys:
+            done += 1
+            e = entries.get(root)
+            if e is not None and e.parent is None:
+                for tier in tiers:
+                    stack = [root]
+                    while stack:
+                        e = entries.get(stack.pop())
+                        if e is None:
+                            continue
+                        if e.committed and tier in held_tiers(e):
+                            self.listeners.stored(e, tier)
+                        stack.extend(children_of(e))
+                        done += 1
+                        if done >= step:
+                            done = 0
+                            yield
+            if done >= step:
+                done = 0
+                yield
 
     # -- pins and reservations ----------------------------------------------------------
     def pin(self, entries: Sequence[Entry], owner: Owner, now: float | None = None) -> None:

@@ -489,10 +489,11 @@ class TieredStore:
         self.report_all()
         return removed
 
-    def report_all(self) -> None:
+    def report_all(self, step: int | None = None) -> Iterator[None] | None:
         """Report every committed block as stored in each tier holding it (after a `cleared`: the
-        daemon's start, or a resync)."""
-        self.index.report_all([t.name for t in self.chain])
+        daemon's start, or a resync); with `step`, an iterator doing it `step` blocks at a time."""
+        tiers = [t.name for t in self.chain]
+        return self.index.report_all(tiers) if step is None else self.index.report_steps(tiers, step)
 
     def _adopt_recovered(self, ns_id: str, hashes: Sequence[bytes]) -> None:
         if self.recovery.active:

@@ -7,7 +7,7 @@ GET /metrics  -> Prometheus text: blocks and bytes per tier, hits, misses,
 GET /stats    -> the store's stats as JSON, plus sessions and error counts
 GET /check    -> the store's consistency check: {"ok": bool, "problems": [...]}
 POST /clear   -> drop every unpinned committed block
-POST /events/resync -> publish AllBlocksCleared and a BlockStored for every block
+POST /events/resync -> publish AllBlocksCleared and a BlockStored for every block (in the background, a step at a time)
                  held (a router whose gap the replay buffer cannot fill asks for it)
 
 Who may ask (`guard_middleware`, before any handler), since any local user can

@@ -139,6 +139,7 @@ class Daemon:
         self.admin_port: int | None = None
         self.events = EventPublisher(config.events, self.store.shared.namespaces) if config.events.enabled else None
         self._flusher: asyncio.Task | None = None
+        self._resyncing: asyncio.Task | None = None  # a resync of the KV events under way (`_resync_events`)
         self._young: YoungCollections | None = None
         self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
@@ -186,7 +187,7 @@ class Daemon:
             from kvstore.server.admin import AdminView, start_admin  # (aiohttp: ~0.14 s of a start without one)
 
             events = self.events
-            resync = (lambda: events.resync(self.store)) if events is not None else None
+            resync = self._resync_events if events is not None else None
             token = (read_token_file(sc.admin_token_file, "server.admin_token_file") if sc.admin_token_file
                      else create_admin_token(self.config.admin_token_path))
             view = AdminView(self.store, self.full_stats, token, resync)
@@ -218,8 +219,21 @@ class Daemon:
         while True:
             await asyncio.sleep(FLUSH_S)
             if self.events.lost and self.events.has_room():
-                self.events.resync(self.store)
+                self._resync_events()
             self.events.flush()
+
+    def _resync_events(self) -> None:
+        """Start a resync of the KV events (after drops, or a router's request) unless one is under way:
+        a step of blocks per turn of the loop, each once the publisher's queue has room again."""
+        if self._resyncing is None or self._resyncing.done():
+            self._resyncing = asyncio.get_running_loop().create_task(self._resync_steps())
+
+    async def _resync_steps(self) -> None:
+        assert self.events is not None
+        for _ in self.events.resync_steps(self.store):
+            await asyncio.sleep(0)
+            while not self.events.has_room():
+                await asyncio.sleep(FLUSH_S / 5)
 
     async def run(self) -> None:
         await self.start()
@@ -262,6 +276,8 @@ class Daemon:
         await self.store.stop()  # what is queued for the remote tier is published (bounded)
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._resyncing is not None:
+            self._resyncing.cancel()
         if self._young is not None:
             self._young.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)

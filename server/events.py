@@ -7,9 +7,10 @@ Two halves, so publishing never blocks the store:
   list. `flush()` (the daemon calls it after every request and every
   FLUSH_S) hands that list, as one batch, to a bounded queue. When the queue
   holds `max_queue_events` already, the batch is dropped, counted, and the
-  publisher is marked `lost`; the daemon then calls `resync(store)` once
-  there is room: an AllBlocksCleared and a BlockStored for everything the
-  store holds, so a router's view is whole again.
+  publisher is marked `lost`; the daemon then resyncs once there is room
+  (`resync_steps`, a step of blocks per turn of its loop, each step waiting
+  for room in the queue): an AllBlocksCleared and a BlockStored for
+  everything the store holds, so a router's view is whole again.
 - A thread owns the ZMQ sockets: it turns each batch into one KVEventBatch
   per topic (server/event_wire.py), sends `(topic, seq, payload)` on the PUB
   socket with one gapless sequence over all topics, keeps the last
@@ -32,7 +33,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from kvstore.config import EventsConfig
 from kvstore.entry import Entry
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.05  # the daemon's periodic flush (events of background promotions, admin clears)
+RESYNC_STEP_BLOCKS = 4096  # blocks a resync reports between two turns of the daemon's loop (`resync_steps`)
 WAIT_S = 0.05  # the thread's wait for a batch; also how often it looks at the replay socket
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -126,11 +128,24 @@ class EventPublisher:
         return self._queued_events < self.config.max_queue_events // 2
 
     def resync(self, store: "TieredStore") -> None:
-        """After drops: AllBlocksCleared, then BlockStored for every block the store holds."""
+        """After drops: AllBlocksCleared, then BlockStored for every block the store holds, at once."""
+        for _ in self.resync_steps(store):
+            pass
+
+    def resync_steps(self, store: "TieredStore", step: int = RESYNC_STEP_BLOCKS) -> Iterator[None]:
+        """`resync`, `step` blocks of the store at a time: each step's events are handed to the thread as
+        a batch, then it yields. The daemon waits between steps until the queue has room again
+        (`has_room`) and serves requests meanwhile, so a resync of 10^7 blocks neither stops its loop for
+        seconds nor queues 10^7 events at once. What changes meanwhile is reported as it happens, after
+        the AllBlocksCleared; the walk reports each block as it finds it then."""
         self.flush(force=True)  # what came since the drop goes first; the snapshot below supersedes it
         self.lost = False
         self.cleared(list(store.shared.namespaces))
-        store.report_all()
+        steps = store.report_all(step)
+        assert steps is not None
+        for _ in steps:
+            self.flush(force=True)
+            yield
         self.flush(force=True)
         self.counts["resyncs"] += 1
 
