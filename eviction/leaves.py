@@ -45,6 +45,11 @@ from kvstore.eviction.base import Key
 from kvstore.eviction.ghosts import Ghosts, ghost_cap
 
 
+# `rekey` finds the leaves among the heaps' entries when there are fewer than 1 / REKEY_FROM_HEAPS of them
+# per tracked key (a lookup each), else in a pass over every record (~8x cheaper per key).
+REKEY_FROM_HEAPS = 8
+
+
 class Leaf:
     """A tracked key's state: its queue, priority, size, parent, count of tracked children, and the token
     of its live heap entry (None while it is no leaf). One object a key, not an entry in six
@@ -217,18 +222,31 @@ class LeafQueues:
 
     def rekey(self, prio: dict[Key, object] | None = None) -> None:
         """Give tracked keys new priorities at once (`prio`: key -> priority; None: the caller set the
-        records' `prio` already) and rebuild the heaps from the leaves: O(tracked keys), for a policy
-        that changes its whole order."""
+        records' `prio` already) and rebuild the heaps from the leaves, for a policy that changes its
+        whole order. Every live leaf has one live heap entry (in a heap, or lent to the last `pick`), so
+        where leaves are few the leaves are found among the heaps' entries, in O(heap entries), not
+        O(tracked keys): a tier of 10^6 blocks in chains of 512, 21 -> 3 ms (`REKEY_FROM_HEAPS`). The
+        heaps hold unique entries (a token each), so the order they give does not depend on how they
+        were built."""
         tracked = self.tracked
         if prio is not None:
             for key, p in prio.items():
                 tracked[key].prio = p
+        heaps: dict[str, list] = {queue: [] for queue in self._heaps}
+        if REKEY_FROM_HEAPS * (sum(map(len, self._heaps.values())) + len(self._lent)) < len(tracked):
+            entries = [entry for heap in self._heaps.values() for entry in heap]
+            entries += [entry for _, entry in self._lent]
+            get = tracked.get
+            for _, token, key in entries:
+                rec = get(key)
+                if rec is not None and rec.token == token:  # (its live entry: one a leaf)
+                    heaps.setdefault(rec.queue, []).append((rec.prio, token, key))
+        else:  # (most keys are leaves: a pass over the records costs less than a lookup per entry)
+            for key, rec in tracked.items():
+                if rec.token is not None:
+                    heaps.setdefault(rec.queue, []).append((rec.prio, rec.token, key))
         self._lent.clear()  # every live leaf is in the new heaps
         self._rekeyed += 1
-        heaps: dict[str, list] = {queue: [] for queue in self._heaps}
-        for key, rec in tracked.items():
-            if rec.token is not None:
-                heaps.setdefault(rec.queue, []).append((rec.prio, rec.token, key))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps

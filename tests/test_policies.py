@@ -428,9 +428,12 @@ def test_victims_the_store_did_not_take_are_named_again(name):
     assert again[:2] == first[1:] and first[0] not in again
 
 
-def test_leaf_queues_rekey_reorders_every_leaf_at_once():
+@pytest.mark.parametrize("from_heaps", [0, 10**9], ids=["leaves found in the heaps", "in every record"])
+def test_leaf_queues_rekey_reorders_every_leaf_at_once(from_heaps, monkeypatch):
+    from kvstore.eviction import leaves
     from kvstore.eviction.leaves import LeafQueues
 
+    monkeypatch.setattr(leaves, "REKEY_FROM_HEAPS", from_heaps)
     q = LeafQueues()
     for i, (key, parent) in enumerate([("a", None), ("b", "a"), ("c", None), ("d", None)]):
         q.add(key, parent, 100, "v", i)
