@@ -32,15 +32,23 @@ index.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import struct
+import threading
 from typing import Hashable
 
 import numpy as np
 
 MIN_FREE = 2048  # free log positions after a compaction at least (it costs ~0.1 ms however small)
 MAPPED_FROM = 64 << 10  # an array of this many bytes or more is a mapping of its own (`_mapped`)
+# A compaction of more live ghosts than MOVE_STEP moves them MOVE_STEP at a time, every MOVE_EVERY puts
+# (`Ghosts._compact`): ~256 a put, so all have moved after 1/128 of the puts the new log has room for.
+MOVE_STEP = 16_384
+MOVE_EVERY = 64
+MADV_POPULATE_WRITE = 23  # (Linux's; Python's mmap module names it from 3.12 on)
 
 # The most ghosts a table holds whatever its tier's size: 16 x a tier of 10^7 blocks would be 1.6 x 10^8
 # ghosts, ~10 GB of history for one tier. 2^22 ghosts are ~250 MB (50-85 B each, above) and cover the last
@@ -60,26 +68,30 @@ class Ghosts:
     """Fingerprints with `width` floats each, oldest first. `pop` gives a float when `width` is 1,
     else a tuple of `width` floats, exactly as put."""
 
-    __slots__ = ("width", "_record", "_val", "_find_in", "_head", "_tail", "_n")
+    __slots__ = ("width", "_record", "_val", "_find_in", "_head", "_tail", "_n", "_old", "_puts")
 
     def __init__(self, width: int = 1) -> None:
         if width < 1:
             raise ValueError("width must be at least 1")
         self.width = width
         self._record = struct.Struct(f"{width}d")
+        self._old: list | None = None  # a compaction's arrays while their ghosts move (`_migrate`)
+        self._puts = 0  # puts since the last step of a migration
         self._layout(MIN_FREE, np.zeros(0, np.int64), np.zeros((0, width)))
 
     def __len__(self) -> int:
         return self._n
 
     def __contains__(self, key: Hashable) -> bool:
-        return self._probe(hash(key))[1] != 0
+        h = hash(key)
+        return self._probe(h)[1] != 0 or (self._old is not None and self._probe_old(h) >= 0)
 
     @property
     def nbytes(self) -> int:
-        """The bytes of its arrays."""
+        """The bytes of its arrays (and of the arrays a compaction is moving its ghosts out of)."""
         slots, fp, live, _ = self._find_in
-        return slots.nbytes + fp.nbytes + live.nbytes + self._val.nbytes
+        moving = 0 if self._old is None else sum(a.nbytes for a in self._old[:3]) + self._old[4].nbytes
+        return slots.nbytes + fp.nbytes + live.nbytes + self._val.nbytes + moving
 
     def pop(self, key: Hashable, default: object = None) -> object:
         """What was remembered of `key`, forgotten now; `default` if nothing was."""
@@ -94,6 +106,13 @@ class Ghosts:
                     return self._val[s - 1]
                 return self._record.unpack_from(self._val, (s - 1) * self._record.size)
             i = (i + 1) & mask
+        if self._old is not None:  # (a ghost not moved yet: in the arrays being compacted)
+            q = self._probe_old(h)
+            if q >= 0:
+                _, _, live_o, _, val_o, _, _ = self._old
+                live_o[q] = 0
+                self._n -= 1
+                return val_o[q] if self.width == 1 else self._record.unpack_from(val_o, q * self._record.size)
         return default
 
     def put(self, key: Hashable, value: float | tuple, limit: float | None = None) -> None:
@@ -109,6 +128,10 @@ class Ghosts:
             i = (i + 1) & mask
         if s:
             pos = s - 1
+        elif self._old is not None and (q := self._probe_old(h)) >= 0:  # remembered, not moved yet: kept there
+            self._write(self._old[4], q, value)
+            self._moved_put(limit)
+            return
         else:  # not remembered: the newest, in the first free slot of its probe
             pos = self._tail
             if pos == len(live):
@@ -116,7 +139,7 @@ class Ghosts:
                 i, _ = self._probe(h)
                 pos = self._tail
                 slots, fp, live, _ = self._find_in
-        try:  # the value first: a wrong width raises before anything changed
+        try:  # the value first: a wrong width raises before anything changed (`_write`, inline)
             if self.width == 1:
                 self._val[pos] = value
             else:
@@ -131,6 +154,10 @@ class Ghosts:
             fp[pos] = h
             live[pos] = 1
             n += 1
+        if self._old is not None:
+            self._n = n
+            self._moved_put(limit)
+            return
         if limit is not None and n > limit:  # (`trim`, inline: a full table forgets one ghost a put)
             head = self._head
             while n > limit:
@@ -141,15 +168,86 @@ class Ghosts:
             self._head = head
         self._n = n
 
+    def _write(self, val: memoryview, pos: int, value: float | tuple) -> None:
+        try:
+            if self.width == 1:
+                val[pos] = value  # type: ignore[assignment]
+            else:
+                record = self._record
+                record.pack_into(val, pos * record.size, *value)  # type: ignore[misc]
+        except (struct.error, TypeError) as exc:
+            raise ValueError(f"a ghost of this table is {self.width} floats: {exc}") from None
+
     def trim(self, limit: float) -> None:
         """Forget the oldest ghosts until at most `limit` are left."""
         live, head, n = self._find_in[2], self._head, self._n
-        while n > limit:
-            if live[head]:
-                live[head] = 0
-                n -= 1
-            head += 1
+        old = self._old
+        if old is None:
+            while n > limit:
+                if live[head]:
+                    live[head] = 0
+                    n -= 1
+                head += 1
+        else:  # the oldest are the ghosts a compaction kept: those not moved yet are in its arrays
+            live_o, order, moved = old[2], old[5], old[6]
+            while n > limit:
+                if moved <= head < len(order):
+                    q = int(order[head])
+                    if live_o[q]:
+                        live_o[q] = 0
+                        n -= 1
+                elif live[head]:
+                    live[head] = 0
+                    n -= 1
+                head += 1
         self._head, self._n = head, n
+
+    # -- compaction: the live ghosts into fresh arrays, moved a step at a time when they are many ----------
+    def _moved_put(self, limit: float | None) -> None:
+        """The rest of a put while a compaction's ghosts move: `trim(limit)`, and a step of the move
+        every MOVE_EVERY puts."""
+        if limit is not None and self._n > limit:
+            self.trim(limit)
+        self._puts += 1
+        if self._puts >= MOVE_EVERY:
+            self._puts = 0
+            self._migrate(MOVE_STEP)
+
+    def _probe_old(self, h: int) -> int:
+        """The position, in the arrays being compacted, of the live ghost with fingerprint `h` not moved
+        yet; -1 if none."""
+        slots, fp, live, mask = self._old[:4]  # type: ignore[index]
+        i = h & mask
+        while s := slots[i]:
+            if fp[s - 1] == h and live[s - 1]:
+                return s - 1
+            i = (i + 1) & mask
+        return -1
+
+    def _migrate(self, count: int) -> None:
+        """Move the next `count` ghosts the compaction kept (those still live) to their places in the
+        new arrays, and into the new table; the old arrays go once all have moved."""
+        old = self._old
+        assert old is not None
+        _, fp_o, live_o, _, val_o, order, moved = old
+        end = min(moved + count, len(order))
+        qs = order[moved:end]
+        alive = np.frombuffer(live_o, np.uint8)[qs] != 0
+        qs = qs[alive]
+        ps = np.arange(moved, end, dtype=np.int64)[alive]
+        slots, fp, live, mask = self._find_in
+        w = self.width
+        fps = np.frombuffer(fp_o, np.int64)[qs]
+        np.frombuffer(fp, np.int64)[ps] = fps
+        np.frombuffer(self._val, np.float64).reshape(-1, w)[ps] = np.frombuffer(val_o, np.float64).reshape(-1, w)[qs]
+        np.frombuffer(live, np.uint8)[ps] = 1
+        np.frombuffer(live_o, np.uint8)[qs] = 0  # (moved: the old table no longer answers for them)
+        _place(np.frombuffer(slots, np.int32), fps & mask, ps, mask)
+        old[6] = end
+        if end == len(order):  # all moved: the old arrays are unmapped off the loop (~70 ms for 300 MB)
+            self._old = None
+            threading.Thread(target=_unmap, args=(old[:3] + old[4:5],), name="kvstore-ghosts-unmap",
+                             daemon=True).start()
 
     def _probe(self, h: int) -> tuple[int, int]:
         """(slot, its entry) of the live ghost with fingerprint `h`; else (the first free slot of its
@@ -164,13 +262,29 @@ class Ghosts:
 
     def _compact(self) -> None:
         """The live ghosts, in order, at the start of a log of 1.5 times as many positions (at least
-        MIN_FREE more)."""
+        MIN_FREE more). Past MOVE_STEP of them they are not moved at once (a table of 2^22 ghosts took
+        0.5 s, with the daemon's loop stopped): their places are kept at the start of the new log and
+        they move MOVE_STEP at a time, every MOVE_EVERY puts (`_migrate`), while the old arrays answer
+        for those not moved yet. They have all moved long before the new log's free positions are used."""
+        if self._old is not None:  # (the last compaction's ghosts, all moved first)
+            self._migrate(len(self._old[5]))
         _, fp, live, _ = self._find_in
         head, tail = self._head, self._tail
         kept = np.frombuffer(live, np.uint8)[head:tail].astype(bool)
-        fps = np.frombuffer(fp, np.int64)[head:tail][kept]
-        vals = np.frombuffer(self._val, np.float64).reshape(-1, self.width)[head:tail][kept]
-        self._layout(len(fps) + max(len(fps) // 2, MIN_FREE), fps, vals)
+        n = int(np.count_nonzero(kept))
+        if n <= MOVE_STEP:
+            fps = np.frombuffer(fp, np.int64)[head:tail][kept]
+            vals = np.frombuffer(self._val, np.float64).reshape(-1, self.width)[head:tail][kept]
+            self._layout(n + max(n // 2, MIN_FREE), fps, vals)
+            return
+        old = [*self._find_in, self._val, np.flatnonzero(kept) + head, 0]  # (its order: oldest first)
+        self._layout(n + max(n // 2, MIN_FREE), np.zeros(0, np.int64), np.zeros((0, self.width)))
+        self._tail = self._n = n  # (positions 0..n-1: the kept ghosts' places, filled as they move)
+        self._old, self._puts = old, 0
+        # The new table's pages are faulted in off the loop: the moves write its slots at random, and a
+        # first write to each of its pages (64 MB for 2^22 ghosts) was ~40 ms of the first steps.
+        threading.Thread(target=_populate, args=(self._find_in[0],), name="kvstore-ghosts-populate",
+                         daemon=True).start()
 
     def _layout(self, positions: int, fps: np.ndarray, vals: np.ndarray) -> None:
         """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table. Each large
@@ -184,19 +298,54 @@ class Ghosts:
         np.frombuffer(fp, np.int64)[:n] = fps
         np.frombuffer(val, np.float64)[:n * w] = vals.reshape(-1)
         np.frombuffer(live, np.uint8)[:n] = 1
-        table = np.frombuffer(slots, np.int32)
-        want = fps & mask  # linear probing, all at once: in each round every ghost still waiting asks
-        waiting = np.arange(n)  # for its next slot, and one of those asking for a free slot gets it
-        while len(waiting):
-            at = want[waiting]
-            free = table[at] == 0
-            table[at[free]] = waiting[free] + 1  # (of two asking for one slot, one write is the last)
-            waiting = waiting[table[at] != waiting + 1]
-            want[waiting] = (want[waiting] + 1) & mask
-        del table
+        _place(np.frombuffer(slots, np.int32), fps & mask, np.arange(n), mask)
         self._find_in = (slots, fp, live, mask)  # what a lookup reads, in one attribute
         self._val = val
         self._head, self._tail, self._n = 0, n, n
+
+
+def _place(table: np.ndarray, want: np.ndarray, positions: np.ndarray, mask: int) -> None:
+    """Log `positions` into `table` (a slot holds a position + 1), each ghost from its home slot `want`:
+    linear probing, all at once. In each round every ghost still waiting asks for its next slot, and one
+    of those asking for a free slot gets it (of two writes to one slot, the last stays)."""
+    want = want.copy()
+    waiting = np.arange(len(positions))
+    while len(waiting):
+        at = want[waiting]
+        free = table[at] == 0
+        table[at[free]] = positions[waiting[free]] + 1
+        waiting = waiting[table[at] != positions[waiting] + 1]
+        want[waiting] = (want[waiting] + 1) & mask
+
+
+def _populate(view: memoryview) -> None:
+    """Fault in the pages of the mapping under `view` (MADV_POPULATE_WRITE, Linux 5.14+; elsewhere a
+    no-op), in a thread of its own: ctypes calls do not hold the GIL, and populating changes no byte."""
+    if not isinstance(view.obj, mmap.mmap):
+        return
+    try:
+        arr = np.frombuffer(view, np.uint8)
+        _libc().madvise(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes), MADV_POPULATE_WRITE)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unmap(views: list) -> None:
+    """Unmap the mappings under `views` (in a thread of its own: munmap does not hold the GIL); a view on
+    the heap, or one still exported, is only dropped."""
+    for view in views:
+        base = view.obj
+        try:
+            view.release()
+            if isinstance(base, mmap.mmap):
+                base.close()
+        except BufferError:
+            pass
 
 
 def _mapped(count: int, fmt: str) -> memoryview:

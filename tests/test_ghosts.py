@@ -20,9 +20,7 @@ OPS = st.lists(st.one_of(
 ), max_size=600)
 
 
-@settings(max_examples=150, deadline=None)
-@given(OPS)
-def test_ghosts_behave_as_an_ordered_dict_with_oldest_first_trimming(ops):
+def _as_an_ordered_dict(ops) -> None:
     g, model = Ghosts(), OrderedDict()
     for op, key, value in ops:
         if op == "put":
@@ -45,6 +43,49 @@ def test_ghosts_behave_as_an_ordered_dict_with_oldest_first_trimming(ops):
         g.trim(len(model) - 1)
         model.popitem(last=False)
         assert key not in g and len(g) == len(model)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_ghosts_behave_as_an_ordered_dict_with_oldest_first_trimming(ops):
+    _as_an_ordered_dict(ops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_compactions_that_move_their_ghosts_a_step_at_a_time_behave_the_same(ops):
+    """A compaction of many ghosts keeps their places and moves them a step at a time while puts, pops
+    and trims go on (eviction/ghosts.py `_migrate`): the same OrderedDict, with tiny steps so that nearly
+    every operation meets a move under way."""
+    import kvstore.eviction.ghosts as ghosts
+
+    saved = ghosts.MIN_FREE, ghosts.MOVE_STEP, ghosts.MOVE_EVERY
+    ghosts.MIN_FREE, ghosts.MOVE_STEP, ghosts.MOVE_EVERY = 4, 3, 2
+    try:
+        _as_an_ordered_dict(ops)
+    finally:
+        ghosts.MIN_FREE, ghosts.MOVE_STEP, ghosts.MOVE_EVERY = saved
+
+
+def test_a_large_compaction_moves_its_ghosts_in_steps_and_each_comes_back(monkeypatch):
+    """The moving path on its own scale: ghosts past MOVE_STEP at a compaction are moved by later puts,
+    the old arrays answer meanwhile, and every ghost comes back with its value, oldest trimmed first."""
+    import kvstore.eviction.ghosts as ghosts
+
+    monkeypatch.setattr(ghosts, "MIN_FREE", 64)
+    monkeypatch.setattr(ghosts, "MOVE_STEP", 100)
+    monkeypatch.setattr(ghosts, "MOVE_EVERY", 4)
+    g, model, moving = Ghosts(2), OrderedDict(), 0
+    for i in range(20_000):
+        g.put(i, (float(i), -float(i)), 3_000)
+        model[i] = (float(i), -float(i))
+        while len(model) > 3_000:
+            model.popitem(last=False)
+        moving += g._old is not None
+        if i % 7 == 0 and i - 1_500 in model:  # a ghost returns (some before they moved, some after)
+            assert g.pop(i - 1_500) == model.pop(i - 1_500)
+    assert moving > 1_000, "compactions moved their ghosts over many puts"
+    assert len(g) == len(model) and all(g.pop(k) == v for k, v in model.items()) and len(g) == 0
 
 
 def test_a_wide_ghost_comes_back_exactly_and_a_wrong_width_changes_nothing():

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.eviction.base import BlockInfo, make_policy, policy_names  # noqa: E402
+from kvstore.eviction.ghosts import MAX_GHOSTS, Ghosts  # noqa: E402
 from kvstore.tools.bench import callgrind  # noqa: E402
 
 BLOCKS, CHAIN, COMMIT = 2048, 64, 32
@@ -111,14 +112,40 @@ def instructions(spec: str) -> list[float]:
     return [(totals[i + 1] - totals[i]) / (3 * BLOCKS) for i in range(len(PHASES))]
 
 
+def history(puts: int) -> None:
+    """`--history`: a policy's history (eviction/ghosts.py) written through at its cap, one put an
+    eviction, as a tier of 10^7 blocks writes it; a compaction's cost shows as the longest put."""
+    g = Ghosts(4)
+    value, cap, mix = (1.0, 2.0, 3.0, 4.0), MAX_GHOSTS, 0x9E3779B97F4A7C15
+    put, clock, longest = g.put, time.perf_counter, 0.0
+    gc.disable()
+    start = clock()
+    for i in range(puts):
+        t = clock()
+        put(i * mix % (1 << 63), value, cap)
+        took = clock() - t
+        if took > longest:
+            longest = took
+    total = clock() - start
+    gc.enable()
+    print(f"history of {cap} ghosts at most: {puts} puts, {total / puts * 1e6:.2f} us a put, "
+          f"the longest {longest * 1e3:.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", nargs="+", default=["lru", "lfu", "arc", "s3fifo", "attention", "attention/1"],
                     help="registered policy names; NAME/1: one on_insert per block instead of one call per commit")
     ap.add_argument("--reps", type=int, default=30, help="timed rounds of 2048 blocks (the fastest is reported)")
     ap.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    ap.add_argument("--history", type=int, metavar="PUTS",
+                    help="instead: PUTS ghosts put into one history table at its cap (the default policy's, "
+                         "2^22 ghosts of 4 floats): microseconds a put, and the longest put (its compactions)")
     ap.add_argument("--phase-run", nargs=2, metavar=("SPEC", "STOP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.history:
+        history(args.history)
+        return
     if args.phase_run:
         run_rounds(args.phase_run[0], 3, int(args.phase_run[1]))
         return
