@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Sequence
 
+from kvstore.clearing import clear_at_once
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
 from kvstore.gpu_decode import expander_for
@@ -52,7 +52,7 @@ from kvstore.entry import RANK, TIERS, Entry, Key, Owner, Shared, children_of, m
 from kvstore.errors import CapacityError, KVStoreError, NamespaceError
 from kvstore.gpu_demoter import GpuDemoter
 from kvstore.index import BlockIndex
-from kvstore.keys import ROOT_HASH, Namespace, block_key, key_hash, key_ns, note_block_bytes, ns_tag
+from kvstore.keys import ROOT_HASH, Namespace, block_key, note_block_bytes, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
@@ -477,14 +477,11 @@ class TieredStore:
         return removed
 
     def clear(self) -> int:
-        """Drop every committed, unpinned block whose subtree is unpinned and committed.
-        Reported as one `cleared` of every namespace, then `stored` for what survived."""
-        roots: dict[str, list[bytes]] = defaultdict(list)
-        for e in self.index.entries.values():
-            if e.parent is None:
-                roots[key_ns(e.key)].append(key_hash(e.key))
+        """Drop every committed, unpinned block whose subtree is unpinned and committed, at once
+        (kvstore/clearing.py; the daemon's admin plane clears a step at a time). Reported as one
+        `cleared` of every namespace, then `stored` for what survived."""
         with self.shared.listeners.muted():
-            removed = sum(self.remove(ns_id, hashes) for ns_id, hashes in roots.items())
+            removed = clear_at_once(self)
         self.shared.listeners.cleared(list(self.shared.namespaces))
         self.report_all()
         return removed

@@ -41,6 +41,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, GCCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore.clearing import clear_in_steps
 from kvstore.errors import AuthError, KVStoreError
 from kvstore.store import TieredStore
 from kvstore.server.metrics import daemon_families, namespace_families
@@ -276,7 +277,8 @@ async def check(request: web.Request) -> web.Response:
 
 
 async def clear(request: web.Request) -> web.Response:
-    return web.json_response({"removed": request.app[VIEW].store.clear()})
+    """A step of blocks per turn of the loop (kvstore/clearing.py): engines are served meanwhile."""
+    return web.json_response({"removed": await clear_in_steps(request.app[VIEW].store)})
 
 
 async def resync_events(request: web.Request) -> web.Response:

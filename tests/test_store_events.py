@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant, rule
 
 from kvstore.block_events import held_tiers
-from kvstore.keys import key_ns
+from kvstore.keys import key_hash, key_ns
 from tests.test_store_stateful import StoreMachine
 
 
@@ -66,3 +66,52 @@ def test_store_reports_every_tier_change(tmp_path, chain_name, policy):
                                stateful_step_count=50, deadline=None,
                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     runner().runTest()
+
+
+def test_a_clear_a_step_at_a_time_serves_between_steps_and_ends_with_what_the_store_holds(store_factory):
+    """The admin plane's clear (kvstore/clearing.py `clear_in_steps`): other work runs between its steps;
+    leaves go first, so a pinned block keeps its ancestors (its chain's tail goes) and a block with a
+    reserved child keeps its chain; blocks committed meanwhile stay; and a sink held to the events'
+    invariant at every call ends with exactly what the store holds."""
+    import asyncio
+
+    from kvstore.clearing import clear_in_steps
+    from tests.helpers import chain_hashes, namespace
+
+    store = store_factory(256 * 4096, 4096, prefault=False, policy="attention")
+    sink = RecordingSink()
+    store.add_listener(sink)
+    ns = store.register_namespace(namespace(block_bytes=4096))
+
+    def put(hs: list) -> None:
+        store.reserve(ns, [(h, hs[i - 1] if i else None) for i, h in enumerate(hs)], "w")
+        store.commit(ns, hs, "w")
+
+    chains = [chain_hashes(c, 8) for c in range(20)]
+    for hs in chains:
+        put(hs)
+    store.pin(ns, [chains[3][5]], "reader", prefix=False)
+    extra = chain_hashes(99, 1)[0]
+    store.reserve(ns, [(extra, chains[4][7])], "writer")  # (never committed)
+    later = [chain_hashes(100 + i, 3) for i in range(5)]
+    turns: list = []
+
+    async def meanwhile() -> None:
+        for hs in later:
+            turns.append(len(store.index.entries))
+            put(hs)
+            await asyncio.sleep(0)
+
+    async def run() -> int:
+        task = asyncio.ensure_future(meanwhile())
+        removed = await clear_in_steps(store, step=7)
+        await task
+        return removed
+
+    removed = asyncio.run(run())
+    assert len(turns) == 5 and min(turns) < 161 and turns[-1] > 40, "other work ran while the clear went on"
+    keep = chains[3][:6] + chains[4] + [h for hs in later for h in hs]
+    assert sorted(key_hash(e.key) for e in store.index.entries.values() if e.committed) == sorted(keep)
+    assert removed == 20 * 8 - 6 - 8
+    assert sink.held == {(e.key, t) for e in store.index.entries.values() if e.committed for t in held_tiers(e)}
+    assert store.check() == []
