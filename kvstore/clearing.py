@@ -1,5 +1,5 @@
-"""An admin clear: every committed, unpinned block whose subtree is unpinned and committed leaves the
-store, leaves first.
+"""Admin removals in steps: a clear (every committed, unpinned block whose subtree is unpinned and
+committed leaves the store, leaves first), and a removal of given blocks with their subtrees.
 
 A clear goes over a snapshot of the index's keys and, from each block that is a
 leaf (no child in any tier), takes it and then each ancestor that became a
@@ -14,12 +14,23 @@ between steps (a clear of 10^6 blocks was ~7 s of its loop), muting only its
 own drops, and reports the same at the end, the survivors a step at a time.
 Between two steps the blocks not taken yet are reported as they change, and a
 block committed meanwhile is not cleared (it was not in the snapshot).
+
+`remove_steps` takes each given block's subtree when no block in it is pinned
+or reserved (looked over first, a step at a time), children first, reporting
+each block as it goes; `TieredStore.remove` runs it at once, the admin plane's
+`remove` RPC (`kvstore evict`) with `run_in_steps`. A prefix shared by every
+prompt is the root of nearly the whole cache: its removal was one turn of the
+loop. A block pinned, or given a child, after the look stays, and so do its
+ancestors.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Generator
+from typing import TYPE_CHECKING, Generator, Sequence
+
+from kvstore.entry import children_of
+from kvstore.keys import block_key
 
 if TYPE_CHECKING:
     from kvstore.store import TieredStore
@@ -47,14 +58,65 @@ def clear_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> Generator[
     return removed
 
 
-def clear_at_once(store: TieredStore) -> int:
-    """`clear_steps` with no step: how many blocks went (the caller mutes and reports)."""
-    steps = clear_steps(store, step=1 << 62)
+def remove_steps(store: TieredStore, ns_id: str, hashes: Sequence[bytes],
+                 step: int = CLEAR_STEP_BLOCKS) -> Generator[None, None, int]:
+    """Remove each of `hashes` with its subtree, unless a block in it is pinned or reserved (module
+    docstring), yielding every `step` blocks looked at or taken; returns how many went."""
+    store.namespace(ns_id)
+    entries, drop = store.index.entries, store.placement.drop
+    removed = done = 0
+    for h in hashes:
+        root = entries.get(block_key(ns_id, h))
+        if root is None or not root.committed:
+            continue
+        keys, stack = [], [root.key]  # (preorder: reversed, every block comes after its subtree)
+        while stack:
+            e = entries.get(stack.pop())
+            if e is None:
+                continue
+            if e.pins or not e.committed:
+                break
+            keys.append(e.key)
+            stack.extend(children_of(e))
+            done += 1
+            if done >= step:
+                done = 0
+                yield
+        else:
+            for key in reversed(keys):
+                e = entries.get(key)
+                if e is not None and e.child_keys is None and not e.pins and e.committed:
+                    drop(e)
+                    removed += 1
+                done += 1
+                if done >= step:
+                    done = 0
+                    yield
+    return removed
+
+
+def at_once(steps: Generator[None, None, int]) -> int:
+    """Run `steps` to the end: its result."""
     while True:
         try:
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+def clear_at_once(store: TieredStore) -> int:
+    """`clear_steps` with no step: how many blocks went (the caller mutes and reports)."""
+    return at_once(clear_steps(store, step=1 << 62))
+
+
+async def run_in_steps(steps: Generator[None, None, int]) -> int:
+    """Run `steps` on the running loop, a step per turn: its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
 
 
 async def clear_in_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> int:

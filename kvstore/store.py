@@ -43,7 +43,7 @@ import asyncio
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
-from kvstore.clearing import clear_at_once
+from kvstore.clearing import at_once, clear_at_once, remove_steps
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
 from kvstore.gpu_decode import expander_for
@@ -467,14 +467,9 @@ class TieredStore:
 
     # -- taking blocks out -----------------------------------------------------------
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
-        """Admin removal of the given blocks and their subtrees, where nothing in them is pinned."""
-        self.namespace(ns_id)
-        removed = 0
-        for h in hashes:
-            e = self.index.get(block_key(ns_id, h))
-            if e is not None and e.committed:
-                removed += self.placement.drop_subtree(e) or 0
-        return removed
+        """Admin removal of the given blocks and their subtrees, where nothing in them is pinned or
+        reserved (kvstore/clearing.py; the daemon's admin removal goes a step at a time)."""
+        return at_once(remove_steps(self, ns_id, hashes, step=1 << 62))
 
     def clear(self) -> int:
         """Drop every committed, unpinned block whose subtree is unpinned and committed, at once

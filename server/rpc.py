@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from kvstore.errors import AuthError, KVStoreError, NamespaceError, ProtocolError
 from kvstore.waits import MAX_WAIT_S
+from kvstore.clearing import remove_steps, run_in_steps
 from kvstore.entry import Entry
 from kvstore.keys import TAG_BYTES, Namespace, key_hash, key_ns, ns_tag
 from kvstore.protocol import (PROTOCOL_VERSION, inline_blocks_per_frame, want, want_blocks, want_floats,
@@ -180,10 +181,11 @@ class Handlers:
         ns = want(args, "ns", str)
         return {"blocks": self.store.describe(ns, want_hashes(args, self.max_batch))}
 
-    def remove(self, s: Session, args: dict) -> dict:
-        """Remove blocks and their subtrees (skipping any subtree with a pinned or unfinished block)."""
+    async def remove(self, s: Session, args: dict) -> dict:
+        """Remove blocks and their subtrees (skipping any subtree with a pinned or unfinished block), a
+        step of blocks per turn of the loop (kvstore/clearing.py)."""
         ns = want(args, "ns", str)
-        return {"removed": self.store.remove(ns, want_hashes(args, self.max_batch))}
+        return {"removed": await run_in_steps(remove_steps(self.store, ns, want_hashes(args, self.max_batch)))}
 
     # -- reads ----------------------------------------------------------------
     async def lookup(self, s: Session, args: dict) -> dict:

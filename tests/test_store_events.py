@@ -115,3 +115,47 @@ def test_a_clear_a_step_at_a_time_serves_between_steps_and_ends_with_what_the_st
     assert removed == 20 * 8 - 6 - 8
     assert sink.held == {(e.key, t) for e in store.index.entries.values() if e.committed for t in held_tiers(e)}
     assert store.check() == []
+
+
+def test_a_removal_a_step_at_a_time_takes_a_whole_subtree_or_none_and_serves_between_steps(store_factory):
+    """`kvstore evict` of a root under which most of the cache sits (a prefix every prompt shares): the
+    admin plane removes it a step of blocks per turn (kvstore/clearing.py `remove_steps`), children first,
+    each reported as it goes; a subtree with a pinned block stays whole; other work runs between steps."""
+    import asyncio
+
+    from kvstore.clearing import remove_steps, run_in_steps
+    from tests.helpers import chain_hashes, namespace
+
+    store = store_factory(512 * 4096, 4096, prefault=False, policy="attention")
+    sink = RecordingSink()
+    store.add_listener(sink)
+    ns = store.register_namespace(namespace(block_bytes=4096))
+    shared = chain_hashes(1, 4)  # a shared prefix, and 30 branches of 6 under it
+    store.reserve(ns, [(h, shared[i - 1] if i else None) for i, h in enumerate(shared)], "w")
+    store.commit(ns, shared, "w")
+    for b in range(30):
+        hs = chain_hashes(10 + b, 6)
+        store.reserve(ns, [(h, hs[i - 1] if i else shared[-1]) for i, h in enumerate(hs)], "w")
+        store.commit(ns, hs, "w")
+    other = chain_hashes(2, 5)
+    store.reserve(ns, [(h, other[i - 1] if i else None) for i, h in enumerate(other)], "w")
+    store.commit(ns, other, "w")
+    store.pin(ns, [other[4]], "reader", prefix=False)
+    turns: list = []
+
+    async def meanwhile() -> None:
+        for _ in range(40):
+            turns.append(len(store.index.entries))
+            await asyncio.sleep(0)
+
+    async def run() -> int:
+        task = asyncio.ensure_future(meanwhile())
+        removed = await run_in_steps(remove_steps(store, ns, [shared[0], other[0]], step=10))
+        await task
+        return removed
+
+    assert asyncio.run(run()) == 4 + 30 * 6
+    assert turns[0] == 4 + 180 + 5 and any(5 < n < turns[0] for n in turns), "other work ran meanwhile"
+    assert sorted(key_hash(e.key) for e in store.index.entries.values()) == sorted(other), "the pinned chain stays"
+    assert sink.held == {(e.key, t) for e in store.index.entries.values() if e.committed for t in held_tiers(e)}
+    assert store.check() == []
