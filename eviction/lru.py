@@ -20,10 +20,13 @@ eviction is amortised O(1) even for chains of thousands of blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Callable, Sequence
 
 from kvstore.eviction.base import BlockInfo, EvictionPolicy, Key, register_policy
+
+DESCRIBE_MOST = 65_536  # blocks `describe` counts through, from the newest, to place a block in the order
 
 
 class LRUPolicy(EvictionPolicy):
@@ -94,10 +97,20 @@ class LRUPolicy(EvictionPolicy):
         return chosen or None
 
     def describe(self, keys: Sequence[Key]) -> list[str | None]:
+        """Each key's place in the order, oldest first ("lru 3/1000"), counted from the newest end and
+        over the newest DESCRIBE_MOST at most (a pass over every block of a large tier would stop the
+        daemon's loop): an older one says so."""
         wanted = set(keys) & self._order.keys()
-        rank = {k: i for i, k in enumerate(self._order) if k in wanted} if wanted else {}
         n = len(self._order)
-        return [f"lru {rank[k] + 1}/{n}" if k in rank else "parked" if k in self._parked else None for k in keys]
+        rank: dict[Key, int] = {}
+        if wanted:
+            for age, k in enumerate(itertools.islice(reversed(self._order), DESCRIBE_MOST)):
+                if k in wanted:
+                    rank[k] = n - age
+                    if len(rank) == len(wanted):
+                        break
+        return [f"lru {rank[k]}/{n}" if k in rank else f"lru, older than the newest {DESCRIBE_MOST}"
+                if k in wanted else "parked" if k in self._parked else None for k in keys]
 
     def __contains__(self, key: Key) -> bool:
         return key in self._order or key in self._parked

@@ -575,3 +575,18 @@ def test_attention_describes_a_block_from_its_subtree_not_from_the_whole_tier(ma
     assert from_tree == policy.describe(keys)
     assert all(d is not None and d.startswith("log2 V ") for d in from_tree)
     assert len(set(from_tree)) > 3, "values differ between the blocks (the comparison can fail)"
+
+
+def test_lru_describes_a_blocks_place_counting_from_the_newest_and_no_further_than_its_bound(monkeypatch):
+    """`kvstore inspect` on an LRU tier: a block's place in the order, oldest first, counted from the
+    newest end over DESCRIBE_MOST blocks at most (not a pass over the whole tier); an older one says so."""
+    from kvstore.eviction import lru
+
+    monkeypatch.setattr(lru, "DESCRIBE_MOST", 5)
+    policy = lru.LRUPolicy()
+    keys = [("k", i) for i in range(10)]
+    for key in keys:
+        policy.on_insert(info(key, None, 0))
+    policy.on_access([keys[2]])  # now the newest
+    assert policy.describe([keys[2], keys[9], keys[6], keys[5], ("k", 99)]) == [
+        "lru 10/10", "lru 9/10", "lru 6/10", "lru, older than the newest 5", None]
