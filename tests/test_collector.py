@@ -1,6 +1,9 @@
 """The daemon's settings of CPython's cyclic collector (server/daemon.py `tune_gc`, `YoungCollections`,
 `GcPauses`): in this process, with the settings undone after each test."""
 
+from __future__ import annotations
+
+
 def test_tune_gc_freezes_what_survives_a_young_collection_and_runs_no_other():
     """A full collection walks every block's objects with the loop stopped (seconds at 10^7 blocks), a
     middle one the survivors of ten young ones: after tune_gc, objects that survive young collections are
