@@ -67,6 +67,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -331,7 +332,11 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
     sample_ids = sorted(rng.sample(range(len(lengths)), min(SAMPLE_CHAINS, len(lengths))))
     row: dict = {"blocks": n, "host_blocks": host_blocks, "disk_blocks": disk_blocks, "policy": args.policy,
                  "event_loop": args.event_loop, "client_spin_us": args.client_spin_us}
-    flags = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False, disk=True)
+    # The socket in a short folder of its own: under a long KVSTORE_BENCH_DIR (or a test's temporary
+    # folder) its path would pass AF_UNIX's limit.
+    sockets = tempfile.mkdtemp(prefix="kvs-")
+    flags = dict(host_bytes=str(host_blocks * BLOCK_BYTES), page_bytes=str(BLOCK_BYTES), admin=False, disk=True,
+                 socket_path=os.path.join(sockets, "d.sock"))
     d: DaemonProc = start_daemon(folder, "--config", config, **flags)
     try:
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
@@ -415,6 +420,7 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                    kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3))
     finally:
         d.stop(timeout=600)
+        shutil.rmtree(sockets, ignore_errors=True)
     row["disk_recovery_s"] = round(disk_recovery(folder, disk_blocks, args.policy), 3)
     return row
 
