@@ -216,13 +216,7 @@ class Ghosts:
     def _probe_old(self, h: int) -> int:
         """The position, in the arrays being compacted, of the live ghost with fingerprint `h` not moved
         yet; -1 if none."""
-        slots, fp, live, mask = self._old[:4]  # type: ignore[index]
-        i = h & mask
-        while s := slots[i]:
-            if fp[s - 1] == h and live[s - 1]:
-                return s - 1
-            i = (i + 1) & mask
-        return -1
+        return self._probe(h, self._old[:4])[1] - 1  # type: ignore[index]
 
     def _migrate(self, count: int) -> None:
         """Move the next `count` ghosts the compaction kept (those still live) to their places in the
@@ -249,10 +243,11 @@ class Ghosts:
             threading.Thread(target=_unmap, args=(old[:3] + old[4:5],), name="kvstore-ghosts-unmap",
                              daemon=True).start()
 
-    def _probe(self, h: int) -> tuple[int, int]:
+    def _probe(self, h: int, find_in: tuple | list | None = None) -> tuple[int, int]:
         """(slot, its entry) of the live ghost with fingerprint `h`; else (the first free slot of its
-        probe, 0)."""
-        slots, fp, live, mask = self._find_in
+        probe, 0). In `find_in` (a table, its log's fingerprints and live bytes, its mask) if given, else
+        in the current arrays."""
+        slots, fp, live, mask = self._find_in if find_in is None else find_in
         i = h & mask
         while s := slots[i]:
             if fp[s - 1] == h and live[s - 1]:

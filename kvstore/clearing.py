@@ -35,6 +35,7 @@ from kvstore.keys import block_key
 if TYPE_CHECKING:
     from kvstore.store import TieredStore
 
+ALL_AT_ONCE = 1 << 62  # a step no store reaches (`TieredStore.clear` and `remove`)
 CLEAR_STEP_BLOCKS = 1024  # blocks a clear looks at between two turns of the daemon's loop (~10-20 ms)
 
 
@@ -104,11 +105,6 @@ def at_once(steps: Generator[None, None, int]) -> int:
             return done.value
 
 
-def clear_at_once(store: TieredStore) -> int:
-    """`clear_steps` with no step: how many blocks went (the caller mutes and reports)."""
-    return at_once(clear_steps(store, step=1 << 62))
-
-
 async def run_in_steps(steps: Generator[None, None, int]) -> int:
     """Run `steps` on the running loop, a step per turn: its result."""
     while True:
@@ -119,18 +115,22 @@ async def run_in_steps(steps: Generator[None, None, int]) -> int:
         await asyncio.sleep(0)
 
 
-async def clear_in_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> int:
-    """`clear_steps` on the running loop: a step per turn, its drops muted; then one `cleared` of every
-    namespace and a `stored` for each block that survived, a step of them per turn."""
-    steps, listeners = clear_steps(store, step), store.shared.listeners
+def _muted(steps: Generator[None, None, int], store: TieredStore) -> Generator[None, None, int]:
+    """`steps` with the store's `stored`/`removed` listeners muted during each step, not between."""
     while True:
-        with listeners.muted():
+        with store.shared.listeners.muted():
             try:
                 next(steps)
             except StopIteration as done:
-                removed = done.value
-                break
-        await asyncio.sleep(0)
+                return done.value
+        yield
+
+
+async def clear_in_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> int:
+    """`clear_steps` on the running loop: a step per turn, its drops muted; then one `cleared` of every
+    namespace and a `stored` for each block that survived, a step of them per turn."""
+    removed = await run_in_steps(_muted(clear_steps(store, step), store))
+    listeners = store.shared.listeners
     listeners.cleared(list(store.shared.namespaces))
     report = store.report_all(step)
     assert report is not None

@@ -43,7 +43,7 @@ import asyncio
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
-from kvstore.clearing import at_once, clear_at_once, remove_steps
+from kvstore.clearing import ALL_AT_ONCE, at_once, clear_steps, remove_steps
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
 from kvstore.gpu_decode import expander_for
@@ -469,14 +469,14 @@ class TieredStore:
     def remove(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Admin removal of the given blocks and their subtrees, where nothing in them is pinned or
         reserved (kvstore/clearing.py; the daemon's admin removal goes a step at a time)."""
-        return at_once(remove_steps(self, ns_id, hashes, step=1 << 62))
+        return at_once(remove_steps(self, ns_id, hashes, ALL_AT_ONCE))
 
     def clear(self) -> int:
         """Drop every committed, unpinned block whose subtree is unpinned and committed, at once
         (kvstore/clearing.py; the daemon's admin plane clears a step at a time). Reported as one
         `cleared` of every namespace, then `stored` for what survived."""
         with self.shared.listeners.muted():
-            removed = clear_at_once(self)
+            removed = at_once(clear_steps(self, ALL_AT_ONCE))
         self.shared.listeners.cleared(list(self.shared.namespaces))
         self.report_all()
         return removed
