@@ -1,5 +1,5 @@
 """tools/bench/bench_scale.py runs small on a CPU: a daemon filled with 10^4 blocks over a disk tier reports
-every figure the scale goals name, restarts, and keeps its blocks."""
+every figure the scale goals name, restarts, keeps its blocks, and judges each goal."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     monkeypatch.setenv("KVSTORE_BENCH_DIR", str(tmp_path))
     assert main(["--json", "--max-blocks", "10000", "--host-blocks", "2048", "--chain", "64", "--lookups", "50",
                  "--rounds", "1", "--churn", "0.5", "--no-mooncake"]) == 0
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])
     assert [r["blocks"] for r in rows] == [10_000]
     r = rows[0]
     assert r["indexed_blocks"] == 10_000 and r["host_blocks"] == 2048 and r["churn_blocks"] == 5_000
@@ -24,3 +25,8 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     assert r["write_full_disk"]["writes"] > 0  # the full-tier writes went through the disk tier
     assert r["gc_full_collections"] == 0 and r["gc_longest_pause_ms"] > 0  # young collections ran, no full one
     assert r["churn_lookups"] > 0  # a second client looked up blocks while the churn wrote
+    # The recovered store's memory a block, part by part: its disk blocks' entries, keys and locations.
+    assert r["memory_parts_blocks"] > 0 and r["memory_parts"]["keys"] == 64.0
+    assert r["memory_parts"]["disk locations"] > 0 and r["memory_parts"]["total"] > 0
+    verdicts = out[out.index("goals:") + 1 : -1]  # a line per goal, before the JSON
+    assert len(verdicts) == 6 and all(v.startswith(("  [met]", "  [NOT met]")) for v in verdicts)

@@ -50,7 +50,14 @@ down to the disk tier. Then, against that daemon:
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
-  here, so the disk blocks under a host block are orphans and freed).
+  here, so the disk blocks under a host block are orphans and freed);
+- `memory_parts`: that store's bytes per indexed block, part by part (the
+  index's table, entries and keys, the tiers' locations, each policy's table,
+  records, history and experts: tools/bench/block_memory.py), over its
+  `memory_parts_blocks`: what the resident figure above is made of.
+
+Then a line per goal of the scale work (met or not, with the figure and, for
+memory, its largest parts).
 
 With `--json` the last line is a JSON list, one object per size. The disk
 tier's folder is made under `KVSTORE_BENCH_DIR` (default: the system's temp
@@ -304,9 +311,11 @@ def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], 
     return master, store, [keys_of(c) for c in sample_ids], ""
 
 
-def disk_recovery(folder: str, disk_blocks: int, policy: str) -> float:
-    """Seconds to open the disk tier left in `folder` and recover it into a store (this process)."""
+def disk_recovery(folder: str, disk_blocks: int, policy: str) -> dict:
+    """Seconds to open the disk tier left in `folder` and recover it into a store (this process), and where
+    that store's memory a block goes (block_memory.py), the blocks it measured."""
     from kvstore.store import TieredStore
+    from kvstore.tools.bench.block_memory import parts
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.host import HostArena
 
@@ -318,9 +327,12 @@ def disk_recovery(folder: str, disk_blocks: int, policy: str) -> float:
     if wait is not None:
         wait()
     elapsed = time.perf_counter() - t0
-    store.close(persist=False)
-    host.close()
-    return elapsed
+    try:
+        return {"disk_recovery_s": round(elapsed, 3), "memory_parts_blocks": len(store.index.entries),
+                "memory_parts": parts(store) if store.index.entries else {}}
+    finally:
+        store.close(persist=False)
+        host.close()
 
 
 def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
@@ -421,8 +433,32 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
     finally:
         d.stop(timeout=600)
         shutil.rmtree(sockets, ignore_errors=True)
-    row["disk_recovery_s"] = round(disk_recovery(folder, disk_blocks, args.policy), 3)
+    row.update(disk_recovery(folder, disk_blocks, args.policy))
     return row
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """A line per goal, judged at the largest size run (lookups against the smallest's)."""
+    top, base = rows[-1], rows[0]
+    at = f"at {top['blocks']:,} blocks"
+
+    def line(met: bool, text: str) -> str:
+        return f"  [{'met' if met else 'NOT met'}] {text}"
+
+    largest = sorted(((v, k) for k, v in top.get("memory_parts", {}).items() if k != "total"), reverse=True)[:4]
+    out = ["goals:", line(top["rss_bytes_per_block"] <= 200, f"<= 200 B of daemon memory a block {at}: "
+                      f"{top['rss_bytes_per_block']:.0f} B; largest parts " + ", ".join(f"{k} {v:.0f}" for v, k in largest))]
+    ratio = top["lookup_p99_ms"] / base["lookup_p99_ms"]
+    out.append(line(ratio <= 1.2, f"32-block lookup p99 {at} within 1.2x of at {base['blocks']:,}: {ratio:.2f}x"))
+    vs = [r["lookups_vs_mooncake"] for r in rows if "lookups_vs_mooncake" in r]
+    out.append(line(bool(vs) and min(vs) >= 1.2, "lookups >= 1.2x mooncake_master's: "
+                     + (", ".join(f"{v:.2f}x" for v in vs) if vs else "not run")))
+    out.append(line(top["read_us_per_block"] <= 4, f"reads <= 4 us a block {at}: {top['read_us_per_block']:.2f} us"))
+    out.append(line(top["write_full_us_per_block"] <= 8, f"full-tier writes <= 8 us a block {at}: "
+                     f"{top['write_full_us_per_block']:.1f} us (each also evicts from the disk tier below)"))
+    slowest = max(r["restart_s"] for r in rows)
+    out.append(line(slowest < 1, f"restart (stop to serving) < 1 s at every size: {slowest:.3f} s at most"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if not args.json:
                 print(row, flush=True)
+    for line in goals(rows):
+        print(line)
     if not args.json:
         base = rows[0]
         for row in rows[1:]:
