@@ -11,6 +11,7 @@ false`: then it is left out with a warning.
 from __future__ import annotations
 
 import logging
+import os
 
 from kvstore.compression import Compression, decode_into
 from kvstore.config import Config
@@ -21,6 +22,54 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
+
+# What the daemon's memory holds of a block it indexes (its entry, key, location, policy record and table
+# slots: bench_scale.py measures 409-598 B a block at 10^6-10^7 blocks, the policies' history included),
+# and the share of the host's memory the disk tier's blocks may take by default (`[disk] max_blocks`).
+INDEX_BYTES_PER_BLOCK = 600
+INDEX_MEMORY_SHARE = 0.25
+
+
+def memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory this process may use: the host's (MemTotal), or less where its cgroup (v2, or v1's
+    memory controller) sets a limit on the way up to the root; None where neither can be read."""
+    limits = []
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            groups = [line.rstrip("\n").split(":", 2) for line in f]
+    except (OSError, ValueError):
+        groups = []
+    for _, controllers, path in groups:
+        if controllers == "":  # cgroup v2: memory.max of each group up to the root
+            folder, name = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            folder, name = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(folder, *parts[:depth], name)) as f:
+                    value = f.read().strip()
+            except OSError:
+                continue
+            if value.isdigit():  # ("max": none)
+                limits.append(int(value))
+    return min(limits) if limits else None
+
+
+def disk_max_blocks(config: Config, limit: int | None = None) -> int | None:
+    """The disk tier's `max_blocks`: the config's, or ("auto") what INDEX_MEMORY_SHARE of `limit` (default:
+    `memory_limit()`) indexes at INDEX_BYTES_PER_BLOCK; None (no cap) where no limit is known."""
+    if config.disk.max_blocks != "auto":
+        return config.disk.max_blocks
+    limit = memory_limit() if limit is None else limit
+    return None if limit is None else max(1, int(limit * INDEX_MEMORY_SHARE) // INDEX_BYTES_PER_BLOCK)
 
 
 def gpu_tier(config: Config) -> tuple[Tier | None, str]:
@@ -72,8 +121,12 @@ def open_store(config: Config) -> TieredStore:
         if config.disk.enabled:
             from kvstore.tiers.disk import DiskTier  # lmdb: only where the disk tier is used
 
-            chain.append(DiskTier(config.disk_path, config.disk.capacity_bytes, config.disk.page_bytes,
-                                  decoder=decode_into))
+            disk = DiskTier(config.disk_path, config.disk.capacity_bytes, config.disk.page_bytes,
+                            decoder=decode_into, max_blocks=disk_max_blocks(config))
+            chain.append(disk)
+            if disk.max_blocks < disk.num_pages:  # (small blocks: its pages hold more than the memory indexes)
+                log.info("disk tier: at most %d blocks (their index ~%.1f GiB of memory); [disk] max_blocks sets it",
+                         disk.max_blocks, disk.max_blocks * INDEX_BYTES_PER_BLOCK / 2**30)
         else:
             absent["disk"] = "disabled in the config ([disk] enabled = false, or --no-disk)"
         remote, why = remote_tier(config, host)

@@ -180,9 +180,14 @@ class DiskConfig:
     path: str = ""  # default: <state dir>/<name>/disk
     capacity_bytes: int = 8 * GiB
     page_bytes: int = 64 * KiB  # a new data file's; an existing one keeps the page size it was made with
+    # The most blocks it holds (each is indexed in the daemon's memory): "auto" = what a quarter of the
+    # host's (or the daemon's cgroup's) memory indexes (kvstore/chain.py `disk_max_blocks`).
+    max_blocks: int | str = "auto"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "disk.enabled must be true or false")
+        _require(self.max_blocks == "auto" or (_is_int(self.max_blocks) and self.max_blocks >= 1),
+                 f"disk.max_blocks must be \"auto\" or a count >= 1, got {self.max_blocks!r}")
         _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= 1 * MiB, "disk.capacity must be >= 1MiB")
         _require(_is_int(self.page_bytes) and self.page_bytes >= 4 * KiB and self.page_bytes % (4 * KiB) == 0,
                  f"disk.page_size must be a multiple of 4KiB, got {self.page_bytes!r}")
@@ -419,6 +424,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "path": ("path", str),
         "capacity": ("capacity_bytes", "size"),
         "page_size": ("page_bytes", "size"),
+        "max_blocks": ("max_blocks", None),
     },
     "remote": {
         "kind": ("kind", str),

@@ -187,11 +187,10 @@ class Placement:
                     continue  # (the reserve skips it: a child never sits faster than its parent)
                 protect.add(parent.key)
             new += 1
-        need = new * t.pages_for(block_bytes) * t.page_bytes
-        if need <= t.free_bytes:
+        if t.batch_shortfall(block_bytes, new) <= 0:
             return new
         try:
-            self.make_room(t.name, lambda: need - t.free_bytes, protect)
+            self.make_room(t.name, lambda: t.batch_shortfall(block_bytes, new), protect)
         except CapacityError:
             pass
         return new

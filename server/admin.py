@@ -174,6 +174,16 @@ class StoreCollector:
             if "capacity_bytes" in t:  # the tiers in the chain
                 cap.add_metric([tier], t["capacity_bytes"])
         yield cap
+        cap_blocks = GaugeMetricFamily("kvstore_capacity_blocks", "The most blocks a tier holds (each is indexed in "
+                                       "the daemon's memory: [disk] max_blocks)", labels=["tier"])
+        held = GaugeMetricFamily("kvstore_held_blocks", "Blocks a capped tier holds, copies and writes in flight "
+                                 "included (what its capacity in blocks counts)", labels=["tier"])
+        for tier, t in s["tiers"].items():
+            if "max_blocks" in t:
+                cap_blocks.add_metric([tier], t["max_blocks"])
+                held.add_metric([tier], t["held_blocks"])
+        yield cap_blocks
+        yield held
         gpu = s["tiers"].get("gpu", {})
         if "devices" in gpu:  # per device of the gpu tier
             dev_bytes = GaugeMetricFamily("kvstore_device_bytes", "Bytes of committed blocks per device of a tier",

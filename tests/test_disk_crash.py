@@ -229,6 +229,7 @@ def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
         assert 'kvstore_demotions_total{tier="disk"}' in text and 'kvstore_promotions_total{tier="host"} 4.0' in text
         assert "kvstore_disk_checksum_failures_total 0.0" in text
         assert 'kvstore_capacity_bytes{tier="disk"}' in text
+        assert f'kvstore_capacity_blocks{{tier="disk"}} {float(disk["max_blocks"])}' in text and disk["max_blocks"] >= 1
         assert d.check() == []
     finally:
         assert d.stop(signal.SIGTERM) == 0

@@ -161,7 +161,7 @@ def test_check_catches_leaked_and_double_owned_disk_pages(harness):
     store = harness.store
     leaked = store.disk.allocate(BLOCK)
     assert any("disk pages leaked" in p for p in store.check())
-    store.disk.alloc.free(leaked)
+    store.disk.release(leaked, None)
     assert store.check() == []
     e = store.index.entries[block_key(NS.id, hashes[3])]
     store.disk.alloc.free(extents_of(e.location))  # free a live block's pages behind the store's back

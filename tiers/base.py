@@ -144,6 +144,10 @@ class Tier:
         """Bytes still to be freed before `nbytes` can be allocated (<= 0: none)."""
         return (self.pages.pages_for(nbytes) - self.pages.free_pages) * self.page_bytes
 
+    def batch_shortfall(self, nbytes: int, count: int) -> int:
+        """Bytes still to be freed before `count` blocks of `nbytes` can be allocated (<= 0: none)."""
+        return count * self.pages_for(nbytes) * self.page_bytes - self.free_bytes
+
     def allocate(self, nbytes: int):
         """Pages for `nbytes` (an allocation the tier understands), or None when there is no room."""
         return self.pages.allocate(nbytes)

@@ -149,7 +149,12 @@ class DiskTier(Tier):
         staging_bytes: int = 256 << 20,
         batch_bytes: int = 64 << 20,
         decoder: Callable[[np.ndarray, Sequence[np.ndarray]], bool] | None = None,
+        max_blocks: int | None = None,
     ) -> None:
+        """`max_blocks`: the most blocks it holds, whatever room its pages leave (None: as many as fit).
+        Every block it holds is indexed in the store's memory (a few hundred bytes each), so a disk of
+        small blocks can hold more than the host's memory can index: the daemon caps it (`[disk]
+        max_blocks`, kvstore/chain.py) and past the cap the tier evicts as a full one does."""
         if page_bytes <= 0 or page_bytes % ALIGN:
             raise ValueError(f"disk page_bytes must be a positive multiple of {ALIGN}, got {page_bytes}")
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -176,6 +181,10 @@ class DiskTier(Tier):
         if self.num_pages < 1:
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one page ({self.page_bytes} B)")
         self.capacity_bytes = self.num_pages * self.page_bytes
+        if max_blocks is not None and max_blocks < 1:
+            raise ValueError(f"disk max_blocks must be at least 1, got {max_blocks}")
+        self.max_blocks = self.num_pages if max_blocks is None else min(max_blocks, self.num_pages)
+        self.blocks = 0  # allocations it holds: blocks and copies, written or being written
         self._open_data_file(direct)
         self.reader = DataFileReader(self.fd, self.direct)  # reads and verifies blocks (any thread)
         # No free page until the records are read (`scanned`): nothing is written over a block.
@@ -243,9 +252,26 @@ class DiskTier(Tier):
     def pages(self) -> PageAllocator:
         return self.alloc
 
+    def allocate(self, nbytes: int):
+        if self.blocks >= self.max_blocks:
+            return None
+        alloc = self.alloc.allocate(nbytes)
+        if alloc is not None:
+            self.blocks += 1
+        return alloc
+
+    def shortfall(self, nbytes: int) -> int:
+        return self.batch_shortfall(nbytes, 1)
+
+    def batch_shortfall(self, nbytes: int, count: int) -> int:
+        short = super().batch_shortfall(nbytes, count)
+        over = self.blocks + count - self.max_blocks  # (a block over the cap is missing a page's worth)
+        return short if over <= 0 else max(short, over * self.page_bytes)
+
     def release(self, extents: Sequence, key: bytes | None) -> None:
         """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
         self.alloc.free(extents)
+        self.blocks -= 1
         if key is not None:
             self.writer.delete(key)
 
@@ -384,6 +410,7 @@ class DiskTier(Tier):
             return None
         self._scan = None
         self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
+        self.blocks = len(result.blocks)  # (over `max_blocks` if it was lowered: evicted down as blocks come in)
         for key in result.bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
@@ -516,8 +543,11 @@ class DiskTier(Tier):
 
     def check(self, locations: Iterable) -> list[str]:
         """Pages against the live locations (the tier's, or extents), budget, data file size."""
+        locations = list(locations)
         problems = self.alloc.check(extents_of(loc) if type(loc) is int or isinstance(loc, DiskSlot) else loc
                                     for loc in locations)
+        if self.blocks != len(locations):
+            problems.append(f"disk tier counts {self.blocks} blocks, the store holds {len(locations)}")
         if self.used_bytes > self.capacity_bytes:
             problems.append("disk tier over budget")
         if os.fstat(self.fd).st_size > self.capacity_bytes:
@@ -531,6 +561,8 @@ class DiskTier(Tier):
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes,
             "page_bytes": self.page_bytes,
+            "held_blocks": self.blocks,  # (blocks, copies and blocks being written: what max_blocks caps)
+            "max_blocks": self.max_blocks,
             "direct_io": self.direct,
             "direct_io_fallback_reason": self.direct_reason,
             "pending_writes": self.pending_writes,

@@ -1,0 +1,142 @@
+"""The disk tier's cap on blocks (`[disk] max_blocks`): each block it holds is indexed in the daemon's
+memory, so a disk of small blocks is capped at what the memory indexes, and past the cap it evicts as a
+full tier does. In process, real files and LMDB (tests/test_disk.py's harness)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.chain import INDEX_BYTES_PER_BLOCK, INDEX_MEMORY_SHARE, disk_max_blocks, memory_limit
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+from kvstore.tiers.disk import DiskTier
+from tests.helpers import chain_hashes, payload_bytes
+from tests.test_disk import BLOCK, NS, PAGE, Harness
+
+
+class CappedHarness(Harness):
+    """tests/test_disk.py's harness with the disk tier capped at `max_blocks` (None: no cap)."""
+
+    def __init__(self, folder, max_blocks, **kwargs):
+        self.max_blocks = max_blocks
+        super().__init__(folder, **kwargs)
+
+    def open(self):
+        store = super().open()
+        store.disk.max_blocks = store.disk.num_pages if self.max_blocks is None else self.max_blocks
+        return store
+
+
+def test_the_tier_allocates_up_to_its_cap_and_counts_what_it_frees(tmp_path):
+    disk = DiskTier(str(tmp_path / "disk"), 16 * BLOCK, page_bytes=PAGE, max_blocks=3)
+    try:
+        disk.scanned(wait=True)
+        taken = [disk.allocate(BLOCK) for _ in range(3)]
+        assert all(a is not None for a in taken) and disk.blocks == 3
+        assert disk.allocate(BLOCK) is None  # 13 pages free, no block to be had
+        assert disk.shortfall(BLOCK) == PAGE and disk.batch_shortfall(BLOCK, 4) == 4 * PAGE
+        disk.release(taken.pop(), None)
+        assert disk.blocks == 2 and disk.shortfall(BLOCK) <= 0 and disk.allocate(BLOCK) is not None
+        assert "disk tier counts 3 blocks, the store holds 2" in disk.check(taken)  # one allocation unaccounted
+        assert disk.stats()["held_blocks"] == 3 and disk.stats()["max_blocks"] == 3
+    finally:
+        disk.close()
+    with pytest.raises(ValueError, match="max_blocks"):
+        DiskTier(str(tmp_path / "other"), 16 * BLOCK, page_bytes=PAGE, max_blocks=0)
+
+
+@pytest.mark.parametrize("cap", [5, None])
+def test_a_capped_disk_evicts_at_its_cap_and_keeps_the_newest(tmp_path, cap):
+    """Room for 40 blocks of pages, a cap of 5: writing 30 chains of 3 through a host tier of 2 blocks keeps
+    the disk at 5 blocks, evicting; without the cap (the control) it holds far more."""
+    h = CappedHarness(tmp_path / "disk", cap, host_blocks=2, disk_blocks=40)
+    try:
+        store = h.store
+        for s in range(30):
+            h.put(chain_hashes(s, 3))
+            assert cap is None or store.disk.blocks <= cap
+        held = store.stats()["tiers"]["disk"]["held_blocks"]
+        assert store.check() == []
+        if cap is None:
+            assert held > 20 and store.shared.tier_stats["disk"].evictions > 0  # its 40 pages filled up
+            return
+        assert held == store.disk.blocks == cap and store.shared.tier_stats["disk"].evictions > 40
+        newest = chain_hashes(29, 3)
+        found = store.lookup(NS.id, newest).hits
+        assert found >= 2  # the last chain (a block under a disk parent is skipped: tests/test_disk.py)
+        assert [bytes(b) for b in h.get(newest[:found])] == [payload_bytes(x, BLOCK) for x in newest[:found]]
+    finally:
+        h.close()
+
+
+def test_a_disk_over_a_lowered_cap_comes_back_whole_and_is_evicted_down_as_blocks_come_in(tmp_path):
+    h = CappedHarness(tmp_path / "disk", None, host_blocks=2, disk_blocks=40)
+    try:
+        for s in range(8):
+            h.put(chain_hashes(s, 3))
+        h.store.disk.flush()
+        before = h.store.disk.blocks
+        assert before >= 12
+        h.max_blocks = 6
+        store = h.reopen()
+        store.wait_recovered()
+        assert store.disk.blocks >= before > 6  # nothing committed is dropped at the start (the host's came down)
+        assert store.check() == []
+        h.put(chain_hashes(100, 2))
+        h.put(chain_hashes(101, 2))  # demotes the first chain: its room made down to the cap at once
+        assert store.shared.tier_stats["disk"].demotions_in > 0
+        assert store.disk.blocks <= 6 and store.check() == []
+    finally:
+        h.close()
+
+
+def test_the_default_cap_is_what_a_quarter_of_the_memory_limit_indexes(tmp_path):
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       32768000 kB\nMemFree:        1000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/kube/pod1/kvstore\n")
+    assert memory_limit(str(proc), str(cgroup)) == 32768000 * 1024  # no cgroup files: the host's
+    (cgroup / "kube" / "pod1").mkdir(parents=True)
+    (cgroup / "kube" / "pod1" / "memory.max").write_text("8589934592\n")  # the pod's 8 GiB, above the group
+    (cgroup / "kube" / "pod1" / "kvstore").mkdir()
+    (cgroup / "kube" / "pod1" / "kvstore" / "memory.max").write_text("max\n")
+    assert memory_limit(str(proc), str(cgroup)) == 8 << 30
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/\n")  # cgroup v1's memory controller
+    (cgroup / "memory" / "job").mkdir(parents=True)
+    (cgroup / "memory" / "job" / "memory.limit_in_bytes").write_text("4294967296\n")
+    assert memory_limit(str(proc), str(cgroup)) == 4 << 30
+    auto = load_config()
+    assert auto.disk.max_blocks == "auto"
+    assert disk_max_blocks(auto, 8 << 30) == int((8 << 30) * INDEX_MEMORY_SHARE) // INDEX_BYTES_PER_BLOCK
+    assert disk_max_blocks(load_config(None, {"disk.max_blocks": 1000}), 8 << 30) == 1000
+
+
+@pytest.mark.parametrize("value", [0, -3, "lots", True, 2.5])
+def test_a_bad_cap_is_refused_with_its_key(tmp_path, value):
+    path = tmp_path / "kv.toml"
+    path.write_text(f"[disk]\nmax_blocks = {value!r}\n".replace("'", '"').replace("True", "true"))
+    with pytest.raises(ConfigError, match="disk.max_blocks"):
+        load_config(str(path))
+
+
+def test_the_daemon_s_store_takes_the_configured_cap_and_logs_a_binding_one(tmp_path, caplog):
+    import uuid
+
+    from kvstore.chain import open_store
+
+    def store_with(max_blocks):
+        return open_store(load_config(None, {
+            "name": f"cap-{uuid.uuid4().hex[:8]}", "host.capacity": "1MiB", "host.page_size": "64KiB",
+            "host.persistent": False, "disk.path": str(tmp_path / "disk"), "disk.capacity": "4MiB",
+            "disk.page_size": "64KiB", "disk.max_blocks": max_blocks}))
+
+    for max_blocks, want in ((7, 7), (10**9, 64)):  # (a cap above its 64 pages binds nothing)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="kvstore.chain"):
+            store = store_with(max_blocks)
+        try:
+            assert store.disk.max_blocks == want and store.stats()["tiers"]["disk"]["max_blocks"] == want
+            assert ("disk tier: at most 7 blocks" in caplog.text) == (want == 7)
+        finally:
+            store.close(persist=False)
+            store.host.close()
