@@ -140,3 +140,63 @@ def test_the_daemon_s_store_takes_the_configured_cap_and_logs_a_binding_one(tmp_
         finally:
             store.close(persist=False)
             store.host.close()
+
+
+@pytest.mark.parametrize("per_record", [1024, 8])
+def test_the_index_map_holds_a_record_of_every_block_the_tier_can_hold(tmp_path, monkeypatch, per_record):
+    """The disk index's LMDB map is sized for the tier's blocks (`map_bytes`): with a floor of 256 KiB, 1,500
+    records of 4 KiB blocks all land. The control, a map of 8 B a block (the floor then), fills up: the
+    writes past it fail (MDB_MAP_FULL, logged) and their blocks are dropped."""
+    import asyncio
+    import uuid
+
+    import numpy as np
+
+    from kvstore.keys import Namespace, hash_blocks
+    from kvstore.store import TieredStore
+    from kvstore.tiers import disk as disk_module, record_scan
+    from kvstore.tiers.host import HostArena
+
+    monkeypatch.setattr(disk_module, "INDEX_MAP_FLOOR", 256 << 10)
+    monkeypatch.setattr(record_scan, "MAP_BYTES_PER_RECORD", per_record)
+    block, n = 4096, 1500
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 64 * block, block, prefault=False)
+    store = TieredStore([host, DiskTier(str(tmp_path / "disk"), n * block, block)], policy="lru")
+
+    async def fill() -> None:
+        ns = store.register_namespace(Namespace("map", "bf16", 1, 1, 128, 16, block))
+        for c in range(0, n, 32):
+            hs = hash_blocks(np.random.default_rng([3, c]).integers(0, 2**31, size=32 * 16), 16)
+            store.reserve(ns, list(zip(hs, [None] + hs[:-1])), "w")
+            store.commit(ns, hs, "w")
+            await asyncio.sleep(0)
+        store.disk.flush()
+
+    try:
+        store.start()
+        asyncio.run(fill())
+        kept = store.disk.num_kept_records
+        if per_record == 8:
+            assert kept < n - 64 - 32  # the map was what bounded it: the writes past it failed
+            return
+        assert kept >= n - 64 - 32  # all but what the host tier holds (and a batch it made room for)
+        assert store.check() == []
+    finally:
+        store.close(persist=False)
+        host.close()
+
+
+def test_the_kept_arena_s_index_map_is_sized_for_its_pages(monkeypatch):
+    """The host arena's placement index (one record a block) the same way: a map for every page it has."""
+    import uuid
+
+    from kvstore.tiers import record_scan
+    from kvstore.tiers.host import HostArena
+    from kvstore.tiers.host_index import MAP_FLOOR
+
+    monkeypatch.setattr(record_scan, "MAP_BYTES_PER_RECORD", 2 * MAP_FLOOR // 256)  # 256 pages: twice the floor
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 256 * 4096, 4096, prefault=False, persistent=True)
+    try:
+        assert host.index.env.info()["map_size"] == 2 * MAP_FLOOR
+    finally:
+        host.close(unlink=True)

@@ -105,7 +105,7 @@ from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_o
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 from kvstore.tiers.pages import adjacent_groups
-from kvstore.tiers.record_scan import record_key, store_key
+from kvstore.tiers.record_scan import map_bytes, record_key, store_key
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ ENCODE_BACKLOG = ENCODE_THREADS  # the encoders are behind with this many blocks
 # so its location is a plain int from the start: a disk of 10^7 small blocks holds no slot object a block.
 # A larger one is hashed by the writer, off the event loop (its slot's 92 B are nothing beside its bytes).
 HASHED_HERE_BYTES = 16 << 10
+INDEX_MAP_FLOOR = 1 << 34  # the index's LMDB map at least (more for a tier of more blocks: `map_bytes`)
 Location = "int | DiskSlot"  # a block's location in this tier (tiers/disk_slot.py)
 
 
@@ -170,7 +171,7 @@ class DiskTier(Tier):
         self.counters = DiskCounters()
         self.scan_s: float | None = None  # how long the scan of the index took
         self.env = lmdb.open(
-            os.path.join(path, INDEX_DIR), map_size=1 << 34, max_dbs=4, subdir=True,
+            os.path.join(path, INDEX_DIR), map_size=INDEX_MAP_FLOOR, max_dbs=4, subdir=True,
             sync=True, metasync=True, lock=True,
         )
         self._db_blocks = self.env.open_db(b"blocks")
@@ -185,6 +186,8 @@ class DiskTier(Tier):
             raise ValueError(f"disk max_blocks must be at least 1, got {max_blocks}")
         self.max_blocks = self.num_pages if max_blocks is None else min(max_blocks, self.num_pages)
         self.blocks = 0  # allocations it holds: blocks and copies, written or being written
+        if map_bytes(self.max_blocks, INDEX_MAP_FLOOR) > INDEX_MAP_FLOOR:  # (before any write: none yet)
+            self.env.set_mapsize(map_bytes(self.max_blocks, INDEX_MAP_FLOOR))
         self._open_data_file(direct)
         self.reader = DataFileReader(self.fd, self.direct)  # reads and verifies blocks (any thread)
         # No free page until the records are read (`scanned`): nothing is written over a block.

@@ -84,7 +84,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.tiers.record_scan import describe, record_key
+from kvstore.tiers.record_scan import describe, map_bytes, record_key
 
 if TYPE_CHECKING:
     from kvstore.tiers.host_scan import HostScanResult
@@ -96,6 +96,7 @@ BATCH_BYTES = 16 << 20  # hashed per batch at most: the hasher re-checks that th
 QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this long: checksums may be taken
 CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
 VERIFY_CHUNK = 64  # adopted blocks the hasher takes from the unverified ones at a time
+MAP_FLOOR = 1 << 32  # the index's LMDB map at least (more for an arena of more pages: `map_bytes`)
 
 
 class IndexRefused(PermissionError):
@@ -166,8 +167,8 @@ class HostIndex:
         self.arena = arena
         self._unmap = unmap or (lambda extents: None)
         _private_dir(path)
-        self.env = lmdb.open(path, map_size=1 << 32, max_dbs=4, subdir=True, sync=False, metasync=False, lock=True,
-                             writemap=True)
+        self.env = lmdb.open(path, map_size=map_bytes(geometry["capacity_bytes"] // geometry["page_bytes"], MAP_FLOOR),
+                             max_dbs=4, subdir=True, sync=False, metasync=False, lock=True, writemap=True)
         try:
             self.blocks_db = self.env.open_db(b"blocks")
             self._db_ns = self.env.open_db(b"namespaces")

@@ -32,9 +32,20 @@ from kvstore.keys import HASH_BYTES, TAG_BYTES, Key, block_key, key_ns
 
 YIELD_EVERY = 256  # records between two releases of the GIL (the event loop waits for it meanwhile)
 
+# The address space an LMDB environment of block records reserves per block its tier can hold: a record is
+# ~180 B of the tree, and a fill of small blocks grew the disk's file to ~435 B a record with the pages LMDB
+# keeps free for its copy-on-write. A map sized for the tier's blocks never meets MDB_MAP_FULL (a fixed map of
+# 16 GiB filled at 40-90 million records); it reserves address space only, the file grows as it is written.
+MAP_BYTES_PER_RECORD = 1024
+
 R = TypeVar("R")
 BAD_RECORD = (ValueError, KeyError, TypeError, msgpack.UnpackException)  # what a record that does not parse raises
 _PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
+
+
+def map_bytes(records: int, floor: int) -> int:
+    """The map of an LMDB environment for `records` block records: at least `floor` bytes."""
+    return max(floor, records * MAP_BYTES_PER_RECORD)
 
 
 _HEADS: dict[bytes, bytes] = {}  # namespace tag -> the msgpack bytes before a 16-byte hash in its record keys
