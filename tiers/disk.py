@@ -191,7 +191,7 @@ class DiskTier(Tier):
         self._open_data_file(direct)
         self.reader = DataFileReader(self.fd, self.direct)  # reads and verifies blocks (any thread)
         # No free page until the records are read (`scanned`): nothing is written over a block.
-        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="disk")
+        self.alloc = PageAllocator.full(self.num_pages, self.page_bytes, label="disk")
         self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages,
                                              DiskSlot.recovered, decodes=decoder is not None)
         self.staging = StagingPool(staging_bytes)

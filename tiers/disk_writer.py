@@ -276,8 +276,8 @@ class DiskWriter:
 
     def start_formatting(self, used: np.ndarray) -> None:
         """The pages that hold blocks are known (`used`, a bool per page): format the others when idle."""
-        with self._cv:
-            self._written = used.copy()
+        with self._cv:  # (a bool a page while there is formatting left, none after: 1 GB for 10^9 pages)
+            self._written = used.copy() if self.formatted_bytes < self.data.capacity_bytes else used[:0].copy()
             self._cv.notify_all()
 
     def wait_for(self, predicate, timeout: float) -> bool:
@@ -544,6 +544,8 @@ class DiskWriter:
             if free.size * pb >= 1 << 20:  # (the disk measured before any block is written: see encoders_behind)
                 self.write_s_per_byte = _averaged(self.write_s_per_byte, (time.perf_counter() - began) / (free.size * pb))
         self.formatted_bytes = end * pb
+        if self.formatted_bytes >= data.capacity_bytes:
+            self._written = self._written[:0].copy()  # formatted: nothing left to skip
         if self.formatted_bytes >= data.capacity_bytes or self.formatted_bytes % (32 << 20) < chunk_bytes:
             self._save_formatted()
 

@@ -192,7 +192,7 @@ class HostArena(Tier):
         except (ValueError, lmdb.Error, OSError) as exc:
             return f"its placement index is unusable: {exc}"
         # No free page until the records are read (`scanned`): nothing is written over a kept block.
-        self.pages = PageAllocator(self.num_pages, self.page_bytes, np.arange(self.num_pages), label="host")
+        self.pages = PageAllocator.full(self.num_pages, self.page_bytes, label="host")
         self._scan = HostScan(self.index.env, self.index.blocks_db, self.capacity_bytes, self.page_bytes)
         log.info("host tier: re-adopting the arena %s: reading its %d records", self.path, self._num_records)
         return None

@@ -5,9 +5,14 @@ takes ceil(n / page_bytes) pages and is described as *extents*, a list of
 `[offset, length]` runs in bytes, in payload order. On a fresh or lightly
 fragmented space a block is one extent, so a copy is one memcpy or one syscall.
 
-The free pages are a stack of machine integers (`array('q')`: 8 bytes a page,
-where a list of Python ints took 36, which is 580 MB for an empty 1 TiB disk
-tier of 64 KiB pages), with the list's pop/append speed.
+The free pages are the pages from a watermark up, never allocated since the
+allocator was made (implicit: no memory), under a stack of the others, freed
+since or found free below the highest page taken at a restart (`array('q')` of
+machine integers, 8 bytes a page, with a list's pop/append speed). Allocation
+takes the stack's top first, then the watermark's next pages: the order a
+stack of every free page would give, without 8 bytes for each page of an empty
+tier (8 GB for a 4 TiB disk of 4 KiB pages) or the copies of it that building
+such a stack took at a start.
 
 Invariant (`check`): every page is either free or owned by exactly one
 allocation; nothing is allocated beyond `num_pages`.
@@ -71,31 +76,55 @@ def contiguous_runs(pieces: Sequence[tuple[int, int, int]], limit: int, most: in
 
 
 class PageAllocator:
-    """Free-page stack over `num_pages` pages; allocations are extents of byte offsets."""
+    """Free pages over `num_pages` pages (module docstring); allocations are extents of byte offsets."""
 
     def __init__(self, num_pages: int, page_bytes: int, used: Iterable[int] = (), label: str = "") -> None:
+        """`used`: the pages taken already (a restart's records), as page numbers."""
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.label = f"{label} " if label else ""
-        taken = np.zeros(num_pages, dtype=bool)
-        taken[used if isinstance(used, np.ndarray) else np.array(list(used), dtype=np.int64)] = True
+        used = used if isinstance(used, np.ndarray) else np.array(list(used), dtype=np.int64)
+        self._next = int(used.max()) + 1 if used.size else 0  # the watermark: pages from here on are free
+        taken = np.zeros(self._next, dtype=bool)
+        taken[used] = True
         self._free = array("q", np.flatnonzero(~taken)[::-1].astype(np.int64).tobytes())  # pop(): ascending pages
+
+    @classmethod
+    def full(cls, num_pages: int, page_bytes: int, label: str = "") -> PageAllocator:
+        """No free page (a tier whose records are not read yet: it takes none until it knows its own)."""
+        alloc = cls(num_pages, page_bytes, label=label)
+        alloc._next = num_pages
+        return alloc
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._next
 
     def pages_for(self, nbytes: int) -> int:
         return -(-nbytes // self.page_bytes)
 
+    def _take(self, n: int) -> list[int]:
+        """n free pages, in the order pops from a stack of every free page would give them (the stack's
+        top, then the watermark's next): the caller checked there are n."""
+        free = self._free
+        k = min(n, len(free))
+        pages = free[len(free) - k :].tolist()[::-1] if k else []
+        del free[len(free) - k :]
+        if k < n:
+            pages += range(self._next, self._next + n - k)
+            self._next += n - k
+        return pages
+
     def allocate(self, nbytes: int) -> list | None:
         n = self.pages_for(nbytes)
-        if nbytes <= 0 or n > len(self._free):
+        if nbytes <= 0 or n > len(self._free) + self.num_pages - self._next:
             return None
         if n == 1:  # a block of one page (e.g. 256 KiB blocks on 256 KiB pages): per block on the loop
-            return [[self._free.pop() * self.page_bytes, nbytes]]
-        pages = sorted(self._free[-n:])
-        del self._free[-n:]
+            if self._free:
+                return [[self._free.pop() * self.page_bytes, nbytes]]
+            self._next += 1
+            return [[(self._next - 1) * self.page_bytes, nbytes]]
+        pages = sorted(self._take(n))
         pb, extents, remaining = self.page_bytes, [], nbytes
         run_start = prev = pages[0]
         for p in pages[1:] + [None]:
@@ -115,13 +144,11 @@ class PageAllocator:
         n = self.pages_for(nbytes)
         if n != 1 or nbytes <= 0:
             return allocate_each(self.allocate, nbytes, count)
-        free, pb = self._free, self.page_bytes
-        k = min(count, len(free))
+        k = min(count, self.free_pages)
         if k <= 0:
             return []
-        taken = free[-k:]
-        del free[-k:]
-        return [[[p * pb, nbytes]] for p in reversed(taken)]
+        pb = self.page_bytes
+        return [[[p * pb, nbytes]] for p in self._take(k)]
 
     def free_unused(self, allocations: Sequence) -> None:
         """Give back allocations of `allocate_many` that were not used, as if never taken (the last
@@ -152,6 +179,7 @@ class PageAllocator:
                     continue
                 owner[offset // self.page_bytes : offset // self.page_bytes + -(-length // self.page_bytes)] += 1
         np.add.at(owner, np.frombuffer(self._free, dtype=np.int64) if len(self._free) else [], 1)
+        owner[self._next :] += 1  # (free from the watermark up)
         if (owner > 1).any():
             problems.append(f"{int((owner > 1).sum())} {self.label}pages owned twice")
         if (owner == 0).any():
