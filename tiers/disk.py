@@ -155,7 +155,8 @@ class DiskTier(Tier):
         """`max_blocks`: the most blocks it holds, whatever room its pages leave (None: as many as fit).
         Every block it holds is indexed in the store's memory (a few hundred bytes each), so a disk of
         small blocks can hold more than the host's memory can index: the daemon caps it (`[disk]
-        max_blocks`, kvstore/chain.py) and past the cap the tier evicts as a full one does."""
+        max_blocks`, kvstore/chain.py) and past the cap the tier evicts as a full one does. A restart that
+        finds more (the cap was lowered) keeps the newest (`_newest`)."""
         if page_bytes <= 0 or page_bytes % ALIGN:
             raise ValueError(f"disk page_bytes must be a positive multiple of {ALIGN}, got {page_bytes}")
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -412,18 +413,38 @@ class DiskTier(Tier):
         if result is None:
             return None
         self._scan = None
+        blocks, bad = result.blocks, list(result.bad)
+        if len(blocks) > self.max_blocks:  # (the cap was lowered)
+            blocks = self._newest(blocks, result.taken, bad)
         self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
-        self.blocks = len(result.blocks)  # (over `max_blocks` if it was lowered: evicted down as blocks come in)
-        for key in result.bad:  # (committed before any write into their pages: see the module docstring)
+        self.blocks = len(blocks)
+        for key in bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
-        for block in result.blocks:
+        for block in blocks:
             if codec_of(block.location) is not None:
                 self._held_compressed(block.location, +1)
-        self.counters.recovered_records = len(result.blocks)
-        self.counters.dropped_records += len(result.bad)
+        self.counters.recovered_records = len(blocks)
+        self.counters.dropped_records += len(bad)
         self.scan_s = result.seconds
-        return result.blocks
+        return blocks
+
+    def _newest(self, blocks: list[RecoveredBlock], taken: np.ndarray, bad: list[bytes]) -> list[RecoveredBlock]:
+        """The `max_blocks` of `blocks` that reached the disk last, in their order; the others' pages are
+        marked free in `taken` and their record keys added to `bad`. As a smaller budget at a restart keeps
+        what fits, a lower cap keeps the newest (a block reaches the disk before its parent: the oldest are
+        leaves, and a block whose parent went is an orphan the recovery frees)."""
+        stamps = np.fromiter((b.stamp for b in blocks), dtype=np.float64, count=len(blocks))
+        keep = np.zeros(len(blocks), dtype=bool)
+        keep[np.argsort(stamps, kind="stable")[len(blocks) - self.max_blocks :]] = True
+        pb = self.page_bytes
+        for i in np.flatnonzero(~keep):
+            for offset, length in extents_of(blocks[i].location):
+                taken[offset // pb : (offset + length - 1) // pb + 1] = False
+            bad.append(record_key(blocks[i].key))
+        log.warning("disk tier: %d blocks, more than max_blocks %d: the %d that reached it first are dropped",
+                    len(blocks), self.max_blocks, len(blocks) - self.max_blocks)
+        return [b for b, k in zip(blocks, keep) if k]
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         self.writer.put_namespace(ns_id.encode(), fields)
