@@ -264,12 +264,15 @@ class DiskTier(Tier):
             self.blocks += 1
         return alloc
 
-    def shortfall(self, nbytes: int) -> int:
-        return self.batch_shortfall(nbytes, 1)
+    def shortfall(self, nbytes: int) -> int:  # (asked once a victim while a demotion makes room: inline)
+        alloc = self.alloc
+        short = (alloc.pages_for(nbytes) - alloc.free_pages) * self.page_bytes
+        over = self.blocks + 1 - self.max_blocks  # (a block over the cap is missing a page's worth)
+        return short if over <= 0 else max(short, over * self.page_bytes)
 
     def batch_shortfall(self, nbytes: int, count: int) -> int:
         short = super().batch_shortfall(nbytes, count)
-        over = self.blocks + count - self.max_blocks  # (a block over the cap is missing a page's worth)
+        over = self.blocks + count - self.max_blocks
         return short if over <= 0 else max(short, over * self.page_bytes)
 
     def release(self, extents: Sequence, key: bytes | None) -> None:
