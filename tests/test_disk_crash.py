@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 
 import lmdb
@@ -230,6 +232,9 @@ def test_daemon_reports_disk_tier_stats_and_metrics(tmp_path):
         assert "kvstore_disk_checksum_failures_total 0.0" in text
         assert 'kvstore_capacity_bytes{tier="disk"}' in text
         assert f'kvstore_capacity_blocks{{tier="disk"}} {float(disk["max_blocks"])}' in text and disk["max_blocks"] >= 1
+        human = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--socket", d.socket_path],
+                               capture_output=True, text=True, timeout=30)
+        assert f"capacity 32.0 MiB, {disk['max_blocks']} blocks" in human.stdout  # (the disk tier's cap too)
         assert d.check() == []
     finally:
         assert d.stop(signal.SIGTERM) == 0

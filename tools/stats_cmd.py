@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         line = f"  {tier:6} blocks {t['blocks']:>8}  bytes {_mib(t['bytes']):>12}  hits {t['hits']:>8}  evictions {t['evictions']:>8}"
         if "capacity_bytes" in t:
             line += f"  capacity {_mib(t['capacity_bytes'])}"
+        if "max_blocks" in t:  # (the disk tier's cap: each block it holds is indexed in the daemon's memory)
+            line += f", {t['max_blocks']} blocks"
         print(line)
         for codec, row in t.get("compressed", {}).items():
             print(f"         compressed {codec}: {row['blocks']} blocks, {_mib(row['stored_bytes'])} stored for "
