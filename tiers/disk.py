@@ -86,7 +86,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
-import mmap
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -99,7 +98,7 @@ import xxhash
 from kvstore.keys import Key, key_ns, key_text
 from kvstore.tiers.base import ENCODE_THREADS, BlockMeta, CompressedTally, RecoveredBlock, Tier
 from kvstore.tiers.disk_alloc import ALIGN, PageAllocator, StagingPool
-from kvstore.tiers.disk_read import DataFileReader
+from kvstore.tiers.disk_read import DataFileReader, open_data_file
 from kvstore.tiers.disk_scan import DiskScan
 from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_of, extents_of, settled
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
@@ -156,7 +155,7 @@ class DiskTier(Tier):
         Every block it holds is indexed in the store's memory (a few hundred bytes each), so a disk of
         small blocks can hold more than the host's memory can index: the daemon caps it (`[disk]
         max_blocks`, kvstore/chain.py) and past the cap the tier evicts as a full one does. A restart that
-        finds more (the cap was lowered) keeps the newest (`_newest`)."""
+        finds more (the cap was lowered) keeps the newest (tiers/disk_scan.py `newest`)."""
         if page_bytes <= 0 or page_bytes % ALIGN:
             raise ValueError(f"disk page_bytes must be a positive multiple of {ALIGN}, got {page_bytes}")
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -189,12 +188,14 @@ class DiskTier(Tier):
         self.blocks = 0  # allocations it holds: blocks and copies, written or being written
         if map_bytes(self.max_blocks, INDEX_MAP_FLOOR) > INDEX_MAP_FLOOR:  # (before any write: none yet)
             self.env.set_mapsize(map_bytes(self.max_blocks, INDEX_MAP_FLOOR))
-        self._open_data_file(direct)
+        self.fd, self.direct, self.direct_reason = open_data_file(os.path.join(path, DATA_FILE), self.capacity_bytes,
+                                                                  direct)
         self.reader = DataFileReader(self.fd, self.direct)  # reads and verifies blocks (any thread)
         # No free page until the records are read (`scanned`): nothing is written over a block.
         self.alloc = PageAllocator.full(self.num_pages, self.page_bytes, label="disk")
         self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages,
-                                             DiskSlot.recovered, decodes=decoder is not None)
+                                             DiskSlot.recovered, decodes=decoder is not None,
+                                             max_blocks=self.max_blocks)
         self.staging = StagingPool(staging_bytes)
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         # The writes of plain-int locations not yet settled, by offset: pending, or failed and not yet freed
@@ -217,35 +218,6 @@ class DiskTier(Tier):
         if meta["page_bytes"] != page_bytes:
             log.warning("disk tier at %s keeps its page size %d B (asked for %d B)", self.path, meta["page_bytes"], page_bytes)
         return int(meta["page_bytes"])
-
-    def _open_data_file(self, direct: bool | None) -> None:
-        data_path = os.path.join(self.path, DATA_FILE)
-        fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            size = os.fstat(fd).st_size
-            if size > self.capacity_bytes:
-                os.ftruncate(fd, self.capacity_bytes)  # records beyond the new budget are dropped at load
-            os.posix_fallocate(fd, 0, self.capacity_bytes)
-        finally:
-            os.close(fd)
-        self.direct, self.direct_reason = False, "disabled by configuration"
-        flags = os.O_RDWR
-        if direct is not False:
-            try:
-                fd = os.open(data_path, flags | os.O_DIRECT)
-                probe = mmap.mmap(-1, ALIGN)
-                try:
-                    os.preadv(fd, [probe], 0)
-                finally:
-                    probe.close()
-                self.fd, self.direct, self.direct_reason = fd, True, ""
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct_reason = f"the filesystem of {self.path} refuses O_DIRECT ({exc.strerror})"
-                log.warning("disk tier: buffered I/O with fdatasync: %s", self.direct_reason)
-        self.fd = os.open(data_path, flags)
 
     def load_namespaces(self) -> list[tuple[bytes, dict]]:
         with self.env.begin(db=self._db_ns) as txn:
@@ -416,38 +388,18 @@ class DiskTier(Tier):
         if result is None:
             return None
         self._scan = None
-        blocks, bad = result.blocks, list(result.bad)
-        if len(blocks) > self.max_blocks:  # (the cap was lowered)
-            blocks = self._newest(blocks, result.taken, bad)
         self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
-        self.blocks = len(blocks)
-        for key in bad:  # (committed before any write into their pages: see the module docstring)
+        self.blocks = len(result.blocks)
+        for key in result.bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
-        for block in blocks:
+        for block in result.blocks:
             if codec_of(block.location) is not None:
                 self._held_compressed(block.location, +1)
-        self.counters.recovered_records = len(blocks)
-        self.counters.dropped_records += len(bad)
+        self.counters.recovered_records = len(result.blocks)
+        self.counters.dropped_records += len(result.bad)
         self.scan_s = result.seconds
-        return blocks
-
-    def _newest(self, blocks: list[RecoveredBlock], taken: np.ndarray, bad: list[bytes]) -> list[RecoveredBlock]:
-        """The `max_blocks` of `blocks` that reached the disk last, in their order; the others' pages are
-        marked free in `taken` and their record keys added to `bad`. As a smaller budget at a restart keeps
-        what fits, a lower cap keeps the newest (a block reaches the disk before its parent: the oldest are
-        leaves, and a block whose parent went is an orphan the recovery frees)."""
-        stamps = np.fromiter((b.stamp for b in blocks), dtype=np.float64, count=len(blocks))
-        keep = np.zeros(len(blocks), dtype=bool)
-        keep[np.argsort(stamps, kind="stable")[len(blocks) - self.max_blocks :]] = True
-        pb = self.page_bytes
-        for i in np.flatnonzero(~keep):
-            for offset, length in extents_of(blocks[i].location):
-                taken[offset // pb : (offset + length - 1) // pb + 1] = False
-            bad.append(record_key(blocks[i].key))
-        log.warning("disk tier: %d blocks, more than max_blocks %d: the %d that reached it first are dropped",
-                    len(blocks), self.max_blocks, len(blocks) - self.max_blocks)
-        return [b for b, k in zip(blocks, keep) if k]
+        return result.blocks
 
     def persist_namespace(self, ns_id: str, fields: dict) -> None:
         self.writer.put_namespace(ns_id.encode(), fields)

@@ -34,6 +34,35 @@ from kvstore.tiers.pages import contiguous_runs
 log = logging.getLogger(__name__)
 
 
+def open_data_file(data_path: str, capacity_bytes: int, direct: bool | None) -> tuple[int, bool, str]:
+    """The data file at `data_path`, preallocated to `capacity_bytes` (cut to it where it was larger: the
+    records beyond are dropped at load), opened for O_DIRECT unless `direct` is False or its filesystem
+    refuses it: (fd, whether O_DIRECT, why not)."""
+    fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size > capacity_bytes:
+            os.ftruncate(fd, capacity_bytes)
+        os.posix_fallocate(fd, 0, capacity_bytes)
+    finally:
+        os.close(fd)
+    if direct is False:
+        return os.open(data_path, os.O_RDWR), False, "disabled by configuration"
+    try:
+        fd = os.open(data_path, os.O_RDWR | os.O_DIRECT)
+        probe = mmap.mmap(-1, ALIGN)
+        try:
+            os.preadv(fd, [probe], 0)
+        finally:
+            probe.close()
+        return fd, True, ""
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        reason = f"the filesystem of {os.path.dirname(data_path)} refuses O_DIRECT ({exc.strerror})"
+        log.warning("disk tier: buffered I/O with fdatasync: %s", reason)
+        return os.open(data_path, os.O_RDWR), False, reason
+
+
 @dataclass(slots=True)
 class ReadCounters:
     reads: int = 0  # blocks read and verified (or not)

@@ -21,7 +21,8 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.base import RecoveredBlock
-from kvstore.tiers.record_scan import RecordScan, describe, page_runs, store_key
+from kvstore.tiers.disk_slot import extents_of
+from kvstore.tiers.record_scan import RecordScan, describe, page_runs, record_key, store_key
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -37,11 +38,14 @@ class DiskScan(RecordScan[ScanResult]):
     """One background read of a disk tier's block records."""
 
     def __init__(self, env: lmdb.Environment, db: object, page_bytes: int, num_pages: int,
-                 location: Callable[[list, int, str | None, int], object], decodes: bool = False) -> None:
+                 location: Callable[[list, int, str | None, int], object], decodes: bool = False,
+                 max_blocks: int | None = None) -> None:
         """`location(extents, checksum, codec, size)`: the tier's location of a recovered block (`codec`
         the tag of an encoded block's codec, else None; `size` the block's own size); `decodes`: whether
-        the tier can decode encoded blocks (if not, their records are bad)."""
+        the tier can decode encoded blocks (if not, their records are bad); `max_blocks`: the most it
+        keeps (`newest`)."""
         self._decodes = decodes
+        self._max_blocks = max_blocks
         self.page_bytes, self.num_pages = page_bytes, num_pages
         self._location = location
         super().__init__(env, db, "kvstore-disk-scan")
@@ -70,4 +74,24 @@ class DiskScan(RecordScan[ScanResult]):
         if found.bad:
             log.warning("disk tier: %d unusable index records (deleted): %s", len(found.bad),
                         describe(found.reasons))
-        return ScanResult(found.kept, found.bad, found.taken, time.monotonic() - t0)
+        kept = found.kept
+        if self._max_blocks is not None and len(kept) > self._max_blocks:  # (the tier's cap was lowered)
+            kept = newest(kept, self._max_blocks, found.taken, found.bad, pb)
+        return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0)
+
+
+def newest(blocks: list[RecoveredBlock], most: int, taken: np.ndarray, bad: list[bytes], page_bytes: int) -> list:
+    """The `most` of `blocks` that reached the disk last, in their order; the others' pages are marked free
+    in `taken` and their record keys added to `bad`. As a smaller budget at a restart keeps what fits, a
+    lower cap keeps the newest (a block reaches the disk before its parent: the oldest are leaves, and a
+    block whose parent went is an orphan the recovery frees)."""
+    stamps = np.fromiter((b.stamp for b in blocks), dtype=np.float64, count=len(blocks))
+    keep = np.zeros(len(blocks), dtype=bool)
+    keep[np.argsort(stamps, kind="stable")[len(blocks) - most :]] = True
+    for i in np.flatnonzero(~keep):
+        for offset, length in extents_of(blocks[i].location):
+            taken[offset // page_bytes : (offset + length - 1) // page_bytes + 1] = False
+        bad.append(record_key(blocks[i].key))
+    log.warning("disk tier: %d blocks, more than max_blocks %d: the %d that reached it first are dropped",
+                len(blocks), most, len(blocks) - most)
+    return [b for b, k in zip(blocks, keep) if k]
