@@ -4,8 +4,9 @@
 A disk tier of millions of blocks takes seconds to minutes to read its index.
 A record becomes a `RecoveredBlock` when it is kept (tiers/record_scan.py:
 well formed, inside the data file, its pages its own) and has a checksum; the
-others are *bad*: the tier deletes them. `taken` marks the pages the kept ones
-hold. Until the tier has taken the result, it knows no free page and so
+others are *bad*: the tier deletes them, and so are the oldest past the tier's
+`max_blocks` (a cap lowered since: `newest`). `taken` marks the pages the kept
+ones hold. Until the tier has taken the result, it knows no free page and so
 takes no block (tiers/disk.py): no write can land on a page a record it has
 not read yet points at.
 """
