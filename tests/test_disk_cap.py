@@ -213,3 +213,51 @@ def test_the_kept_arena_s_index_map_is_sized_for_its_pages(monkeypatch):
         assert host.index.env.info()["map_size"] == 2 * MAP_FLOOR
     finally:
         host.close(unlink=True)
+
+
+def test_a_daemon_holds_its_disk_at_the_cap_and_a_lowered_one_at_its_restart(tmp_path):
+    """Separate processes: a daemon whose disk tier is capped at 300 blocks takes 1,536 through a host tier
+    of 256, keeps 300 on disk (its stats and metrics say so), and serves the newest chain; restarted with a
+    cap of 100 it keeps 100 of them and serves what it kept, byte-identical."""
+    from kvstore.client import KVClient
+    from kvstore.keys import Namespace
+    from kvstore.tools.harness.daemon_proc import start_daemon
+    from tests.helpers import poll
+
+    ns_small = Namespace("capped", "bf16", 1, 1, 8, 16, 4096)
+    config = tmp_path / "kvstore.toml"
+
+    def configure(max_blocks: int) -> None:
+        config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\ncapacity = {4096 * 4096}\npage_size = 4096\n'
+                          f"max_blocks = {max_blocks}\n")
+
+    configure(300)
+    flags = dict(host_bytes=str(256 * 4096), page_bytes="4096", disk=True)
+    chains = [chain_hashes(s, 64) for s in range(24)]
+    d = start_daemon(tmp_path, "--config", str(config), **flags)
+    try:
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            for hs in chains:
+                assert c.put(ns, [(h, p, payload_bytes(h, 4096)) for h, p in zip(hs, [None] + hs[:-1])]) == 64
+            disk = c.stats()["tiers"]["disk"]
+            assert disk["max_blocks"] == 300 and disk["held_blocks"] == 300 and disk["evictions"] > 0
+            assert c.lookup(ns, chains[-1]).hits == 64
+        status, body = d.http("/metrics")
+        assert status == 200 and 'kvstore_held_blocks{tier="disk"} 300.0' in body.decode()
+        assert d.check() == []
+        d.stop()  # (its kept arena removed: the restart starts from the disk alone)
+        configure(100)
+        d = start_daemon(tmp_path, "--config", str(config), name=d.name, **flags)
+        with KVClient(d.socket_path) as c:
+            ns = c.register(ns_small)
+            poll(lambda: "recovery" not in c.stats(), 60, "the background recovery")
+            disk = c.stats()["tiers"]["disk"]
+            assert disk["held_blocks"] <= 100 and disk["blocks"] > 0
+            found = [(hs, c.lookup(ns, hs).hits) for hs in chains]
+            hs, n = next((hs, n) for hs, n in reversed(found) if n)
+            got = c.get(ns, hs[:n])
+            assert all(g is not None and g.tobytes() == payload_bytes(h, 4096) for g, h in zip(got, hs))
+        assert d.check() == []
+    finally:
+        d.stop()
