@@ -29,4 +29,5 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     assert r["memory_parts_blocks"] > 0 and r["memory_parts"]["keys"] == 64.0
     assert r["memory_parts"]["disk locations"] > 0 and r["memory_parts"]["total"] > 0
     verdicts = out[out.index("goals:") + 1 : -1]  # a line per goal, before the JSON
-    assert len(verdicts) == 6 and all(v.startswith(("  [met]", "  [NOT met]")) for v in verdicts)
+    assert len(verdicts) == 6 and all(v.startswith(("  [met]", "  [NOT met]", "  [not run]")) for v in verdicts)
+    assert sum(v.startswith("  [not run]") for v in verdicts) == 2  # one size, no mooncake_master: not judged
