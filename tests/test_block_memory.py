@@ -21,6 +21,13 @@ def test_a_store_of_host_and_disk_blocks_is_measured_part_by_part(capsys):
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), abs=0.2)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo"])
+def test_every_policy_s_parts_are_measured(capsys, policy):
+    assert main(["--blocks", "2048", "--host-blocks", "512", "--policy", policy, "--json"]) == 0
+    parts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert parts["disk policy table"] > 0 and parts["keys"] == 64.0 and parts["total"] > 300
+
+
 def test_an_object_many_refer_to_is_split_between_them():
     holders = [[float("1.5")]]  # a list its holder's alone, with a float of its own
     alone = _owned(holders[0], {})  # (measured outside the asserts: pytest's rewriting holds references)

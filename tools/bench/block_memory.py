@@ -23,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from itertools import islice
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
@@ -79,7 +79,8 @@ def _experts(experts: object) -> int:
 
 def _policy(name: str, policy: object, keys: dict, every: int, n: int) -> dict[str, float]:
     """Bytes a block of the store's (`n`) of one tier's policy: its table and records (a `LeafQueues`'s
-    `tracked`, or its own dictionaries of keys), its history and its experts."""
+    `tracked`, or its own dictionaries of the blocks' keys), its history (a ghost table, or lists of the keys
+    it evicted) and its experts."""
     out: dict[str, float] = {}
     tables = []
     leaves = getattr(policy, "_leaves", None)
@@ -93,9 +94,14 @@ def _policy(name: str, policy: object, keys: dict, every: int, n: int) -> dict[s
         records += sum(_record(r, keys) for r in sample) * (len(d) / max(1, len(sample)))
     out[f"{name} policy table"] = table / n
     out[f"{name} policy records"] = records / n
-    ghost = getattr(policy, "_ghost", None)
-    if ghost is not None:
-        out[f"{name} policy history"] = ghost.ghosts.nbytes / n
+    history = 0  # its ghost table's arrays, or its ghost lists (keys of evicted blocks: their keys are theirs)
+    for v in vars(policy).values():
+        if hasattr(v, "ghosts"):  # (a GhostTable: eviction/leaves.py)
+            history += v.ghosts.nbytes
+        elif isinstance(v, OrderedDict) and v and next(iter(v)) not in keys:
+            history += sys.getsizeof(v) + sum(_size(k) for k in v)
+    if history:
+        out[f"{name} policy history"] = history / n
     experts = getattr(policy, "experts", None)
     if experts is not None:
         out[f"{name} policy experts"] = _experts(experts) / n
