@@ -39,7 +39,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -66,8 +66,11 @@ class _TierRecovery:
     started: float = field(default_factory=time.monotonic)
     blocks: list = field(default_factory=list)  # read, not yet indexed
     pos: int = 0  # the next of `blocks` to index
-    records: dict = field(default_factory=dict)  # key -> (RecoveredBlock, parent key): indexed, not adopted
-    children: defaultdict = field(default_factory=lambda: defaultdict(list))  # parent key -> keys of `records`
+    # What waits for adoption holds most of a restart's memory (10^7 disk records): a record is kept as its
+    # RecoveredBlock alone (its parent's key is made again when it is adopted), and a parent's waiting
+    # children as one key where there is one (a chain's), not a list.
+    records: dict = field(default_factory=dict)  # key -> RecoveredBlock: indexed, not adopted
+    children: dict = field(default_factory=dict)  # parent key -> the key, or a list of the keys, of `records`
     frontier: list = field(default_factory=list)  # keys of `records` whose parent was indexed
     copies: list = field(default_factory=list)  # records of keys indexed in a faster tier
     stale: list = field(default_factory=list)  # records a newer one replaced: pages freed once it is durable
@@ -147,7 +150,7 @@ class Recovery:
                 chain = []
                 while key in r.records and key not in chain:
                     chain.append(key)
-                    key = r.records[key][1]
+                    key = self._parent_key(r.records[key])
                 for k in reversed(chain):
                     if not self._adopt_one(r, k, adopted):
                         break
@@ -200,8 +203,8 @@ class Recovery:
         if r.stage == "copies":
             self._take_copies(r, budget)
             if not r.copies:
-                r.blocks, r.stage = [b for b, _ in r.records.values()], "orphans"
-                r.records, r.children = {}, defaultdict(list)
+                r.blocks, r.stage = list(r.records.values()), "orphans"
+                r.records, r.children = {}, {}
             return True
         for b in self._take(r, budget):  # orphans: unreachable from a root
             self._release(r, b)
@@ -240,21 +243,27 @@ class Recovery:
                     self._release(r, b)
                 continue
             parent = None if b.parent in (None, b"", ROOT_HASH) else block_key(ns.anchor or ns_id, b.parent)
-            r.records[b.key] = (b, parent)
+            r.records[b.key] = b
             if parent is None or index.get(parent) is not None:
                 r.frontier.append(b.key)
             else:
-                r.children[parent].append(b.key)
+                kids = r.children.get(parent)
+                if kids is None:
+                    r.children[parent] = b.key
+                elif type(kids) is list:
+                    kids.append(b.key)
+                else:
+                    r.children[parent] = [kids, b.key]
         r.pos = end
         return r.pos >= len(r.blocks)
 
     def _adopt_one(self, r: _TierRecovery, key: Key, adopted: list[tuple[float, Entry]]) -> bool:
         """Adopt the record of `key` if it still can be (its parent indexed, no faster than it); False
         when it cannot now."""
-        item = r.records.get(key)
-        if item is None:
+        b = r.records.get(key)
+        if b is None:
             return False  # adopted already (on demand)
-        b, parent_key = item
+        parent_key = self._parent_key(b)
         tier, index = r.tier, self.index
         parent = index.get(parent_key) if parent_key is not None else None
         if parent_key is not None and (parent is None or RANK[parent.tier] > RANK[tier.name]):
@@ -279,6 +288,13 @@ class Recovery:
         r.adopted += 1
         return True
 
+    def _parent_key(self, b: RecoveredBlock) -> Key | None:
+        """The key of `b`'s parent (None: a root); its namespace is registered (`_index` checked)."""
+        if b.parent in (None, b"", ROOT_HASH):
+            return None
+        ns_id = key_ns(b.key)
+        return block_key(self.placement.shared.namespaces[ns_id].anchor or ns_id, b.parent)
+
     def _faster(self, r: _TierRecovery) -> list[_TierRecovery]:
         out = []
         for other in self._pending:
@@ -291,8 +307,10 @@ class Recovery:
         """`key` is in the index: the records waiting for it as their parent, in any tier, may be adopted."""
         for other in self._pending:
             kids = other.children.pop(key, None)
-            if kids:
+            if type(kids) is list:
                 other.frontier.extend(kids)
+            elif kids is not None:
+                other.frontier.append(kids)
 
     def _enter_policy(self, adopted: list[tuple[float, Entry]]) -> None:
         if adopted:

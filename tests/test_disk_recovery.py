@@ -105,6 +105,36 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
     assert store.check() == []
 
 
+def test_a_root_s_many_children_read_before_it_are_all_adopted(open_store, gate):
+    """Twelve blocks under one root, on disk: the records are read in key order, so children come before
+    their parent and wait for it (a list of them, where one child waits as its key alone); once the root
+    is adopted every child is, in the background and on demand alike."""
+    root = chain_hashes(5, 1)
+    kids = [chain_hashes(100 + i, 1) for i in range(12)]
+    gate.set()
+    store = open_store()
+    put(store, root)
+    for k in kids:
+        put(store, k, parent=root[0])
+    for salt in range(500, 600):  # fillers until every block is on disk
+        if all(store.lookup(NS.id, root + k).tiers == ("disk", "disk") for k in kids):
+            break
+        put(store, chain_hashes(salt, 2))
+    store.flush()
+    store.close()
+    for on_demand in (True, False):
+        store = open_store(background=True)
+        while store.recovery.scanning or store.recovery.stats()["disk"]["stage"] == "index":
+            store.recovery.step(100)
+        if on_demand:  # a request names a child: its root is adopted first, then it
+            assert store.lookup(NS.id, root + kids[7]).hits == 2
+        store.wait_recovered()
+        assert all(store.lookup(NS.id, root + k).hits == 2 for k in kids)
+        assert read(store, root + kids[3]) == [payload_bytes(h, BLOCK) for h in root + kids[3]]
+        assert store.check() == []
+        store.close()
+
+
 def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(open_store, gate):
     chain = chain_hashes(1, 6)
     gate.set()

@@ -55,6 +55,7 @@ class DiskScan(RecordScan[ScanResult]):
         t0 = time.monotonic()
         pb, capacity = self.page_bytes, self.page_bytes * self.num_pages
         unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
+        sizes: dict[int, int] = {}  # one int a block size, not one (32 B) a record: millions wait for adoption
 
         def parse(rkey: bytes, raw: bytes) -> tuple[RecoveredBlock, list]:
             key = store_key(rkey)
@@ -67,6 +68,7 @@ class DiskScan(RecordScan[ScanResult]):
             if codec is not None and not (decodes and isinstance(codec, str)):
                 raise TypeError("an encoded block and no decoder")
             size = rec["n"] if codec is None else rec["z"]
+            size = sizes.setdefault(size, size)
             return RecoveredBlock(key, rec.get("p"), size, location(extents, checksum, codec, size),
                                   rec.get("a"), rec.get("t", 0.0)), runs
 
