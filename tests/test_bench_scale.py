@@ -18,7 +18,7 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     r = rows[0]
     assert r["indexed_blocks"] == 10_000 and r["host_blocks"] == 2048 and r["churn_blocks"] == 5_000
     for key in ("rss_bytes_per_block", "lookup_p50_ms", "lookup_p99_ms", "read_us_per_block",
-                "write_full_us_per_block", "restart_s", "disk_recovery_s"):
+                "write_full_us_per_block", "restart_s", "disk_recovery_s", "rss_bytes_per_block_restarted"):
         assert r[key] > 0, key
     assert r["lookup_p99_ms"] >= r["lookup_p50_ms"]
     assert r["kept"] == r["sampled"] > 0  # every sampled block found again after the restart

@@ -46,7 +46,11 @@ down to the disk tier. Then, against that daemon:
   blocks of a sample of chains found right after the ready line, found once
   the daemon's background recovery is done (`recovered_s` after the start,
   from the ready line to the log line of the disk tier's recovery), against
-  found before the stop;
+  found before the stop; `rss_bytes_per_block_restarted`: the restarted
+  daemon's anonymous memory per indexed block once its recovery is done, over
+  the first daemon's baseline as `rss_bytes_per_block` is (the
+  records it read wait for adoption as Python objects, and what they free
+  stays with the process: compare `rss_bytes_per_block`);
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -133,12 +137,16 @@ def settled(stats: dict) -> bool:
             and disk.get("pending_writes", 0) == 0)
 
 
-def wait_settled(client: KVClient, timeout_s: float = 600) -> None:
+def poll_until(done, what: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
-    while not settled(client.stats()):
+    while not done():
         if time.monotonic() > deadline:
-            raise SystemExit("the daemon did not write its records down in time")
+            raise SystemExit(f"the daemon did not {what} in time")
         time.sleep(0.1)
+
+
+def wait_settled(client: KVClient, timeout_s: float = 600) -> None:
+    poll_until(lambda: settled(client.stats()), "write its records down", timeout_s)
 
 
 def write_config(folder: str, n: int, host_blocks: int, policy: str, event_loop: str = "auto") -> tuple[str, int, int]:
@@ -428,8 +436,11 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                 time.sleep(0.1)
             recovered_s = time.perf_counter() - t1
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
+            poll_until(lambda: "recovery" not in client.stats(), "finish its recovery")  # (after its log line)
+            restarted = (rss_anon(d.proc.pid) - rss0) / client.stats()["blocks"]  # (the first daemon's baseline)
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
-                   kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3))
+                   kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3),
+                   rss_bytes_per_block_restarted=round(restarted, 1))
     finally:
         d.stop(timeout=600)
         shutil.rmtree(sockets, ignore_errors=True)
