@@ -132,8 +132,6 @@ async def clear_in_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> i
     removed = await run_in_steps(_muted(clear_steps(store, step), store))
     listeners = store.shared.listeners
     listeners.cleared(list(store.shared.namespaces))
-    report = store.report_all(step)
-    assert report is not None
-    for _ in report:
+    for _ in store.report_steps(step):
         await asyncio.sleep(0)
     return removed

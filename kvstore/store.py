@@ -481,11 +481,13 @@ class TieredStore:
         self.report_all()
         return removed
 
-    def report_all(self, step: int | None = None) -> Iterator[None] | None:
-        """Report every committed block as stored in each tier holding it (after a `cleared`: the
-        daemon's start, or a resync); with `step`, an iterator doing it `step` blocks at a time."""
-        tiers = [t.name for t in self.chain]
-        return self.index.report_all(tiers) if step is None else self.index.report_steps(tiers, step)
+    def report_all(self) -> None:
+        """Report every committed block as stored in each tier holding it (after a `cleared`: a start)."""
+        self.index.report_all([t.name for t in self.chain])
+
+    def report_steps(self, step: int) -> Iterator[None]:
+        """`report_all` a step of blocks at a time (a resync of the KV events, an admin clear)."""
+        return self.index.report_steps([t.name for t in self.chain], step)
 
     def _adopt_recovered(self, ns_id: str, hashes: Sequence[bytes]) -> None:
         if self.recovery.active:

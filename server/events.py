@@ -141,9 +141,7 @@ class EventPublisher:
         self.flush(force=True)  # what came since the drop goes first; the snapshot below supersedes it
         self.lost = False
         self.cleared(list(store.shared.namespaces))
-        steps = store.report_all(step)
-        assert steps is not None
-        for _ in steps:
+        for _ in store.report_steps(step):
             self.flush(force=True)
             yield
         self.flush(force=True)
