@@ -44,40 +44,72 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from kvstore.entry import RANK, Entry, Key
 from kvstore.errors import NamespaceError
 from kvstore.index import BlockIndex
-from kvstore.keys import ROOT_HASH, Namespace, block_key, key_ns
+from kvstore.keys import Namespace, block_key, key_ns
 from kvstore.placement import Placement
-from kvstore.tiers.base import RecoveredBlock, Tier
+from kvstore.tiers.base import Tier
+from kvstore.tiers.recovered import Recovered, RowFinder
 
 log = logging.getLogger(__name__)
 
 STAGES = ("scan", "index", "adopt", "copies", "orphans")
 
 
+SORTING, PENDING, GONE = 0, 1, 2  # a record's state: not sorted yet; waiting for adoption; adopted or let go
+
+
 @dataclass
 class _TierRecovery:
-    """One tier's recovery in progress, stage by stage (`STAGES`)."""
+    """One tier's recovery in progress, stage by stage (`STAGES`). Its records are the rows of columns
+    (tiers/recovered.py), and what the stages keep of a row is a byte and two ints in arrays: what waits
+    for adoption is most of a restart's memory (10^7 disk records), and as objects a record was ~600 B
+    that stayed with the daemon once freed."""
 
     tier: Tier
     kept_records: int = 0  # the block records the tier found at open
     stage: str = "scan"
     started: float = field(default_factory=time.monotonic)
-    blocks: list = field(default_factory=list)  # read, not yet indexed
-    pos: int = 0  # the next of `blocks` to index
-    # What waits for adoption holds most of a restart's memory (10^7 disk records): a record is kept as its
-    # RecoveredBlock alone (its parent's key is made again when it is adopted), and a parent's waiting
-    # children as one key where there is one (a chain's), not a list.
-    records: dict = field(default_factory=dict)  # key -> RecoveredBlock: indexed, not adopted
-    children: dict = field(default_factory=dict)  # parent key -> the key, or a list of the keys, of `records`
-    frontier: list = field(default_factory=list)  # keys of `records` whose parent was indexed
-    copies: list = field(default_factory=list)  # records of keys indexed in a faster tier
-    stale: list = field(default_factory=list)  # records a newer one replaced: pages freed once it is durable
+    rows: Recovered = field(default_factory=Recovered)  # the records read (none while the tier scans)
+    finder: RowFinder | None = None  # a key's row
+    state: bytearray = field(default_factory=bytearray)  # per row: SORTING, PENDING or GONE
+    parent_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its parent's row, or -1
+    kids: np.ndarray | None = None  # the rows that have a parent row, grouped by it (once all are sorted)
+    kids_at: np.ndarray | None = None  # row p's children: kids[kids_at[p] : kids_at[p + 1]]
+    outside: dict = field(default_factory=dict)  # a parent key no row holds -> the row (or a list) waiting for it
+    pos: int = 0  # the next row to sort (index stage), or of `orphan_rows` to free (orphans stage)
+    waiting: int = 0  # rows PENDING (orphans stage: orphans not freed yet)
+    frontier: list = field(default_factory=list)  # PENDING rows whose parent was indexed
+    copies: list = field(default_factory=list)  # rows of keys indexed in a faster tier
+    stale: list = field(default_factory=list)  # rows a newer record replaced: pages freed once it is durable
+    orphan_rows: np.ndarray | None = None
     adopted: int = 0
     num_copies: int = 0
     orphans: int = 0
     dropped: int = 0
+
+    def load(self, rows: Recovered) -> None:
+        """The tier's records are read: they are sorted next."""
+        self.rows, self.finder = rows, rows.finder()
+        self.state = bytearray(len(rows))
+        self.parent_row = np.full(len(rows), -1, np.int64)
+        self.stage = "index"
+
+    def pending(self, key: Key) -> bool:
+        """`key`'s record here waits for adoption."""
+        if not self.waiting or self.finder is None or self.stage == "orphans":
+            return False
+        row = self.finder.find(key)
+        return row >= 0 and self.state[row] == PENDING
+
+    def children(self, row: int) -> list[int]:
+        """The rows whose parent is `row` (none before all rows are sorted)."""
+        if self.kids is None:
+            return []
+        return self.kids[self.kids_at[row] : self.kids_at[row + 1]].tolist()  # type: ignore[index]
 
 
 class Recovery:
@@ -98,7 +130,7 @@ class Recovery:
             _register(tier, namespaces, register)
             r = _TierRecovery(tier, kept)
             if not tier.scanning:
-                r.blocks, r.stage = blocks, "index"
+                r.load(_rows(blocks))
             self._pending.append(r)
 
     @property
@@ -130,7 +162,7 @@ class Recovery:
             while self._pending:
                 r = self._pending[0]
                 if r.stage == "scan":
-                    r.blocks, r.stage = r.tier.scanned(wait=True) or [], "index"
+                    r.load(_rows(r.tier.scanned(wait=True)))
                 while self._advance(r, None):
                     pass
                 if r.stale:
@@ -143,14 +175,17 @@ class Recovery:
         for r in self._pending:
             if not self._may_adopt(r):
                 return
-            if not r.records:
+            if not r.waiting or r.finder is None:
                 continue
             adopted: list[tuple[float, Entry]] = []
-            for key in keys:
-                chain = []
-                while key in r.records and key not in chain:
-                    chain.append(key)
-                    key = self._parent_key(r.records[key])
+            found = r.finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys)))
+            for key, row in zip(keys, found.tolist()):
+                if row >= 0 and r.rows.keys[row] != key:
+                    row = r.finder.find(key)
+                chain: list[int] = []
+                while row >= 0 and r.state[row] == PENDING and row not in chain:
+                    chain.append(row)
+                    row = int(r.parent_row[row])
                 for k in reversed(chain):
                     if not self._adopt_one(r, k, adopted):
                         break
@@ -169,7 +204,7 @@ class Recovery:
         """Per tier being recovered: its stage, the records it kept, those read and waiting, the blocks adopted
         so far, seconds since it began."""
         return {r.tier.name: {"stage": r.stage, "kept_records": r.kept_records,
-                              "waiting_records": len(r.blocks) - r.pos + len(r.records),
+                              "waiting_records": (len(r.rows) - r.pos if r.stage == "index" else 0) + r.waiting,
                               "adopted_blocks": r.adopted, "elapsed_s": round(time.monotonic() - r.started, 3)}
                 for r in self._pending}
 
@@ -180,11 +215,12 @@ class Recovery:
         if r.stage == "scan":
             blocks = r.tier.scanned()
             if blocks is not None:
-                r.blocks, r.stage = blocks, "index"
+                r.load(_rows(blocks))
             return True
         if r.stage == "index":
             if self._index(r, budget):
-                r.blocks, r.pos, r.stage = [], 0, "adopt"
+                self._link(r)
+                r.pos, r.stage = 0, "adopt"
             return True
         if r.stage == "adopt":
             if not self._may_adopt(r):
@@ -196,104 +232,147 @@ class Recovery:
                 n += 1
             self._enter_policy(adopted)
             if not r.frontier and first:
-                r.copies.sort(key=lambda b: b.stamp)  # the copies index is oldest first
+                r.copies.sort(key=r.rows.stamps.__getitem__)  # the copies index is oldest first
                 r.copies.reverse()
                 r.stage = "copies"
             return True
         if r.stage == "copies":
             self._take_copies(r, budget)
-            if not r.copies:
-                r.blocks, r.stage = list(r.records.values()), "orphans"
-                r.records, r.children = {}, {}
+            if not r.copies:  # what still waits is unreachable from a root: an orphan, let go
+                state = np.frombuffer(r.state, np.uint8)
+                r.orphan_rows = np.flatnonzero(state == PENDING)
+                state[r.orphan_rows] = GONE
+                r.kids = r.kids_at = r.finder = None
+                r.outside, r.frontier, r.pos, r.stage = {}, [], 0, "orphans"
             return True
-        for b in self._take(r, budget):  # orphans: unreachable from a root
-            self._release(r, b)
+        rows = r.orphan_rows
+        assert rows is not None
+        end = len(rows) if budget is None else min(len(rows), r.pos + budget)
+        for row in rows[r.pos : end].tolist():
+            self._release(r, row)
             r.orphans += 1
-        if r.blocks:
+            r.waiting -= 1
+        r.pos = end
+        if end < len(rows):
             return True
         self._done(r)
         return False
 
-    def _take(self, r: _TierRecovery, budget: int | None) -> list[RecoveredBlock]:
-        """The next `budget` of `r.blocks` (all: None)."""
-        end = len(r.blocks) if budget is None else min(len(r.blocks), r.pos + budget)
-        out, r.pos = r.blocks[r.pos : end], end
-        if r.pos >= len(r.blocks):
-            r.blocks, r.pos = [], 0
-        return out
-
     def _index(self, r: _TierRecovery, budget: int | None) -> bool:
-        """Sort the next records: adoptable (`records`), copies, or released. True once all are."""
-        tier, index = r.tier, self.index
+        """Sort the next rows: adoptable (PENDING: in `frontier`, or waiting for their parent), copies, or
+        released. True once all are."""
+        tier, index, rows = r.tier, self.index, r.rows
         known = self.placement.shared.namespaces
         keeps_copies = tier.name in index.copies
-        end = len(r.blocks) if budget is None else min(len(r.blocks), r.pos + budget)
-        for b in r.blocks[r.pos : end]:
-            ns_id = key_ns(b.key)
+        keys, nbytes, state = rows.keys, rows.nbytes, r.state
+        end = len(rows) if budget is None else min(len(rows), r.pos + budget)
+        waits: list[int] = []
+        parents: list[Key] = []
+        for row in range(r.pos, end):
+            key = keys[row]
+            ns_id = key_ns(key)
             ns = known.get(ns_id)
-            if ns is None or b.nbytes != ns.block_bytes:
-                self._release(r, b)
+            state[row] = GONE
+            if ns is None or nbytes[row] != ns.block_bytes:
+                self._release(r, row)
                 r.dropped += 1
                 continue
-            e = index.get(b.key)
+            e = index.get(key)
             if e is not None:
                 if keeps_copies and RANK[e.tier] < RANK[tier.name] and tier.name not in (e.copies or ()):
-                    r.copies.append(b)
+                    r.copies.append(row)
                 else:
-                    self._release(r, b)
+                    self._release(r, row)
                 continue
-            parent = None if b.parent in (None, b"", ROOT_HASH) else block_key(ns.anchor or ns_id, b.parent)
-            r.records[b.key] = b
+            state[row] = PENDING
+            r.waiting += 1
+            h = rows.parent(row)
+            parent = None if h is None else block_key(ns.anchor or ns_id, h)
             if parent is None or index.get(parent) is not None:
-                r.frontier.append(b.key)
+                r.frontier.append(row)
             else:
-                kids = r.children.get(parent)
-                if kids is None:
-                    r.children[parent] = b.key
-                elif type(kids) is list:
-                    kids.append(b.key)
-                else:
-                    r.children[parent] = [kids, b.key]
+                waits.append(row)
+                parents.append(parent)
+        if waits:
+            self._wait(r, waits, parents)
         r.pos = end
-        return r.pos >= len(r.blocks)
+        return r.pos >= len(rows)
 
-    def _adopt_one(self, r: _TierRecovery, key: Key, adopted: list[tuple[float, Entry]]) -> bool:
-        """Adopt the record of `key` if it still can be (its parent indexed, no faster than it); False
+    def _wait(self, r: _TierRecovery, waits: list[int], parents: list[Key]) -> None:
+        """Rows `waits` wait for their `parents` (not indexed): a parent that is a record of this tier by
+        its row (`parent_row`), any other by its key (`outside`)."""
+        assert r.finder is not None
+        found = r.finder.find_many(np.fromiter(map(hash, parents), np.int64, len(parents))).tolist()
+        keys, inside, at = r.rows.keys, [], []
+        for row, parent, p in zip(waits, parents, found):
+            if p >= 0 and keys[p] != parent:
+                p = r.finder.find(parent)
+            if p >= 0:
+                inside.append(row)
+                at.append(p)
+                continue
+            kids = r.outside.get(parent)
+            if kids is None:
+                r.outside[parent] = row
+            elif type(kids) is list:
+                kids.append(row)
+            else:
+                r.outside[parent] = [kids, row]
+        if inside:
+            r.parent_row[inside] = at
+
+    def _link(self, r: _TierRecovery) -> None:
+        """Every row is sorted: the children of each row as runs of one array, and those of rows not
+        adopted here whose key is indexed (a faster tier's block, or one written meanwhile) are free to go."""
+        pr = r.parent_row
+        inside = np.flatnonzero(pr >= 0)
+        r.kids = inside[np.argsort(pr[inside], kind="stable")]
+        r.kids_at = np.searchsorted(pr[r.kids], np.arange(len(pr) + 1))
+        state = np.frombuffer(r.state, np.uint8)
+        parents = np.unique(pr[inside])
+        for p in parents[state[parents] == GONE].tolist():
+            if self.index.get(r.rows.keys[p]) is not None:
+                r.frontier.extend(r.children(p))
+
+    def _adopt_one(self, r: _TierRecovery, row: int, adopted: list[tuple[float, Entry]]) -> bool:
+        """Adopt the record of `row` if it still can be (its parent indexed, no faster than it); False
         when it cannot now."""
-        b = r.records.get(key)
-        if b is None:
-            return False  # adopted already (on demand)
-        parent_key = self._parent_key(b)
-        tier, index = r.tier, self.index
+        if r.state[row] != PENDING:
+            return False  # adopted already (on demand), or let go
+        rows, tier, index = r.rows, r.tier, self.index
+        key = rows.keys[row]
+        parent_key = self._parent_key(rows, row)
         parent = index.get(parent_key) if parent_key is not None else None
         if parent_key is not None and (parent is None or RANK[parent.tier] > RANK[tier.name]):
-            return False  # it stays in `records`: an orphan unless its parent comes back
-        del r.records[key]
+            return False  # it stays PENDING: an orphan unless its parent comes back
+        r.state[row] = GONE
+        r.waiting -= 1
         e = index.get(key)
-        if e is not None or any(key in other.records for other in self._faster(r)):
+        if e is not None or any(other.pending(key) for other in self._faster(r)):
             # Indexed meanwhile (written again, or adopted from a faster tier), or about to be adopted from
             # a faster tier: this record is its copy where this tier keeps copies (checked when copies are
             # taken, after the faster tiers), else it goes.
             if tier.name in index.copies and (e is None or RANK[e.tier] < RANK[tier.name]):
-                r.copies.append(b)
+                r.copies.append(row)
             else:
-                self._release(r, b)
+                self._release(r, row)
             if e is not None:
-                self._indexed(key)
+                self._indexed(key, r, row)
             return False
-        e = index.adopt(key, parent, tier.name, b.location, b.attention)
-        adopted.append((b.stamp, e))
+        e = index.adopt(key, parent, tier.name, rows.locations[row], rows.estimate(row))
+        adopted.append((rows.stamps[row], e))
         self.placement.adopted(e)
-        self._indexed(key)
+        self._indexed(key, r, row)
         r.adopted += 1
         return True
 
-    def _parent_key(self, b: RecoveredBlock) -> Key | None:
-        """The key of `b`'s parent (None: a root); its namespace is registered (`_index` checked)."""
-        if b.parent in (None, b"", ROOT_HASH):
+    def _parent_key(self, rows: Recovered, row: int) -> Key | None:
+        """The key of `row`'s parent (None: a root); its namespace is registered (`_index` checked)."""
+        h = rows.parent(row)
+        if h is None:
             return None
-        ns_id = key_ns(b.key)
-        return block_key(self.placement.shared.namespaces[ns_id].anchor or ns_id, b.parent)
+        ns_id = key_ns(rows.keys[row])
+        return block_key(self.placement.shared.namespaces[ns_id].anchor or ns_id, h)
 
     def _faster(self, r: _TierRecovery) -> list[_TierRecovery]:
         out = []
@@ -303,14 +382,20 @@ class Recovery:
             out.append(other)
         return out
 
-    def _indexed(self, key: Key) -> None:
-        """`key` is in the index: the records waiting for it as their parent, in any tier, may be adopted."""
+    def _indexed(self, key: Key, r: _TierRecovery, row: int) -> None:
+        """`key` is in the index (its record `row` of `r`): the records waiting for it as their parent, in
+        any tier, may be adopted."""
         for other in self._pending:
-            kids = other.children.pop(key, None)
-            if type(kids) is list:
-                other.frontier.extend(kids)
-            elif kids is not None:
-                other.frontier.append(kids)
+            if other.outside:
+                kids = other.outside.pop(key, None)
+                if type(kids) is list:
+                    other.frontier.extend(kids)
+                elif kids is not None:
+                    other.frontier.append(kids)
+            if other.kids is not None:
+                at = row if other is r else other.finder.find(key)  # type: ignore[union-attr]
+                if at >= 0:
+                    other.frontier.extend(other.children(at))
 
     def _enter_policy(self, adopted: list[tuple[float, Entry]]) -> None:
         if adopted:
@@ -319,45 +404,47 @@ class Recovery:
 
     def _take_copies(self, r: _TierRecovery, budget: int | None) -> None:
         """Records of blocks indexed in a faster tier become their copies, oldest first."""
-        tier, index, n = r.tier, self.index, 0
+        tier, index, rows, n = r.tier, self.index, r.rows, 0
         while r.copies and (budget is None or n < budget):
-            b = r.copies.pop()
+            row = r.copies.pop()
             n += 1
-            e = index.get(b.key)
+            e = index.get(rows.keys[row])
             if e is not None and RANK[e.tier] < RANK[tier.name] and tier.name not in (e.copies or ()):
-                index.add_copy(e, tier.name, b.location)
+                index.add_copy(e, tier.name, rows.locations[row])
                 r.num_copies += 1
             else:
-                self._release(r, b)
+                self._release(r, row)
 
     # -- records not adopted ----------------------------------------------------------------
-    def _release(self, r: _TierRecovery, b: RecoveredBlock) -> None:
+    def _release(self, r: _TierRecovery, row: int) -> None:
         """Give back the pages of a record that is not adopted, and its index record, unless a newer
         record of the same key lives in the tier now: then only the pages, once that one is durable."""
-        if self._newer(r.tier, b) is None:
-            r.tier.free(b.location, b.key)
+        key, location = r.rows.keys[row], r.rows.locations[row]
+        if self._newer(r.tier, key, location) is None:
+            r.tier.free(location, key)
         else:
-            r.stale.append(b)
+            r.stale.append(row)
             self._release_stale(r)
 
-    def _newer(self, tier: Tier, b: RecoveredBlock) -> object | None:
-        """The location of the record that replaced `b`'s in `tier` (None: none did)."""
-        e = self.index.get(b.key)
+    def _newer(self, tier: Tier, key: Key, location: object) -> object | None:
+        """The location of the record that replaced `key`'s at `location` in `tier` (None: none did)."""
+        e = self.index.get(key)
         if e is None:
             return None
-        location = e.location if e.tier == tier.name else (e.copies or {}).get(tier.name)
-        return location if location is not None and location is not b.location else None
+        newer = e.location if e.tier == tier.name else (e.copies or {}).get(tier.name)
+        return newer if newer is not None and newer is not location else None
 
     def _release_stale(self, r: _TierRecovery) -> None:
         if not r.stale:
             return
         waiting = []
-        for b in r.stale:
-            newer = self._newer(r.tier, b)
+        keys, locations = r.rows.keys, r.rows.locations
+        for row in r.stale:
+            newer = self._newer(r.tier, keys[row], locations[row])
             if newer is not None and not r.tier.durable(newer):
-                waiting.append(b)
+                waiting.append(row)
             else:  # the newer record is durable (or gone, its deletion queued): no record points here
-                r.tier.free(b.location)
+                r.tier.free(locations[row])
         r.stale = waiting
 
     def _done(self, r: _TierRecovery) -> None:
@@ -371,6 +458,11 @@ class Recovery:
         log.info("%s tier: recovered %d blocks and %d copies of blocks in faster tiers, dropped %d orphans in "
                  "%.2f s; %s", name, r.adopted, r.num_copies, r.orphans, time.monotonic() - r.started,
                  r.tier.stats())
+
+
+def _rows(blocks: Recovered | list | None) -> Recovered:
+    """A tier's records as columns (a tier gives a list of `RecoveredBlock`s where it has few)."""
+    return blocks if isinstance(blocks, Recovered) else Recovered.of(blocks or [])
 
 
 def _register(tier: Tier, namespaces: list, register: Callable[[Namespace], str]) -> None:

@@ -105,6 +105,7 @@ from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, D
 from kvstore.tiers.host import copy_segments
 from kvstore.tiers.pages import adjacent_groups
 from kvstore.tiers.record_scan import map_bytes, record_key, store_key
+from kvstore.tiers.recovered import Recovered
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ class DiskTier(Tier):
         with self.env.begin(db=self._db_blocks) as txn:
             return txn.stat(self._db_blocks)["entries"]
 
-    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+    def scanned(self, wait: bool = False) -> Recovered | list | None:
         """The blocks the scan of the index found (once; None while it runs, unless `wait`). From then on
         the tier knows its free pages: it allocates, and the writer formats what is free."""
         if self._scan is None:
@@ -393,9 +394,9 @@ class DiskTier(Tier):
         for key in result.bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
-        for block in result.blocks:
-            if codec_of(block.location) is not None:
-                self._held_compressed(block.location, +1)
+        for location in result.blocks.locations:
+            if codec_of(location) is not None:
+                self._held_compressed(location, +1)
         self.counters.recovered_records = len(result.blocks)
         self.counters.dropped_records += len(result.bad)
         self.scan_s = result.seconds

@@ -2,7 +2,7 @@
 (tiers/record_scan.py).
 
 A disk tier of millions of blocks takes seconds to minutes to read its index.
-A record becomes a `RecoveredBlock` when it is kept (tiers/record_scan.py:
+A record becomes a row of `Recovered` columns when it is kept (tiers/record_scan.py:
 well formed, inside the data file, its pages its own) and has a checksum; the
 others are *bad*: the tier deletes them, and so are the oldest past the tier's
 `max_blocks` (a cap lowered since: `newest`). `taken` marks the pages the kept
@@ -21,15 +21,15 @@ import lmdb
 import msgpack
 import numpy as np
 
-from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.disk_slot import extents_of
+from kvstore.tiers.recovered import Recovered
 from kvstore.tiers.record_scan import RecordScan, describe, page_runs, record_key, store_key
 
 log = logging.getLogger("kvstore.tiers.disk")
 
 
 class ScanResult(NamedTuple):
-    blocks: list[RecoveredBlock]
+    blocks: Recovered
     bad: list[bytes]  # record keys to delete
     taken: np.ndarray  # per page: held by a good record
     seconds: float
@@ -57,7 +57,7 @@ class DiskScan(RecordScan[ScanResult]):
         unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
         sizes: dict[int, int] = {}  # one int a block size, not one (32 B) a record: millions wait for adoption
 
-        def parse(rkey: bytes, raw: bytes) -> tuple[RecoveredBlock, list]:
+        def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
             key = store_key(rkey)
             rec = unpack(raw)
             extents, checksum = rec["e"], rec["x"]
@@ -69,32 +69,33 @@ class DiskScan(RecordScan[ScanResult]):
                 raise TypeError("an encoded block and no decoder")
             size = rec["n"] if codec is None else rec["z"]
             size = sizes.setdefault(size, size)
-            return RecoveredBlock(key, rec.get("p"), size, location(extents, checksum, codec, size),
-                                  rec.get("a"), rec.get("t", 0.0)), runs
+            return (key, rec.get("p"), size, location(extents, checksum, codec, size), rec.get("a"),
+                    rec.get("t", 0.0)), runs
 
         with self._env.begin(db=self._db) as txn:
-            found = self._read(txn, self.num_pages, parse)
+            found = self._read(txn, self.num_pages, parse, into=Recovered)
         if found.bad:
             log.warning("disk tier: %d unusable index records (deleted): %s", len(found.bad),
                         describe(found.reasons))
         kept = found.kept
         if self._max_blocks is not None and len(kept) > self._max_blocks:  # (the tier's cap was lowered)
             kept = newest(kept, self._max_blocks, found.taken, found.bad, pb)
+        kept.finder()  # (its sort, here: NumPy lets the event loop run meanwhile)
         return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0)
 
 
-def newest(blocks: list[RecoveredBlock], most: int, taken: np.ndarray, bad: list[bytes], page_bytes: int) -> list:
+def newest(blocks: Recovered, most: int, taken: np.ndarray, bad: list[bytes], page_bytes: int) -> Recovered:
     """The `most` of `blocks` that reached the disk last, in their order; the others' pages are marked free
     in `taken` and their record keys added to `bad`. As a smaller budget at a restart keeps what fits, a
     lower cap keeps the newest (a block reaches the disk before its parent: the oldest are leaves, and a
     block whose parent went is an orphan the recovery frees)."""
-    stamps = np.fromiter((b.stamp for b in blocks), dtype=np.float64, count=len(blocks))
+    stamps = np.frombuffer(blocks.stamps, np.float64)
     keep = np.zeros(len(blocks), dtype=bool)
     keep[np.argsort(stamps, kind="stable")[len(blocks) - most :]] = True
-    for i in np.flatnonzero(~keep):
-        for offset, length in extents_of(blocks[i].location):
+    for i in np.flatnonzero(~keep).tolist():
+        for offset, length in extents_of(blocks.locations[i]):
             taken[offset // page_bytes : (offset + length - 1) // page_bytes + 1] = False
-        bad.append(record_key(blocks[i].key))
+        bad.append(record_key(blocks.keys[i]))
     log.warning("disk tier: %d blocks, more than max_blocks %d: the %d that reached it first are dropped",
                 len(blocks), most, len(blocks) - most)
-    return [b for b, k in zip(blocks, keep) if k]
+    return blocks.take(np.flatnonzero(keep))

@@ -72,6 +72,7 @@ from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
 from kvstore.tiers.host_scan import HostScan
 from kvstore.tiers.pages import Extents, PageAllocator
+from kvstore.tiers.recovered import Recovered
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class HostArena(Tier):
     def scanning(self) -> bool:
         return self._scan is not None
 
-    def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
+    def scanned(self, wait: bool = False) -> Recovered | list | None:
         """The blocks kept in the re-adopted arena (once; None while its records are read, unless `wait`).
         From then on the arena knows its free pages and allocates."""
         if self._scan is None:

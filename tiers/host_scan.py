@@ -19,13 +19,13 @@ import lmdb
 import msgpack
 import numpy as np
 
-from kvstore.tiers.base import RecoveredBlock
 from kvstore.tiers.host_index import _Pending, _Unverified
+from kvstore.tiers.recovered import Recovered
 from kvstore.tiers.record_scan import RecordScan, page_runs, store_key
 
 
 class HostScanResult(NamedTuple):
-    blocks: list[RecoveredBlock]  # the records kept, in key order
+    blocks: Recovered  # the records kept, in key order
     recorded: dict  # key -> record key, of those
     unverified: dict  # key -> _Unverified: the kept records with a checksum
     unchecked: dict  # key -> _Pending: the kept records without one
@@ -54,19 +54,22 @@ class HostScan(RecordScan[HostScanResult]):
             runs = page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
             if not (rec["x"] is None or isinstance(rec["x"], int)):
                 raise TypeError("a checksum that is no int")
-            return (key, rec, bytes(rkey)), runs
+            fields = Recovered.normal((key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0)))
+            return (fields, rec, bytes(rkey)), runs
 
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, capacity_bytes // page_bytes, parse)
-        blocks, recorded, unverified, unchecked = [], {}, {}, {}
+        blocks, recorded, unverified, unchecked = Recovered(), {}, {}, {}
         now = time.monotonic()
-        for key, rec, rkey in found.kept:
+        for fields, rec, rkey in found.kept:
+            key = fields[0]
             e, n, x = rec["e"], rec["n"], rec["x"]
             recorded[key] = rkey
             if x is None:  # checked in the background, like a new record
                 unchecked[key] = _Pending(key, e, n, (rec.get("p"), rec.get("d"), rec.get("a"), rec.get("t")), now)
             else:  # verified before its first read, or in the background
                 unverified[key] = _Unverified(e, n, x)
-            blocks.append(RecoveredBlock(key, rec.get("p"), n, e, rec.get("a"), rec.get("t", 0.0)))
+            blocks.append(fields)
+        blocks.finder()
         return HostScanResult(blocks, recorded, unverified, unchecked, found.bad, found.reasons, found.taken,
                               time.monotonic() - t0)

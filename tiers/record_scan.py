@@ -66,7 +66,7 @@ def record_key(key: Key) -> bytes:
 class Records(NamedTuple):
     """What `_read` found: the items the parse made of the records kept, in key order, and the rest."""
 
-    kept: list
+    kept: Any  # (a list, or what `_read` was given to make)
     bad: list[bytes]  # record keys to delete
     reasons: dict[str, int]  # why they are bad -> how many
     taken: np.ndarray  # per page: held by a kept record
@@ -118,11 +118,13 @@ class RecordScan(Generic[R]):
             yield item
 
     def _read(self, txn: lmdb.Transaction, num_pages: int,
-              parse: Callable[[bytes, bytes], tuple[Any, list[tuple[int, int]]]], one_by_one: bool = False) -> Records:
+              parse: Callable[[bytes, bytes], tuple[Any, list[tuple[int, int]]]], one_by_one: bool = False,
+              into: Callable[[], Any] = list) -> Records:
         """Every record of the snapshot `txn` through `parse(record key, record)` -> (item, its page runs),
-        which raises one of BAD_RECORD for a bad record. `one_by_one`: the pages are marked as each record
+        which raises one of BAD_RECORD for a bad record; the items kept are appended to a new `into()`
+        (whose `append` may raise one of BAD_RECORD too). `one_by_one`: the pages are marked as each record
         is kept, and a record that claims a page marked already is bad too (the slow way, for when two do)."""
-        kept, bad, reasons = [], [], {}
+        kept, bad, reasons = into(), [], {}
         first, last = array("q"), array("q")  # per extent of a kept record: its first page and last + 1
         taken = np.zeros(num_pages, dtype=bool) if one_by_one else None
         for rkey, raw in self._records(txn):
@@ -130,11 +132,11 @@ class RecordScan(Generic[R]):
                 item, runs = parse(rkey, raw)
                 if taken is not None and any(taken[a:b].any() for a, b in runs):
                     raise ValueError("overlaps another block")
+                kept.append(item)
             except BAD_RECORD as exc:
                 bad.append(bytes(rkey))
                 reasons[str(exc)] = reasons.get(str(exc), 0) + 1
                 continue
-            kept.append(item)
             for a, b in runs:
                 if taken is not None:
                     taken[a:b] = True
@@ -144,7 +146,7 @@ class RecordScan(Generic[R]):
         if taken is None:
             taken = _mark_pages(num_pages, first, last)
             if taken is None:  # two records claim a page (never written so): the later ones in key order go
-                return self._read(txn, num_pages, parse, one_by_one=True)
+                return self._read(txn, num_pages, parse, one_by_one=True, into=into)
         return Records(kept, bad, reasons, taken)
 
     def _scan(self) -> R:

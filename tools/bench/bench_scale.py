@@ -48,9 +48,10 @@ down to the disk tier. Then, against that daemon:
   from the ready line to the log line of the disk tier's recovery), against
   found before the stop; `rss_bytes_per_block_restarted`: the restarted
   daemon's anonymous memory per indexed block once its recovery is done, over
-  the first daemon's baseline as `rss_bytes_per_block` is (the
-  records it read wait for adoption as Python objects, and what they free
-  stays with the process: compare `rss_bytes_per_block`);
+  the first daemon's baseline as `rss_bytes_per_block` is, and
+  `rss_bytes_per_block_recovering` the most it held while it recovered
+  (sampled every 0.1 s until the disk tier's log line): what a restart needs
+  beyond what the daemon it replaces held;
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -432,15 +433,19 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
             ns = client.register(NS)
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
+            peak = rss_anon(d.proc.pid)
             while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
                 time.sleep(0.1)
+                peak = max(peak, rss_anon(d.proc.pid))
             recovered_s = time.perf_counter() - t1
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
             poll_until(lambda: "recovery" not in client.stats(), "finish its recovery")  # (after its log line)
-            restarted = (rss_anon(d.proc.pid) - rss0) / client.stats()["blocks"]  # (the first daemon's baseline)
+            blocks = client.stats()["blocks"]
+            restarted = (rss_anon(d.proc.pid) - rss0) / blocks  # (the first daemon's baseline)
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
                    kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3),
-                   rss_bytes_per_block_restarted=round(restarted, 1))
+                   rss_bytes_per_block_restarted=round(restarted, 1),
+                   rss_bytes_per_block_recovering=round((peak - rss0) / blocks, 1))
     finally:
         d.stop(timeout=600)
         shutil.rmtree(sockets, ignore_errors=True)

@@ -1,0 +1,164 @@
+"""The block records a persistent tier found at open, as columns: `Recovered`, one row a record.
+
+A disk tier of 10^7 blocks hands 10^7 records to a restart's recovery (kvstore/recovery.py), which
+adopts them over minutes while the daemon serves. As a Python object each (a `RecoveredBlock`, its
+parent's hash, its time, a slot in a table of records waiting and one in a table of children waiting)
+they held ~600 B a record at their peak, and once freed among the blocks adopted meanwhile most of that
+memory stayed with the daemon (a restarted daemon of 10^7 blocks was at 10.3 GB where the one stopped
+had 4.1). Here a record is a row of flat arrays, outside Python's small-object heap: its parent's hash,
+size, estimate and time, and the 64-bit hash of its key that the recovery finds rows by. Only its key
+and its location are objects, the ones the block index keeps when the block is adopted.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.keys import HASH_BYTES, ROOT_HASH, Key
+from kvstore.tiers.base import RecoveredBlock
+
+_NO_ESTIMATE = float("nan")  # a record without an attention estimate (a stored one is finite: index.py)
+
+
+class Recovered:
+    """Block records, a row each, in the order a tier found them. `append` takes a record's fields and
+    checks their types (a TypeError or ValueError for one that is not a record: the scan's bad record);
+    `row(i)` gives one back as a `RecoveredBlock`, and iterating gives them all (tests, tools)."""
+
+    __slots__ = ("keys", "locations", "parents", "nbytes", "attention", "stamps", "fps", "_odd_parents", "_finder")
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.locations: list[object] = []  # the tier's location of each
+        self.parents = bytearray()  # HASH_BYTES a row: the parent's hash, ROOT_HASH for a root
+        self.nbytes = array("q")
+        self.attention = array("d")  # NaN: none
+        self.stamps = array("d")  # when the block reached the tier (wall clock), 0.0 where unknown
+        self.fps = array("q")  # hash(key): what `find` looks keys up by
+        self._odd_parents: dict[int, bytes] = {}  # row -> a parent hash of another length (its bytes zero)
+        self._finder: RowFinder | None = None
+
+    def finder(self) -> "RowFinder":
+        """The rows by key (made at the first call: a scan makes it in its own thread; rows appended
+        later are not in it)."""
+        if self._finder is None or self._finder.rows != len(self.keys):
+            self._finder = RowFinder(self)
+        return self._finder
+
+    @classmethod
+    def of(cls, blocks: Iterable[RecoveredBlock]) -> "Recovered":
+        out = cls()
+        for b in blocks:
+            out.append(b)
+        return out
+
+    @staticmethod
+    def normal(record: tuple | RecoveredBlock) -> tuple:
+        """`record`, (key, parent hash, size, location, attention estimate, stamp) as a `RecoveredBlock`'s
+        fields, as `append` stores it (no estimate: NaN); a TypeError or ValueError for a field of the
+        wrong type or range (a scan's bad record)."""
+        key, parent, nbytes, location, attention, stamp = record
+        if type(key) is not bytes:
+            raise TypeError("a key that is no bytes")
+        if type(nbytes) is not int or not 0 <= nbytes < 1 << 62:
+            raise ValueError("a size that is no int of 0 to 2^62")
+        if not isinstance(stamp, (int, float)) or not (attention is None or isinstance(attention, (int, float))):
+            raise TypeError("a time or an attention estimate that is no number")
+        estimate, stamp = _NO_ESTIMATE if attention is None else float(attention), float(stamp)
+        if parent is None or parent == b"":
+            parent = ROOT_HASH
+        elif type(parent) is not bytes:
+            raise TypeError("a parent hash that is no bytes")
+        return key, parent, nbytes, location, estimate, stamp
+
+    def append(self, record: tuple | RecoveredBlock) -> None:
+        """One more record (`normal`); nothing is added where it raises."""
+        key, parent, nbytes, location, estimate, stamp = self.normal(record)
+        row = len(self.keys)
+        if len(parent) == HASH_BYTES:
+            self.parents += parent
+        else:
+            self._odd_parents[row] = parent
+            self.parents += bytes(HASH_BYTES)
+        self.nbytes.append(nbytes)
+        self.attention.append(estimate)
+        self.stamps.append(stamp)
+        self.fps.append(hash(key))
+        self.keys.append(key)
+        self.locations.append(location)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def parent(self, row: int) -> bytes | None:
+        """The parent hash of `row`'s record; None for a root."""
+        odd = self._odd_parents.get(row) if self._odd_parents else None
+        if odd is not None:
+            return odd
+        h = bytes(self.parents[row * HASH_BYTES : (row + 1) * HASH_BYTES])
+        return None if h == ROOT_HASH else h
+
+    def estimate(self, row: int) -> float | None:
+        a = self.attention[row]
+        return None if a != a else a
+
+    def row(self, row: int) -> RecoveredBlock:
+        return RecoveredBlock(self.keys[row], self.parent(row), self.nbytes[row], self.locations[row],
+                              self.estimate(row), self.stamps[row])
+
+    def __iter__(self) -> Iterator[RecoveredBlock]:
+        return map(self.row, range(len(self.keys)))
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> "Recovered":
+        """The records of `rows`, in that order."""
+        out = Recovered()
+        rows = np.asarray(rows, dtype=np.int64)
+        parents = np.frombuffer(self.parents, np.uint8).reshape(-1, HASH_BYTES)
+        out.parents = bytearray(parents[rows].tobytes())
+        for name in ("nbytes", "attention", "stamps", "fps"):
+            col = getattr(self, name)
+            setattr(out, name, array(col.typecode, np.frombuffer(col, col.typecode)[rows].tobytes()))
+        out.keys = [self.keys[i] for i in rows.tolist()]
+        out.locations = [self.locations[i] for i in rows.tolist()]
+        if self._odd_parents:
+            at = {int(old): new for new, old in enumerate(rows.tolist())}
+            out._odd_parents = {at[old]: h for old, h in self._odd_parents.items() if old in at}
+        return out
+
+
+class RowFinder:
+    """The rows of `Recovered` records by key: their key hashes sorted once (NumPy's sort, which lets the
+    event loop run: it is made in the scan's thread), then a binary search per key, checked against the
+    row's key (two keys of one 64-bit hash: the lower row is found, the other is not)."""
+
+    __slots__ = ("_keys", "_sorted", "_order", "rows")
+
+    def __init__(self, records: Recovered) -> None:
+        fps = np.frombuffer(records.fps, np.int64) if len(records) else np.zeros(0, np.int64)
+        self._order = np.argsort(fps, kind="stable")
+        self._sorted = fps[self._order]
+        self._keys = records.keys
+        self.rows = len(records)
+
+    def find(self, key: Key) -> int:
+        """The row of `key`; -1 if no record has it."""
+        h = hash(key)
+        i = int(np.searchsorted(self._sorted, h))
+        sorted_, order, keys = self._sorted, self._order, self._keys
+        while i < len(sorted_) and sorted_[i] == h:
+            row = int(order[i])
+            if keys[row] == key:
+                return row
+            i += 1
+        return -1
+
+    def find_many(self, hashes: np.ndarray) -> np.ndarray:
+        """For each of `hashes`, the row of the first record with that key hash, -1 where none (the
+        caller checks the key)."""
+        if not len(self._sorted):
+            return np.full(len(hashes), -1, np.int64)
+        at = np.minimum(np.searchsorted(self._sorted, hashes), len(self._sorted) - 1)
+        return np.where(self._sorted[at] == hashes, self._order[at], -1)
