@@ -42,7 +42,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -81,6 +81,7 @@ class _TierRecovery:
     kids_at: np.ndarray | None = None  # row p's children: kids[kids_at[p] : kids_at[p + 1]]
     outside: dict = field(default_factory=dict)  # a parent key no row holds -> the row (or a list) waiting for it
     pos: int = 0  # the next row to sort (index stage), or of `orphan_rows` to free (orphans stage)
+    sorted: int = 0  # rows sorted (in order, or first where a request named them)
     waiting: int = 0  # rows PENDING (orphans stage: orphans not freed yet)
     frontier: list = field(default_factory=list)  # PENDING rows whose parent was indexed
     copies: list = field(default_factory=list)  # rows of keys indexed in a faster tier
@@ -173,38 +174,44 @@ class Recovery:
     def adopt_now(self, keys: list[Key]) -> None:
         """Adopt the records of `keys` (and of their ancestors) read but not adopted yet, fastest tier first."""
         for r in self._pending:
-            if not self._may_adopt(r):
+            if not self._may_adopt(r, on_demand=True):
                 return
-            if not r.waiting or r.finder is None:
+            if r.finder is None or r.sorted == len(r.rows) and not r.waiting:
                 continue
             adopted: list[tuple[float, Entry]] = []
+            faster = self._faster(r)
             found = r.finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys)))
             for key, row in zip(keys, found.tolist()):
                 if row >= 0 and r.rows.keys[row] != key:
                     row = r.finder.find(key)
                 chain: list[int] = []
-                while row >= 0 and r.state[row] == PENDING and row not in chain:
+                while row >= 0 and row not in chain:
+                    if r.state[row] == SORTING:  # (its tier is sorting its rows: this one first)
+                        self._sort(r, (row,))
+                    if r.state[row] != PENDING:
+                        break
                     chain.append(row)
                     row = int(r.parent_row[row])
                 for k in reversed(chain):
-                    if not self._adopt_one(r, k, adopted):
+                    if not self._adopt_one(r, k, adopted, faster):
                         break
             self._enter_policy(adopted)
 
-    def _may_adopt(self, r: _TierRecovery) -> bool:
-        """`r` has sorted its records and so has every faster tier being recovered."""
+    def _may_adopt(self, r: _TierRecovery, on_demand: bool = False) -> bool:
+        """`r` has sorted its records and so has every faster tier being recovered (`on_demand`: a
+        request's rows, which it sorts first, may be adopted while `r` still sorts the others)."""
         for other in self._pending:
+            if other is r:
+                return other.stage not in ("scan", "index") or on_demand and other.stage == "index"
             if other.stage in ("scan", "index"):
                 return False
-            if other is r:
-                return True
         return False
 
     def stats(self) -> dict:
         """Per tier being recovered: its stage, the records it kept, those read and waiting, the blocks adopted
         so far, seconds since it began."""
         return {r.tier.name: {"stage": r.stage, "kept_records": r.kept_records,
-                              "waiting_records": (len(r.rows) - r.pos if r.stage == "index" else 0) + r.waiting,
+                              "waiting_records": len(r.rows) - r.sorted + r.waiting,
                               "adopted_blocks": r.adopted, "elapsed_s": round(time.monotonic() - r.started, 3)}
                 for r in self._pending}
 
@@ -226,9 +233,9 @@ class Recovery:
             if not self._may_adopt(r):
                 return True
             adopted: list[tuple[float, Entry]] = []
-            n = 0
+            n, faster = 0, self._faster(r)
             while r.frontier and (budget is None or n < budget):
-                self._adopt_one(r, r.frontier.pop(), adopted)
+                self._adopt_one(r, r.frontier.pop(), adopted, faster)
                 n += 1
             self._enter_policy(adopted)
             if not r.frontier and first:
@@ -259,16 +266,25 @@ class Recovery:
         return False
 
     def _index(self, r: _TierRecovery, budget: int | None) -> bool:
-        """Sort the next rows: adoptable (PENDING: in `frontier`, or waiting for their parent), copies, or
-        released. True once all are."""
+        """Sort the next rows (those a request sorted already are skipped). True once all are."""
+        end = len(r.rows) if budget is None else min(len(r.rows), r.pos + budget)
+        self._sort(r, range(r.pos, end))
+        r.pos = end
+        return r.pos >= len(r.rows)
+
+    def _sort(self, r: _TierRecovery, which: Iterable[int]) -> None:
+        """Sort rows `which` not sorted yet: adoptable (PENDING: in `frontier`, or waiting for their
+        parent), copies, or released."""
         tier, index, rows = r.tier, self.index, r.rows
         known = self.placement.shared.namespaces
         keeps_copies = tier.name in index.copies
         keys, nbytes, state = rows.keys, rows.nbytes, r.state
-        end = len(rows) if budget is None else min(len(rows), r.pos + budget)
         waits: list[int] = []
         parents: list[Key] = []
-        for row in range(r.pos, end):
+        for row in which:
+            if state[row] != SORTING:
+                continue
+            r.sorted += 1
             key = keys[row]
             ns_id = key_ns(key)
             ns = known.get(ns_id)
@@ -286,7 +302,7 @@ class Recovery:
                 continue
             state[row] = PENDING
             r.waiting += 1
-            h = rows.parent(row)
+            h = rows.parent_hash(row)
             parent = None if h is None else block_key(ns.anchor or ns_id, h)
             if parent is None or index.get(parent) is not None:
                 r.frontier.append(row)
@@ -295,8 +311,6 @@ class Recovery:
                 parents.append(parent)
         if waits:
             self._wait(r, waits, parents)
-        r.pos = end
-        return r.pos >= len(rows)
 
     def _wait(self, r: _TierRecovery, waits: list[int], parents: list[Key]) -> None:
         """Rows `waits` wait for their `parents` (not indexed): a parent that is a record of this tier by
@@ -334,9 +348,10 @@ class Recovery:
             if self.index.get(r.rows.keys[p]) is not None:
                 r.frontier.extend(r.children(p))
 
-    def _adopt_one(self, r: _TierRecovery, row: int, adopted: list[tuple[float, Entry]]) -> bool:
+    def _adopt_one(self, r: _TierRecovery, row: int, adopted: list[tuple[float, Entry]],
+                   faster: list[_TierRecovery]) -> bool:
         """Adopt the record of `row` if it still can be (its parent indexed, no faster than it); False
-        when it cannot now."""
+        when it cannot now. `faster`: the tiers being recovered before `r` (`_faster`)."""
         if r.state[row] != PENDING:
             return False  # adopted already (on demand), or let go
         rows, tier, index = r.rows, r.tier, self.index
@@ -348,7 +363,7 @@ class Recovery:
         r.state[row] = GONE
         r.waiting -= 1
         e = index.get(key)
-        if e is not None or any(other.pending(key) for other in self._faster(r)):
+        if e is not None or faster and any(other.pending(key) for other in faster):
             # Indexed meanwhile (written again, or adopted from a faster tier), or about to be adopted from
             # a faster tier: this record is its copy where this tier keeps copies (checked when copies are
             # taken, after the faster tiers), else it goes.
@@ -368,7 +383,7 @@ class Recovery:
 
     def _parent_key(self, rows: Recovered, row: int) -> Key | None:
         """The key of `row`'s parent (None: a root); its namespace is registered (`_index` checked)."""
-        h = rows.parent(row)
+        h = rows.parent_hash(row)
         if h is None:
             return None
         ns_id = key_ns(rows.keys[row])

@@ -105,6 +105,28 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
     assert store.check() == []
 
 
+def test_a_request_is_served_while_the_disk_still_sorts_its_records(open_store, gate):
+    """Once the disk's records are read, a request's blocks (and their ancestors) are sorted and adopted
+    first, before the tier has sorted the rest: a hit two steps after the scan, not after every record."""
+    chains = [chain_hashes(s, 6) for s in range(6)]
+    gate.set()
+    on_disk(open_store, chains)
+    store = open_store(background=True)
+    while store.recovery.scanning:
+        store.recovery.step(2)
+    store.recovery.step(2)
+    assert store.recovery.stats()["disk"]["stage"] == "index"  # (36 records and more: 2 sorted)
+    assert store.lookup(NS.id, chains[3]).tiers == ("disk",) * 6
+    assert store.lookup(NS.id, chain_hashes(77, 6)).hits == 0  # (never written: nothing to adopt)
+    assert store.recovery.stats()["disk"]["adopted_blocks"] == 6
+    assert read(store, chains[3]) == [payload_bytes(h, BLOCK) for h in chains[3]]
+    while store.recovery.step(3):
+        pass
+    assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
+    assert store.stats()["counters"]["disk_blocks_recovered"] == store.disk.counters.recovered_records
+    assert store.check() == []
+
+
 def test_a_root_s_many_children_read_before_it_are_all_adopted(open_store, gate):
     """Twelve blocks under one root, on disk: the records are read in key order, so children come before
     their parent and wait for it (a list of them, where one child waits as its key alone); once the root

@@ -101,6 +101,13 @@ class Recovered:
         h = bytes(self.parents[row * HASH_BYTES : (row + 1) * HASH_BYTES])
         return None if h == ROOT_HASH else h
 
+    def parent_hash(self, row: int) -> bytes | bytearray | None:
+        """`parent`, its bytes not copied out (a key is made of them: `tag + h`)."""
+        if self._odd_parents and row in self._odd_parents:
+            return self._odd_parents[row]
+        h = self.parents[row * HASH_BYTES : (row + 1) * HASH_BYTES]
+        return None if h == ROOT_HASH else h
+
     def estimate(self, row: int) -> float | None:
         a = self.attention[row]
         return None if a != a else a
