@@ -51,7 +51,11 @@ down to the disk tier. Then, against that daemon:
   the first daemon's baseline as `rss_bytes_per_block` is, and
   `rss_bytes_per_block_recovering` the most it held while it recovered
   (sampled every 0.1 s until the disk tier's log line): what a restart needs
-  beyond what the daemon it replaces held;
+  beyond what the daemon it replaces held; `all_found_s`: from the start to
+  when the sample's chains are all found again (looked up every 0.1 s
+  meanwhile: a request adopts what it names as soon as its tier's records are
+  read, so this is when the disk's records were read, long before the
+  recovery ends);
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -433,10 +437,12 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
             ns = client.register(NS)
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
-            peak = rss_anon(d.proc.pid)
+            peak, found_s = rss_anon(d.proc.pid), None
             while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
                 time.sleep(0.1)
                 peak = max(peak, rss_anon(d.proc.pid))
+                if found_s is None and sum(client.lookup(ns, hs).hits for hs in samples) == before:
+                    found_s = time.perf_counter() - t1
             recovered_s = time.perf_counter() - t1
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
             poll_until(lambda: "recovery" not in client.stats(), "finish its recovery")  # (after its log line)
@@ -445,7 +451,8 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
                    kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3),
                    rss_bytes_per_block_restarted=round(restarted, 1),
-                   rss_bytes_per_block_recovering=round((peak - rss0) / blocks, 1))
+                   rss_bytes_per_block_recovering=round((peak - rss0) / blocks, 1),
+                   all_found_s=round(found_s if found_s is not None else recovered_s, 3))
     finally:
         d.stop(timeout=600)
         shutil.rmtree(sockets, ignore_errors=True)
