@@ -23,6 +23,7 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     assert r["lookup_p99_ms"] >= r["lookup_p50_ms"]
     assert r["kept"] == r["sampled"] > 0  # every sampled block found again after the restart
     assert r["rss_bytes_per_block_recovering"] > 0 and 0 < r["all_found_s"] <= r["recovered_s"]
+    assert "recovering_lookups" in r  # (a second client looked up blocks while the restarted daemon recovered)
     assert r["write_full_disk"]["writes"] > 0  # the full-tier writes went through the disk tier
     assert r["gc_full_collections"] == 0 and r["gc_longest_pause_ms"] > 0  # young collections ran, no full one
     assert r["churn_lookups"] > 0  # a second client looked up blocks while the churn wrote

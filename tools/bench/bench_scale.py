@@ -55,7 +55,9 @@ down to the disk tier. Then, against that daemon:
   when the sample's chains are all found again (looked up every 0.1 s
   meanwhile: a request adopts what it names as soon as its tier's records are
   read, so this is when the disk's records were read, long before the
-  recovery ends);
+  recovery ends); `recovering_lookups` and their `_p50_ms` ... `_max_ms`:
+  another client's lookups meanwhile, as during the churn (above), what an
+  engine's lookups wait while the daemon adopts its blocks in steps;
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -438,12 +440,14 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             ns = client.register(NS)
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
             peak, found_s = rss_anon(d.proc.pid), None
-            while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
-                time.sleep(0.1)
-                peak = max(peak, rss_anon(d.proc.pid))
-                if found_s is None and sum(client.lookup(ns, hs).hits for hs in samples) == before:
-                    found_s = time.perf_counter() - t1
+            with LookupsMeanwhile(d.socket_path, ns, samples, args.client_spin_us) as meanwhile:
+                while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
+                    time.sleep(0.1)
+                    peak = max(peak, rss_anon(d.proc.pid))
+                    if found_s is None and sum(client.lookup(ns, hs).hits for hs in samples) == before:
+                        found_s = time.perf_counter() - t1
             recovered_s = time.perf_counter() - t1
+            row.update(meanwhile.summary("recovering_lookup"))
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
             poll_until(lambda: "recovery" not in client.stats(), "finish its recovery")  # (after its log line)
             blocks = client.stats()["blocks"]
