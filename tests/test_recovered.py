@@ -68,3 +68,17 @@ def test_a_malformed_record_is_refused_and_nothing_is_added(bad):
         got.append(bad)
     assert list(got) == [RecoveredBlock(b"T" * TAG_BYTES + b"h" * HASH_BYTES, None, 4096, 1, 0.5, 3.0)]
     assert len(got.parents) == HASH_BYTES and len(got.fps) == len(got.stamps) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=40), st.binary(min_size=1, max_size=40)), min_size=1, max_size=30))
+def test_a_record_key_gives_back_its_store_key_whichever_namespace_came_first(items):
+    """`store_key` unpacks the first record key of each namespace and slices the others; both ways give
+    the key `record_key` was made of, whatever the namespaces and hash lengths."""
+    from kvstore.keys import block_key
+    from kvstore.tiers.record_scan import record_key, store_key
+
+    for ns_id, h in items:
+        key = block_key(ns_id, h)
+        assert store_key(record_key(key)) == key
+        assert store_key(record_key(key)) == key  # (the second time: sliced where the hash is 16 bytes)

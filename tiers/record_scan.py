@@ -153,12 +153,23 @@ class RecordScan(Generic[R]):
         raise NotImplementedError
 
 
+_TAG_OF_HEAD: dict[bytes, bytes] = {}  # the bytes of a record key before its 16-byte hash -> its namespace's tag
+
+
 def store_key(rkey: bytes) -> Key:
-    """The store key of a record key (`record_key`); one of BAD_RECORD where it packs none."""
+    """The store key of a record key (`record_key`); one of BAD_RECORD where it packs none. A key whose
+    bytes before a 16-byte hash are those of a key unpacked before is that namespace's (a scan's keys:
+    no unpacking but the first of each namespace's)."""
+    tag = _TAG_OF_HEAD.get(rkey[:-HASH_BYTES]) if type(rkey) is bytes else None
+    if tag is not None:
+        return tag + rkey[-HASH_BYTES:]
     ns_id, h = msgpack.unpackb(rkey)
     if not isinstance(ns_id, str) or not isinstance(h, bytes):
         raise TypeError("a malformed key")
-    return block_key(ns_id, h)
+    key = block_key(ns_id, h)
+    if len(h) == HASH_BYTES and len(_TAG_OF_HEAD) < 4096:
+        _TAG_OF_HEAD[bytes(rkey[:-HASH_BYTES])] = key[:TAG_BYTES]
+    return key
 
 
 def describe(reasons: dict[str, int]) -> str:
