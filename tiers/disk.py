@@ -394,9 +394,8 @@ class DiskTier(Tier):
         for key in result.bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)
         self.writer.start_formatting(result.taken)
-        for location in result.blocks.locations:
-            if codec_of(location) is not None:
-                self._held_compressed(location, +1)
+        for location in result.encoded:
+            self._held_compressed(location, +1)
         self.counters.recovered_records = len(result.blocks)
         self.counters.dropped_records += len(result.bad)
         self.scan_s = result.seconds

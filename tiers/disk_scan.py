@@ -21,7 +21,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from kvstore.tiers.disk_slot import extents_of
+from kvstore.tiers.disk_slot import codec_of, extents_of
 from kvstore.tiers.recovered import Recovered
 from kvstore.tiers.record_scan import RecordScan, describe, page_runs, record_key, store_key
 
@@ -33,6 +33,7 @@ class ScanResult(NamedTuple):
     bad: list[bytes]  # record keys to delete
     taken: np.ndarray  # per page: held by a good record
     seconds: float
+    encoded: list  # the locations of the blocks kept encoded (found here, not on the tier's event loop)
 
 
 class DiskScan(RecordScan[ScanResult]):
@@ -81,7 +82,8 @@ class DiskScan(RecordScan[ScanResult]):
         if self._max_blocks is not None and len(kept) > self._max_blocks:  # (the tier's cap was lowered)
             kept = newest(kept, self._max_blocks, found.taken, found.bad, pb)
         kept.finder()  # (its sort, here: NumPy lets the event loop run meanwhile)
-        return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0)
+        encoded = [loc for loc in kept.locations if type(loc) is not int and codec_of(loc) is not None]
+        return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0, encoded)
 
 
 def newest(blocks: Recovered, most: int, taken: np.ndarray, bad: list[bytes], page_bytes: int) -> Recovered:
