@@ -145,8 +145,9 @@ class Recovery:
 
     @property
     def scanning(self) -> bool:
-        """The tier being recovered still reads its records (a step has nothing to adopt yet)."""
-        return bool(self._pending) and self._pending[0].stage == "scan"
+        """The tier being recovered still reads its records, or links them in a thread (a step has
+        nothing to adopt yet)."""
+        return bool(self._pending) and (self._pending[0].stage == "scan" or self._pending[0].links is not None)
 
     def step(self, budget: int = 1000) -> bool:
         """Work through up to `budget` records of each tier being recovered; True while work is left.

@@ -65,7 +65,7 @@ from kvstore.tiers.base import Tier
 __all__ = ["TieredStore"]
 
 RECOVER_BEFORE_SERVING_BLOCKS = 4096  # `start` recovers tiers that kept at most this many records before it serves
-RECOVERY_STEP_BLOCKS = 1000  # records a step of a background recovery adopts (~10-20 ms of the loop)
+RECOVERY_STEP_BLOCKS = 250  # records a step of a background recovery adopts (~3-5 ms of the loop)
 RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 
 
