@@ -191,12 +191,14 @@ class Recovery:
                 if row >= 0 and r.rows.keys[row] != key:
                     row = r.finder.find(key)
                 chain: list[int] = []
-                while row >= 0 and row not in chain:
+                seen: set[int] = set()  # (a record naming itself, or a cycle, as its ancestor ends the walk)
+                while row >= 0 and row not in seen:
                     if r.state[row] == SORTING:  # (its tier is sorting its rows: this one first)
                         self._sort(r, (row,))
                     if r.state[row] != PENDING:
                         break
                     chain.append(row)
+                    seen.add(row)
                     row = r.parent_row[row]
                 for k in reversed(chain):
                     if not self._adopt_one(r, k, adopted, faster):

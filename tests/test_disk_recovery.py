@@ -342,6 +342,9 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
         {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "x": None},  # no checksum
         {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "c": "no-such-codec", "z": PAGE},  # encoded, no decoder
         {"n": PAGE, "x": 1},  # no extents
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "a": "high"},  # an estimate that is no number
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "t": [1]},  # a time that is no number
+        {**good, "e": [[5 * PAGE, PAGE]], "n": PAGE, "p": 3},  # a parent that is no hash
     ]
     env = lmdb.open(str(tmp_path / "disk" / INDEX_DIR), subdir=True, max_dbs=4, lock=True, map_size=1 << 34)
     with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
@@ -362,3 +365,37 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
         assert disk.alloc.free_pages == pages - 3  # their pages are free
     finally:
         disk.close()
+
+
+def test_records_that_name_each_other_or_themselves_as_parent_are_orphans(store_factory):
+    """Well-formed records whose parents form a cycle (two naming each other, one naming itself) reach no
+    root: the recovery frees them, in the background and on demand alike, and serves none of them."""
+    import lmdb
+    import msgpack
+
+    from kvstore.tiers.disk import INDEX_DIR
+
+    a, b, c, root = (bytes([i]) * 16 for i in (1, 2, 3, 4))
+    for on_demand in (False, True):
+        store = store_factory(8 * BLOCK, PAGE, disk_bytes=16 * BLOCK, recover_in_background=True)
+        store.register_namespace(NS)
+        store.close()
+        env = lmdb.open(f"{store.disk.path}/{INDEX_DIR}", subdir=True, max_dbs=4, lock=True, map_size=1 << 34)
+        with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+            for i, (h, parent) in enumerate(((a, b), (b, a), (c, c), (root, None))):
+                rec = {"e": [[i * PAGE, PAGE]], "n": PAGE, "x": 7, "p": parent, "a": None, "t": float(i)}
+                txn.put(msgpack.packb([NS.id, h]), msgpack.packb(rec))
+        env.close()
+        store = store_factory(8 * BLOCK, PAGE, disk_bytes=16 * BLOCK, recover_in_background=True)
+        if on_demand:
+            while store.recovery.scanning:
+                store.recovery.step(1)
+            for h in (a, b, c, root):
+                assert store.lookup(NS.id, [h]).hits == (h == root)
+        store.wait_recovered()
+        assert store.stats()["counters"]["disk_orphans_dropped"] == 3
+        assert [store.lookup(NS.id, [h]).hits for h in (a, b, c, root)] == [0, 0, 0, 1]
+        assert store.check() == []
+        store.disk.flush()
+        assert len(store.disk.index_records()) == 1  # the orphans' records deleted
+        store.close()
