@@ -20,7 +20,7 @@ import numpy as np
 from kvstore.keys import HASH_BYTES, ROOT_HASH, Key
 from kvstore.tiers.base import RecoveredBlock
 
-_NO_ESTIMATE = float("nan")  # a record without an attention estimate (a stored one is finite: index.py)
+_NO_ESTIMATE = float("nan")  # a record without an attention estimate (`estimate` gives None for it)
 
 
 class Recovered:
@@ -42,8 +42,8 @@ class Recovered:
         self._finder: RowFinder | None = None
 
     def finder(self) -> "RowFinder":
-        """The rows by key (made at the first call: a scan makes it in its own thread; rows appended
-        later are not in it)."""
+        """The rows by key (made at the first call, a scan's in its own thread; made again where rows
+        were appended since)."""
         if self._finder is None or self._finder.rows != len(self.keys):
             self._finder = RowFinder(self)
         return self._finder
