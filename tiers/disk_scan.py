@@ -56,7 +56,6 @@ class DiskScan(RecordScan[ScanResult]):
         t0 = time.monotonic()
         pb, capacity = self.page_bytes, self.page_bytes * self.num_pages
         unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
-        sizes: dict[int, int] = {}  # one int a block size, not one (32 B) a record: millions wait for adoption
 
         def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
             key = store_key(rkey)
@@ -69,7 +68,6 @@ class DiskScan(RecordScan[ScanResult]):
             if codec is not None and not (decodes and isinstance(codec, str)):
                 raise TypeError("an encoded block and no decoder")
             size = rec["n"] if codec is None else rec["z"]
-            size = sizes.setdefault(size, size)
             return (key, rec.get("p"), size, location(extents, checksum, codec, size), rec.get("a"),
                     rec.get("t", 0.0)), runs
 
