@@ -93,20 +93,17 @@ class Recovered:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def parent(self, row: int) -> bytes | None:
-        """The parent hash of `row`'s record; None for a root."""
-        odd = self._odd_parents.get(row) if self._odd_parents else None
-        if odd is not None:
-            return odd
-        h = bytes(self.parents[row * HASH_BYTES : (row + 1) * HASH_BYTES])
-        return None if h == ROOT_HASH else h
-
     def parent_hash(self, row: int) -> bytes | bytearray | None:
-        """`parent`, its bytes not copied out (a key is made of them: `tag + h`)."""
+        """The parent hash of `row`'s record, None for a root; a slice of the column (a key is made of
+        it: `tag + h`), `parent` as bytes."""
         if self._odd_parents and row in self._odd_parents:
             return self._odd_parents[row]
         h = self.parents[row * HASH_BYTES : (row + 1) * HASH_BYTES]
         return None if h == ROOT_HASH else h
+
+    def parent(self, row: int) -> bytes | None:
+        h = self.parent_hash(row)
+        return None if h is None else bytes(h)
 
     def estimate(self, row: int) -> float | None:
         a = self.attention[row]
