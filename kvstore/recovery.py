@@ -54,7 +54,7 @@ from kvstore.index import BlockIndex
 from kvstore.keys import Namespace, block_key, key_ns
 from kvstore.placement import Placement
 from kvstore.tiers.base import Tier
-from kvstore.tiers.recovered import Recovered, RowFinder
+from kvstore.tiers.recovered import Recovered
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ class _TierRecovery:
     stage: str = "scan"
     started: float = field(default_factory=time.monotonic)
     rows: Recovered = field(default_factory=Recovered)  # the records read (none while the tier scans)
-    finder: RowFinder | None = None  # a key's row
     state: bytearray = field(default_factory=bytearray)  # per row: SORTING, PENDING or GONE
     parent_row: array = field(default_factory=lambda: array("q"))  # its parent's row, or -1
     kids: array | None = None  # the rows that have a parent row, grouped by it (once all are sorted)
@@ -97,7 +96,7 @@ class _TierRecovery:
 
     def load(self, rows: Recovered) -> None:
         """The tier's records are read: they are sorted next."""
-        self.rows, self.finder = rows, rows.finder()
+        self.rows = rows
         self.state = bytearray(len(rows))
         self.parent_row = array("q", bytes(8 * len(rows)))
         np.frombuffer(self.parent_row, np.int64)[:] = -1
@@ -105,9 +104,9 @@ class _TierRecovery:
 
     def pending(self, key: Key) -> bool:
         """`key`'s record here waits for adoption."""
-        if not self.waiting or self.finder is None or self.stage == "orphans":
+        if not self.waiting or self.stage in ("scan", "orphans"):
             return False
-        row = self.finder.find(key)
+        row = self.rows.finder().find(key)
         return row >= 0 and self.state[row] == PENDING
 
     def children(self, row: int) -> array | tuple:
@@ -182,14 +181,14 @@ class Recovery:
         for r in self._pending:
             if not self._may_adopt(r, on_demand=True):
                 return
-            if r.finder is None or r.sorted == len(r.rows) and not r.waiting:
+            if r.stage == "orphans" or r.sorted == len(r.rows) and not r.waiting:
                 continue
             adopted: list[tuple[float, Entry]] = []
-            faster = self._faster(r)
-            found = r.finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys)))
+            faster, finder = self._faster(r), r.rows.finder()
+            found = finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys)))
             for key, row in zip(keys, found.tolist()):
                 if row >= 0 and r.rows.keys[row] != key:
-                    row = r.finder.find(key)
+                    row = finder.find(key)
                 chain: list[int] = []
                 seen: set[int] = set()  # (a record naming itself, or a cycle, as its ancestor ends the walk)
                 while row >= 0 and row not in seen:
@@ -258,7 +257,7 @@ class Recovery:
                 state = np.frombuffer(r.state, np.uint8)
                 r.orphan_rows = np.flatnonzero(state == PENDING)
                 state[r.orphan_rows] = GONE
-                r.kids = r.kids_at = r.finder = None
+                r.kids = r.kids_at = None
                 r.outside, r.frontier, r.pos, r.stage = {}, [], 0, "orphans"
             return True
         rows = r.orphan_rows
@@ -324,12 +323,12 @@ class Recovery:
     def _wait(self, r: _TierRecovery, waits: list[int], parents: list[Key]) -> None:
         """Rows `waits` wait for their `parents` (not indexed): a parent that is a record of this tier by
         its row (`parent_row`), any other by its key (`outside`)."""
-        assert r.finder is not None
-        found = r.finder.find_many(np.fromiter(map(hash, parents), np.int64, len(parents))).tolist()
+        finder = r.rows.finder()
+        found = finder.find_many(np.fromiter(map(hash, parents), np.int64, len(parents))).tolist()
         keys, inside, at = r.rows.keys, [], []
         for row, parent, p in zip(waits, parents, found):
             if p >= 0 and keys[p] != parent:
-                p = r.finder.find(parent)
+                p = finder.find(parent)
             if p >= 0:
                 inside.append(row)
                 at.append(p)
@@ -418,7 +417,7 @@ class Recovery:
                 elif kids is not None:
                     other.frontier.append(kids)
             if other.kids is not None:
-                at = row if other is r else other.finder.find(key)  # type: ignore[union-attr]
+                at = row if other is r else other.rows.finder().find(key)
                 if at >= 0:
                     other.frontier.extend(other.children(at))
 
