@@ -51,7 +51,7 @@ import numpy as np
 from kvstore.entry import RANK, Entry, Key
 from kvstore.errors import NamespaceError
 from kvstore.index import BlockIndex
-from kvstore.keys import Namespace, block_key, key_ns
+from kvstore.keys import ROOT_HASH, Namespace, block_key, key_ns
 from kvstore.placement import Placement
 from kvstore.tiers.base import Tier
 from kvstore.tiers.recovered import Recovered
@@ -59,6 +59,7 @@ from kvstore.tiers.recovered import Recovered
 log = logging.getLogger(__name__)
 
 STAGES = ("scan", "index", "adopt", "copies", "orphans")
+EARLY_WALK_BLOCKS = 4096  # the most records a request's block and its ancestors read one by one (`_adopt_early`)
 
 
 SORTING, PENDING, GONE = 0, 1, 2  # a record's state: not sorted yet; waiting for adoption; adopted or let go
@@ -90,6 +91,8 @@ class _TierRecovery:
     stale: list = field(default_factory=list)  # rows a newer record replaced: pages freed once it is durable
     orphan_rows: np.ndarray | None = None
     adopted: int = 0
+    early: dict = field(default_factory=dict)  # while the tier scans: key -> location of a block adopted so
+    adopted_early: int = 0
     num_copies: int = 0
     orphans: int = 0
     dropped: int = 0
@@ -135,7 +138,7 @@ class Recovery:
             _register(tier, namespaces, register)
             r = _TierRecovery(tier, kept)
             if not tier.scanning:
-                r.load(_rows(blocks))
+                self._load(r, blocks)
             self._pending.append(r)
 
     @property
@@ -168,7 +171,7 @@ class Recovery:
             while self._pending:
                 r = self._pending[0]
                 if r.stage == "scan":
-                    r.load(_rows(r.tier.scanned(wait=True)))
+                    self._load(r, r.tier.scanned(wait=True))
                 while self._advance(r, None):
                     pass
                 if r.stale:
@@ -177,8 +180,13 @@ class Recovery:
                 self._pending.popleft()
 
     def adopt_now(self, keys: list[Key]) -> None:
-        """Adopt the records of `keys` (and of their ancestors) read but not adopted yet, fastest tier first."""
+        """Adopt the records of `keys` (and of their ancestors) not adopted yet, fastest tier first: those
+        read already, and, from a tier still reading them, those it can read one by one (`_adopt_early`)."""
         for r in self._pending:
+            if r.stage == "scan":
+                if r.tier.peekable and self._may_adopt(r, on_demand=True, early=True):
+                    self._adopt_early(r, keys)
+                return
             if not self._may_adopt(r, on_demand=True):
                 return
             if r.stage == "orphans" or r.sorted == len(r.rows) and not r.waiting:
@@ -204,15 +212,118 @@ class Recovery:
                         break
             self._enter_policy(adopted)
 
-    def _may_adopt(self, r: _TierRecovery, on_demand: bool = False) -> bool:
-        """`r` has sorted its records and so has every faster tier being recovered (`on_demand`: a
-        request's rows, which it sorts first, may be adopted while `r` still sorts the others)."""
+    def _may_adopt(self, r: _TierRecovery, on_demand: bool = False, early: bool = False) -> bool:
+        """`r` has sorted its records and so has every faster tier being recovered. `on_demand`: a
+        request's rows may be adopted while `r` and the faster tiers still sort the others (the rows of a
+        key are sorted first in each: `_waits_faster`); `early`: while `r` still reads them."""
         for other in self._pending:
             if other is r:
-                return other.stage not in ("scan", "index") or on_demand and other.stage == "index"
-            if other.stage in ("scan", "index"):
+                return (other.stage not in ("scan", "index") or on_demand and other.stage == "index"
+                        or early and other.stage == "scan")
+            if other.stage == "scan" or other.stage == "index" and not on_demand:
                 return False
         return False
+
+    def _waits_faster(self, faster: list[_TierRecovery], key: Key) -> bool:
+        """`key` has a record waiting for adoption in one of the `faster` tiers (its row sorted first in
+        one still sorting): the block is theirs, and a slower tier's record of it at most its copy."""
+        for other in faster:
+            if other.stage == "index":
+                row = other.rows.finder().find(key)
+                if row >= 0 and other.state[row] == SORTING:
+                    self._sort(other, (row,))
+            if other.pending(key):
+                return True
+        return False
+
+    def _adopt_early(self, r: _TierRecovery, keys: list[Key]) -> None:
+        """While `r`'s tier still reads its records: adopt the blocks of `keys` from their records read
+        one by one (`Tier.peek`), each with its ancestors not indexed yet, parents first, by the rules of
+        the rows (a chain that does not reach a root or an indexed block is not adopted). A block adopted
+        so is noted in `r.early` until the scan's rows come (`_settle_early`); one given back meanwhile
+        is not adopted again before then."""
+        tier, index, name = r.tier, self.index, r.tier.name
+        known = self.placement.shared.namespaces
+        faster = self._faster(r)
+        adopted: list[tuple[float, Entry]] = []
+        for key in keys:
+            chain: list[tuple] = []  # the records to adopt, the request's block first
+            k: Key | None = key
+            seen: set = set()
+            while k is not None and index.get(k) is None:
+                # (not one given back meanwhile, a cycle of parents, a chain past the walk's bound, or a
+                # block a faster tier holds)
+                if k in r.early or k in seen or len(chain) >= EARLY_WALK_BLOCKS \
+                        or self._waits_faster(faster, k) or (record := tier.peek(k)) is None:
+                    chain = []
+                    break
+                try:
+                    got, h, size, location, estimate, stamp = Recovered.normal(record)
+                except (TypeError, ValueError):  # (the scan deletes it)
+                    chain = []
+                    break
+                ns_id = key_ns(k)
+                ns = known.get(ns_id)
+                if got != k or ns is None or size != ns.block_bytes:
+                    chain = []
+                    break
+                seen.add(k)
+                chain.append((k, location, None if estimate != estimate else estimate, stamp))
+                k = None if h == ROOT_HASH else block_key(ns.anchor or ns_id, h)
+            parent = index.get(k) if k is not None else None
+            if not chain or k is not None and (parent is None or RANK[parent.tier] > RANK[name]):
+                continue
+            for k, location, estimate, stamp in reversed(chain):
+                parent = index.adopt(k, parent, name, location, estimate)
+                adopted.append((stamp, parent))
+                self.placement.adopted(parent)
+                r.early[k] = location
+                r.adopted += 1
+                r.adopted_early += 1
+        self._enter_policy(adopted)
+
+    def _load(self, r: _TierRecovery, blocks: Recovered | list | None) -> None:
+        """`r`'s tier has read its records: they are sorted next."""
+        r.load(_rows(blocks))
+        if r.early:
+            self._settle_early(r)
+
+    def _settle_early(self, r: _TierRecovery) -> None:
+        """The rows of the blocks adopted before the scan ended (`_adopt_early`) are done with. One given
+        back meanwhile kept its pages (a tier frees none while it scans): they are freed now. One the
+        scan did not keep (a record it found unusable, or claiming pages another record holds) leaves
+        the index with what hangs under it, its pages untouched: they are not its own."""
+        finder, name, index = r.rows.finder(), r.tier.name, self.index
+        locate = r.tier.locate
+        for key, location in r.early.items():
+            e = index.get(key)
+            held = e is not None and (e.location if e.tier == name else (e.copies or {}).get(name)) is location
+            row = finder.find(key)
+            if row >= 0 and r.state[row] == SORTING and locate(r.rows.locations[row]) == locate(location):
+                r.state[row] = GONE
+                r.sorted += 1
+                if not held:
+                    r.tier.free(r.rows.locations[row])  # (its record's deletion was queued when it went)
+            elif held:
+                self._forget(r, e)  # type: ignore[arg-type]
+        r.early = {}
+
+    def _forget(self, r: _TierRecovery, e: Entry) -> None:
+        """`e` was adopted early from `r`'s tier, and the scan did not keep its record: it leaves the index
+        (a block in a faster tier only its copy there), with its subtree, whatever their pins; the pages of
+        what was adopted early are not freed."""
+        name, index, placement = r.tier.name, self.index, self.placement
+        placement.counters[f"{name}_early_blocks_forgotten"] += 1
+        if e.tier != name:
+            index.drop_copy(e, name)
+            return
+        for x in index.deepest_first(index.subtree(e.key)):
+            index.ghost(x)
+            if x.tier == name and r.early.get(x.key) is x.location:
+                placement.policies[name].on_remove(x.key)
+                index.remove(x)
+            else:
+                placement.drop(x)
 
     def stats(self) -> dict:
         """Per tier being recovered: its stage, the records it kept, those read and waiting, the blocks adopted
@@ -229,7 +340,7 @@ class Recovery:
         if r.stage == "scan":
             blocks = r.tier.scanned()
             if blocks is not None:
-                r.load(_rows(blocks))
+                self._load(r, blocks)
             return True
         if r.stage == "index":  # (sorting its rows, then linking them: `_Links`)
             if r.links is None and self._index(r, budget):
@@ -372,7 +483,7 @@ class Recovery:
         r.state[row] = GONE
         r.waiting -= 1
         e = index.get(key)
-        if e is not None or faster and any(other.pending(key) for other in faster):
+        if e is not None or faster and self._waits_faster(faster, key):
             # Indexed meanwhile (written again, or adopted from a faster tier), or about to be adopted from
             # a faster tier: this record is its copy where this tier keeps copies (checked when copies are
             # taken, after the faster tiers), else it goes.
@@ -474,6 +585,8 @@ class Recovery:
     def _done(self, r: _TierRecovery) -> None:
         counters, name = self.placement.counters, r.tier.name
         counters[f"{name}_blocks_recovered"] = r.adopted
+        if r.adopted_early:
+            counters[f"{name}_blocks_recovered_early"] = r.adopted_early
         counters[f"{name}_copies_recovered"] = r.num_copies
         if r.orphans:
             counters[f"{name}_orphans_dropped"] += r.orphans

@@ -71,6 +71,15 @@ def on_disk(open_store, chains: list[list[bytes]]) -> None:
 
 
 @pytest.fixture
+def no_peek(monkeypatch):
+    """The disk tier reads no record on its own while it scans (as one whose cap was lowered): a request's
+    block is not adopted before the scan has read it."""
+    from kvstore.tiers.disk import DiskTier
+
+    monkeypatch.setattr(DiskTier, "peekable", property(lambda self: False))
+
+
+@pytest.fixture
 def gate(monkeypatch):
     """The disk tier's scan waits until the returned event is set."""
     event = hold_scans(monkeypatch, disk_scan.DiskScan)
@@ -78,14 +87,26 @@ def gate(monkeypatch):
     event.set()
 
 
-def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names(open_store, gate):
+@pytest.mark.parametrize("peek", [True, False], ids=["records-read-one-by-one", "without-them"])
+def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names(open_store, gate, peek,
+                                                                                  request):
+    """While the disk's scan has not read its records, a request's blocks are hits all the same: their
+    records (and their ancestors') are read one by one from the index and adopted (`peek`); without that,
+    a miss until the scan is done."""
     chains = [chain_hashes(s, 6) for s in range(6)]
     gate.set()
     on_disk(open_store, chains)
     gate.clear()
+    if not peek:
+        request.getfixturevalue("no_peek")
     store = open_store(background=True)
     assert store.recovery.active and store.recovery.scanning
-    assert store.lookup(NS.id, chains[0]).hits == 0  # not read yet: a miss, served at once
+    assert store.lookup(NS.id, chains[0]).hits == (6 if peek else 0)  # served at once
+    assert store.lookup(NS.id, chains[1][:4]).hits == (4 if peek else 0)  # (a prefix: its tail waits)
+    assert store.lookup(NS.id, chain_hashes(77, 6)).hits == 0  # never written
+    if peek:
+        assert store.lookup(NS.id, chains[0]).tiers == ("disk",) * 6
+        assert read(store, chains[0]) == [payload_bytes(h, BLOCK) for h in chains[0]]  # promoted, copies kept
     put(store, chain_hashes(900, 6))
     put(store, chain_hashes(901, 6))  # the host tier evicts: the disk takes nothing yet
     assert store.stats()["counters"]["demotions_dropped_disk_scanning"] >= 1
@@ -94,14 +115,20 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
         store.recovery.step(2)
     while store.recovery.active and store.recovery.stats()["disk"]["stage"] == "index":
         store.recovery.step(2)
-    assert store.recovery.stats()["disk"]["adopted_blocks"] == 0
+    assert store.recovery.stats()["disk"]["adopted_blocks"] == (10 if peek else 0)
     assert store.lookup(NS.id, chains[5]).tiers == ("disk",) * 6  # adopted on demand, ancestors first
     assert read(store, chains[5]) == [payload_bytes(h, BLOCK) for h in chains[5]]
     while store.recovery.step(3):
         pass
     assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
-    recovered = store.stats()["counters"]["disk_blocks_recovered"]
+    counters = store.stats()["counters"]
+    recovered = counters["disk_blocks_recovered"]
     assert recovered == store.disk.counters.recovered_records >= 36  # every record (fillers too) adopted
+    assert counters.get("disk_blocks_recovered_early", 0) == (10 if peek else 0)
+    assert store.check() == []
+    store.close()
+    store = open_store()  # and all of it is there again
+    assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
     assert store.check() == []
 
 
@@ -170,9 +197,10 @@ def test_a_put_of_a_block_whose_record_waits_is_not_stored_twice(open_store, gat
     assert store.check() == []
 
 
-def test_a_record_written_again_meanwhile_gives_back_only_its_pages(open_store, gate):
-    """A block promoted before the restart keeps its record on disk as a copy; before that record is
-    adopted, the block is demoted again and written anew: the old record's pages are freed (once the new
+def test_a_record_written_again_meanwhile_gives_back_only_its_pages(open_store, gate, no_peek):
+    """A block promoted before the restart keeps its record on disk as a copy; before that record is read
+    (by a disk that reads none on its own while it scans: `no_peek`), the block is demoted again and
+    written anew: the old record's pages are freed (once the new
     record is durable), the new record is kept, and a later restart finds the block on disk."""
     chain = chain_hashes(2, 2)
     gate.set()
@@ -198,8 +226,9 @@ def test_a_record_written_again_meanwhile_gives_back_only_its_pages(open_store, 
     assert store.check() == []
 
 
-def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(open_store, gate):
-    """The disk copy of a host block waits to be attached while the block is demoted and written anew:
+def test_a_record_replaced_before_its_adoption_gives_back_only_its_pages(open_store, gate, no_peek):
+    """The disk copy of a host block waits to be attached while the block is demoted and written anew (a
+    disk that reads no record on its own while it scans: `no_peek`):
     the old record (replaced in the disk's index by the new one) gives back its pages, once the new
     record is durable, and no record; a restart finds the block on disk, intact."""
     chain = chain_hashes(3, 2)
@@ -311,7 +340,7 @@ def test_a_daemon_serves_before_its_disk_is_adopted_and_keeps_every_block(tmp_pa
             ns = c.register(ns_small)
             first = c.stats()
             assert "recovery" in first, "the daemon recovered everything before it served"
-            c.lookup(ns, chains[3])  # answered while it recovers (a hit once the disk's records are read)
+            assert c.lookup(ns, chains[3]).hits == 512  # a hit while it recovers, whether it has read the records
             poll(lambda: "recovery" not in c.stats(), 60, "the background recovery")
             for hs in chains:
                 assert c.lookup(ns, hs).hits == 512
@@ -367,16 +396,18 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
         disk.close()
 
 
-def test_records_that_name_each_other_or_themselves_as_parent_are_orphans(store_factory):
+def test_records_that_name_each_other_or_themselves_as_parent_are_orphans(store_factory, gate):
     """Well-formed records whose parents form a cycle (two naming each other, one naming itself) reach no
-    root: the recovery frees them, in the background and on demand alike, and serves none of them."""
+    root: the recovery frees them, in the background, on demand and read one by one while the scan runs
+    alike, and serves none of them."""
     import lmdb
     import msgpack
 
     from kvstore.tiers.disk import INDEX_DIR
 
     a, b, c, root = (bytes([i]) * 16 for i in (1, 2, 3, 4))
-    for on_demand in (False, True):
+    for on_demand in (False, True, "scanning"):
+        gate.set()
         store = store_factory(8 * BLOCK, PAGE, disk_bytes=16 * BLOCK, recover_in_background=True)
         store.register_namespace(NS)
         store.close()
@@ -386,12 +417,16 @@ def test_records_that_name_each_other_or_themselves_as_parent_are_orphans(store_
                 rec = {"e": [[i * PAGE, PAGE]], "n": PAGE, "x": 7, "p": parent, "a": None, "t": float(i)}
                 txn.put(msgpack.packb([NS.id, h]), msgpack.packb(rec))
         env.close()
+        if on_demand == "scanning":
+            gate.clear()
         store = store_factory(8 * BLOCK, PAGE, disk_bytes=16 * BLOCK, recover_in_background=True)
         if on_demand:
-            while store.recovery.scanning:
+            while store.recovery.scanning and on_demand != "scanning":
                 store.recovery.step(1)
             for h in (a, b, c, root):
                 assert store.lookup(NS.id, [h]).hits == (h == root)
+            assert store.recovery.scanning == (on_demand == "scanning")
+            gate.set()
         store.wait_recovered()
         assert store.stats()["counters"]["disk_orphans_dropped"] == 3
         assert [store.lookup(NS.id, [h]).hits for h in (a, b, c, root)] == [0, 0, 0, 1]
@@ -399,3 +434,65 @@ def test_records_that_name_each_other_or_themselves_as_parent_are_orphans(store_
         store.disk.flush()
         assert len(store.disk.index_records()) == 1  # the orphans' records deleted
         store.close()
+
+
+def test_blocks_given_back_while_the_disk_scans_free_their_pages_once_it_ends(open_store, gate):
+    """Blocks adopted from records read one by one, then cleared before the scan ends: the tier frees no
+    page while it scans (the scan counts them its records'), so they are freed once the scan's rows come;
+    the cleared blocks are not adopted again, now or at the next start, and every other block is."""
+    chains = [chain_hashes(s, 6) for s in range(30, 36)]
+    gate.set()
+    on_disk(open_store, chains)
+    gate.clear()
+    store = open_store(background=True)
+    assert store.lookup(NS.id, chains[0]).hits == store.lookup(NS.id, chains[1]).hits == 6
+    free_before = store.disk.alloc.free_pages
+    assert store.clear() >= 12
+    assert store.disk.alloc.free_pages == free_before  # (while it scans, no page is free)
+    assert store.lookup(NS.id, chains[0]).hits == 0  # given back: not read again before the scan ends
+    gate.set()
+    store.wait_recovered()
+    assert [store.lookup(NS.id, c).hits for c in chains] == [0, 0, 6, 6, 6, 6]
+    assert store.check() == []  # the cleared blocks' pages are free, every other page a block's
+    put(store, chain_hashes(950, 6))  # (new blocks land on free pages only)
+    assert store.check() == []
+    store.close()
+    store = open_store()
+    assert [store.lookup(NS.id, c).hits for c in chains] == [0, 0, 6, 6, 6, 6]
+    assert read(store, chains[4]) == [payload_bytes(h, BLOCK) for h in chains[4]]
+    assert store.check() == []
+
+
+def test_a_block_read_early_whose_record_the_scan_does_not_keep_leaves_the_index(open_store, gate, tmp_path):
+    """A record read one by one while the scan runs can still be one the scan refuses: here a second
+    record, earlier in key order, claims its pages (never written so). The block adopted from it leaves the
+    index when the scan's rows come, its pages left to the record that keeps them, and nothing is torn."""
+    import lmdb
+    import msgpack
+
+    from kvstore.tiers.disk import INDEX_DIR
+    from kvstore.tiers.record_scan import record_key
+
+    chain = chain_hashes(40, 2)
+    assert chain[1] > bytes(16)
+    gate.set()
+    on_disk(open_store, [chain])
+    env = lmdb.open(str(tmp_path / "disk" / INDEX_DIR), subdir=True, max_dbs=4, lock=True, map_size=1 << 34)
+    twin = bytes(16)  # a record of another block on the tail's pages, before it in key order
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        txn.put(record_key(block_key(NS.id, twin)), txn.get(record_key(block_key(NS.id, chain[1]))))
+    env.close()
+    gate.clear()
+    store = open_store(background=True)
+    assert store.lookup(NS.id, chain).tiers == ("disk", "disk")  # read one by one: the scan waits
+    gate.set()
+    store.wait_recovered()
+    assert store.stats()["counters"]["disk_early_blocks_forgotten"] == 1
+    assert store.lookup(NS.id, chain).hits == 1  # the tail's record went (the scan deleted it)
+    assert store.lookup(NS.id, [chain[0], twin]).hits == 2  # (the twin's record holds the pages, bytes intact)
+    assert read(store, [chain[0], twin]) == [payload_bytes(chain[0], BLOCK), payload_bytes(chain[1], BLOCK)]
+    assert store.check() == []
+    store.close()
+    store = open_store()
+    assert store.lookup(NS.id, chain).hits == 1
+    assert store.check() == []

@@ -286,6 +286,16 @@ class Tier:
         keeps none. Cheap: the store uses it to decide whether to recover before it serves."""
         return 0
 
+    @property
+    def peekable(self) -> bool:
+        """While it scans: whether it reads a record on its own (`peek`)."""
+        return False
+
+    def peek(self, key: Key) -> tuple | RecoveredBlock | None:
+        """While the tier scans (`scanning`): `key`'s record, read on its own, as the scan would give it;
+        None where it has none, or reads its records only in the scan (this default)."""
+        return None
+
     def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
         """The blocks a background read of the records found, once (None while it runs, unless `wait`);
         [] for a tier that has none to give."""

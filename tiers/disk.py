@@ -104,7 +104,7 @@ from kvstore.tiers.disk_slot import OFFSET_SHIFT, DiskSlot, checksum_of, codec_o
 from kvstore.tiers.disk_writer import IOV_MAX, RUN_BYTES, DataFile, DiskWrite, DiskWriter, RecordStore
 from kvstore.tiers.host import copy_segments
 from kvstore.tiers.pages import adjacent_groups
-from kvstore.tiers.record_scan import map_bytes, record_key, store_key
+from kvstore.tiers.record_scan import BAD_RECORD, map_bytes, record_key, store_key
 from kvstore.tiers.recovered import Recovered
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class DiskTier(Tier):
         self._scan: DiskScan | None = DiskScan(self.env, self._db_blocks, self.page_bytes, self.num_pages,
                                              DiskSlot.recovered, decodes=decoder is not None,
                                              max_blocks=self.max_blocks)
+        self._over_cap = self.num_kept_records > self.max_blocks  # (the scan keeps the newest: no `peek`)
         self.staging = StagingPool(staging_bytes)
         self._failed: list[DiskWrite] = []  # failed jobs the owner has not yet collected
         # The writes of plain-int locations not yet settled, by offset: pending, or failed and not yet freed
@@ -249,8 +250,12 @@ class DiskTier(Tier):
         return short if over <= 0 else max(short, over * self.page_bytes)
 
     def release(self, extents: Sequence, key: bytes | None) -> None:
-        """Free a block's pages and queue the removal of its record (ordered before any reuse)."""
-        self.alloc.free(extents)
+        """Free a block's pages and queue the removal of its record (ordered before any reuse). While the
+        tier scans, the pages stay taken: the scan counts them its record's (it read the index as it was
+        at open), and the store frees them again once it has the scan's result (kvstore/recovery.py,
+        blocks adopted before the scan ended)."""
+        if self._scan is None:
+            self.alloc.free(extents)
         self.blocks -= 1
         if key is not None:
             self.writer.delete(key)
@@ -260,7 +265,7 @@ class DiskTier(Tier):
         if type(location) is int:
             if self._jobs:
                 self._jobs.pop(location >> OFFSET_SHIFT, None)  # (its pages, the only ones at that offset, go)
-        elif location.codec is not None:
+        elif location.codec is not None and self._scan is None:  # (while it scans: counted at `scanned`)
             self._held_compressed(location, -1)
         self.release(extents_of(location), None if key is None else record_key(key))
 
@@ -374,6 +379,28 @@ class DiskTier(Tier):
     @property
     def scanning(self) -> bool:
         return self._scan is not None
+
+    @property
+    def peekable(self) -> bool:
+        return self._scan is not None and not self._over_cap
+
+    def peek(self, key: Key) -> tuple | None:
+        """While the tier scans: `key`'s record, read from the index alone, as the scan reads it (key,
+        parent hash, size, location, attention, stamp); None where it has none or an unusable one. A
+        request's blocks are then hits before the scan reaches them (kvstore/recovery.py). A tier whose
+        cap was lowered since its records were written reads none so (the scan keeps the newest of them)."""
+        scan = self._scan
+        if scan is None or self._over_cap:
+            return None
+        rkey = record_key(key)
+        with self.env.begin(db=self._db_blocks) as txn:
+            raw = txn.get(rkey)
+        if raw is None:
+            return None
+        try:
+            return scan.parse(rkey, raw)[0]
+        except BAD_RECORD:
+            return None  # (the scan deletes it)
 
     @property
     def num_kept_records(self) -> int:

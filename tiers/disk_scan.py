@@ -48,29 +48,30 @@ class DiskScan(RecordScan[ScanResult]):
         keeps (`newest`)."""
         self._decodes = decodes
         self._max_blocks = max_blocks
-        self.page_bytes, self.num_pages = page_bytes, num_pages
+        self.page_bytes, self.num_pages, self._capacity = page_bytes, num_pages, page_bytes * num_pages
         self._location = location
         super().__init__(env, db, "kvstore-disk-scan")
 
+    def parse(self, rkey: bytes, raw: bytes) -> tuple[tuple, list]:
+        """One record: (key, parent hash, size, location, attention, stamp), as `Recovered` takes it, and the
+        page runs it holds; BAD_RECORD's errors where it is unusable (tiers/record_scan.py). Also what the
+        tier reads of one record while it scans (`DiskTier.peek`)."""
+        key = store_key(rkey)
+        rec = msgpack.unpackb(raw)
+        extents, checksum = rec["e"], rec["x"]
+        if not isinstance(checksum, int):
+            raise TypeError("no checksum")
+        runs = page_runs(extents, rec["n"], self.page_bytes, self._capacity)
+        codec = rec.get("c")
+        if codec is not None and not (self._decodes and isinstance(codec, str)):
+            raise TypeError("an encoded block and no decoder")
+        size = rec["n"] if codec is None else rec["z"]
+        return (key, rec.get("p"), size, self._location(extents, checksum, codec, size), rec.get("a"),
+                rec.get("t", 0.0)), runs
+
     def _scan(self) -> ScanResult:
         t0 = time.monotonic()
-        pb, capacity = self.page_bytes, self.page_bytes * self.num_pages
-        unpack, location, decodes = msgpack.unpackb, self._location, self._decodes
-
-        def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
-            key = store_key(rkey)
-            rec = unpack(raw)
-            extents, checksum = rec["e"], rec["x"]
-            if not isinstance(checksum, int):
-                raise TypeError("no checksum")
-            runs = page_runs(extents, rec["n"], pb, capacity)
-            codec = rec.get("c")
-            if codec is not None and not (decodes and isinstance(codec, str)):
-                raise TypeError("an encoded block and no decoder")
-            size = rec["n"] if codec is None else rec["z"]
-            return (key, rec.get("p"), size, location(extents, checksum, codec, size), rec.get("a"),
-                    rec.get("t", 0.0)), runs
-
+        pb, parse = self.page_bytes, self.parse
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, self.num_pages, parse, into=Recovered)
         if found.bad:
