@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
-from kvstore.keys import block_key, key_hash
+from kvstore.keys import ROOT_HASH, block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk_slot import extents_of
 from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes
@@ -387,7 +387,14 @@ def test_the_scan_keeps_the_well_formed_records_and_deletes_the_others(tmp_path)
     env.close()
     disk = DiskTier(path, pages * PAGE, PAGE)
     try:
+        # read on their own while the tier scans (`peek`), the records are judged as the scan judges them
+        # (but for pages another record claims: the scan's to find)
+        peeked = {h: disk.peek(block_key(NS.id, h)) for h in [b"\x00" * 16, b"\x01" * 16, b"\x02" * 16]
+                  + [bytes([0xF0 + i]) * 16 for i in range(len(bad))] + [b"\xfe" * 16, b"\xff" * 16]}
+        assert {h for h, rec in peeked.items() if rec is not None} == {b"\x00" * 16, b"\x01" * 16, b"\xff" * 16}
+        assert peeked[b"\x00" * 16][1:3] == (ROOT_HASH, 2 * PAGE) and extents_of(peeked[b"\x00" * 16][3]) == good["e"]
         kept = {key_hash(b.key): extents_of(b.location) for b in disk.scanned(wait=True)}
+        assert disk.peek(block_key(NS.id, b"\x00" * 16)) is None  # (the scan is over: the store has its rows)
         assert kept == {b"\x00" * 16: good["e"], b"\x01" * 16: second["e"]}
         disk.flush()
         assert len(disk.index_records()) == 2  # the others were deleted

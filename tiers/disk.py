@@ -40,7 +40,10 @@ thread of its own, and until it is done the tier has no free page, so nothing
 is written over a block it has not read yet; `scanned` hands the blocks to the
 store (kvstore/recovery.py adopts them while the daemon serves) and the tier
 then knows its free pages. Records that are unusable (malformed, outside the
-file, overlapping one read before) are deleted.
+file, overlapping one read before) are deleted. Meanwhile `peek` reads the
+record of one block (the store's requests name them): a block adopted so and
+given back before the scan ends keeps its pages taken until then (the scan
+counts them its record's; the store frees them once it has the scan's rows).
 
 Durability rule: a block is *acknowledged* (durable) exactly when its LMDB
 record is committed. The writer thread commits a record only after the block's
@@ -386,7 +389,7 @@ class DiskTier(Tier):
 
     def peek(self, key: Key) -> tuple | None:
         """While the tier scans: `key`'s record, read from the index alone, as the scan reads it (key,
-        parent hash, size, location, attention, stamp); None where it has none or an unusable one. A
+        parent hash, size, location, attention, stamp: `Recovered.normal`); None where it has none or an unusable one. A
         request's blocks are then hits before the scan reaches them (kvstore/recovery.py). A tier whose
         cap was lowered since its records were written reads none so (the scan keeps the newest of them)."""
         scan = self._scan
@@ -398,7 +401,7 @@ class DiskTier(Tier):
         if raw is None:
             return None
         try:
-            return scan.parse(rkey, raw)[0]
+            return Recovered.normal(scan.parse(rkey, raw)[0])
         except BAD_RECORD:
             return None  # (the scan deletes it)
 

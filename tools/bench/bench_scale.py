@@ -53,9 +53,9 @@ down to the disk tier. Then, against that daemon:
   (sampled every 0.1 s until the disk tier's log line): what a restart needs
   beyond what the daemon it replaces held; `all_found_s`: from the start to
   when the sample's chains are all found again (looked up every 0.1 s
-  meanwhile: a request adopts what it names as soon as its tier's records are
-  read, so this is when the disk's records were read, long before the
-  recovery ends); `recovering_lookups` and their `_p50_ms` ... `_max_ms`:
+  meanwhile: a request adopts what it names, from the records read or, while
+  the disk still scans them, from its index one by one, so this is soon after
+  the ready line, long before the recovery ends); `recovering_lookups` and their `_p50_ms` ... `_max_ms`:
   another client's lookups meanwhile, as during the churn (above), what an
   engine's lookups wait while the daemon adopts its blocks in steps;
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
