@@ -475,7 +475,6 @@ def test_a_block_read_early_whose_record_the_scan_does_not_keep_leaves_the_index
     record, earlier in key order, claims its pages (never written so). The block adopted from it leaves the
     index when the scan's rows come, its pages left to the record that keeps them, and nothing is torn."""
     import lmdb
-    import msgpack
 
     from kvstore.tiers.disk import INDEX_DIR
     from kvstore.tiers.record_scan import record_key
