@@ -185,9 +185,11 @@ class Recovery:
         read already, and, from a tier still reading them, those it can read one by one (`_adopt_early`)."""
         for r in self._pending:
             if r.stage == "scan":
-                if r.tier.peekable and self._may_adopt(r, on_demand=True, early=True):
+                # (only where the daemon verifies every read: a block clients read directly is verified
+                # against its record's checksum first, which the scan hands over)
+                if r.tier.peekable and not r.tier.client_readable and self._may_adopt(r, True, early=True):
                     self._adopt_early(r, keys)
-                return
+                continue
             if not self._may_adopt(r, on_demand=True):
                 return
             if r.stage == "orphans" or r.sorted == len(r.rows) and not r.waiting:
@@ -215,20 +217,27 @@ class Recovery:
 
     def _may_adopt(self, r: _TierRecovery, on_demand: bool = False, early: bool = False) -> bool:
         """`r` has sorted its records and so has every faster tier being recovered. `on_demand`: a
-        request's rows may be adopted while `r` and the faster tiers still sort the others (the rows of a
-        key are sorted first in each: `_waits_faster`); `early`: while `r` still reads them."""
+        request's rows may be adopted while `r` and the faster tiers still sort the others, or while a
+        faster one that reads a record on its own still reads them (whether a key is theirs is asked of
+        each first: `_waits_faster`); `early`: while `r` still reads them."""
         for other in self._pending:
             if other is r:
                 return (other.stage not in ("scan", "index") or on_demand and other.stage == "index"
                         or early and other.stage == "scan")
-            if other.stage == "scan" or other.stage == "index" and not on_demand:
+            if other.stage == "scan" and not (on_demand and other.tier.peekable) \
+                    or other.stage == "index" and not on_demand:
                 return False
         return False
 
     def _waits_faster(self, faster: list[_TierRecovery], key: Key) -> bool:
         """`key` has a record waiting for adoption in one of the `faster` tiers (its row sorted first in
-        one still sorting): the block is theirs, and a slower tier's record of it at most its copy."""
+        one still sorting, its record read on its own in one still reading them): the block is theirs, and
+        a slower tier's record of it at most its copy."""
         for other in faster:
+            if other.stage == "scan":
+                if other.tier.peek(key) is not None:
+                    return True
+                continue
             if other.stage == "index":
                 row = other.rows.finder().find(key)
                 if row >= 0 and other.state[row] == SORTING:

@@ -271,10 +271,18 @@ def test_a_stop_during_the_recovery_loses_nothing(open_store, gate):
     assert store.check() == []
 
 
-def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(store_factory, gate):
+@pytest.mark.parametrize("scans_held", [False, True], ids=["scans-free", "requests-while-both-scan"])
+def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(store_factory, gate, scans_held,
+                                                                             monkeypatch):
     """A kept host arena over a disk: chains split between them (a host block's children on disk), disk
     copies of host blocks. Adopted in small interleaved steps, with requests adopting on demand, the
-    store ends with the same blocks in the same tiers, and the same copies, as a recovery done at once."""
+    store ends with the same blocks in the same tiers, and the same copies, as a recovery done at once.
+    With requests while both tiers still read their records, the disk's chains are hits at once, and
+    a block whose record the arena holds is not taken from its disk copy (the arena is asked first)."""
+    from kvstore.tiers.host_scan import HostScan
+
+    host_gate = hold_scans(monkeypatch, HostScan)
+    host_gate.set()
     gate.set()
 
     def open_kept(background: bool, arena: str | None = None) -> TieredStore:
@@ -301,8 +309,20 @@ def test_host_and_disk_recovered_together_hold_what_one_after_the_other_holds(st
     store = open_kept(False, arena)
     expected = held(store)
     store.close()
+    if scans_held:
+        gate.clear()
+        host_gate.clear()
     store = open_kept(True, arena)
     assert len(store.index.entries) == 0
+    if scans_held:
+        on_disk_only = [c for c in chains if all(expected[block_key(NS.id, h)][0] == "disk" for h in c)]
+        assert on_disk_only and chains[0] not in on_disk_only
+        for c in chains:
+            assert store.lookup(NS.id, c).hits == (6 if c in on_disk_only else 0)
+        assert store.recovery.scanning and store.host.scanning  # (both still read their records)
+        assert all(held(store)[k] == expected[k] for k in held(store))
+        gate.set()
+        host_gate.set()
     n = 0
     while store.recovery.step(1):
         n += 1

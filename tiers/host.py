@@ -55,6 +55,7 @@ import stat
 from typing import Sequence
 
 import lmdb
+import msgpack
 import numpy as np
 
 from kvstore.keys import key_text
@@ -72,6 +73,7 @@ from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
 from kvstore.tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
 from kvstore.tiers.host_scan import HostScan
 from kvstore.tiers.pages import Extents, PageAllocator
+from kvstore.tiers.record_scan import BAD_RECORD
 from kvstore.tiers.recovered import Recovered
 
 log = logging.getLogger(__name__)
@@ -201,6 +203,26 @@ class HostArena(Tier):
     @property
     def scanning(self) -> bool:
         return self._scan is not None
+
+    @property
+    def peekable(self) -> bool:
+        return self._scan is not None
+
+    def peek(self, key) -> tuple | None:
+        """While its records are read: `key`'s record, read from the index alone (`Recovered.normal`'s
+        fields; its checksum is the scan's to hand over); None where there is none or an unusable one. The
+        store asks it whether a block is the arena's before it adopts a slower tier's record of it."""
+        if self._scan is None:
+            return None
+        try:
+            with self.index.env.begin(db=self.index.blocks_db) as txn:
+                raw = txn.get(record_key(key))
+            if raw is None:
+                return None
+            rec = msgpack.unpackb(raw)
+            return Recovered.normal((key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0)))
+        except (*BAD_RECORD, lmdb.Error):  # (the scan deletes it, or the arena starts over without it)
+            return None
 
     def scanned(self, wait: bool = False) -> Recovered | list | None:
         """The blocks kept in the re-adopted arena (once; None while its records are read, unless `wait`).
