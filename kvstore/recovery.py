@@ -83,6 +83,7 @@ class _TierRecovery:
     kids: array | None = None  # the rows that have a parent row, grouped by it (once all are sorted)
     kids_at: array | None = None  # row p's children: kids[kids_at[p] : kids_at[p + 1]]
     links: _Links | None = None  # kids and kids_at being made, once every row is sorted
+    linking: np.ndarray | None = None  # then the rows with children not waiting for adoption (`_link_gone`)
     outside: dict = field(default_factory=dict)  # a parent key no row holds -> the row (or a list) waiting for it
     pos: int = 0  # the next row to sort (index stage), or of `orphan_rows` to free (orphans stage)
     sorted: int = 0  # rows sorted (in order, or first where a request named them)
@@ -299,29 +300,42 @@ class Recovery:
             self._settle_early(r)
 
     def _settle_early(self, r: _TierRecovery) -> None:
-        """The rows of the blocks adopted before the scan ended (`_adopt_early`) are done with. One given
-        back meanwhile kept its pages (a tier frees none while it scans): they are freed now. One the
-        scan did not keep (a record it found unusable, or claiming pages another record holds) leaves
-        the index with what hangs under it, its pages untouched: they are not its own."""
-        finder, name, index = r.rows.finder(), r.tier.name, self.index
-        locate = r.tier.locate
-        for key, location in r.early.items():
-            e = index.get(key)
-            held = e is not None and (e.location if e.tier == name else (e.copies or {}).get(name)) is location
-            row = finder.find(key)
-            if row >= 0 and r.state[row] == SORTING and locate(r.rows.locations[row]) == locate(location):
-                r.state[row] = GONE
-                r.sorted += 1
-                if not held:
-                    r.tier.free(r.rows.locations[row])  # (its record's deletion was queued when it went)
-            elif held:
-                self._forget(r, e)  # type: ignore[arg-type]
-        r.early = {}
+        """The scan's rows have come, and some blocks were adopted before (`_adopt_early`): one whose
+        record the scan did not keep (one it found unusable, or claiming pages another record holds)
+        leaves the index with what hangs under it, its pages untouched: they are not its own. The rows
+        of the others are done with as they are sorted (`_early_row`)."""
+        keys, finder = list(r.early), r.rows.finder()
+        found = finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys))).tolist()
+        row_keys, index, name = r.rows.keys, self.index, r.tier.name
+        for key, row in zip(keys, found):
+            if row >= 0 and row_keys[row] != key:
+                row = finder.find(key)
+            if row < 0 and (location := r.early.pop(key, None)) is not None:  # (not forgotten with another)
+                e = index.get(key)
+                if e is not None and (e.location if e.tier == name else (e.copies or {}).get(name)) is location:
+                    self._forget(r, e, location)
 
-    def _forget(self, r: _TierRecovery, e: Entry) -> None:
-        """`e` was adopted early from `r`'s tier, and the scan did not keep its record: it leaves the index
-        (a block in a faster tier only its copy there), with its subtree, whatever their pins; the pages of
-        what was adopted early are not freed."""
+    def _early_row(self, r: _TierRecovery, row: int, key: Key) -> bool:
+        """Sorting `row`, of `key`: if its block was adopted before the scan ended, the row is done with
+        (True). A block given back meanwhile kept its pages (a tier frees none while it scans): they are
+        freed now."""
+        location = r.early.pop(key)
+        at = r.rows.locations[row]
+        if at != location and r.tier.locate(at) != r.tier.locate(location):  # (never: one record a key)
+            e = self.index.get(key)
+            if e is not None and (e.location if e.tier == r.tier.name else (e.copies or {}).get(r.tier.name)) \
+                    is location:
+                self._forget(r, e, location)
+            return False
+        e = self.index.get(key)
+        if e is None or (e.location if e.tier == r.tier.name else (e.copies or {}).get(r.tier.name)) is not location:
+            r.tier.free(at)  # (its record's deletion was queued when it went)
+        return True
+
+    def _forget(self, r: _TierRecovery, e: Entry, location: object) -> None:
+        """`e`, adopted early from `r`'s tier at `location`, is not the block of the scan's row of its key:
+        it leaves the index (a block in a faster tier only its copy there), with its subtree, whatever
+        their pins; the pages of what was adopted early are not freed."""
         name, index, placement = r.tier.name, self.index, self.placement
         placement.counters[f"{name}_early_blocks_forgotten"] += 1
         if e.tier != name:
@@ -329,7 +343,8 @@ class Recovery:
             return
         for x in index.deepest_first(index.subtree(e.key)):
             index.ghost(x)
-            if x.tier == name and r.early.get(x.key) is x.location:
+            if x is e or x.tier == name and r.early.get(x.key) is x.location:
+                r.early.pop(x.key, None)
                 placement.policies[name].on_remove(x.key)
                 index.remove(x)
             else:
@@ -352,11 +367,13 @@ class Recovery:
             if blocks is not None:
                 self._load(r, blocks)
             return True
-        if r.stage == "index":  # (sorting its rows, then linking them: `_Links`)
-            if r.links is None and self._index(r, budget):
+        if r.stage == "index":  # (sorting its rows, linking them in a thread (`_Links`), then `_link_gone`)
+            if r.links is None and r.linking is None and self._index(r, budget):
                 r.links = _Links(r.parent_row)
             if r.links is not None and self._linked(r, wait=budget is None):
-                r.links, r.pos, r.stage = None, 0, "adopt"
+                r.links, r.pos = None, 0
+            if r.linking is not None and self._link_gone(r, budget):
+                r.linking, r.pos, r.stage = None, 0, "adopt"
             return True
         if r.stage == "adopt":
             if not self._may_adopt(r):
@@ -407,7 +424,7 @@ class Recovery:
         tier, index, rows = r.tier, self.index, r.rows
         known = self.placement.shared.namespaces
         keeps_copies = tier.name in index.copies
-        keys, nbytes, state = rows.keys, rows.nbytes, r.state
+        keys, nbytes, state, early = rows.keys, rows.nbytes, r.state, r.early
         waits: list[int] = []
         parents: list[Key] = []
         for row in which:
@@ -415,9 +432,11 @@ class Recovery:
                 continue
             r.sorted += 1
             key = keys[row]
+            state[row] = GONE
+            if early and key in early and self._early_row(r, row, key):
+                continue
             ns_id = key_ns(key)
             ns = known.get(ns_id)
-            state[row] = GONE
             if ns is None or nbytes[row] != ns.block_bytes:
                 self._release(r, row)
                 r.dropped += 1
@@ -465,18 +484,29 @@ class Recovery:
             np.frombuffer(r.parent_row, np.int64)[inside] = at
 
     def _linked(self, r: _TierRecovery, wait: bool) -> bool:
-        """Once `r.links` are made (`wait`: waiting for them): each row's children, and those of rows not
-        adopted here whose key is indexed (a faster tier's block, one written meanwhile or adopted on
-        demand) are free to go. Whether they were made."""
+        """Once `r.links` are made (`wait`: waiting for them): each row's children; the rows with children
+        that are not waiting for adoption are looked at next (`_link_gone`). Whether they were made."""
         made = r.links.result(wait)  # type: ignore[union-attr]
         if made is None:
             return False
         r.kids, r.kids_at, has_kids = made
         gone = np.flatnonzero(np.frombuffer(r.state, np.uint8) == GONE)
-        for p in gone[has_kids[gone]].tolist():
-            if self.index.get(r.rows.keys[p]) is not None:
-                r.frontier.extend(r.children(p))
+        r.linking = gone[has_kids[gone]]
         return True
+
+    def _link_gone(self, r: _TierRecovery, budget: int | None) -> bool:
+        """The children of rows not adopted here whose key is indexed (a faster tier's block, one written
+        meanwhile or adopted on demand, as whole chains are) are free to go: up to `budget` such rows
+        looked at (the blocks requests adopted while the tier was read may be most of a restart's first
+        minute). True once all are."""
+        rows = r.linking
+        end = len(rows) if budget is None else min(len(rows), r.pos + budget)
+        keys, get = r.rows.keys, self.index.get
+        for p in rows[r.pos : end].tolist():
+            if get(keys[p]) is not None:
+                r.frontier.extend(r.children(p))
+        r.pos = end
+        return end >= len(rows)
 
     def _adopt_one(self, r: _TierRecovery, row: int, adopted: list[tuple[float, Entry]],
                    faster: list[_TierRecovery]) -> bool:
