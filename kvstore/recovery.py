@@ -186,9 +186,7 @@ class Recovery:
         read already, and, from a tier still reading them, those it can read one by one (`_adopt_early`)."""
         for r in self._pending:
             if r.stage == "scan":
-                # (only where the daemon verifies every read: a block clients read directly is verified
-                # against its record's checksum first, which the scan hands over)
-                if r.tier.peekable and not r.tier.client_readable and self._may_adopt(r, True, early=True):
+                if r.tier.peekable and self._may_adopt(r, True, early=True):
                     self._adopt_early(r, keys)
                 continue
             if not self._may_adopt(r, on_demand=True):
@@ -286,6 +284,7 @@ class Recovery:
                 continue
             for k, location, estimate, stamp in reversed(chain):
                 parent = index.adopt(k, parent, name, location, estimate)
+                tier.adopted_early(k, location)  # (the arena verifies it before its first read)
                 adopted.append((stamp, parent))
                 self.placement.adopted(parent)
                 r.early[k] = location

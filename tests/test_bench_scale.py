@@ -22,6 +22,8 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
         assert r[key] > 0, key
     assert r["lookup_p99_ms"] >= r["lookup_p50_ms"]
     assert r["kept"] == r["sampled"] > 0  # every sampled block found again after the restart
+    assert r["first_lookup_hits"] == r["first_lookup_sampled"] > 0  # the first chain looked up: a hit at once
+    assert r["kept_at_ready"] == r["kept"] and r["kept_at_ready_s"] >= r["first_lookup_ms"] / 1e3
     assert r["rss_bytes_per_block_recovering"] > 0 and 0 < r["all_found_s"] <= r["recovered_s"]
     assert "recovering_lookups" in r  # (a second client looked up blocks while the restarted daemon recovered)
     assert r["write_full_disk"]["writes"] > 0  # the full-tier writes went through the disk tier

@@ -184,8 +184,9 @@ def held_scan(monkeypatch):
 def test_the_store_serves_while_the_kept_records_are_read_and_writes_over_none(monkeypatch, store_factory,
                                                                                held_scan):
     """The records are read in a thread while the store serves (a daemon past its ready line): a lookup
-    is a miss, a put into the arena is refused (it knows no free page: a kept block may sit on any); once
-    read, every kept block is a hit with its own bytes and the arena takes writes."""
+    is a hit all the same (the records of the blocks it names read one by one), a put into the arena is
+    refused (it knows no free page: a kept block may sit on any); once read, every kept block is a hit
+    with its own bytes and the arena takes writes."""
     path, hashes = kept_chain(store_factory)
     monkeypatch.setattr(store_mod, "RECOVER_BEFORE_SERVING_BLOCKS", 0)  # as with millions of records
     store = reopen(store_factory, path, recover_in_background=True)
@@ -195,7 +196,9 @@ def test_the_store_serves_while_the_kept_records_are_read_and_writes_over_none(m
     async def serve() -> None:
         store.start()
         assert store.host.scanning and store.host.stats()["scanning"]
-        assert store.lookup(ns, hashes).hits == 0  # not read yet: a miss, answered at once
+        assert store.lookup(ns, hashes[:4]).hits == 4  # not read yet: its records read one by one
+        assert read(store, hashes[:2]) == [payload(h) for h in hashes[:2]]  # (verified first)
+        assert store.host.stats()["verified_blocks"] == 2
         assert store.reserve(ns, [(h, None) for h in other], owner="w") == [None] * 3
         assert store.stats()["counters"]["put_capacity_rejects"] == 3 and store.host.pages.free_pages == 0
         held_scan.set()
@@ -288,3 +291,53 @@ def test_the_metrics_show_how_far_a_recovery_has_come(monkeypatch, store_factory
     store.wait_recovered()
     assert "recovery" not in store.stats() and recovery_samples() == {}
     assert store.lookup(NS.id, hashes).hits == 6
+
+
+def test_a_block_adopted_before_the_records_are_read_is_verified_before_it_is_served(monkeypatch, store_factory,
+                                                                                   held_scan):
+    """A kept block adopted from its record read on its own, before the scan of the records: its bytes
+    are verified against the record's checksum before they are first read, and an altered block is a
+    miss, dropped with its subtree, never served; once the scan's rows come, its pages are free again and
+    no record of it is left, here or at the next start."""
+    path, hashes = kept_chain(store_factory)
+    never_quiet(monkeypatch)
+    store = reopen(store_factory, path)
+    alter(path, store, hashes[3])
+    store.close()
+    store = reopen(store_factory, path, recover_in_background=True)
+    assert store.host.scanning and store.lookup(NS.id, hashes).hits == 6  # (a lookup reads no byte)
+    assert read(store, hashes) == [payload(h) for h in hashes[:3]] + [None] * 3, "an altered block was served"
+    assert store.stats()["counters"]["host_checksum_failures"] == 1
+    assert store.lookup(NS.id, hashes).hits == 3
+    # the dropped blocks' pages stay taken while the records are read (the scan counts them its records'):
+    # nothing is written there meanwhile
+    other = hash_blocks(np.arange(16) + 40_000, 16)
+    assert store.host.pages.free_pages == 0 and store.reserve(NS.id, [(other[0], None)], owner="w") == [None]
+    held_scan.set()
+    store.wait_recovered()
+    assert store.lookup(NS.id, hashes).hits == 3 and store.host.failed_checks() == []
+    assert store.check() == []  # the dropped blocks' pages are free
+    store.close()
+    store = reopen(store_factory, path)
+    assert store.lookup(NS.id, hashes).hits == 3 and store.check() == []
+
+
+def test_an_arena_that_starts_over_forgets_what_was_adopted_before_its_records_were_read(monkeypatch,
+                                                                                       store_factory):
+    """Blocks adopted from records read one by one, then the scan of the records fails (a corrupt page of
+    the index): the arena starts empty, and the blocks adopted from it leave the store (their pages are
+    the empty arena's), none served after."""
+    path, hashes = kept_chain(store_factory)
+    gate = hold_scans(monkeypatch, host_scan.HostScan)
+
+    def corrupt(self):
+        raise lmdb.CorruptedError("mdb_cursor_get: MDB_CORRUPTED")
+
+    monkeypatch.setattr(host_scan.HostScan, "_scan", lambda self: gate.wait(30) and corrupt(self))
+    store = reopen(store_factory, path, recover_in_background=True)
+    assert store.lookup(NS.id, hashes).hits == 6
+    gate.set()
+    store.wait_recovered()
+    assert store.lookup(NS.id, hashes).hits == 0 and store.host.pages.free_pages == 16
+    assert store.stats()["counters"]["host_early_blocks_forgotten"] >= 1
+    assert store.check() == []

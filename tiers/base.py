@@ -296,6 +296,9 @@ class Tier:
         None where it has none, or reads its records only in the scan (this default)."""
         return None
 
+    def adopted_early(self, key: Key, location: object) -> None:
+        """The store adopted `key`'s block at `location`, as `peek` gave it, while the tier scans."""
+
     def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
         """The blocks a background read of the records found, once (None while it runs, unless `wait`);
         [] for a tier that has none to give."""

@@ -55,7 +55,6 @@ import stat
 from typing import Sequence
 
 import lmdb
-import msgpack
 import numpy as np
 
 from kvstore.keys import key_text
@@ -209,18 +208,31 @@ class HostArena(Tier):
         return self._scan is not None
 
     def peek(self, key) -> tuple | None:
-        """While its records are read: `key`'s record, read from the index alone (`Recovered.normal`'s
-        fields; its checksum is the scan's to hand over); None where there is none or an unusable one. The
-        store asks it whether a block is the arena's before it adopts a slower tier's record of it."""
-        if self._scan is None:
+        """While its records are read: `key`'s record, read from the index alone and judged as the scan
+        judges one (`Recovered.normal`'s fields; the scan finds whether another record claims its pages);
+        None where there is none or an unusable one."""
+        record = self._peek(key)
+        return None if record is None else record[0]
+
+    def adopted_early(self, key, location: Extents) -> None:
+        """The store adopted `key`'s block at `location`, the extents `peek` gave, while the records are
+        read: it is verified against its record's checksum before its first read, as a block the scan
+        hands over is, and its record deleted when it leaves (tiers/host_index.py `early`)."""
+        record = self._peek(key)
+        if record is None or record[0][3] != location:  # (its record cannot change while the arena scans)
+            raise RuntimeError(f"internal: the record of {key_text(key)} is not the one adopted")
+        _, rec, rkey = record
+        self.index.early(key, rkey, location, rec["n"], rec["x"])
+
+    def _peek(self, key) -> tuple | None:
+        scan = self._scan
+        if scan is None:
             return None
         try:
+            rkey = record_key(key)
             with self.index.env.begin(db=self.index.blocks_db) as txn:
-                raw = txn.get(record_key(key))
-            if raw is None:
-                return None
-            rec = msgpack.unpackb(raw)
-            return Recovered.normal((key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0)))
+                raw = txn.get(rkey)
+            return None if raw is None else scan.parse(rkey, raw)[0]
         except (*BAD_RECORD, lmdb.Error):  # (the scan deletes it, or the arena starts over without it)
             return None
 
@@ -286,9 +298,12 @@ class HostArena(Tier):
         self.pages.free_unused(allocations)
 
     def free(self, location: Extents, key: tuple | None = None) -> None:
+        """(While the records are read, the pages stay taken: the scan counts them its record's, and the
+        store frees them again once it has the scan's rows: kvstore/recovery.py, blocks adopted early.)"""
         if key is not None and self.index is not None:
             self.index.forget(key)
-        self.pages.free(location)
+        if self._scan is None:
+            self.pages.free(location)
 
     @property
     def records_placed(self) -> bool:

@@ -189,6 +189,7 @@ class HostIndex:
         # `altered` lists them, `verify` answers False for them (a block not adopted yet when the
         # store first heard of it is caught when it is).
         self._altered: dict[tuple, list] = {}
+        self._early: dict[tuple, list] = {}  # key -> extents of the blocks adopted before `adopt` (`early`)
         # Held while a verification's verdict is recorded (a block leaves `_unverified` and, if altered,
         # enters `_altered` at once): a reader never sees an altered block in neither.
         self._verdict = threading.Lock()
@@ -246,10 +247,25 @@ class HostIndex:
             log.warning("host tier: dropped %d of %d records of the re-adopted arena: %s", len(result.bad),
                         len(result.bad) + len(result.blocks),
                         describe(result.reasons))
+        early, self._early = self._early, {}
+        for key, extents in early.items():
+            result.unverified.pop(key, None)  # (one adopted early was verified, or is in `_unverified` still)
+            if key not in result.recorded:  # the scan did not keep its record: the store forgets the block
+                with self._lock:
+                    self._recorded.pop(key, None)
+                self._unverified.pop(key, None)
+            elif key in self._recorded:  # still in the arena, at `extents` (that very list)
+                if (item := result.unchecked.get(key)) is not None:
+                    item.extents = extents
+            else:  # it left while the scan ran (its record's deletion queued); its pages: the store's to free
+                result.recorded.pop(key, None)
+                result.unchecked.pop(key, None)
         with self._lock:
-            result.recorded.update(self._recorded)  # (none: nothing is written into a tier still scanning)
+            # (nothing is written into a tier still scanning: these are the blocks adopted early)
+            result.recorded.update(self._recorded)
             self._recorded = result.recorded
             self._unchecked = {**result.unchecked, **self._unchecked}
+        result.unverified.update(self._unverified)
         self._unverified = result.unverified
         self._adopted_at = time.monotonic()
         self.adopted_unchecked = len(result.unchecked)
@@ -258,6 +274,17 @@ class HostIndex:
                      "adopted on their commit records, checked in the background", len(result.unchecked))
         if self._unchecked or self._unverified:
             self._hash_wake.set()
+
+    def early(self, key: tuple, rkey: bytes, extents: list, nbytes: int, checksum: int | None) -> None:
+        """While the records are read (before `adopt`): the store adopted `key`'s block at `extents` (that
+        very list) from its record `rkey`, read on its own. It is verified before its first read (or by the
+        hasher) against `checksum`; one without a checksum is checked once the scan's records are adopted,
+        as theirs are. `forget` deletes its record; `adopt` keeps what became of it."""
+        with self._lock:
+            self._recorded[key] = rkey
+            self._early[key] = extents
+        if checksum is not None:
+            self._unverified[key] = _Unverified(extents, nbytes, checksum)
 
     def put_namespace(self, ns_id: str, fields: dict) -> None:
         with self._lock, self.env.begin(write=True, db=self._db_ns) as txn:

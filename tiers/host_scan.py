@@ -43,20 +43,21 @@ class HostScan(RecordScan[HostScanResult]):
         self.capacity_bytes, self.page_bytes = capacity_bytes, page_bytes
         super().__init__(env, db, "kvstore-host-scan")
 
+    def parse(self, rkey: bytes, raw: bytes) -> tuple[tuple, list]:
+        """One record: (its fields as `Recovered.normal` gives them, the record, its record key) and the
+        page runs it holds; BAD_RECORD's errors where it is unusable (tiers/record_scan.py). Also what the
+        arena reads of one record while it scans (`HostArena.peek`)."""
+        key = store_key(rkey)
+        rec = msgpack.unpackb(raw)
+        runs = page_runs(rec["e"], rec["n"], self.page_bytes, self.capacity_bytes)
+        if not (rec["x"] is None or isinstance(rec["x"], int)):
+            raise TypeError("a checksum that is no int")
+        fields = Recovered.normal((key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0)))
+        return (fields, rec, bytes(rkey)), runs
+
     def _scan(self) -> HostScanResult:
         t0 = time.monotonic()
-        page_bytes, capacity_bytes = self.page_bytes, self.capacity_bytes
-        unpack = msgpack.unpackb
-
-        def parse(rkey: bytes, raw: bytes) -> tuple[tuple, list]:
-            key = store_key(rkey)
-            rec = unpack(raw)
-            runs = page_runs(rec["e"], rec["n"], page_bytes, capacity_bytes)
-            if not (rec["x"] is None or isinstance(rec["x"], int)):
-                raise TypeError("a checksum that is no int")
-            fields = Recovered.normal((key, rec.get("p"), rec["n"], rec["e"], rec.get("a"), rec.get("t", 0.0)))
-            return (fields, rec, bytes(rkey)), runs
-
+        page_bytes, capacity_bytes, parse = self.page_bytes, self.capacity_bytes, self.parse
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, capacity_bytes // page_bytes, parse)
         blocks, recorded, unverified, unchecked = Recovered(), {}, {}, {}

@@ -43,7 +43,10 @@ down to the disk tier. Then, against that daemon:
   (server/daemon.py `GcPauses`);
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
-  blocks of a sample of chains found right after the ready line, found once
+  blocks of a sample of chains found right after the ready line (a lookup of
+  each chain in turn, `kept_at_ready_s` in all, after one chain held whole
+  before the stop alone: `first_lookup_ms`, `first_lookup_hits` of
+  `first_lookup_sampled`, as an engine's first request), found once
   the daemon's background recovery is done (`recovered_s` after the start,
   from the ready line to the log line of the disk tier's recovery), against
   found before the stop; `rss_bytes_per_block_restarted`: the restarted
@@ -436,7 +439,9 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                 row["gc_longest_pause_ms"] = max(p["longest_ms"] for p in pauses)
                 row["gc_full_collections"] = pauses[2]["collections"]
                 row["gc_pauses"] = pauses  # per generation: collections, longest_ms, total_s
-            before = sum(client.lookup(ns, hs).hits for hs in samples)
+            found = [client.lookup(ns, hs).hits for hs in samples]
+            before = sum(found)
+            first = next((hs for hs, hits in zip(samples, found) if hits == len(hs)), samples[0])  # (one held whole)
         t0 = time.perf_counter()
         d.proc.send_signal(signal.SIGTERM)
         d.proc.wait(timeout=600)
@@ -448,7 +453,11 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
         start_s = time.perf_counter() - t1
         with KVClient(d.socket_path, name="bench-scale", timeout_s=600, spin_us=args.client_spin_us) as client:
             ns = client.register(NS)
+            t2 = time.perf_counter()
+            first_hits = client.lookup(ns, first).hits  # one chain, as an engine's first request
+            first_s = time.perf_counter() - t2
             kept_at_ready = sum(client.lookup(ns, hs).hits for hs in samples)
+            kept_at_ready_s = time.perf_counter() - t2
             peak, found_s = rss_anon(d.proc.pid), None
             with LookupsMeanwhile(d.socket_path, ns, samples, args.client_spin_us) as meanwhile:
                 while "disk tier: recovered" not in open(log).read():  # (the moment the log line is written)
@@ -463,7 +472,9 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             blocks = client.stats()["blocks"]
             restarted = (rss_anon(d.proc.pid) - rss0) / blocks  # (the first daemon's baseline)
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
-                   kept_at_ready=kept_at_ready, kept=kept, sampled=before, recovered_s=round(recovered_s, 3),
+                   kept_at_ready=kept_at_ready, kept_at_ready_s=round(kept_at_ready_s, 3),
+                   first_lookup_ms=round(first_s * 1e3, 2), first_lookup_hits=first_hits,
+                   first_lookup_sampled=len(first), kept=kept, sampled=before, recovered_s=round(recovered_s, 3),
                    rss_bytes_per_block_restarted=round(restarted, 1),
                    rss_bytes_per_block_recovering=round((peak - rss0) / blocks, 1),
                    all_found_s=round(found_s if found_s is not None else recovered_s, 3))
