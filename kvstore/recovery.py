@@ -37,15 +37,10 @@ Rules, either way:
 
 from __future__ import annotations
 
-import gc
 import logging
-import threading
 import time
-from array import array
 from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -54,6 +49,7 @@ from kvstore.errors import NamespaceError
 from kvstore.index import BlockIndex
 from kvstore.keys import ROOT_HASH, Namespace, block_key, key_ns
 from kvstore.placement import Placement
+from kvstore.recovery_rows import GONE, PENDING, SORTING, Links, TierRecovery, no_cyclic_gc, rows_of
 from kvstore.tiers.base import Tier
 from kvstore.tiers.recovered import Recovered
 
@@ -63,63 +59,6 @@ STAGES = ("scan", "index", "adopt", "copies", "orphans")
 EARLY_WALK_BLOCKS = 4096  # the most records a request's block and its ancestors read one by one (`_adopt_early`)
 
 
-SORTING, PENDING, GONE = 0, 1, 2  # a record's state: not sorted yet; waiting for adoption; adopted or let go
-
-
-@dataclass
-class _TierRecovery:
-    """One tier's recovery in progress, stage by stage (`STAGES`). Its records are the rows of columns
-    (tiers/recovered.py), and what the stages keep of a row is a byte and two ints in arrays: what waits
-    for adoption is most of a restart's memory (10^7 disk records), and as objects a record was ~600 B
-    that stayed with the daemon once freed."""
-
-    tier: Tier
-    kept_records: int = 0  # the block records the tier found at open
-    stage: str = "scan"
-    started: float = field(default_factory=time.monotonic)
-    rows: Recovered = field(default_factory=Recovered)  # the records read (none while the tier scans)
-    state: bytearray = field(default_factory=bytearray)  # per row: SORTING, PENDING or GONE
-    parent_row: array = field(default_factory=lambda: array("q"))  # its parent's row, or -1
-    kids: array | None = None  # the rows that have a parent row, grouped by it (once all are sorted)
-    kids_at: array | None = None  # row p's children: kids[kids_at[p] : kids_at[p + 1]]
-    links: _Links | None = None  # kids and kids_at being made, once every row is sorted
-    linking: np.ndarray | None = None  # then the rows with children not waiting for adoption (`_link_gone`)
-    outside: dict = field(default_factory=dict)  # a parent key no row holds -> the row (or a list) waiting for it
-    pos: int = 0  # the next row to sort (index stage), or of `orphan_rows` to free (orphans stage)
-    sorted: int = 0  # rows sorted (in order, or first where a request named them)
-    waiting: int = 0  # rows PENDING (orphans stage: orphans not freed yet)
-    frontier: list = field(default_factory=list)  # PENDING rows whose parent was indexed
-    copies: list = field(default_factory=list)  # rows of keys indexed in a faster tier
-    stale: list = field(default_factory=list)  # rows a newer record replaced: pages freed once it is durable
-    orphan_rows: np.ndarray | None = None
-    adopted: int = 0
-    early: dict = field(default_factory=dict)  # while the tier scans: key -> location of a block adopted so
-    adopted_early: int = 0
-    num_copies: int = 0
-    orphans: int = 0
-    dropped: int = 0
-
-    def load(self, rows: Recovered) -> None:
-        """The tier's records are read: they are sorted next."""
-        self.rows = rows
-        self.state = bytearray(len(rows))
-        self.parent_row = array("q", bytes(8 * len(rows)))
-        np.frombuffer(self.parent_row, np.int64)[:] = -1
-        self.stage = "index"
-
-    def pending(self, key: Key) -> bool:
-        """`key`'s record here waits for adoption."""
-        if not self.waiting or self.stage in ("scan", "orphans"):
-            return False
-        row = self.rows.finder().find(key)
-        return row >= 0 and self.state[row] == PENDING
-
-    def children(self, row: int) -> array | tuple:
-        """The rows whose parent is `row` (none before all rows are sorted)."""
-        if self.kids is None:
-            return ()
-        at = self.kids_at
-        return self.kids[at[row] : at[row + 1]]  # type: ignore[index]
 
 
 class Recovery:
@@ -129,7 +68,7 @@ class Recovery:
 
     def __init__(self, index: BlockIndex, placement: Placement, register: Callable[[Namespace], str]) -> None:
         self.index, self.placement = index, placement
-        self._pending: deque[_TierRecovery] = deque()
+        self._pending: deque[TierRecovery] = deque()
         self.num_records = 0  # the block records the tiers reported at open
         for tier in placement.chain:
             if not tier.persistent:
@@ -138,7 +77,7 @@ class Recovery:
             self.num_records += kept
             namespaces, blocks = tier.recover()
             _register(tier, namespaces, register)
-            r = _TierRecovery(tier, kept)
+            r = TierRecovery(tier, kept)
             if not tier.scanning:
                 self._load(r, blocks)
             self._pending.append(r)
@@ -169,7 +108,7 @@ class Recovery:
 
     def finish(self) -> None:
         """Everything left, now (waiting for the scans)."""
-        with _no_cyclic_gc():
+        with no_cyclic_gc():
             while self._pending:
                 r = self._pending[0]
                 if r.stage == "scan":
@@ -214,7 +153,7 @@ class Recovery:
                         break
             self._enter_policy(adopted)
 
-    def _may_adopt(self, r: _TierRecovery, on_demand: bool = False, early: bool = False) -> bool:
+    def _may_adopt(self, r: TierRecovery, on_demand: bool = False, early: bool = False) -> bool:
         """`r` has sorted its records and so has every faster tier being recovered. `on_demand`: a
         request's rows may be adopted while `r` and the faster tiers still sort the others, or while a
         faster one that reads a record on its own still reads them (whether a key is theirs is asked of
@@ -228,7 +167,7 @@ class Recovery:
                 return False
         return False
 
-    def _waits_faster(self, faster: list[_TierRecovery], key: Key) -> bool:
+    def _waits_faster(self, faster: list[TierRecovery], key: Key) -> bool:
         """`key` has a record waiting for adoption in one of the `faster` tiers (its row sorted first in
         one still sorting, its record read on its own in one still reading them): the block is theirs, and
         a slower tier's record of it at most its copy."""
@@ -245,12 +184,12 @@ class Recovery:
                 return True
         return False
 
-    def _adopt_early(self, r: _TierRecovery, keys: list[Key]) -> None:
+    def _adopt_early(self, r: TierRecovery, keys: list[Key]) -> None:
         """While `r`'s tier still reads its records: adopt the blocks of `keys` from their records read
         one by one (`Tier.peek`), each with its ancestors not indexed yet, parents first, by the rules of
         the rows (a chain that does not reach a root or an indexed block is not adopted). A block adopted
-        so is noted in `r.early` until the scan's rows come (`_settle_early`); one given back meanwhile
-        is not adopted again before then."""
+        so is noted in `r.early` until the scan's rows come (`_settle_early`, `_early_row`); one given
+        back meanwhile is not adopted again before then."""
         tier, index, name = r.tier, self.index, r.tier.name
         known = self.placement.shared.namespaces
         faster = self._faster(r)
@@ -292,46 +231,50 @@ class Recovery:
                 r.adopted_early += 1
         self._enter_policy(adopted)
 
-    def _load(self, r: _TierRecovery, blocks: Recovered | list | None) -> None:
+    def _load(self, r: TierRecovery, blocks: Recovered | list | None) -> None:
         """`r`'s tier has read its records: they are sorted next."""
-        r.load(_rows(blocks))
+        r.load(rows_of(blocks))
         if r.early:
             self._settle_early(r)
 
-    def _settle_early(self, r: _TierRecovery) -> None:
+    def _settle_early(self, r: TierRecovery) -> None:
         """The scan's rows have come, and some blocks were adopted before (`_adopt_early`): one whose
         record the scan did not keep (one it found unusable, or claiming pages another record holds)
         leaves the index with what hangs under it, its pages untouched: they are not its own. The rows
         of the others are done with as they are sorted (`_early_row`)."""
         keys, finder = list(r.early), r.rows.finder()
         found = finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys))).tolist()
-        row_keys, index, name = r.rows.keys, self.index, r.tier.name
+        row_keys, name = r.rows.keys, r.tier.name
         for key, row in zip(keys, found):
             if row >= 0 and row_keys[row] != key:
                 row = finder.find(key)
             if row < 0 and (location := r.early.pop(key, None)) is not None:  # (not forgotten with another)
-                e = index.get(key)
-                if e is not None and (e.location if e.tier == name else (e.copies or {}).get(name)) is location:
+                if (e := self._holds(key, name, location)) is not None:
                     self._forget(r, e, location)
 
-    def _early_row(self, r: _TierRecovery, row: int, key: Key) -> bool:
+    def _early_row(self, r: TierRecovery, row: int, key: Key) -> bool:
         """Sorting `row`, of `key`: if its block was adopted before the scan ended, the row is done with
         (True). A block given back meanwhile kept its pages (a tier frees none while it scans): they are
         freed now."""
-        location = r.early.pop(key)
-        at = r.rows.locations[row]
+        location, at, name = r.early.pop(key), r.rows.locations[row], r.tier.name
+        e = self._holds(key, name, location)
         if at != location and r.tier.locate(at) != r.tier.locate(location):  # (never: one record a key)
-            e = self.index.get(key)
-            if e is not None and (e.location if e.tier == r.tier.name else (e.copies or {}).get(r.tier.name)) \
-                    is location:
+            if e is not None:
                 self._forget(r, e, location)
             return False
-        e = self.index.get(key)
-        if e is None or (e.location if e.tier == r.tier.name else (e.copies or {}).get(r.tier.name)) is not location:
+        if e is None:
             r.tier.free(at)  # (its record's deletion was queued when it went)
         return True
 
-    def _forget(self, r: _TierRecovery, e: Entry, location: object) -> None:
+    def _holds(self, key: Key, name: str, location: object) -> Entry | None:
+        """`key`'s entry if the index holds its block at `location` (that very object) in tier `name`,
+        there or as its copy."""
+        e = self.index.get(key)
+        if e is not None and (e.location if e.tier == name else (e.copies or {}).get(name)) is location:
+            return e
+        return None
+
+    def _forget(self, r: TierRecovery, e: Entry, location: object) -> None:
         """`e`, adopted early from `r`'s tier at `location`, is not the block of the scan's row of its key:
         it leaves the index (a block in a faster tier only its copy there), with its subtree, whatever
         their pins; the pages of what was adopted early are not freed."""
@@ -358,7 +301,7 @@ class Recovery:
                 for r in self._pending}
 
     # -- the stages ---------------------------------------------------------------------------
-    def _advance(self, r: _TierRecovery, budget: int | None, first: bool = True) -> bool:
+    def _advance(self, r: TierRecovery, budget: int | None, first: bool = True) -> bool:
         """Run `r`'s current stage for up to `budget` records (None: all); False once `r` is done. Only
         the `first` tier being recovered gets past adopting (see `step`)."""
         if r.stage == "scan":
@@ -366,9 +309,9 @@ class Recovery:
             if blocks is not None:
                 self._load(r, blocks)
             return True
-        if r.stage == "index":  # (sorting its rows, linking them in a thread (`_Links`), then `_link_gone`)
+        if r.stage == "index":  # (sorting its rows, linking them in a thread (`Links`), then `_link_gone`)
             if r.links is None and r.linking is None and self._index(r, budget):
-                r.links = _Links(r.parent_row)
+                r.links = Links(r.parent_row)
             if r.links is not None and self._linked(r, wait=budget is None):
                 r.links, r.pos = None, 0
             if r.linking is not None and self._link_gone(r, budget):
@@ -410,14 +353,14 @@ class Recovery:
         self._done(r)
         return False
 
-    def _index(self, r: _TierRecovery, budget: int | None) -> bool:
+    def _index(self, r: TierRecovery, budget: int | None) -> bool:
         """Sort the next rows (those a request sorted already are skipped). True once all are."""
         end = len(r.rows) if budget is None else min(len(r.rows), r.pos + budget)
         self._sort(r, range(r.pos, end))
         r.pos = end
         return r.pos >= len(r.rows)
 
-    def _sort(self, r: _TierRecovery, which: Iterable[int]) -> None:
+    def _sort(self, r: TierRecovery, which: Iterable[int]) -> None:
         """Sort rows `which` not sorted yet: adoptable (PENDING: in `frontier`, or waiting for their
         parent), copies, or released."""
         tier, index, rows = r.tier, self.index, r.rows
@@ -459,7 +402,7 @@ class Recovery:
         if waits:
             self._wait(r, waits, parents)
 
-    def _wait(self, r: _TierRecovery, waits: list[int], parents: list[Key]) -> None:
+    def _wait(self, r: TierRecovery, waits: list[int], parents: list[Key]) -> None:
         """Rows `waits` wait for their `parents` (not indexed): a parent that is a record of this tier by
         its row (`parent_row`), any other by its key (`outside`)."""
         finder = r.rows.finder()
@@ -482,7 +425,7 @@ class Recovery:
         if inside:
             np.frombuffer(r.parent_row, np.int64)[inside] = at
 
-    def _linked(self, r: _TierRecovery, wait: bool) -> bool:
+    def _linked(self, r: TierRecovery, wait: bool) -> bool:
         """Once `r.links` are made (`wait`: waiting for them): each row's children; the rows with children
         that are not waiting for adoption are looked at next (`_link_gone`). Whether they were made."""
         made = r.links.result(wait)  # type: ignore[union-attr]
@@ -493,7 +436,7 @@ class Recovery:
         r.linking = gone[has_kids[gone]]
         return True
 
-    def _link_gone(self, r: _TierRecovery, budget: int | None) -> bool:
+    def _link_gone(self, r: TierRecovery, budget: int | None) -> bool:
         """The children of rows not adopted here whose key is indexed (a faster tier's block, one written
         meanwhile or adopted on demand, as whole chains are) are free to go: up to `budget` such rows
         looked at (the blocks requests adopted while the tier was read may be most of a restart's first
@@ -507,8 +450,8 @@ class Recovery:
         r.pos = end
         return end >= len(rows)
 
-    def _adopt_one(self, r: _TierRecovery, row: int, adopted: list[tuple[float, Entry]],
-                   faster: list[_TierRecovery]) -> bool:
+    def _adopt_one(self, r: TierRecovery, row: int, adopted: list[tuple[float, Entry]],
+                   faster: list[TierRecovery]) -> bool:
         """Adopt the record of `row` if it still can be (its parent indexed, no faster than it); False
         when it cannot now. `faster`: the tiers being recovered before `r` (`_faster`)."""
         if r.state[row] != PENDING:
@@ -548,7 +491,7 @@ class Recovery:
         ns_id = key_ns(rows.keys[row])
         return block_key(self.placement.shared.namespaces[ns_id].anchor or ns_id, h)
 
-    def _faster(self, r: _TierRecovery) -> list[_TierRecovery]:
+    def _faster(self, r: TierRecovery) -> list[TierRecovery]:
         out = []
         for other in self._pending:
             if other is r:
@@ -556,7 +499,7 @@ class Recovery:
             out.append(other)
         return out
 
-    def _indexed(self, key: Key, r: _TierRecovery, row: int) -> None:
+    def _indexed(self, key: Key, r: TierRecovery, row: int) -> None:
         """`key` is in the index (its record `row` of `r`): the records waiting for it as their parent, in
         any tier, may be adopted."""
         for other in self._pending:
@@ -576,7 +519,7 @@ class Recovery:
             adopted.sort(key=lambda t: t[0])  # (stable: equal stamps keep their order)
             self.placement.insert_in_policy([e for _, e in adopted])
 
-    def _take_copies(self, r: _TierRecovery, budget: int | None) -> None:
+    def _take_copies(self, r: TierRecovery, budget: int | None) -> None:
         """Records of blocks indexed in a faster tier become their copies, oldest first."""
         tier, index, rows, n = r.tier, self.index, r.rows, 0
         while r.copies and (budget is None or n < budget):
@@ -590,7 +533,7 @@ class Recovery:
                 self._release(r, row)
 
     # -- records not adopted ----------------------------------------------------------------
-    def _release(self, r: _TierRecovery, row: int) -> None:
+    def _release(self, r: TierRecovery, row: int) -> None:
         """Give back the pages of a record that is not adopted, and its index record, unless a newer
         record of the same key lives in the tier now: then only the pages, once that one is durable."""
         key, location = r.rows.keys[row], r.rows.locations[row]
@@ -608,7 +551,7 @@ class Recovery:
         newer = e.location if e.tier == tier.name else (e.copies or {}).get(tier.name)
         return newer if newer is not None and newer is not location else None
 
-    def _release_stale(self, r: _TierRecovery) -> None:
+    def _release_stale(self, r: TierRecovery) -> None:
         if not r.stale:
             return
         waiting = []
@@ -621,7 +564,7 @@ class Recovery:
                 r.tier.free(locations[row])
         r.stale = waiting
 
-    def _done(self, r: _TierRecovery) -> None:
+    def _done(self, r: TierRecovery) -> None:
         counters, name = self.placement.counters, r.tier.name
         counters[f"{name}_blocks_recovered"] = r.adopted
         if r.adopted_early:
@@ -636,47 +579,6 @@ class Recovery:
                  r.tier.stats())
 
 
-class _Links:
-    """The rows that have a parent row, grouped by it (kids, and where each row's run starts: kids_at), and
-    whether a row has any, made in a thread of its own: NumPy's sort of 10^7 rows takes seconds and lets
-    the event loop run meanwhile. Every row is sorted (`parent_row` no longer changes)."""
-
-    def __init__(self, parent_row: array) -> None:
-        self._parent_row = parent_row
-        self._made: tuple | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, name="kvstore-recovery-links", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            pr = np.frombuffer(self._parent_row, np.int64)
-            inside = np.flatnonzero(pr >= 0)
-            kids = inside[np.argsort(pr[inside], kind="stable")]
-            counts = np.bincount(pr[inside], minlength=len(pr))
-            kids_at = np.zeros(len(pr) + 1, np.int64)
-            np.cumsum(counts, out=kids_at[1:])
-            # (arrays of ints, not NumPy's: a row's run is read ~10x faster)
-            self._made = (array("q", kids.astype(np.int64).tobytes()), array("q", kids_at.tobytes()), counts > 0)
-        except BaseException as exc:  # handed to the loop with the result
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self, wait: bool) -> tuple | None:
-        """(kids, kids_at, has_kids) once made (None before, unless `wait`); re-raises the thread's error."""
-        if not (self._done.wait() if wait else self._done.is_set()):
-            return None
-        if self._error is not None:
-            raise self._error
-        return self._made
-
-
-def _rows(blocks: Recovered | list | None) -> Recovered:
-    """A tier's records as columns (a tier gives a list of `RecoveredBlock`s where it has few)."""
-    return blocks if isinstance(blocks, Recovered) else Recovered.of(blocks or [])
-
-
 def _register(tier: Tier, namespaces: list, register: Callable[[Namespace], str]) -> None:
     """Re-register a tier's namespaces, anchors before the namespaces anchored to them."""
     for ns_id, fields in sorted(namespaces, key=lambda item: bool(isinstance(item[1], dict) and item[1].get("anchor"))):
@@ -687,17 +589,3 @@ def _register(tier: Tier, namespaces: list, register: Callable[[Namespace], str]
             register(ns)
         except (ValueError, TypeError, NamespaceError) as exc:
             log.warning("%s tier: namespace %r not restored: %s", tier.name, ns_id, exc)
-
-
-@contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
-    """Recovery makes several objects per block and frees none: the cyclic collector, left on, would
-    walk every object made so far again and again (a full collection every few thousand blocks, so
-    recovery time grows with the square of the blocks)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

@@ -27,7 +27,7 @@ PACKAGES = {  # package -> the project packages (or modules) it may import (besi
 LAYERS = {
     "errors": 0, "keys": 0, "wire": 0,
     "tokens": 1, "protocol": 1, "config": 2,
-    "block_events": 3, "compression": 3, "entry": 4, "index": 5, "placement": 6,
+    "block_events": 3, "compression": 3, "entry": 4, "index": 5, "placement": 6, "recovery_rows": 6,
     "codec_loops": 0, "codec_fast": 0, "codec": 1, "codec_profile": 2, "codec_triton": 2, "gpu_decode": 3,
     "sharing": 7, "waits": 7, "recovery": 7, "gpu_demoter": 7, "compaction": 7,
     "promotion": 8, "store_check": 9, "clearing": 9, "store": 10, "chain": 11,

@@ -25,7 +25,10 @@ holds, of the configured size, whose index is ours, private, readable and
 records the same geometry and the arena's inode: every record whose extents
 check is a block again, the rest of the pages are free. The records are read
 in a thread of their own (tiers/host_scan.py) while the daemon serves; until
-they are, the arena has no free page (`scanning`, `scanned`). No byte is read
+they are, the arena has no free page (`scanning`, `scanned`), and the store
+reads the record of a block a request names on its own (`peek`,
+`adopted_early`: verified as the scan's blocks are; a page it frees stays
+taken until the scan's result is in). No byte is read
 at start (the arena is mapped, not prefaulted): each block's checksum is
 verified before its bytes are first read (`verify`) or by the index's hasher
 in the background, and a block that fails is reported lost (`failed_checks`,
