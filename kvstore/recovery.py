@@ -175,13 +175,12 @@ class Recovery:
             if other.stage == "scan":
                 if other.tier.peek(key) is not None:
                     return True
-                continue
-            if other.stage == "index":
+            elif other.stage == "index" or other.waiting and other.stage != "orphans":
                 row = other.rows.finder().find(key)
                 if row >= 0 and other.state[row] == SORTING:
                     self._sort(other, (row,))
-            if other.pending(key):
-                return True
+                if row >= 0 and other.state[row] == PENDING:
+                    return True
         return False
 
     def _adopt_early(self, r: TierRecovery, keys: list[Key]) -> None:
@@ -245,10 +244,9 @@ class Recovery:
         keys, finder = list(r.early), r.rows.finder()
         found = finder.find_many(np.fromiter(map(hash, keys), np.int64, len(keys))).tolist()
         row_keys, name = r.rows.keys, r.tier.name
-        for key, row in zip(keys, found):
-            if row >= 0 and row_keys[row] != key:
-                row = finder.find(key)
-            if row < 0 and (location := r.early.pop(key, None)) is not None:  # (not forgotten with another)
+        # (in one go, before the tier hands out a page: one comparison a block, ~0.1 us)
+        for key in [k for k, row in zip(keys, found) if row < 0 or row_keys[row] != k]:
+            if finder.find(key) < 0 and (location := r.early.pop(key, None)) is not None:  # (not forgotten yet)
                 if (e := self._holds(key, name, location)) is not None:
                     self._forget(r, e, location)
 

@@ -62,13 +62,6 @@ class TierRecovery:
         np.frombuffer(self.parent_row, np.int64)[:] = -1
         self.stage = "index"
 
-    def pending(self, key: Key) -> bool:
-        """`key`'s record here waits for adoption."""
-        if not self.waiting or self.stage in ("scan", "orphans"):
-            return False
-        row = self.rows.finder().find(key)
-        return row >= 0 and self.state[row] == PENDING
-
     def children(self, row: int) -> array | tuple:
         """The rows whose parent is `row` (none before all rows are sorted)."""
         if self.kids is None:
