@@ -14,7 +14,6 @@ from typing import Iterator
 
 import numpy as np
 
-from kvstore.entry import Key
 from kvstore.tiers.base import Tier
 from kvstore.tiers.recovered import Recovered
 
