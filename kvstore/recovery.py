@@ -292,10 +292,11 @@ class Recovery:
 
     def stats(self) -> dict:
         """Per tier being recovered: its stage, the records it kept, those read and waiting, the blocks adopted
-        so far, seconds since it began."""
+        so far (of them, those adopted before the tier's records were read), seconds since it began."""
         return {r.tier.name: {"stage": r.stage, "kept_records": r.kept_records,
                               "waiting_records": len(r.rows) - r.sorted + r.waiting,
-                              "adopted_blocks": r.adopted, "elapsed_s": round(time.monotonic() - r.started, 3)}
+                              "adopted_blocks": r.adopted, "adopted_early_blocks": r.adopted_early,
+                              "elapsed_s": round(time.monotonic() - r.started, 3)}
                 for r in self._pending}
 
     # -- the stages ---------------------------------------------------------------------------

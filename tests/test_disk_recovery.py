@@ -104,6 +104,7 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
     assert store.lookup(NS.id, chains[0]).hits == (6 if peek else 0)  # served at once
     assert store.lookup(NS.id, chains[1][:4]).hits == (4 if peek else 0)  # (a prefix: its tail waits)
     assert store.lookup(NS.id, chain_hashes(77, 6)).hits == 0  # never written
+    assert store.recovery.stats()["disk"]["adopted_early_blocks"] == (10 if peek else 0)
     if peek:
         assert store.lookup(NS.id, chains[0]).tiers == ("disk",) * 6
         assert read(store, chains[0]) == [payload_bytes(h, BLOCK) for h in chains[0]]  # promoted, copies kept
