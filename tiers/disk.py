@@ -388,10 +388,11 @@ class DiskTier(Tier):
         return self._scan is not None and not self._over_cap
 
     def peek(self, key: Key) -> tuple | None:
-        """While the tier scans: `key`'s record, read from the index alone, as the scan reads it (key,
-        parent hash, size, location, attention, stamp: `Recovered.normal`); None where it has none or an unusable one. A
-        request's blocks are then hits before the scan reaches them (kvstore/recovery.py). A tier whose
-        cap was lowered since its records were written reads none so (the scan keeps the newest of them)."""
+        """While the tier scans: `key`'s record, read from the index alone and judged as the scan judges one
+        (`Recovered.normal`'s fields; the scan finds whether another record claims its pages); None where
+        it has none or an unusable one. A request's blocks are then hits before the scan reaches them
+        (kvstore/recovery.py). A tier whose cap was lowered since its records were written reads none so
+        (the scan keeps the newest of them)."""
         scan = self._scan
         if scan is None or self._over_cap:
             return None
