@@ -420,7 +420,7 @@ class DiskTier(Tier):
         if result is None:
             return None
         self._scan = None
-        self.alloc = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="disk")
+        self.alloc = result.pages
         self.blocks = len(result.blocks)
         for key in result.bad:  # (committed before any write into their pages: see the module docstring)
             self.writer.delete(key)

@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.disk_slot import codec_of, extents_of
+from kvstore.tiers.pages import PageAllocator
 from kvstore.tiers.recovered import Recovered
 from kvstore.tiers.record_scan import RecordScan, describe, page_runs, record_key, store_key
 
@@ -34,6 +35,7 @@ class ScanResult(NamedTuple):
     taken: np.ndarray  # per page: held by a good record
     seconds: float
     encoded: list  # the locations of the blocks kept encoded (found here, not on the tier's event loop)
+    pages: PageAllocator  # the tier's pages, those of `taken` in use (made here: ~0.4 s of 10^7 pages)
 
 
 class DiskScan(RecordScan[ScanResult]):
@@ -82,7 +84,8 @@ class DiskScan(RecordScan[ScanResult]):
             kept = newest(kept, self._max_blocks, found.taken, found.bad, pb)
         kept.finder()  # (its sort, here: NumPy lets the event loop run meanwhile)
         encoded = [loc for loc in kept.locations if type(loc) is not int and codec_of(loc) is not None]
-        return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0, encoded)
+        pages = PageAllocator(self.num_pages, pb, np.flatnonzero(found.taken), label="disk")
+        return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0, encoded, pages)
 
 
 def newest(blocks: Recovered, most: int, taken: np.ndarray, bad: list[bytes], page_bytes: int) -> Recovered:

@@ -254,7 +254,7 @@ class HostArena(Tier):
             return None
         self._scan = None
         self.index.adopt(result)
-        self.pages = PageAllocator(self.num_pages, self.page_bytes, np.flatnonzero(result.taken), label="host")
+        self.pages = result.pages
         self.adopted_blocks = len(result.blocks)
         self.scan_s = result.seconds
         log.info("host tier: re-adopted the arena %s: %d blocks, %d MiB (records read in %.3f s)", self.path,

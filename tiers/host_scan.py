@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 
 from kvstore.tiers.host_index import _Pending, _Unverified
+from kvstore.tiers.pages import PageAllocator
 from kvstore.tiers.recovered import Recovered
 from kvstore.tiers.record_scan import RecordScan, page_runs, store_key
 
@@ -33,6 +34,7 @@ class HostScanResult(NamedTuple):
     reasons: dict  # why they are bad -> how many
     taken: np.ndarray  # per page: held by a kept record
     seconds: float
+    pages: PageAllocator  # the arena's pages, those of `taken` in use (made here, off the event loop)
 
 
 class HostScan(RecordScan[HostScanResult]):
@@ -72,5 +74,6 @@ class HostScan(RecordScan[HostScanResult]):
                 unverified[key] = _Unverified(e, n, x)
             blocks.append(fields)
         blocks.finder()
+        pages = PageAllocator(capacity_bytes // page_bytes, page_bytes, np.flatnonzero(found.taken), label="host")
         return HostScanResult(blocks, recorded, unverified, unchecked, found.bad, found.reasons, found.taken,
-                              time.monotonic() - t0)
+                              time.monotonic() - t0, pages)
