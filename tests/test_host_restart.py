@@ -39,7 +39,7 @@ from tests.helpers import chain_hashes, payload_for, poll
 from tests.test_disk_crash import NS, Storm, acknowledged
 from kvstore.keys import block_key, key_hash
 from kvstore.tiers.host import copy_in
-from kvstore.tiers.host_index import index_path
+from kvstore.tiers.host_folder import index_path
 from kvstore.tools.harness.daemon_proc import DaemonProc, start_daemon
 
 BLOCK = NS.block_bytes  # 64 KiB

@@ -40,10 +40,8 @@ thread of its own, and until it is done the tier has no free page, so nothing
 is written over a block it has not read yet; `scanned` hands the blocks to the
 store (kvstore/recovery.py adopts them while the daemon serves) and the tier
 then knows its free pages. Records that are unusable (malformed, outside the
-file, overlapping one read before) are deleted. Meanwhile `peek` reads the
-record of one block (the store's requests name them): a block adopted so and
-given back before the scan ends keeps its pages taken until then (the scan
-counts them its record's; the store frees them once it has the scan's rows).
+file, overlapping one read before) are deleted. Meanwhile `peek` reads one
+block's record (a request names it); a page given back meanwhile stays taken.
 
 Durability rule: a block is *acknowledged* (durable) exactly when its LMDB
 record is committed. The writer thread commits a record only after the block's
@@ -253,10 +251,8 @@ class DiskTier(Tier):
         return short if over <= 0 else max(short, over * self.page_bytes)
 
     def release(self, extents: Sequence, key: bytes | None) -> None:
-        """Free a block's pages and queue the removal of its record (ordered before any reuse). While the
-        tier scans, the pages stay taken: the scan counts them its record's (it read the index as it was
-        at open), and the store frees them again once it has the scan's result (kvstore/recovery.py,
-        blocks adopted before the scan ended)."""
+        """Free a block's pages and queue the removal of its record (ordered before any reuse); while the
+        tier scans, the pages stay taken (the scan counts them its record's: the store frees them later)."""
         if self._scan is None:
             self.alloc.free(extents)
         self.blocks -= 1
@@ -388,11 +384,9 @@ class DiskTier(Tier):
         return self._scan is not None and not self._over_cap
 
     def peek(self, key: Key) -> tuple | None:
-        """While the tier scans: `key`'s record, read from the index alone and judged as the scan judges one
-        (`Recovered.normal`'s fields; the scan finds whether another record claims its pages); None where
-        it has none or an unusable one. A request's blocks are then hits before the scan reaches them
-        (kvstore/recovery.py). A tier whose cap was lowered since its records were written reads none so
-        (the scan keeps the newest of them)."""
+        """While the tier scans: `key`'s record read from the index alone, judged as the scan judges one
+        (`Recovered.normal`'s fields; whether another claims its pages is the scan's to find); None where it
+        has none or an unusable one. None at all where the cap was lowered (the scan keeps the newest)."""
         scan = self._scan
         if scan is None or self._over_cap:
             return None

@@ -72,7 +72,8 @@ from kvstore.tiers.arena import (  # noqa: F401  (map_arena, copy_*: also this m
     map_arena,
 )
 from kvstore.tiers.base import BlockMeta, RecoveredBlock, Tier
-from kvstore.tiers.host_index import HostIndex, IndexRefused, checksum, index_path, record_key, remove_index
+from kvstore.tiers.host_folder import IndexRefused, index_path, remove_index
+from kvstore.tiers.host_index import HostIndex, checksum, record_key
 from kvstore.tiers.host_scan import HostScan
 from kvstore.tiers.pages import Extents, PageAllocator
 from kvstore.tiers.record_scan import BAD_RECORD

@@ -71,8 +71,6 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
-import stat
 import threading
 import time
 from collections import deque
@@ -84,6 +82,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvstore.tiers.host_folder import private_dir
 from kvstore.tiers.record_scan import describe, map_bytes, record_key
 
 if TYPE_CHECKING:
@@ -97,14 +96,6 @@ QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this lo
 CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
 VERIFY_CHUNK = 64  # adopted blocks the hasher takes from the unverified ones at a time
 MAP_FLOOR = 1 << 32  # the index's LMDB map at least (more for an arena of more pages: `map_bytes`)
-
-
-class IndexRefused(PermissionError):
-    """The index folder is another user's, or a symbolic link: neither used nor removed."""
-
-
-def index_path(arena_path: str) -> str:
-    return arena_path + ".index"
 
 
 _PACKER = msgpack.Packer()  # `pack` holds the GIL from start to end: one Packer serves every thread
@@ -138,21 +129,6 @@ class _Pending:
     hashing: bool = False
 
 
-def remove_index(path: str) -> None:
-    """Remove an index folder of ours (a stale one, or one that does not match its arena)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if st.st_uid != os.geteuid() or stat.S_ISLNK(st.st_mode):
-        raise IndexRefused(f"the host index path {path} belongs to uid {st.st_uid} or is a symbolic link: "
-                           f"refusing to use or remove it (remove it yourself, or set host.shm_path)")
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
 class HostIndex:
     """The LMDB placement index of one arena, and the threads that write it."""
 
@@ -166,7 +142,7 @@ class HostIndex:
         self.path = path
         self.arena = arena
         self._unmap = unmap or (lambda extents: None)
-        _private_dir(path)
+        private_dir(path)
         self.env = lmdb.open(path, map_size=map_bytes(geometry["capacity_bytes"] // geometry["page_bytes"], MAP_FLOOR),
                              max_dbs=4, subdir=True, sync=False, metasync=False, lock=True, writemap=True)
         try:
@@ -612,16 +588,3 @@ def _pack(item: _Pending, x: int | None) -> bytes:
     parent, depth, attention, stamp = item.meta
     return _PACKER.pack({"e": item.extents, "n": item.nbytes, "p": parent, "d": depth, "a": attention, "t": stamp,
                          "x": x})
-
-
-def _private_dir(path: str) -> None:
-    """Create the index folder 0700, or check that the existing one is ours and closed to others."""
-    try:
-        os.mkdir(path, 0o700)  # never follows a symlink at `path`
-        return
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise ValueError(f"{path} is not a private folder of uid {os.geteuid()} (uid {st.st_uid}, "
-                         f"mode {stat.S_IMODE(st.st_mode):04o})")

@@ -317,7 +317,7 @@ async def _store_ops(policy: str, kept: bool, op: str, n: int, batch: int, chain
     from kvstore.store import TieredStore
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.host import HostArena
-    from kvstore.tiers.host_index import index_path, remove_index
+    from kvstore.tiers.host_folder import index_path, remove_index
 
     if op not in OPS:
         raise ValueError(f"unknown arm {op!r}: one of {OPS}")
