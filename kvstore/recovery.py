@@ -10,9 +10,11 @@ bounded number of records a call), unless there are only a few thousand;
 tests, `check`). Meanwhile a request adopts the records of the keys it names
 before it looks at them (`adopt_now`): a block whose record is read is a hit
 at once, and so is one whose record a tier still scanning reads on its own
-(`Tier.peek`, the disk's: `_adopt_early`). A tier's free pages are known once its records are read, before they
-are adopted, so the store takes new blocks meanwhile (before then, the tier
-takes none: a put into it is refused, a demotion into it dropped).
+(`Tier.peek`: `_adopt_early`; such a block's row is settled when the scan's
+rows come). A tier's free pages are known once its records are read, before
+they are adopted, so the store takes new blocks meanwhile (before then, the
+tier takes none: a put into it is refused, a demotion into it dropped, and a
+page a block gives back stays taken).
 
 Rules, either way:
 - Blocks are adopted parents first, from the roots and from blocks already
