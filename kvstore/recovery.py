@@ -206,11 +206,7 @@ class Recovery:
                         or self._waits_faster(faster, k) or (record := tier.peek(k)) is None:
                     chain = []
                     break
-                try:
-                    got, h, size, location, estimate, stamp = Recovered.normal(record)
-                except (TypeError, ValueError):  # (the scan deletes it)
-                    chain = []
-                    break
+                got, h, size, location, estimate, stamp = record  # (`Recovered.normal`'s fields: judged already)
                 ns_id = key_ns(k)
                 ns = known.get(ns_id)
                 if got != k or ns is None or size != ns.block_bytes:

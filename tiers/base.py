@@ -291,9 +291,10 @@ class Tier:
         """While it scans: whether it reads a record on its own (`peek`)."""
         return False
 
-    def peek(self, key: Key) -> tuple | RecoveredBlock | None:
-        """While the tier scans (`scanning`): `key`'s record, read on its own, as the scan would give it;
-        None where it has none, or reads its records only in the scan (this default)."""
+    def peek(self, key: Key) -> tuple | None:
+        """While the tier scans (`scanning`): `key`'s record, read on its own and judged as the scan judges
+        one, as `Recovered.normal`'s fields (key, parent hash, size, location, estimate, stamp); None where
+        it has none or an unusable one, or reads its records only in the scan (this default)."""
         return None
 
     def adopted_early(self, key: Key, location: object) -> None:

@@ -387,10 +387,9 @@ class DiskTier(Tier):
         """While the tier scans: `key`'s record read from the index alone, judged as the scan judges one
         (`Recovered.normal`'s fields; whether another claims its pages is the scan's to find); None where it
         has none or an unusable one. None at all where the cap was lowered (the scan keeps the newest)."""
-        scan = self._scan
-        if scan is None or self._over_cap:
+        if not self.peekable:
             return None
-        rkey = record_key(key)
+        scan, rkey = self._scan, record_key(key)
         with self.env.begin(db=self._db_blocks) as txn:
             raw = txn.get(rkey)
         if raw is None:
