@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import ExitStack
 from typing import Callable, Iterable
 
 import numpy as np
@@ -124,7 +125,15 @@ class Recovery:
 
     def adopt_now(self, keys: list[Key]) -> None:
         """Adopt the records of `keys` (and of their ancestors) not adopted yet, fastest tier first: those
-        read already, and, from a tier still reading them, those it can read one by one (`_adopt_early`)."""
+        read already, and, from a tier still reading them, those it can read one by one (`_adopt_early`,
+        each such tier's reads in one `Tier.peeks`)."""
+        with ExitStack() as peeks:
+            for r in self._pending:
+                if r.stage == "scan" and r.tier.peekable:
+                    peeks.enter_context(r.tier.peeks())
+            self._adopt_now(keys)
+
+    def _adopt_now(self, keys: list[Key]) -> None:
         for r in self._pending:
             if r.stage == "scan":
                 if r.tier.peekable and self._may_adopt(r, True, early=True):

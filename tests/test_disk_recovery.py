@@ -8,14 +8,17 @@ recovery left recovers every block again.
 
 from __future__ import annotations
 
+import threading
+import time
 
 import pytest
 
 import kvstore.tiers.disk_scan as disk_scan
+import kvstore.tiers.record_scan as record_scan
 from kvstore.keys import ROOT_HASH, block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk_slot import extents_of
-from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes
+from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes, poll
 
 BLOCK = PAGE = 64 * 1024
 NS = namespace("bg", BLOCK, dtype="bf16")
@@ -130,6 +133,43 @@ def test_the_store_serves_while_the_disk_is_read_and_adopts_what_a_request_names
     store.close()
     store = open_store()  # and all of it is there again
     assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
+    assert store.check() == []
+
+
+class _CountedBegins:
+    """A scan's LMDB environment, counting the transactions the event loop's thread begins in it."""
+
+    def __init__(self, env) -> None:
+        self.env, self.begins = env, 0
+
+    def begin(self, **kw):
+        self.begins += threading.current_thread() is threading.main_thread()
+        return self.env.begin(**kw)
+
+
+def test_a_request_reads_its_records_in_one_transaction_while_the_scan_waits(open_store, gate, monkeypatch):
+    """While the disk scans, the records a request reads on its own share one LMDB transaction, and the
+    scan waits at its next pause until the request is done with them: each LMDB call lets the GIL go,
+    and with the scan's thread running the loop waited to have it back at every one."""
+    chains = [chain_hashes(s, 6) for s in range(4)]
+    gate.set()
+    on_disk(open_store, chains)
+    gate.clear()
+    monkeypatch.setattr(record_scan, "YIELD_EVERY", 1)  # (a pause at every record)
+    store = open_store(background=True)
+    scan = store.disk._scan
+    scan._env = counted = _CountedBegins(scan._env)
+    assert store.lookup(NS.id, chains[0]).hits == 6 and counted.begins == 1  # six records, one transaction
+    with store.disk.peeks():
+        gate.set()  # the scan starts, and waits at its first record
+        assert store.lookup(NS.id, chains[1]).hits == 6 and counted.begins == 2
+        time.sleep(0.3)
+        assert not scan._done.is_set()  # (~40 records: done in milliseconds otherwise)
+    poll(lambda: scan._done.is_set(), 10, "the scan")
+    while store.recovery.step(4):
+        pass
+    assert all(store.lookup(NS.id, c).hits == 6 for c in chains)
+    assert store.stats()["counters"]["disk_blocks_recovered_early"] == 12
     assert store.check() == []
 
 

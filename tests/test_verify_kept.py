@@ -207,6 +207,8 @@ def test_the_store_serves_while_the_kept_records_are_read_and_writes_over_none(m
 
     asyncio.run(serve())
     assert not store.host.scanning and store.host.stats()["adopted_blocks"] == 6
+    # one key object a block, those adopted early too (the arena's record of it keyed by the index's)
+    assert all(store.index.entries[k].key is k for k in store.host.index._recorded)
     assert read(store, hashes) == [payload(h) for h in hashes]
     write_chain(store, ns, other)
     assert store.lookup(ns, other).hits == 3 and read(store, hashes + other) == [payload(h) for h in hashes + other]

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable, NamedTuple, Sequence
+from contextlib import nullcontext
+from typing import ContextManager, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -299,6 +300,11 @@ class Tier:
 
     def adopted_early(self, key: Key, location: object) -> None:
         """The store adopted `key`'s block at `location`, as `peek` gave it, while the tier scans."""
+
+    def peeks(self) -> ContextManager[None]:
+        """Around a request's `peek`s (and `adopted_early`s): a tier that reads its records from a store
+        of its own may read them all in one read transaction (this default: nothing)."""
+        return nullcontext()
 
     def scanned(self, wait: bool = False) -> list[RecoveredBlock] | None:
         """The blocks a background read of the records found, once (None while it runs, unless `wait`);

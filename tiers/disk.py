@@ -88,8 +88,9 @@ import errno
 import fcntl
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, ContextManager, Iterable, Sequence
 
 import lmdb
 import msgpack
@@ -383,16 +384,15 @@ class DiskTier(Tier):
     def peekable(self) -> bool:
         return self._scan is not None and not self._over_cap
 
+    def peeks(self) -> ContextManager[None]:
+        return self._scan.held() if self.peekable else nullcontext()
+
     def peek(self, key: Key) -> tuple | None:
         """While the tier scans: `key`'s record read from the index alone, judged as the scan judges one
         (`Recovered.normal`'s fields; whether another claims its pages is the scan's to find); None where it
         has none or an unusable one. None at all where the cap was lowered (the scan keeps the newest)."""
-        if not self.peekable:
-            return None
         scan, rkey = self._scan, record_key(key)
-        with self.env.begin(db=self._db_blocks) as txn:
-            raw = txn.get(rkey)
-        if raw is None:
+        if not self.peekable or (raw := scan.get(rkey)) is None:
             return None
         try:
             return Recovered.normal(scan.parse(rkey, raw)[0])

@@ -41,6 +41,8 @@ class ScanResult(NamedTuple):
 class DiskScan(RecordScan[ScanResult]):
     """One background read of a disk tier's block records."""
 
+    YIELDS_TO_REQUESTS = True
+
     def __init__(self, env: lmdb.Environment, db: object, page_bytes: int, num_pages: int,
                  location: Callable[[list, int, str | None, int], object], decodes: bool = False,
                  max_blocks: int | None = None) -> None:

@@ -55,7 +55,7 @@ import logging
 import mmap
 import os
 import stat
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import lmdb
 import numpy as np
@@ -218,6 +218,9 @@ class HostArena(Tier):
         record = self._peek(key)
         return None if record is None else record[0]
 
+    def peeks(self) -> ContextManager[None]:
+        return contextlib.nullcontext() if self._scan is None else self._scan.held()
+
     def adopted_early(self, key, location: Extents) -> None:
         """The store adopted `key`'s block at `location`, the extents `peek` gave, while the records are
         read: it is verified against its record's checksum before its first read, as a block the scan
@@ -234,8 +237,7 @@ class HostArena(Tier):
             return None
         try:
             rkey = record_key(key)
-            with self.index.env.begin(db=self.index.blocks_db) as txn:
-                raw = txn.get(rkey)
+            raw = scan.get(rkey)
             return None if raw is None else scan.parse(rkey, raw)[0]
         except (*BAD_RECORD, lmdb.Error):  # (the scan deletes it, or the arena starts over without it)
             return None

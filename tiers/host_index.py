@@ -233,6 +233,7 @@ class HostIndex:
             elif key in self._recorded:  # still in the arena, at `extents` (that very list)
                 if (item := result.unchecked.get(key)) is not None:
                     item.extents = extents
+                del result.recorded[key]  # (keyed by the index's key object below, not the scan's: 57 B)
             else:  # it left while the scan ran (its record's deletion queued); its pages: the store's to free
                 result.recorded.pop(key, None)
                 result.unchecked.pop(key, None)
