@@ -151,17 +151,19 @@ class RecordScan(Generic[R]):
 
     def _records(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
         """(record key, record) of every record in key order, releasing the GIL every YIELD_EVERY (and
-        waiting there while the loop reads records of its own: `held`); ends early when the scan is
-        stopped."""
-        running = self._running
+        waiting there while the loop reads records of its own, `held`, but never twice in a row); ends
+        early when the scan is stopped."""
+        running, waited = self._running, False
         for i, item in enumerate(txn.cursor(db=self._db)):
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 if self._stopping:
                     return
-                if running.is_set():
-                    time.sleep(0)
+                if running.is_set() or waited:  # (never at two pauses in a row: requests one after the
+                    time.sleep(0)                # other leave it YIELD_EVERY records between them)
+                    waited = False
                 else:
                     running.wait()
+                    waited = True
             yield item
 
     def _read(self, txn: lmdb.Transaction, num_pages: int,
