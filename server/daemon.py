@@ -68,6 +68,7 @@ from kvstore.server.frames import Oversize, discard, read_frame
 from kvstore.tokens import read_token_file
 from kvstore.server.instance import create_admin_token, ensure_private_dir, lock_instance, unlink_quietly
 from kvstore.server.rpc import Handlers, Session, error_reply
+from kvstore.server.stalls import LoopStalls
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class Daemon:
         self._flusher: asyncio.Task | None = None
         self._resyncing: asyncio.Task | None = None  # a resync of the KV events under way (`_resync_events`)
         self._young: YoungCollections | None = None
+        self.stalls: LoopStalls | None = None  # the event loop's stalls, from its ready line on
         self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
     def full_stats(self) -> dict:
@@ -156,6 +158,8 @@ class Daemon:
         stats["event_loop"] = self.event_loop
         stats["gc"] = {"threshold": list(gc.get_threshold()), "frozen": gc.get_freeze_count(),
                        "collections": [g["collections"] for g in gc.get_stats()], "pauses": self.gc_pauses.stats()}
+        if self.stalls is not None:
+            stats["event_loop_stalls"] = self.stalls.stats()
         if self.events is not None:
             stats["events"] = self.events.stats()
         return stats
@@ -240,6 +244,7 @@ class Daemon:
         tune_gc()
         gc.callbacks.append(self.gc_pauses)
         self._young = YoungCollections(asyncio.get_running_loop())
+        self.stalls = LoopStalls(asyncio.get_running_loop())
         events = self.handlers.info.get("events") or {}
         print(f"kvstore ready socket={self.config.server.socket_path} admin_port={self.admin_port} "
               f"tcp_port={self.tcp_port} events={events.get('endpoint')} "
@@ -280,6 +285,8 @@ class Daemon:
             self._resyncing.cancel()
         if self._young is not None:
             self._young.cancel()
+        if self.stalls is not None:
+            self.stalls.close()
         await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         if self.events is not None:
             self.events.close()  # after the store's close: blocks persisted at close are reported too

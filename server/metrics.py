@@ -17,6 +17,8 @@ from typing import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore.server.stalls import STALL_S
+
 MAX_MODEL_LABELS = 16
 MAX_LABEL_CHARS = 96
 OTHER_MODEL = "_other"
@@ -95,6 +97,14 @@ def daemon_families(stats: dict) -> Iterator:
             longest.add_metric([str(g)], p["longest_ms"] / 1e3)
         yield total
         yield longest
+    stalls = stats.get("event_loop_stalls")
+    if stalls is not None:  # turns that held the event loop (server/stalls.py): every request waited
+        yield CounterMetricFamily("kvstore_event_loop_stalls", f"Turns that held the event loop {STALL_S * 1e3:g} ms or more",
+                                  value=stalls["stalls"])
+        yield CounterMetricFamily("kvstore_event_loop_stall_seconds", "Time the event loop was held by such turns",
+                                  value=stalls["total_s"])
+        yield GaugeMetricFamily("kvstore_event_loop_stall_longest_seconds", "The longest turn that held the event loop",
+                                value=stalls["longest_ms"] / 1e3)
     events = stats.get("events")
     if events is not None:  # KV events are on
         yield CounterMetricFamily("kvstore_events_published", "KV events published", value=events.get("events", 0))

@@ -217,6 +217,9 @@ def test_a_serving_daemon_has_frozen_its_startup_objects_and_collects_young_obje
     assert 'python_gc_collections_total{generation="0"}' in text
     assert 'kvstore_gc_pause_seconds_total{generation="2"}' in text
     assert 'kvstore_gc_pause_longest_seconds{generation="0"}' in text
+    # and the event loop's stalls (server/stalls.py), from its ready line on
+    assert set(daemon.stats()["event_loop_stalls"]) == {"stalls", "total_s", "longest_ms", "recent"}
+    assert "kvstore_event_loop_stalls_total" in text and "kvstore_event_loop_stall_longest_seconds" in text
 
 
 @pytest.mark.parametrize("choice,serves_on", [("auto", "uvloop"), ("asyncio", "asyncio")])

@@ -40,7 +40,9 @@ down to the disk tier. Then, against that daemon:
 - `gc_longest_pause_ms` / `gc_full_collections`: the daemon's longest cyclic
   collection (its event loop stopped meanwhile) and its full collections,
   over the fill, the measures and the churn, and `gc_pauses` per generation
-  (server/daemon.py `GcPauses`);
+  (server/daemon.py `GcPauses`); `loop_stalls`: the turns that held its event
+  loop 50 ms or more (how many, their total, the longest, and where the latest
+  ones past 250 ms were seen: server/stalls.py);
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line (a lookup of
@@ -60,7 +62,8 @@ down to the disk tier. Then, against that daemon:
   the disk still scans them, from its index one by one, so this is soon after
   the ready line, long before the recovery ends); `recovering_lookups` and their `_p50_ms` ... `_max_ms`:
   another client's lookups meanwhile, as during the churn (above), what an
-  engine's lookups wait while the daemon adopts its blocks in steps;
+  engine's lookups wait while the daemon adopts its blocks in steps, and
+  `recovering_loop_stalls` the restarted daemon's `loop_stalls` until then;
 - `disk_recovery_s`: once that daemon is gone too, the disk tier opened and
   recovered into a store in this process (its index read, every record
   adopted into the block index and its policy; the host arena is not adopted
@@ -434,7 +437,10 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
                 wait_settled(client)
                 held = client.stats()["blocks"]
                 row["rss_bytes_per_block_churned"] = round((rss_anon(d.proc.pid) - rss0) / held, 1)
-            pauses = client.stats().get("gc", {}).get("pauses")
+            stats = client.stats()
+            if "event_loop_stalls" in stats:  # (server/stalls.py)
+                row["loop_stalls"] = stats["event_loop_stalls"]
+            pauses = stats.get("gc", {}).get("pauses")
             if pauses:
                 row["gc_longest_pause_ms"] = max(p["longest_ms"] for p in pauses)
                 row["gc_full_collections"] = pauses[2]["collections"]
@@ -469,7 +475,10 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             row.update(meanwhile.summary("recovering_lookup"))
             kept = sum(client.lookup(ns, hs).hits for hs in samples)
             poll_until(lambda: "recovery" not in client.stats(), "finish its recovery")  # (after its log line)
-            blocks = client.stats()["blocks"]
+            stats = client.stats()
+            blocks = stats["blocks"]
+            if "event_loop_stalls" in stats:
+                row["recovering_loop_stalls"] = stats["event_loop_stalls"]
             restarted = (rss_anon(d.proc.pid) - rss0) / blocks  # (the first daemon's baseline)
         row.update(stop_s=round(stop_s, 3), start_s=round(start_s, 3), restart_s=round(stop_s + start_s, 3),
                    kept_at_ready=kept_at_ready, kept_at_ready_s=round(kept_at_ready_s, 3),
