@@ -9,10 +9,12 @@ at 5.6 million keys on a 2-core VM, each time it doubles), and the loop serves n
 - a tick every `TICK_S` on the loop: how late each comes is how long the loop was held (`stats`: the
   stalls of at least `STALL_S`, their total and the longest);
 - a watchdog thread, every `WATCH_S`: once the loop has not ticked for `LOG_S`, it takes the loop
-  thread's stack (`sys._current_frames`) and logs where the loop is, once a stall, with the time so far.
-  A stall in Python code is caught in the act (the interpreter hands the GIL to the watchdog within
-  its switch interval); one in a C call that keeps the GIL (a table's rebuild) lets the watchdog in only
-  when it returns, so the line it names is the one that made the call, or the next.
+  thread's stack and the other threads' (`sys._current_frames`) and logs where they are, once a stall,
+  with the time so far. A stall in Python code is caught in the act (the interpreter hands the GIL to
+  the watchdog within its switch interval); one in a C call that keeps the GIL (a table's rebuild) lets
+  the watchdog in only when it returns, so the line it names is the one that made the call, or the
+  next. A loop waiting for the GIL (its LMDB call returned while another thread holds it) is seen at
+  that call, and the thread that held it at the line after its own.
 
 The latest stalls past `LOG_S`, with where each was seen, are kept (`RECENT` of them) for `/stats`.
 """
@@ -31,7 +33,7 @@ log = logging.getLogger("kvstore.daemon")
 
 TICK_S = 0.01  # the loop's tick: ~100 callbacks a second, a few microseconds each
 STALL_S = 0.05  # a tick this late or later counts as a stall
-LOG_S = 0.25  # a stall this long is located and logged (a request waiting for it has waited 1,000x a lookup)
+LOG_S = 0.1  # a stall this long is located and logged (a request waiting for it waits 1,000x a lookup's time)
 WATCH_S = 0.05  # the watchdog's wake-ups (each takes the GIL for a few microseconds)
 RECENT = 8  # the latest stalls past LOG_S kept for `stats`, with where each was seen
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the kvstore package: its frames first
@@ -60,8 +62,8 @@ class LoopStalls:
         self.stalls = 0
         self.total_s = 0.0
         self.longest_s = 0.0
-        self.recent: deque = deque(maxlen=RECENT)  # (ms, where) of the stalls past LOG_S, latest last
-        self._seen: str | None = None  # where the watchdog saw the loop in the stall under way
+        self.recent: deque = deque(maxlen=RECENT)  # (ms, where, the other threads' places) past LOG_S, latest last
+        self._seen: tuple | None = None  # where the watchdog saw the loop and the others in the stall under way
         self._last = time.monotonic()  # the latest tick
         self._handle = loop.call_later(TICK_S, self._tick)
         self._stop = threading.Event()
@@ -78,8 +80,9 @@ class LoopStalls:
             self.longest_s = max(self.longest_s, late)
             if late >= LOG_S:
                 seen, self._seen = self._seen, None
-                self.recent.append((round(late * 1e3, 1), seen or "not seen (a C call that kept the GIL)"))
-                log.warning("event loop held %.0f ms (at %s)", late * 1e3, seen or "a place not seen")
+                at, beside = seen or ("not seen (a C call that kept the GIL)", {})
+                self.recent.append((round(late * 1e3, 1), at, beside))
+                log.warning("event loop held %.0f ms (at %s)", late * 1e3, at)
         self._handle = self._loop.call_later(TICK_S, self._tick)
 
     def _watch(self) -> None:
@@ -89,18 +92,23 @@ class LoopStalls:
             held = time.monotonic() - last
             if held < LOG_S or logged_for == last:
                 continue
-            frame = sys._current_frames().get(self._ident)
+            frames = sys._current_frames()
+            frame = frames.get(self._ident)
             if frame is None:
                 continue
-            seen = where(frame)
+            me = threading.get_ident()
+            beside = {t.name: where(frames[t.ident], 2) for t in threading.enumerate()
+                      if t.ident in frames and t.ident not in (self._ident, me)}
+            seen = (where(frame), beside)
             if self._last != last:  # (the stall ended meanwhile: the tick has counted it)
                 continue
             self._seen, logged_for = seen, last
-            log.warning("event loop held for %.0f ms so far, at %s", held * 1e3, seen)
+            log.warning("event loop held for %.0f ms so far, at %s; the other threads at: %s", held * 1e3, seen[0],
+                        "; ".join(f"{name} {at}" for name, at in beside.items()) or "none")
 
     def stats(self) -> dict:
         return {"stalls": self.stalls, "total_s": round(self.total_s, 3), "longest_ms": round(self.longest_s * 1e3, 1),
-                "recent": [{"ms": ms, "where": at} for ms, at in self.recent]}
+                "recent": [{"ms": ms, "where": at, "threads": beside} for ms, at, beside in self.recent]}
 
     def close(self) -> None:
         self._handle.cancel()

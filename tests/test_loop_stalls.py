@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from kvstore.server import stalls as stalls_mod
@@ -20,7 +21,12 @@ def _hold_the_loop(seconds: float) -> None:
 
 def test_a_turn_that_holds_the_loop_is_counted_and_located_and_short_ones_are_not(caplog):
     """A turn of 0.4 s is one stall of ~0.4 s, and the watchdog names the function that held the loop,
-    in the log (while it held it) and in the stats; turns of a few milliseconds count for nothing."""
+    and where the other threads were, in the log (while it held it) and in the stats; turns of a few
+    milliseconds count for nothing."""
+
+    done = threading.Event()
+    beside = threading.Thread(target=done.wait, name="beside-the-loop")
+    beside.start()
 
     async def run() -> dict:
         stalls = LoopStalls(asyncio.get_running_loop())
@@ -36,11 +42,16 @@ def test_a_turn_that_holds_the_loop_is_counted_and_located_and_short_ones_are_no
             stalls.close()
 
     with caplog.at_level(logging.WARNING, logger="kvstore.daemon"):
-        got = asyncio.run(run())
+        try:
+            got = asyncio.run(run())
+        finally:
+            done.set()
+            beside.join()
     assert got["stalls"] == 1 and 380 <= got["longest_ms"] < 1000 and got["total_s"] >= 0.38
     (stall,) = got["recent"]
     assert stall["ms"] == got["longest_ms"] and "_hold_the_loop" in stall["where"], stall
     assert "tests/test_loop_stalls.py" in stall["where"]
+    assert "threading.py" in stall["threads"]["beside-the-loop"]  # (and where the other threads were)
     assert "event loop held for" in caplog.text and "_hold_the_loop" in caplog.text
 
 

@@ -42,7 +42,7 @@ down to the disk tier. Then, against that daemon:
   over the fill, the measures and the churn, and `gc_pauses` per generation
   (server/daemon.py `GcPauses`); `loop_stalls`: the turns that held its event
   loop 50 ms or more (how many, their total, the longest, and where the latest
-  ones past 250 ms were seen: server/stalls.py);
+  ones past 100 ms were seen: server/stalls.py);
 - `restart_s`: SIGTERM -> the old daemon has exited -> the new one prints its
   ready line (`stop_s` + `start_s`), with `kept_at_ready` / `kept` / `sampled`:
   blocks of a sample of chains found right after the ready line (a lookup of
