@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections import deque
@@ -37,20 +38,25 @@ LOG_S = 0.1  # a stall this long is located and logged (a request waiting for it
 WATCH_S = 0.05  # the watchdog's wake-ups (each takes the GIL for a few microseconds)
 RECENT = 8  # the latest stalls past LOG_S kept for `stats`, with where each was seen
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the kvstore package: its frames first
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def where(frame, depth: int = 4) -> str:
-    """`frame`'s place, innermost first: the innermost frames of the kvstore package (up to `depth`), as
-    `path:line function` joined by " < "; the innermost frame of all where none is the package's."""
-    ours, first = [], None
+    """`frame`'s place, innermost first: its innermost frames of the kvstore package (up to `depth`), as
+    `path:line function` joined by " < "; where none is the package's, its innermost frames outside the
+    standard library, or else its innermost frame."""
+    ours, others, first = [], [], None
     while frame is not None and len(ours) < depth:
         code = frame.f_code
-        text = f"{os.path.relpath(code.co_filename, os.path.dirname(_HERE))}:{frame.f_lineno} {code.co_name}"
+        path = os.path.abspath(code.co_filename)
+        text = f"{os.path.relpath(path, os.path.dirname(_HERE))}:{frame.f_lineno} {code.co_name}"
         first = first or text
-        if os.path.abspath(code.co_filename).startswith(_HERE):
+        if path.startswith(_HERE):
             ours.append(text)
+        elif not path.startswith(_STDLIB) and len(others) < depth:
+            others.append(text)
         frame = frame.f_back
-    return " < ".join(ours) if ours else (first or "?")
+    return " < ".join(ours or others) or first or "?"
 
 
 class LoopStalls:
@@ -92,19 +98,23 @@ class LoopStalls:
             held = time.monotonic() - last
             if held < LOG_S or logged_for == last:
                 continue
-            frames = sys._current_frames()
-            frame = frames.get(self._ident)
-            if frame is None:
-                continue
-            me = threading.get_ident()
-            beside = {t.name: where(frames[t.ident], 2) for t in threading.enumerate()
-                      if t.ident in frames and t.ident not in (self._ident, me)}
-            seen = (where(frame), beside)
-            if self._last != last:  # (the stall ended meanwhile: the tick has counted it)
+            seen = self._places()
+            if seen is None or self._last != last:  # (the stall ended meanwhile: the tick has counted it)
                 continue
             self._seen, logged_for = seen, last
             log.warning("event loop held for %.0f ms so far, at %s; the other threads at: %s", held * 1e3, seen[0],
-                        "; ".join(f"{name} {at}" for name, at in beside.items()) or "none")
+                        "; ".join(f"{name} {at}" for name, at in seen[1].items()) or "none")
+
+    def _places(self) -> tuple[str, dict] | None:
+        """Where the loop's thread is, and each other thread (their names): text only, so that no frame
+        outlives the call (a frame kept keeps its locals, a finished scan's records among them)."""
+        frames = sys._current_frames()
+        frame = frames.get(self._ident)
+        if frame is None:
+            return None
+        me = threading.get_ident()
+        return where(frame), {t.name: where(frames[t.ident], 2) for t in threading.enumerate()
+                              if t.ident in frames and t.ident not in (self._ident, me)}
 
     def stats(self) -> dict:
         return {"stalls": self.stalls, "total_s": round(self.total_s, 3), "longest_ms": round(self.longest_s * 1e3, 1),
