@@ -29,6 +29,8 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     assert r["write_full_disk"]["writes"] > 0  # the full-tier writes went through the disk tier
     assert r["gc_full_collections"] == 0 and r["gc_longest_pause_ms"] > 0  # young collections ran, no full one
     assert r["churn_lookups"] > 0  # a second client looked up blocks while the churn wrote
+    for key in ("loop_stalls", "recovering_loop_stalls"):  # the daemons' event-loop stalls (server/stalls.py)
+        assert set(r[key]) == {"stalls", "total_s", "longest_ms", "recent"}, key
     # The recovered store's memory a block, part by part: its disk blocks' entries, keys and locations.
     assert r["memory_parts_blocks"] > 0 and r["memory_parts"]["keys"] == 64.0
     assert r["memory_parts"]["disk locations"] > 0 and r["memory_parts"]["total"] > 0
