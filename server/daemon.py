@@ -83,6 +83,12 @@ GC_NO_FULL = 1 << 30  # middle collections before a full one: never reached, no 
 # since the last one, so its pause is bounded by the loop's time, not by how many of those objects died.
 GC_YOUNG_EVERY_S = 0.02
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
+# How long a thread holds the GIL before one waiting for it asks for it (CPython's default: 5 ms). Each LMDB
+# call lets the GIL go, and a thread making short calls that do the same (a checksum, a cursor's next record)
+# takes it back at once: the loop then waited the whole interval at each of its calls, 0.55 s for a
+# transaction of 512 deletions (tools/bench/bench_gil.py; 77 ms at 0.5 ms). The daemon's own threads also
+# let it go every few items; this bounds what any other does.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def _socket_answers(path: str) -> bool:
@@ -143,6 +149,7 @@ class Daemon:
         self._resyncing: asyncio.Task | None = None  # a resync of the KV events under way (`_resync_events`)
         self._young: YoungCollections | None = None
         self.stalls: LoopStalls | None = None  # the event loop's stalls, from its ready line on
+        self.frozen_at_start = 0  # objects frozen out of the cyclic collector's scans once it served
         self.event_loop = ""  # the loop it serves on, once started (config.event_loop_of)
 
     def full_stats(self) -> dict:
@@ -156,7 +163,10 @@ class Daemon:
         stats["gpu"] = gpu_info(self.store)
         stats["ops"] = dict(self.handlers.op_counts)
         stats["event_loop"] = self.event_loop
-        stats["gc"] = {"threshold": list(gc.get_threshold()), "frozen": gc.get_freeze_count(),
+        stats["switch_interval_s"] = sys.getswitchinterval()
+        # (`gc.get_freeze_count()` walks every frozen object: 0.8 s with 10^7 blocks, on the loop. It is
+        # read once, when the daemon starts serving.)
+        stats["gc"] = {"threshold": list(gc.get_threshold()), "frozen_at_start": self.frozen_at_start,
                        "collections": [g["collections"] for g in gc.get_stats()], "pauses": self.gc_pauses.stats()}
         if self.stalls is not None:
             stats["event_loop_stalls"] = self.stalls.stats()
@@ -242,6 +252,8 @@ class Daemon:
     async def run(self) -> None:
         await self.start()
         tune_gc()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self.frozen_at_start = gc.get_freeze_count()  # (what startup made: recovery adopts the rest after)
         gc.callbacks.append(self.gc_pauses)
         self._young = YoungCollections(asyncio.get_running_loop())
         self.stalls = LoopStalls(asyncio.get_running_loop())
