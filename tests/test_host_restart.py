@@ -27,6 +27,7 @@ import os
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -337,7 +338,8 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
 def test_the_index_thread_writes_checksums_a_short_transaction_at_a_time(monkeypatch):
     """The hasher hands over thousands of checksums a batch; the index thread writes them COMMIT_RECORDS
     a transaction, each under the lock the loop's own record keeping takes (a batch's transaction, with
-    the disk busy, held the loop 406 ms at 10^7 blocks), and every record ends with its checksum."""
+    the disk busy, held the loop 406 ms at 10^7 blocks), and every record ends with its checksum. The
+    hasher lets the GIL go every few blocks."""
     import kvstore.tiers.host_index as host_index
     from kvstore.keys import hash_blocks
     from kvstore.store import TieredStore
@@ -359,10 +361,24 @@ def test_the_index_thread_writes_checksums_a_short_transaction_at_a_time(monkeyp
         sizes: list[int] = []
         real = index._commit
         index._commit = lambda new, sums: (sizes.append(len(sums)), real(new, sums))[1]
+        yields: list[str] = []  # the threads that let the GIL go on purpose (`time.sleep(0)`)
+
+        class Clock:  # host_index's `time`, its sleeps noted
+            monotonic = staticmethod(time.monotonic)
+
+            @staticmethod
+            def sleep(s: float) -> None:
+                yields.append(threading.current_thread().name)
+                time.sleep(s)
+
+        monkeypatch.setattr(host_index, "time", Clock)
         monkeypatch.setattr(host_index, "QUIET_S", 0.0)
         index._hash_wake.set()
         poll(lambda: index.num_unchecked == 0, 30, "the checksums")
         assert sum(sizes) == 400 and max(sizes) <= 32 and len(sizes) >= 13, sizes
+        # the hasher let the GIL go every HASH_YIELD_EVERY blocks: a checksum lets it go and it took it back
+        # at once, so the loop waited out the switch interval at each of its own LMDB calls
+        assert yields.count("kvstore-host-hash") >= 400 // host_index.HASH_YIELD_EVERY, yields
         assert all(rec["x"] is not None for rec in index.records().values())
         assert store.check() == []
         store.close()

@@ -102,3 +102,14 @@ def test_where_names_the_package_s_frames_first():
     assert here().startswith("tests/test_loop_stalls.py:") and " here < tests/test_loop_stalls.py:" in here()
     seen = BurstClock(here)()
     assert seen.startswith("kvstore/entry.py:") and seen.endswith(" __call__") and "tests/" not in seen, seen
+
+
+def test_bench_gil_times_the_loop_s_transaction_alone_and_beside_a_hashing_thread(capsys):
+    """tools/bench/bench_gil.py runs small: the transaction alone, then beside a thread that yields the GIL
+    never or every HASH_YIELD_EVERY blocks, at CPython's interval and the daemon's."""
+    from kvstore.tools.bench.bench_gil import main
+
+    assert main(["--rounds", "2", "--deletes", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and "alone" in lines[1] and all("x alone" in line for line in lines[1:])
+    assert sum("blocks/s" in line for line in lines) == 4

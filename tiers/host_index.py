@@ -96,6 +96,9 @@ QUIET_S = 0.1  # the store has committed, freed and acquired nothing for this lo
 CHECK_LAG_S = 10.0  # ... or the oldest record without one is this old (a store that is never quiet)
 VERIFY_CHUNK = 64  # adopted blocks the hasher takes from the unverified ones at a time
 COMMIT_RECORDS = 256  # checksummed records the index thread writes in one transaction, under the lock
+# Blocks hashed between two yields of the GIL: a checksum lets it go and the hasher took it back at once,
+# so the loop waited a switch interval at each of its LMDB calls (tools/bench/bench_gil.py).
+HASH_YIELD_EVERY = 16
 MAP_FLOOR = 1 << 32  # the index's LMDB map at least (more for an arena of more pages: `map_bytes`)
 
 
@@ -414,10 +417,9 @@ class HostIndex:
 
     # -- the index thread: checksums ------------------------------------------------------
     def _write_loop(self) -> None:
-        """The checksums the hasher handed over, written COMMIT_RECORDS a transaction. Records are
-        packed before the lock is taken, yielding the GIL every few, so the loop waits for at most one
-        short transaction (the hasher hands over 4,096 small blocks a batch: their transaction, with the
-        disk busy, held the lock, and the loop's next `forget`, 406 ms at 10^7 blocks)."""
+        """The checksums the hasher handed over, COMMIT_RECORDS a transaction; records packed before the
+        lock is taken, yielding the GIL every few: the loop waits for one short transaction at most (a
+        batch's 4,096 in one held the lock, and the loop's next `forget`, 406 ms at 10^7 blocks)."""
         _name_native_thread("kvstore-index")
         while True:
             self._index_wake.wait()
@@ -487,17 +489,17 @@ class HostIndex:
                 continue
             batch, size = [], self._verify_some()
             for item in list(self._unchecked.values()):  # a snapshot (one C-level copy, under the GIL)
-                if size >= BATCH_BYTES:
-                    break
                 if item.hashing:
                     continue
-                if self._busy_for() > 0 or self._closing:
+                if size >= BATCH_BYTES or self._busy_for() > 0 or self._closing:
                     break
                 # A block freed meanwhile leaves `_unchecked` first, and its pages are reused only after:
                 # the checksum of one still there is of its own bytes (re-checked when written).
                 if self._unchecked.get(item.key) is item:
                     item.hashing = True
                     batch.append((item, self._hash(item.extents)))
+                    if len(batch) % HASH_YIELD_EVERY == 0:
+                        time.sleep(0)
                     size += item.nbytes
                     if size >= BATCH_BYTES:
                         break
@@ -520,9 +522,11 @@ class HostIndex:
             some = list(itertools.islice(self._unverified.items(), VERIFY_CHUNK))
             if not some:
                 break
-            for key, item in some:
+            for i, (key, item) in enumerate(some):
                 if self._busy_for() > 0 or self._closing:
                     return size
+                if i % HASH_YIELD_EVERY == HASH_YIELD_EVERY - 1:
+                    time.sleep(0)
                 ok = self._hash(item.extents) == item.checksum
                 with self._verdict:
                     if self._unverified.pop(key, None) is item:
