@@ -164,5 +164,9 @@ class RowFinder:
         caller checks the key)."""
         if not len(self._sorted):
             return np.full(len(hashes), -1, np.int64)
-        at = np.minimum(np.searchsorted(self._sorted, hashes), len(self._sorted) - 1)
+        # (in the hashes' order: NumPy's search starts each from the last one's place, and a search of
+        # 130,000 hashes in 10^7 in their own order held the event loop 0.33 s)
+        order = np.argsort(hashes)
+        at = np.empty(len(hashes), np.int64)
+        at[order] = np.minimum(np.searchsorted(self._sorted, hashes[order]), len(self._sorted) - 1)
         return np.where(self._sorted[at] == hashes, self._order[at], -1)
