@@ -335,55 +335,47 @@ def test_records_without_a_checksum_are_adopted_then_checked(monkeypatch):
         remove_stale_arena(path)
 
 
-def test_the_index_thread_writes_checksums_a_short_transaction_at_a_time(monkeypatch):
+def test_the_index_thread_writes_checksums_a_short_transaction_at_a_time(monkeypatch, store_factory):
     """The hasher hands over thousands of checksums a batch; the index thread writes them COMMIT_RECORDS
     a transaction, each under the lock the loop's own record keeping takes (a batch's transaction, with
     the disk busy, held the loop 406 ms at 10^7 blocks), and every record ends with its checksum. The
     hasher lets the GIL go every few blocks."""
     import kvstore.tiers.host_index as host_index
     from kvstore.keys import hash_blocks
-    from kvstore.store import TieredStore
-    from kvstore.tiers.host import HostArena, remove_stale_arena
 
     monkeypatch.setattr(host_index, "QUIET_S", 3600.0)  # no checksum until the records are all written
     monkeypatch.setattr(host_index, "COMMIT_RECORDS", 32)
-    path = f"/dev/shm/kvtest-{os.urandom(8).hex()}"
-    ns_small = type(NS)("chunked", "bf16", 1, 1, 8, 16, 4096)
-    try:
-        store = TieredStore([HostArena(path, 512 * 4096, 4096, prefault=False, persistent=True)])
-        ns = store.register_namespace(ns_small)
-        hs = hash_blocks(np.arange(16 * 400), 16)
-        assert all(store.reserve(ns, list(zip(hs, [None] + hs[:-1])), owner=1))
-        store.commit(ns, hs, owner=1)
-        index = store.host.index
-        poll(lambda: index.num_pending == 0, 30, "records")
-        assert index.num_unchecked == 400
-        sizes: list[int] = []
-        real = index._commit
-        index._commit = lambda new, sums: (sizes.append(len(sums)), real(new, sums))[1]
-        yields: list[str] = []  # the threads that let the GIL go on purpose (`time.sleep(0)`)
+    store = store_factory(512 * 4096, 4096, prefault=False, persistent=True)
+    ns = store.register_namespace(type(NS)("chunked", "bf16", 1, 1, 8, 16, 4096))
+    hs = hash_blocks(np.arange(16 * 400), 16)
+    assert all(store.reserve(ns, list(zip(hs, [None] + hs[:-1])), owner=1))
+    store.commit(ns, hs, owner=1)
+    index = store.host.index
+    poll(lambda: index.num_pending == 0, 30, "records")
+    assert index.num_unchecked == 400
+    sizes: list[int] = []
+    real = index._commit
+    index._commit = lambda new, sums: (sizes.append(len(sums)), real(new, sums))[1]
+    yields: list[str] = []  # the threads that let the GIL go on purpose (`time.sleep(0)`)
 
-        class Clock:  # host_index's `time`, its sleeps noted
-            monotonic = staticmethod(time.monotonic)
+    class Clock:  # host_index's `time`, its sleeps noted
+        monotonic = staticmethod(time.monotonic)
 
-            @staticmethod
-            def sleep(s: float) -> None:
-                yields.append(threading.current_thread().name)
-                time.sleep(s)
+        @staticmethod
+        def sleep(s: float) -> None:
+            yields.append(threading.current_thread().name)
+            time.sleep(s)
 
-        monkeypatch.setattr(host_index, "time", Clock)
-        monkeypatch.setattr(host_index, "QUIET_S", 0.0)
-        index._hash_wake.set()
-        poll(lambda: index.num_unchecked == 0, 30, "the checksums")
-        assert sum(sizes) == 400 and max(sizes) <= 32 and len(sizes) >= 13, sizes
-        # the hasher let the GIL go every HASH_YIELD_EVERY blocks: a checksum lets it go and it took it back
-        # at once, so the loop waited out the switch interval at each of its own LMDB calls
-        assert yields.count("kvstore-host-hash") >= 400 // host_index.HASH_YIELD_EVERY, yields
-        assert all(rec["x"] is not None for rec in index.records().values())
-        assert store.check() == []
-        store.close()
-    finally:
-        remove_stale_arena(path)
+    monkeypatch.setattr(host_index, "time", Clock)
+    monkeypatch.setattr(host_index, "QUIET_S", 0.0)
+    index._hash_wake.set()
+    poll(lambda: index.num_unchecked == 0, 30, "the checksums")
+    assert sum(sizes) == 400 and max(sizes) <= 32 and len(sizes) >= 13, sizes
+    # the hasher let the GIL go every HASH_YIELD_EVERY blocks: a checksum lets it go and it took it back
+    # at once, so the loop waited out the switch interval at each of its own LMDB calls
+    assert yields.count("kvstore-host-hash") >= 400 // host_index.HASH_YIELD_EVERY, yields
+    assert all(rec["x"] is not None for rec in index.records().values())
+    assert store.check() == []
 
 
 def test_a_reopened_arena_keeps_the_well_formed_records_and_deletes_the_others():
