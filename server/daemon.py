@@ -85,8 +85,8 @@ GC_YOUNG_EVERY_S = 0.02
 AUTH_FAIL_DELAY_S = 0.2  # a failed TCP hello is answered this late: with the cap, guesses/s <= cap / delay
 # How long a thread holds the GIL before one waiting for it asks for it (CPython's default: 5 ms). Each LMDB
 # call lets the GIL go, and a thread making short calls that do the same (a checksum, a cursor's next record)
-# takes it back at once: the loop then waited the whole interval at each of its calls, 0.55 s for a
-# transaction of 512 deletions (tools/bench/bench_gil.py; 77 ms at 0.5 ms). The daemon's own threads also
+# takes it back at once: the loop then waited the whole interval at each of its calls, 355 ms for a
+# transaction of 512 deletions (tools/bench/bench_gil.py; 43 ms at 0.5 ms). The daemon's own threads also
 # let it go every few items; this bounds what any other does.
 SWITCH_INTERVAL_S = 0.0005
 

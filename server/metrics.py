@@ -99,8 +99,8 @@ def daemon_families(stats: dict) -> Iterator:
         yield longest
     stalls = stats.get("event_loop_stalls")
     if stalls is not None:  # turns that held the event loop (server/stalls.py): every request waited
-        yield CounterMetricFamily("kvstore_event_loop_stalls", f"Turns that held the event loop {STALL_S * 1e3:g} ms or more",
-                                  value=stalls["stalls"])
+        yield CounterMetricFamily("kvstore_event_loop_stalls",
+                                  f"Turns that held the event loop {STALL_S * 1e3:g} ms or more", value=stalls["stalls"])
         yield CounterMetricFamily("kvstore_event_loop_stall_seconds", "Time the event loop was held by such turns",
                                   value=stalls["total_s"])
         yield GaugeMetricFamily("kvstore_event_loop_stall_longest_seconds", "The longest turn that held the event loop",

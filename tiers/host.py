@@ -219,7 +219,7 @@ class HostArena(Tier):
         return None if record is None else record[0]
 
     def peeks(self) -> ContextManager[None]:
-        return contextlib.nullcontext() if self._scan is None else self._scan.held()
+        return self._scan.held() if self.peekable else contextlib.nullcontext()
 
     def adopted_early(self, key, location: Extents) -> None:
         """The store adopted `key`'s block at `location`, the extents `peek` gave, while the records are
