@@ -318,12 +318,12 @@ class AttentionPolicy(EvictionPolicy):
         tracked children of every key, `_children()`; built here when not given).
         """
         kids = self._children() if kids is None else kids
-        tracked = self._leaves.tracked
-        best = tracked[key].prio
+        find = self._leaves.find
+        best = find(key).prio  # type: ignore[union-attr]
         stack = list(kids.get(key, ()))
         while stack:
             child = stack.pop()
-            best = max(best, tracked[child].prio)  # type: ignore[type-var]
+            best = max(best, find(child).prio)  # type: ignore[type-var, union-attr]
             stack.extend(kids.get(child, ()))
         return best  # type: ignore[return-value]
 
@@ -331,14 +331,14 @@ class AttentionPolicy(EvictionPolicy):
         """`_children()` for the subtrees of the tracked `keys` only, read from the store's tree
         (`tree_children`): what `value` walks of them, in O(their size). `_children()` walks every tracked
         key: 0.36 s a `kvstore inspect` of a tier of 10^6 blocks, with the daemon's loop stopped."""
-        tracked, children = self._leaves.tracked, self.tree_children
+        find, children = self._leaves.find, self.tree_children
         assert children is not None
         kids: dict[Key, list] = {}
-        stack = [k for k in keys if k in tracked]
+        stack = [k for k in keys if find(k) is not None]
         while stack:
             key = stack.pop()
             if key not in kids:
-                below = kids[key] = [c for c in children(key) if c in tracked]
+                below = kids[key] = [c for c in children(key) if find(c) is not None]
                 stack.extend(below)
         return kids
 
@@ -462,6 +462,8 @@ class AttentionPolicy(EvictionPolicy):
         if top is not None:  # keep parent >= child above the chain: `_lift` each ancestor while one rises
             block = get(keys[0])
             parent = block.parent if block is not None else None
+            if leaves.resting:  # (an ancestor at rest is woken: kvstore/resting.py)
+                get = leaves.find
             while parent is not None and (block := get(parent)) is not None:
                 cur = _val(block)
                 new = tuple(map(max, cur, top))
@@ -473,7 +475,7 @@ class AttentionPolicy(EvictionPolicy):
                 parent = block.parent
 
     def on_feedback(self, key: Key, attention: float) -> None:
-        block = self._leaves.get(key)
+        block = self._leaves.find(key)
         if block is None:
             return
         self._set_attention(key, attention)
@@ -499,7 +501,8 @@ class AttentionPolicy(EvictionPolicy):
         if block is None:
             return
         parent = block.parent
-        up = leaves.tracked.get(parent) if parent is not None else None
+        up = (leaves.tracked.get(parent) or (leaves.find(parent) if leaves.resting else None)) \
+            if parent is not None else None
         if up is not None:  # the tree rule, applied before it becomes a leaf
             cur = _val(up)  # (`_lift`, inline: eviction removes one block at a time)
             new = tuple(map(max, cur, _val(block)))
@@ -518,6 +521,25 @@ class AttentionPolicy(EvictionPolicy):
             self._ghost.remember(key, (*freq, _NO_ESTIMATE), len(leaves))
         if self.experts is not None:
             self.experts.removed(key)
+
+    # -- blocks at rest (kvstore/resting.py) ------------------------------------
+    def rest(self, key: Key, parent: Key | None) -> tuple[object, object] | None:
+        """A record of an inner block of a chain that holds no value of its own (its F and C shared
+        with other blocks) and no estimate goes: its F and C."""
+        leaves = self._leaves
+        rec = leaves.tracked.get(key)
+        if (rec is None or rec.val is not None or rec.children != 1 or rec.token is not None or rec.parent != parent
+                or key in self._att):
+            return None
+        leaves.rest(key)
+        return rec.freq, rec.cost
+
+    def restore(self, key: Key, parent: Key | None, refs: tuple[object, object]) -> None:
+        freq, cost = refs
+        self._leaves.restore(key, self._record(parent, 1, freq, cost, None))
+
+    def wake_hook(self, wake: Callable[[Key], object], holds: Callable[[Key], bool]) -> None:
+        self._leaves.wake, self._leaves.holds = wake, holds
 
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None

@@ -125,6 +125,22 @@ class EvictionPolicy(ABC):
                     break
         return True
 
+    # -- blocks at rest (kvstore/resting.py): a policy that can keep a block's record apart overrides all three
+    def rest(self, key: Key, parent: Key | None) -> tuple[object, object] | None:
+        """Give up `key`'s record if it holds nothing of the block's own (an inner block of a chain, not
+        read since it arrived): the two objects it shares with other blocks that `restore` makes it again
+        from. None (nothing changes) where it cannot: the default."""
+        return None
+
+    def restore(self, key: Key, parent: Key | None, refs: tuple[object, object]) -> None:
+        """`key`'s record again, as `rest` found it (it counted in `len` and `in` meanwhile)."""
+        raise NotImplementedError
+
+    def wake_hook(self, wake: Callable[[Key], object], holds: Callable[[Key], bool]) -> None:
+        """`wake(key)` restores a resting `key` (a truthy result), which the policy calls before it changes
+        one (a parent whose last child leaves); `holds(key)`: whether `key` rests."""
+        raise NotImplementedError
+
     @abstractmethod
     def __contains__(self, key: Key) -> bool: ...
 

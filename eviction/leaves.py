@@ -107,15 +107,39 @@ class LeafQueues:
         # twice as many, so its size, and a rebuild's pause, follow its leaves, not its keys (`_push`).
         self._clean: dict[str, int] = {}
         self._rekeyed = 0  # rekeys so far: heap entries taken out before one are not put back after it
+        # Keys at rest (kvstore/resting.py): tracked, but their records are kept apart (`resting` of them);
+        # `wake(key)` brings one back into `tracked` (a truthy result) before it is changed. A resting key
+        # is an inner block of a chain: never a leaf, so no heap entry of it is live.
+        self.resting = 0
+        self.wake: Callable[[Key], object] | None = None
+        self.holds: Callable[[Key], bool] | None = None  # whether a key rests (read without waking it)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.tracked
+        return key in self.tracked or bool(self.resting and self.holds(key))  # type: ignore[misc]
 
     def __len__(self) -> int:
-        return len(self.tracked)
+        return len(self.tracked) + self.resting
 
     def get(self, key: Key) -> Leaf | None:
         return self.tracked.get(key)
+
+    def find(self, key: Key) -> Leaf | None:
+        """`key`'s record, woken if it rests."""
+        rec = self.tracked.get(key)
+        if rec is None and self.resting and self.wake(key):  # type: ignore[misc]
+            rec = self.tracked.get(key)
+        return rec
+
+    def rest(self, key: Key) -> Leaf:
+        """Keep `key`'s record apart (the caller keeps what it needs of it): it stays counted."""
+        rec = self.tracked.pop(key)
+        self.resting += 1
+        return rec
+
+    def restore(self, key: Key, rec: Leaf) -> None:
+        """A resting key's record, back (made by the caller as `rest` found it)."""
+        self.tracked[key] = rec
+        self.resting -= 1
 
     def queue_of(self, key: Key) -> str | None:
         rec = self.tracked.get(key)
@@ -156,7 +180,7 @@ class LeafQueues:
         self.count[queue] += 1
         self.bytes[queue] += nbytes
         if parent is not None:
-            up = tracked.get(parent)
+            up = tracked.get(parent) or (self.find(parent) if self.resting else None)
             if up is not None:
                 up.children += 1
                 up.token = None  # no longer a leaf
@@ -204,7 +228,7 @@ class LeafQueues:
             self._loose[key] = rec.children
         parent = rec.parent
         if parent is not None:
-            up = self.tracked.get(parent)
+            up = self.tracked.get(parent) or (self.find(parent) if self.resting else None)
             if up is not None:
                 up.children -= 1
                 if not up.children:
@@ -375,7 +399,7 @@ class LeafQueues:
         if parent is None:
             return False
         named = pending[parent] = pending.get(parent, 0) + 1
-        up = self.tracked.get(parent)
+        up = self.find(parent)
         return up is not None and named >= up.children
 
 

@@ -139,7 +139,8 @@ def open_store(config: Config) -> TieredStore:
         rc = config.remote
         sharing = SharingOptions(rc.publish, rc.timeout_s, rc.transfer_timeout_s)
         return TieredStore(chain, policy=config.policy, absent=absent, sharing=sharing,
-                           compression=Compression(config.compression), recover_in_background=True)
+                           compression=Compression(config.compression), recover_in_background=True,
+                           rest=config.disk.rest_blocks)
     except BaseException:
         _give_back(chain, host)
         raise

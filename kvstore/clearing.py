@@ -43,6 +43,8 @@ def clear_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> Generator[
     """Clear `store` (module docstring), yielding every `step` blocks looked at; returns how many went.
     Reports nothing itself: the caller mutes the listeners around it and reports the result."""
     entries, drop = store.index.entries, store.placement.drop
+    if store.index.resting is not None:  # (what rests is woken: a clear walks every entry)
+        store.index.resting.wake_all()
     removed = done = 0
     for key in list(entries):  # (a copy in C)
         done += 1
@@ -64,15 +66,15 @@ def remove_steps(store: TieredStore, ns_id: str, hashes: Sequence[bytes],
     """Remove each of `hashes` with its subtree, unless a block in it is pinned or reserved (module
     docstring), yielding every `step` blocks looked at or taken; returns how many went."""
     store.namespace(ns_id)
-    entries, drop = store.index.entries, store.placement.drop
+    get, drop = store.index.get, store.placement.drop  # (a block at rest is woken: kvstore/resting.py)
     removed = done = 0
     for h in hashes:
-        root = entries.get(block_key(ns_id, h))
+        root = get(block_key(ns_id, h))
         if root is None or not root.committed:
             continue
         keys, stack = [], [root.key]  # (preorder: reversed, every block comes after its subtree)
         while stack:
-            e = entries.get(stack.pop())
+            e = get(stack.pop())
             if e is None:
                 continue
             if e.pins or not e.committed:
@@ -85,7 +87,7 @@ def remove_steps(store: TieredStore, ns_id: str, hashes: Sequence[bytes],
                 yield
         else:
             for key in reversed(keys):
-                e = entries.get(key)
+                e = get(key)
                 if e is not None and e.child_keys is None and not e.pins and e.committed:
                     drop(e)
                     removed += 1

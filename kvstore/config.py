@@ -183,9 +183,12 @@ class DiskConfig:
     # The most blocks it holds (each is indexed in the daemon's memory): "auto" = what a quarter of the
     # host's (or the daemon's cgroup's) memory indexes (kvstore/chain.py `disk_max_blocks`).
     max_blocks: int | str = "auto"
+    # Its plain chain blocks kept as rows of bytes, not objects (kvstore/resting.py): ~130 B a block, not ~385.
+    rest_blocks: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "disk.enabled must be true or false")
+        _require(isinstance(self.rest_blocks, bool), "disk.rest_blocks must be true or false")
         _require(self.max_blocks == "auto" or (_is_int(self.max_blocks) and self.max_blocks >= 1),
                  f"disk.max_blocks must be \"auto\" or a count >= 1, got {self.max_blocks!r}")
         _require(_is_int(self.capacity_bytes) and self.capacity_bytes >= 1 * MiB, "disk.capacity must be >= 1MiB")
@@ -425,6 +428,7 @@ _TOML_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "capacity": ("capacity_bytes", "size"),
         "page_size": ("page_bytes", "size"),
         "max_blocks": ("max_blocks", None),
+        "rest_blocks": ("rest_blocks", None),
     },
     "remote": {
         "kind": ("kind", str),

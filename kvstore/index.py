@@ -30,7 +30,7 @@ store's listeners (kvstore/block_events.py).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.block_events import Listeners, held_tiers
 from kvstore.entry import (CHILD, Entry, Key, Owner, _Rare, add_children, child_depth, children_of, count_hit,
@@ -38,9 +38,15 @@ from kvstore.entry import (CHILD, Entry, Key, Owner, _Rare, add_children, child_
 from kvstore.errors import KVStoreError
 from kvstore.keys import BLOCK_BYTES, TAG_BYTES, key_hash, ns_tag
 
+if TYPE_CHECKING:
+    from kvstore.resting import Resting
 
 
 REPORT_STEP_BLOCKS = 4096  # blocks `report_steps` examines between two yields (a few ms)
+
+
+def _nothing(key: Key) -> None:
+    return None
 
 
 class BlockIndex:
@@ -58,14 +64,26 @@ class BlockIndex:
         self.reserved_by_owner: dict[Owner, set] = defaultdict(set)
         self.copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # per tier, oldest first
         self.encoded_copies: dict[str, dict[Key, None]] = {t: {} for t in copy_tiers}  # (the same, encoded)
+        # Blocks at rest (kvstore/resting.py) are in no entry: `wake` makes a resting block's entry again
+        # (None for any other key), and `resting` is what holds them (None: nothing rests).
+        self.wake: Callable[[Key], Entry | None] = _nothing
+        self.resting: Resting | None = None
 
     # -- reading ----------------------------------------------------------------------
     def get(self, key: Key) -> Entry | None:
-        return self.entries.get(key)
+        """`key`'s entry (a resting block woken first), or None."""
+        return self.entries.get(key) or self.wake(key)
 
     def committed(self, key: Key) -> bool:
+        """`key` is a committed block (at rest or not); wakes nothing."""
         e = self.entries.get(key)
-        return e is not None and e.committed
+        if e is None:
+            return self.resting is not None and self.resting.holds(key)
+        return e.committed
+
+    def peek(self, key: Key) -> Entry | None:
+        """`key`'s entry, or for a resting block an equal one the index does not hold (it stays at rest)."""
+        return self.entries.get(key) or (self.resting.peek(key) if self.resting is not None else None)
 
     def reserved_by(self, key: Key, owner: Owner) -> bool:
         """`key` is a reservation of `owner`'s (not committed yet)."""
@@ -84,16 +102,16 @@ class BlockIndex:
                    if (e := entries.get(key)) is not None and e.pins)
 
     def parent_of(self, e: Entry) -> Entry | None:
-        return self.entries.get(e.parent) if e.parent is not None else None
+        return self.get(e.parent) if e.parent is not None else None
 
     def subtree(self, root: Key) -> list[Key]:
-        """`root` and everything below it, in O(size of the subtree)."""
-        entries = self.entries
+        """`root` and everything below it (woken), in O(size of the subtree)."""
+        get = self.get
         out, stack = [], [root]
         while stack:
             key = stack.pop()
             out.append(key)
-            stack.extend(children_of(entries[key]))
+            stack.extend(children_of(get(key)))
         return out
 
     def deepest_first(self, keys: Iterable[Key]) -> list[Entry]:
@@ -195,7 +213,7 @@ class BlockIndex:
                 mine.discard(e.key)
         key = e.key
         del self.entries[key]
-        parent = self.entries.get(e.parent) if e.parent is not None else None
+        parent = self.get(e.parent) if e.parent is not None else None
         if parent is not None:
             add_children(parent, -CHILD[e.tier])
             if parent.child_keys == key:  # (`unlink_child` of an only child)
@@ -279,17 +297,19 @@ class BlockIndex:
         be reported twice)."""
         if not self.listeners.follows_tiers:
             return
-        entries = self.entries
+        entries, peek = self.entries, self.peek  # (a resting block is reported as it rests: not woken)
         keys = list(entries)  # (a copy in C: the roots are looked for among them step by step)
+        if self.resting is not None:
+            keys += self.resting.root_keys()
         done = 0
         for root in keys:
             done += 1
-            e = entries.get(root)
+            e = peek(root)
             if e is not None and e.parent is None:
                 for tier in tiers:
                     stack = [root]
                     while stack:
-                        e = entries.get(stack.pop())
+                        e = peek(stack.pop())
                         if e is None:
                             continue
                         if e.committed and tier in held_tiers(e):

@@ -42,6 +42,7 @@ result. The rules it keeps, for every pair of tiers:
 from __future__ import annotations
 
 import logging
+from collections import deque
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -88,6 +89,10 @@ class Placement:
             policy.tree_children = self._children_keys
         self.shared = shared
         self.counters, self.tier_stats = shared.counters, shared.tier_stats
+        # Blocks at rest (kvstore/resting.py): the blocks entering `rest_tier` are noted in `arrived`
+        # for its sweep (None: nothing rests).
+        self.rest_tier: str | None = None
+        self.arrived: deque[Key] | None = None
         # where each tier's victims go: the next tier, where it takes demotions
         self._below: dict[str, Tier | None] = {
             t.name: nxt if nxt is not None and nxt.accepts_demotions else None
@@ -111,7 +116,7 @@ class Placement:
 
     def _children_keys(self, key: Key) -> tuple | set:
         """The keys of `key`'s children in the index, whatever tier they sit in (none: not indexed)."""
-        e = self.index.entries.get(key)
+        e = self.index.get(key)
         return () if e is None else children_of(e)
 
     # -- blocks entering and being read: what the tiers' indexes and the policies hear --------
@@ -128,6 +133,8 @@ class Placement:
         info = self.info
         for tier, group in _by_tier(entries).items():
             self.policies[tier].on_insert_many([info(e) for e in group])
+            if tier == self.rest_tier:
+                self.arrived.extend([e.key for e in group])  # type: ignore[union-attr]
 
     @property
     def verifying(self) -> bool:
@@ -173,15 +180,15 @@ class Placement:
         pages: those the index does not hold, less those whose parent sits in a slower tier (skipped).
 
         The parents of the batch are protected, so no eviction demotes a later block's parent."""
-        entries = self.index.entries
+        get, wake = self.index.entries.get, self.index.wake  # (a resting block is woken: present)
         tag = ns_tag(ns_id)
         parent_tag = ns_tag(self.shared.namespaces[ns_id].anchor or ns_id)
         rank = RANK[t.name]
         new, protect = 0, set()
         for h, p in blocks:
-            if tag + h in entries:
+            if (get(tag + h) or wake(tag + h)) is not None:
                 continue
-            parent = entries.get(parent_tag + p) if p is not None else None
+            parent = (get(parent_tag + p) or wake(parent_tag + p)) if p is not None else None
             if parent is not None:
                 if RANK[parent.tier] > rank:
                     continue  # (the reserve skips it: a child never sits faster than its parent)
@@ -344,6 +351,8 @@ class Placement:
         if self.tiers[tier].records_placed:
             self.tiers[tier].placed(location, self.block_meta(e))  # the host index records it (disk: at write_from)
         self.policies[tier].on_insert(self.info(e))
+        if tier == self.rest_tier:
+            self.arrived.append(e.key)  # type: ignore[union-attr]
         if RANK[tier] > RANK[old]:
             self.tier_stats[tier].demotions_in += 1
         else:

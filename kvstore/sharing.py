@@ -216,12 +216,12 @@ class RemoteSharing:
     async def extend(self, ns_id: str, hashes: Sequence[bytes]) -> int:
         """Index the blocks that follow the local prefix of `hashes` and that the cluster holds.
         Returns how many remote entries were added."""
-        entries = self.index.entries
+        index = self.index  # (`committed`: blocks at rest count, not woken)
         tag = ns_tag(ns_id)
         k = 0
-        while k < len(hashes) and (e := entries.get(tag + hashes[k])) is not None and e.committed:
+        while k < len(hashes) and index.committed(tag + hashes[k]):
             k += 1
-        if k == len(hashes) or tag + hashes[k] in entries:  # all local, or a local write in flight
+        if k == len(hashes) or tag + hashes[k] in index.entries:  # all local, or a local write in flight
             return 0
         want = list(hashes[k:])
         codec = self._codec(self.namespaces[ns_id])
@@ -276,18 +276,18 @@ class RemoteSharing:
                codec: "StoredCodec | None") -> int:
         """Add remote entries for hashes[k:k+len(encoded)] under the (re-checked) local prefix, each
         naming its exact value or (where `encoded` says) its value encoded with `codec`."""
-        entries = self.index.entries
+        get = self.index.get  # (a block at rest is woken: kvstore/resting.py)
         ns = self.namespaces[ns_id]
         tag = ns_tag(ns_id)
         parent: Key | None = tag + hashes[k - 1] if k and not ns.anchor else None
-        if parent is not None and (parent not in entries or not entries[parent].committed):
+        if parent is not None and ((pe := get(parent)) is None or not pe.committed):
             return 0  # the prefix changed while the cluster answered
         added = 0
         for h, enc in zip(hashes[k : k + len(encoded)], encoded):
             key = tag + h
             if ns.anchor:  # an attachment hangs under its anchor's block of the same hash, not under hashes[k-1]
                 parent = block_key(ns.anchor, h)
-            e = entries.get(key)
+            e = get(key)
             if e is not None:
                 if not e.committed:
                     break
@@ -297,7 +297,7 @@ class RemoteSharing:
                 self.placement.allocate("remote", ns.block_bytes, protect=parent)
             except CapacityError:
                 break
-            pe = entries.get(parent) if parent is not None else None
+            pe = get(parent) if parent is not None else None
             if parent is not None and (pe is None or not pe.committed):
                 self.tier.free(None)
                 break

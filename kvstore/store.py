@@ -56,8 +56,9 @@ from kvstore.keys import ROOT_HASH, Namespace, block_key, note_block_bytes, ns_t
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
+from kvstore.resting import Resting
 from kvstore.sharing import RemoteSharing, SharingOptions
-from kvstore.store_check import check, describe_blocks, namespace_rows, tier_rows
+from kvstore.store_check import check, describe_blocks, store_stats
 from kvstore.waits import InflightWaits
 from kvstore.wire import LookupResult, WaitResult
 from kvstore.tiers.base import Tier
@@ -81,6 +82,7 @@ class TieredStore:
         sharing: SharingOptions | None = None,
         compression: Compression | None = None,
         recover_in_background: bool = False,
+        rest: bool = True,
     ) -> None:
         """`absent`: tier name -> why it is not in the chain (for stats); `sharing`: how a remote tier
         in the chain is used (defaults where None); `compression`: which tiers store the blocks of
@@ -129,6 +131,10 @@ class TieredStore:
         self.recovery = Recovery(self.index, self.placement, self.register_namespace)
         if not recover_in_background:
             self.recovery.finish()
+        # the disk tier's plain chain blocks kept as rows (kvstore/resting.py); `start` sweeps them when `rest`
+        self.resting = Resting(self.placement) if "disk" in self.tiers else None
+        self.rest = rest and self.resting is not None and self.resting.on
+        self._resting_task: asyncio.Task | None = None
 
     @property
     def disk(self) -> Tier | None:
@@ -188,12 +194,17 @@ class TieredStore:
         self.placement.reap()
         self._adopt_recovered(ns_id, hashes)
         tiers: list[str] = []
-        get, tag = self.index.entries.get, ns_tag(ns_id)
+        get, tag, resting = self.index.entries.get, ns_tag(ns_id), self.index.resting
         for h in hashes:
             e = get(tag + h)
-            if e is None or e.last_access is None:  # (`committed`, inline: a lookup's per-block step)
+            if e is None:  # (a block at rest is read where it rests, not woken: kvstore/resting.py)
+                if resting is None or not resting.holds(tag + h):
+                    break
+                tiers.append(resting.tier)
+            elif e.last_access is None:  # (`committed`, inline: a lookup's per-block step)
                 break
-            tiers.append(e.tier)
+            else:
+                tiers.append(e.tier)
         for counts in (self.shared.counters, self.shared.ns_counters[ns_id]):
             counts["lookup_blocks"] += len(hashes)
             counts["lookup_hit_blocks"] += len(tiers)
@@ -221,16 +232,16 @@ class TieredStore:
         self.namespace(ns_id)
         self.placement.reap()
         self._adopt_recovered(ns_id, hashes)
-        get, missed, tag = self.index.entries.get, False, ns_tag(ns_id)
+        get, wake, missed, tag = self.index.entries.get, self.index.wake, False, ns_tag(ns_id)
         if self.placement.verifying:  # blocks kept across a restart are verified before they are first read
             for h in hashes:
-                e = get(tag + h)
+                e = get(tag + h) or wake(tag + h)
                 if e is not None and e.committed:
                     self.placement.verified(e)  # (one that fails is discarded: a miss below)
         out: list[Entry | None] = []
         hits: list[Entry] = []
         for h in hashes:
-            e = get(tag + h)
+            e = get(tag + h) or wake(tag + h)  # (a block at rest is woken: kvstore/resting.py)
             if e is None or e.last_access is None or missed:  # (`committed`, inline)
                 if missed and e is not None and e.committed:  # present, but a prefix read stops at its first miss
                     self.shared.counters[PRESENT_MISS + "after_a_miss"] += 1
@@ -325,7 +336,7 @@ class TieredStore:
                         prefer: str | None, per_block: bool, free: Iterator) -> list[Entry | None]:
         """The loop of `reserve`: each block reserved or skipped, in order, its pages taken from `free`
         (allocations made for the batch) while it lasts."""
-        placement, entries = self.placement, self.index.entries
+        placement, get, wake = self.placement, self.index.entries.get, self.index.wake
         out: list[Entry | None] = []
         ns = self.shared.namespaces[ns_id]
         nbytes, counters, reserve = ns.block_bytes, self.shared.counters, self.index.reserve
@@ -335,28 +346,30 @@ class TieredStore:
         for h, parent_hash in blocks:
             key = tag + h
             parent = None if parent_hash in (None, b"", ROOT_HASH) else parent_tag + parent_hash
-            if prefer is not None and key not in entries and self._fits_preferred(entries.get(parent), prefer,
-                                                                                 parent, owner):
+            # (a block at rest is woken where it is looked for: kvstore/resting.py)
+            present = get(key) or wake(key)
+            parent_entry = (get(parent) or wake(parent)) if parent is not None else None
+            if prefer is not None and present is None and self._fits_preferred(parent_entry, prefer, parent, owner):
                 alloc = self.tiers[prefer].allocate(nbytes)  # free pages only: nothing is evicted
                 if alloc is not None:
-                    out.append(reserve(key, entries.get(parent), prefer, alloc, owner))
+                    out.append(reserve(key, parent_entry, prefer, alloc, owner))
                     counters[f"put_{prefer}_blocks"] += 1
                     continue
             if per_block:
-                if key not in entries and self._parent_too_slow(entries.get(parent), tier):
+                if present is None and self._parent_too_slow(parent_entry, tier):
                     out.append(None)
                     continue
                 placement.room_for_batch(ns_id, nbytes, [(h, parent_hash)], self.tiers[tier])
-            present = entries.get(key)
+                present, parent_entry = get(key), get(parent) if parent is not None else None  # (room was made)
             if present is not None:
                 if present.tier == "remote":  # written here now; the cluster keeps its copy
                     placement.drop_subtree(present, also=lambda e: e.tier == "remote"
                                            and not self.promoter.promoting(e.key))
-                if key in entries:
+                if get(key) is not None:
                     counters["put_dedup_blocks"] += 1
                     out.append(None)
                     continue
-            parent_entry = entries.get(parent) if parent is not None else None
+                parent_entry = get(parent) if parent is not None else None
             if parent is not None and (
                 parent_entry is None or (not parent_entry.committed and not self.index.reserved_by(parent, owner))
             ):
@@ -506,6 +519,8 @@ class TieredStore:
             self._recovering = asyncio.get_running_loop().create_task(self._recover())
         if self.compactor is not None:
             self.compactor.kick()  # (blocks a recovery handed it before the loop ran)
+        if self.rest:
+            self._resting_task = asyncio.get_running_loop().create_task(self.resting.run(self.recovery))  # type: ignore[union-attr]
 
     async def _recover(self) -> None:
         while True:
@@ -523,8 +538,9 @@ class TieredStore:
         """Stop background work: what is queued for the remote tier is published (bounded), a gpu
         demotion in flight finishes; a recovery in progress stops where it is (what it did not adopt
         stays in the tier's index for the next start)."""
-        if self._recovering is not None:
-            self._recovering.cancel()
+        for task in (self._recovering, self._resting_task):
+            if task is not None:
+                task.cancel()
         if self.demoter is not None:
             await self.demoter.stop()
         if self.compactor is not None:
@@ -561,26 +577,7 @@ class TieredStore:
     # -- stats and invariants -----------------------------------------------
     def stats(self) -> dict:
         self.placement.reap()
-        index = self.index  # (its tally: no pass over the blocks)
-        committed = sum(blocks for blocks, _ in index.held.values())
-        return {
-            "policy": self.policy_name,
-            "chain": [t.name for t in self.chain],
-            "namespaces": len(self.shared.namespaces),
-            "blocks": committed,
-            "reserved_blocks": len(index.entries) - committed,
-            "pinned_blocks": index.num_pinned(),
-            "tiers": tier_rows(self.placement, self.absent),
-            "counters": dict(self.shared.counters),
-            **({"remote": self.sharing.stats()} if self.sharing is not None else {}),
-            **({"compaction": self.compactor.stats()} if self.compactor is not None else {}),
-            **({"gpu_decode": {"on": self.expander is not None, "reason": self.gpu_decode_off}}
-               if "gpu" in self.tiers and self.compression is not None and self.compression.tiers else {}),
-            "by_namespace": namespace_rows(self.placement),
-            "announced_blocks": self.waits.num_expected(),  # in flight by a producer's word
-            "waited_blocks": self.waits.num_waited_keys(),  # keys some consumer waits on now
-            **({"recovery": self.recovery.stats()} if self.recovery.active else {}),
-        }
+        return store_stats(self)
 
     def describe(self, ns_id: str, hashes: Sequence[bytes]) -> list[dict | None]:
         """What inspection tools show of each block (None: not stored). No pins, no policy events."""
@@ -594,7 +591,9 @@ class TieredStore:
         compare exactly."""
         self.recovery.finish()
         self.flush()
-        return check(self.index, self.placement, self.promoter, self.compactor)
+        return check(self.index, self.placement, self.promoter, self.compactor)  # (blocks at rest woken first)
 
     def iter_entries(self) -> Iterable[Entry]:
+        if self.resting is not None:  # (the blocks at rest are woken)
+            self.resting.wake_all()
         return self.index.entries.values()

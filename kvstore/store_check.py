@@ -12,7 +12,7 @@ against its blocks. It is for tests and post-mortems: it walks everything.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvstore.compaction import Compactor
 from kvstore.entry import RANK, TIERS, Key, child_counts, children_of
@@ -20,6 +20,34 @@ from kvstore.index import BlockIndex
 from kvstore.keys import TAG_BYTES, key_ns, key_text, ns_tag
 from kvstore.placement import Placement
 from kvstore.promotion import Promoter
+
+if TYPE_CHECKING:
+    from kvstore.store import TieredStore
+
+
+def store_stats(store: TieredStore) -> dict:
+    """`TieredStore.stats`: from the index's tally and the parts' own counts (no pass over the blocks)."""
+    index = store.index
+    committed = sum(blocks for blocks, _ in index.held.values())
+    return {
+        "policy": store.policy_name,
+        "chain": [t.name for t in store.chain],
+        "namespaces": len(store.shared.namespaces),
+        "blocks": committed,
+        "reserved_blocks": len(index.entries) + len(index.resting or ()) - committed,
+        "pinned_blocks": index.num_pinned(),
+        "tiers": tier_rows(store.placement, store.absent),
+        "counters": dict(store.shared.counters),
+        **({"remote": store.sharing.stats()} if store.sharing is not None else {}),
+        **({"compaction": store.compactor.stats()} if store.compactor is not None else {}),
+        **({"gpu_decode": {"on": store.expander is not None, "reason": store.gpu_decode_off}}
+           if "gpu" in store.tiers and store.compression is not None and store.compression.tiers else {}),
+        "by_namespace": namespace_rows(store.placement),
+        "announced_blocks": store.waits.num_expected(),  # in flight by a producer's word
+        "waited_blocks": store.waits.num_waited_keys(),  # keys some consumer waits on now
+        **({"recovery": store.recovery.stats()} if store.recovery.active else {}),
+        **({"resting": store.resting.stats()} if store.resting is not None and store.resting.on else {}),
+    }
 
 
 def tier_rows(placement: Placement, absent: dict[str, str]) -> dict[str, dict]:
@@ -105,7 +133,10 @@ def describe_blocks(placement: Placement, ns_id: str, hashes: Sequence[bytes]) -
 
 def check(index: BlockIndex, placement: Placement, promoter: Promoter, compactor: Compactor | None = None) -> list[str]:
     """Every inconsistency between index, tiers, policies, refcounts and prefix tree (empty = clean).
-    The caller flushes the tiers first, so that persistent tiers' indexes compare exactly."""
+    The caller flushes the tiers first, so that persistent tiers' indexes compare exactly. Blocks at rest
+    (kvstore/resting.py) are woken first: as they were, they compare with the tiers and policies."""
+    if index.resting is not None:
+        index.resting.wake_all()
     entries, tiers, policies = index.entries, placement.tiers, placement.policies
     problems: list[str] = []
     children: dict[Key, list[int]] = defaultdict(lambda: [0] * len(TIERS))
