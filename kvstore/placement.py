@@ -133,8 +133,9 @@ class Placement:
         info = self.info
         for tier, group in _by_tier(entries).items():
             self.policies[tier].on_insert_many([info(e) for e in group])
-            if tier == self.rest_tier:
+            if tier == self.rest_tier:  # (and their parents: one may have just gained its one child there)
                 self.arrived.extend([e.key for e in group])  # type: ignore[union-attr]
+                self.arrived.extend([e.parent for e in group if e.parent is not None])  # type: ignore[union-attr]
 
     @property
     def verifying(self) -> bool:

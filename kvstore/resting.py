@@ -17,9 +17,10 @@ Rules:
   a row without waking it (`holds`); so do the KV events' resync and listings (`peek`).
 - Resting and waking change no tally (the block is held in its tier all along) and report nothing to
   the listeners.
-- The sweep looks at the blocks that entered the tier (demoted, committed, adopted) and at the ones
-  woken since, a slice per turn of the daemon's loop; a block that is not in that state when its turn
-  comes is passed over (it is looked at again if it wakes or enters the tier again).
+- The sweep looks at the blocks that entered the tier (demoted, committed, adopted: with their parents,
+  which may have just gained their one child there) and at the ones woken since, a slice per turn of
+  the daemon's loop; a block that is not in that state when its turn comes is passed over (it is looked
+  at again if it wakes, enters the tier again or gains a child there).
 
 A policy without `rest` (every one but the default) keeps its blocks as objects: nothing rests then.
 """
@@ -37,7 +38,6 @@ from kvstore.eviction.base import EvictionPolicy
 
 if TYPE_CHECKING:
     from kvstore.placement import Placement
-    from kvstore.recovery import Recovery
 
 # key, parent key, child key, depth, the location's offset, length and checksum (tiers/disk_slot.py), the
 # block's last access (`Entry.last_access`), flags (ALIVE, HAS_PARENT)
@@ -216,12 +216,13 @@ class Resting:
         return {"blocks": self.rows.count, "bytes": self.rows.nbytes, "rested": self.rested, "woken": self.woken,
                 "to_look_at": len(self.arrived)}
 
-    async def run(self, recovery: Recovery) -> None:
+    async def run(self) -> None:
         """The daemon's sweep: every REST_POLL_S, slices of REST_STEP_BLOCKS until nothing is left to look
-        at (nothing rests while a recovery adopts: what it adopted is looked at once it is done)."""
+        at. It goes on while a recovery adopts (what it adopts rests as it goes: the memory of the objects
+        it frees is what the next blocks adopted take)."""
         while True:
             await asyncio.sleep(REST_POLL_S)
-            while self.arrived and not recovery.active:
+            while self.arrived:
                 self.sweep(REST_STEP_BLOCKS)
                 await asyncio.sleep(0)
 
@@ -292,9 +293,10 @@ class Resting:
         """An entry equal to the one `key` would wake as, not held by the index (the KV events' resync,
         listings): None where it does not rest here."""
         row = self.rows.find(key) if self.rows.count else -1
-        if row < 0:
-            return None
-        _, parent, child, depth, location, last_access, _ = self.rows.read(row)
+        return None if row < 0 else self._entry(row)
+
+    def _entry(self, row: int) -> Entry:
+        key, parent, child, depth, location, last_access, _ = self.rows.read(row)
         return Entry(key, parent, depth, self.tier, location, tier_children=self._one_child, child_keys=child,
                      last_access=last_access)
 
@@ -305,8 +307,4 @@ class Resting:
 
     def peek_all(self) -> Iterator[Entry]:
         """`peek` of every resting block."""
-        for row in self.rows.rows():
-            key = self.rows.read(row)[0]
-            e = self.peek(key)
-            if e is not None:
-                yield e
+        return map(self._entry, self.rows.rows())

@@ -128,13 +128,13 @@ class TieredStore:
             self.placement.stored_exact = self.compactor.add
         self._persisted_ns: set[str] = set()
         self._recovering: asyncio.Task | None = None
-        self.recovery = Recovery(self.index, self.placement, self.register_namespace)
-        if not recover_in_background:
-            self.recovery.finish()
         # the disk tier's plain chain blocks kept as rows (kvstore/resting.py); `start` sweeps them when `rest`
         self.resting = Resting(self.placement) if "disk" in self.tiers else None
         self.rest = rest and self.resting is not None and self.resting.on
         self._resting_task: asyncio.Task | None = None
+        self.recovery = Recovery(self.index, self.placement, self.register_namespace)
+        if not recover_in_background:
+            self.recovery.finish()
 
     @property
     def disk(self) -> Tier | None:
@@ -520,7 +520,7 @@ class TieredStore:
         if self.compactor is not None:
             self.compactor.kick()  # (blocks a recovery handed it before the loop ran)
         if self.rest:
-            self._resting_task = asyncio.get_running_loop().create_task(self.resting.run(self.recovery))  # type: ignore[union-attr]
+            self._resting_task = asyncio.get_running_loop().create_task(self.resting.run())  # type: ignore[union-attr]
 
     async def _recover(self) -> None:
         while True:

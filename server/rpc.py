@@ -172,7 +172,14 @@ class Handlers:
         grant = s.grant
         tags = {ns_tag(ns_id) for ns_id, n in self.store.shared.namespaces.items()
                 if (ns is None or ns_id == ns) and (grant.unrestricted or grant.may_use(n))}
-        found = await _first_entries(self.store.index.entries, lambda e: e.key[:TAG_BYTES] in tags, limit)
+        wanted = lambda e: e.key[:TAG_BYTES] in tags  # noqa: E731
+        found = await _first_entries(self.store.index.entries, wanted, limit)
+        resting = self.store.index.resting  # (then the blocks at rest, read in place: kvstore/resting.py)
+        if len(found) < limit and resting is not None and len(resting):
+            at_rest = resting.peek_all()
+            while len(found) < limit and (some := list(itertools.islice(at_rest, LIST_SLICE_BLOCKS // 16))):
+                found += itertools.islice(filter(wanted, some), limit - len(found))
+                await asyncio.sleep(0)
         rows = [[key_ns(e.key), key_hash(e.key), e.tier, e.depth, e.pins, e.committed, e.nbytes] for e in found]
         return {"blocks": rows, "total": self.store.index.count_blocks(tags)}
 

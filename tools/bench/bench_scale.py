@@ -358,8 +358,12 @@ def disk_recovery(folder: str, disk_blocks: int, policy: str) -> dict:
     if wait is not None:
         wait()
     elapsed = time.perf_counter() - t0
+    resting = getattr(store, "resting", None)  # (the blocks at rest, as the daemon's sweep leaves them)
+    if resting is not None:
+        resting.sweep(len(resting.arrived))
     try:
-        return {"disk_recovery_s": round(elapsed, 3), "memory_parts_blocks": len(store.index.entries),
+        return {"disk_recovery_s": round(elapsed, 3),
+                "memory_parts_blocks": len(store.index.entries) + len(resting or ()),
                 "memory_parts": parts(store) if store.index.entries else {}}
     finally:
         store.close(persist=False)

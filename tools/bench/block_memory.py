@@ -10,7 +10,8 @@ over a sample of the blocks (every k-th, at most `SAMPLE` of them; tables and
 arrays whole): an object several blocks share (a list of insert counts shared
 by the blocks of one commit, a shared child count) is split between the
 references it has, so it adds up to its size once; a key is counted once, in
-`keys`, however many structures refer to it. The daemon's resident memory a
+`keys`, however many structures refer to it. The blocks at rest
+(kvstore/resting.py) are their rows' bytes (`blocks at rest`). The daemon's resident memory a
 block (bench_scale's `rss_bytes_per_block`) adds the allocator's free space
 and what does not grow with the blocks.
 
@@ -110,13 +111,13 @@ def _policy(name: str, policy: object, keys: dict, every: int, n: int) -> dict[s
 
 def parts(store) -> dict[str, float]:
     """Bytes per indexed block of each part of `store` (a TieredStore), and their `total`."""
-    entries = store.index.entries
-    n = len(entries)
+    entries, resting = store.index.entries, getattr(store.index, "resting", None)
+    n = len(entries) + len(resting or ())  # (the blocks at rest: kvstore/resting.py)
     if not n:
         raise ValueError("an empty store has no bytes per block")
     every = max(1, n // SAMPLE)
     sample = list(islice(entries.values(), 0, None, every))
-    scale = n / len(sample)
+    scale = len(entries) / len(sample)
     by_part: Counter = Counter()
     by_part["index table"] = sys.getsizeof(entries)
     for e in sample:
@@ -128,6 +129,8 @@ def parts(store) -> dict[str, float]:
         by_part["tree links"] += links * scale
         by_part["clock readings"] += _owned(e.last_access, entries) * scale
         by_part[f"{e.tier} locations"] += _owned(e.location, entries) * scale
+    if resting is not None and len(resting):
+        by_part["blocks at rest"] = resting.rows.nbytes
     out = {part: size / n for part, size in by_part.items()}
     for name, policy in store.placement.policies.items():
         if len(policy):
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             await asyncio.sleep(0)
         store.disk.flush()
         store.disk.reap()  # (the writes done: their jobs let go of the blocks' locations)
+        store.resting.sweep(len(store.resting.arrived))  # (what the daemon's sweep puts to rest)
 
     try:
         store.start()
