@@ -541,6 +541,9 @@ class AttentionPolicy(EvictionPolicy):
     def wake_hook(self, wake: Callable[[Key], object], holds: Callable[[Key], bool]) -> None:
         self._leaves.wake, self._leaves.holds = wake, holds
 
+    def compact(self) -> None:
+        self._leaves.compact()
+
     def victims(self, n_bytes: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         return self._leaves.pick("v", n_bytes, evictable) or None
 

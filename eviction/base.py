@@ -136,6 +136,10 @@ class EvictionPolicy(ABC):
         """`key`'s record again, as `rest` found it (it counted in `len` and `in` meanwhile)."""
         raise NotImplementedError
 
+    def compact(self) -> None:
+        """Make a table that holds a small share of what it held again at its size (after blocks went to
+        rest): nothing by default."""
+
     def wake_hook(self, wake: Callable[[Key], object], holds: Callable[[Key], bool]) -> None:
         """`wake(key)` restores a resting `key` (a truthy result), which the policy calls before it changes
         one (a parent whose last child leaves); `holds(key)`: whether `key` rests."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from collections import Counter
 from typing import Callable
 
@@ -135,6 +136,12 @@ class LeafQueues:
         rec = self.tracked.pop(key)
         self.resting += 1
         return rec
+
+    def compact(self) -> None:
+        """`tracked` made again at its size where it takes 4x what its entries need (its keys went to rest:
+        CPython never shrinks a dictionary)."""
+        if sys.getsizeof(self.tracked) > 160 * (len(self.tracked) + 1024):
+            self.tracked = dict(self.tracked)
 
     def restore(self, key: Key, rec: Leaf) -> None:
         """A resting key's record, back (made by the caller as `rest` found it)."""

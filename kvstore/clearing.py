@@ -42,19 +42,20 @@ CLEAR_STEP_BLOCKS = 1024  # blocks a clear looks at between two turns of the dae
 def clear_steps(store: TieredStore, step: int = CLEAR_STEP_BLOCKS) -> Generator[None, None, int]:
     """Clear `store` (module docstring), yielding every `step` blocks looked at; returns how many went.
     Reports nothing itself: the caller mutes the listeners around it and reports the result."""
-    entries, drop = store.index.entries, store.placement.drop
-    if store.index.resting is not None:  # (what rests is woken: a clear walks every entry)
-        store.index.resting.wake_all()
+    get, drop = store.index.get, store.placement.drop  # (a block at rest is woken when its turn comes)
+    keys = list(store.index.entries)  # (a copy in C)
+    if store.index.resting is not None:
+        keys += store.index.resting.keys()
     removed = done = 0
-    for key in list(entries):  # (a copy in C)
+    for key in keys:
         done += 1
-        e = entries.get(key)
+        e = get(key)
         while e is not None and e.child_keys is None and not e.pins and e.last_access is not None:  # committed
             parent = e.parent
             drop(e)
             removed += 1
             done += 1
-            e = entries.get(parent) if parent is not None else None
+            e = get(parent) if parent is not None else None
         if done >= step:
             done = 0
             yield

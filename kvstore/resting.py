@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import sys
 from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
@@ -49,6 +50,8 @@ SHARD_BITS = 10  # the hash table is 2^10 tables, each grown on its own (a few m
 MIN_SLOTS = 8
 REST_STEP_BLOCKS = 2048  # blocks a sweep looks at in one turn of the loop (~5 ms)
 REST_POLL_S = 0.05  # how often the daemon's sweep looks for blocks that entered the tier
+COMPACT_ABOVE = 4  # a table is made again at its size once it takes 4x what its entries need
+DICT_SLOT_BYTES = 40  # what a dictionary's entry needs (24 B of entry, its index, the load factor)
 _MASK64 = (1 << 64) - 1
 _CHUNK_MASK = (1 << CHUNK_BITS) - 1
 _SHARD_MASK = (1 << SHARD_BITS) - 1
@@ -246,7 +249,18 @@ class Resting:
             add(key, e.parent, e.child_keys, e.depth, e.location, e.last_access, refs)
             done += 1
         self.rested += done
+        if done:
+            self._compact()
         return done
+
+    def _compact(self) -> None:
+        """The index's table (and the policy's) made again at its size where it holds a small share of what
+        it held: CPython never shrinks a dictionary, and a table of 10^7 blocks woken (a check) and put to
+        rest again would keep ~0.7 GB of empty slots."""
+        index = self.index
+        if sys.getsizeof(index.entries) > COMPACT_ABOVE * (len(index.entries) + 1024) * DICT_SLOT_BYTES:
+            index.entries = dict(index.entries)
+        self.policy.compact()
 
     def _restable(self, e: Entry) -> bool:
         """The index's side of the state to rest: committed, in the tier, unpinned, nothing rare (no
@@ -282,9 +296,14 @@ class Resting:
     def _wake_record(self, key: Key) -> object | None:
         return None if self.wake(key) is None else True
 
+    def keys(self) -> list[Key]:
+        """The keys of the resting blocks."""
+        key_at = self.rows._key_at
+        return [key_at(row) for row in self.rows.rows()]
+
     def wake_all(self) -> int:
-        """Wake every resting block (a check, a clear: what walks every entry); how many."""
-        keys = [self.rows.read(row)[0] for row in list(self.rows.rows())]
+        """Wake every resting block (a check, `iter_entries`: what walks every entry); how many."""
+        keys = self.keys()
         for key in keys:
             self.wake(key)
         return len(keys)
