@@ -72,6 +72,11 @@ class Compactor:
         self._reading: dict[Key, list] = {}  # the pages allocated for a block whose exact bytes are being read
         self._task: asyncio.Task | None = None
 
+    def busy(self, key: Key) -> bool:
+        """A compaction holds `key`'s entry (its bytes being read, or its new write in flight): it must not
+        rest meanwhile (kvstore/resting.py: the entry it woke as would not be the one held)."""
+        return key in self.in_flight or key in self._reading
+
     def add(self, key: Key) -> None:
         """A block of an opted-in namespace was stored exact on disk; start compacting when idle (on the
         loop; outside one, `run_until_idle`)."""

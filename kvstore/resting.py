@@ -32,10 +32,11 @@ import struct
 import sys
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvstore.entry import _DEPTHS, CHILD, Entry, Key
 from kvstore.eviction.base import EvictionPolicy
+from kvstore.tiers.disk_slot import DiskSlot, plain
 
 if TYPE_CHECKING:
     from kvstore.placement import Placement
@@ -190,8 +191,8 @@ class RestingRows:
         self._used[s] -= 1
 
 
-def _nothing(key: Key) -> None:
-    return None
+def _never(key: Key) -> bool:
+    return False
 
 
 class Resting:
@@ -199,12 +200,15 @@ class Resting:
     tier's policy call it through their hooks (`BlockIndex.wake`, `LeafQueues.wake`); placement notes
     the blocks that enter the tier (`arrived`)."""
 
-    def __init__(self, placement: Placement, tier: str = "disk") -> None:
+    def __init__(self, placement: Placement, tier: str = "disk", busy: Callable[[Key], bool] | None = None) -> None:
+        """`busy(key)`: a part holds `key`'s entry across awaits (a compaction), so it does not rest."""
         self.index, self.policy, self.tier = placement.index, placement.policies[tier], tier
         self.rows = RestingRows()
         self.arrived: deque[Key] = deque()  # blocks to look at: entered the tier, or woken
+        self.later: deque[Key] = deque()  # blocks whose write was pending: looked at again at the next poll
         self.on = type(self.policy).rest is not EvictionPolicy.rest
         self.rested = self.woken = 0
+        self.busy = busy or _never
         self._one_child = CHILD[tier]
         if self.on:
             self.index.wake = self.wake
@@ -217,7 +221,7 @@ class Resting:
 
     def stats(self) -> dict:
         return {"blocks": self.rows.count, "bytes": self.rows.nbytes, "rested": self.rested, "woken": self.woken,
-                "to_look_at": len(self.arrived)}
+                "to_look_at": len(self.arrived) + len(self.later)}
 
     async def run(self) -> None:
         """The daemon's sweep: every REST_POLL_S, slices of REST_STEP_BLOCKS until nothing is left to look
@@ -225,6 +229,8 @@ class Resting:
         it frees is what the next blocks adopted take)."""
         while True:
             await asyncio.sleep(REST_POLL_S)
+            self.arrived.extend(self.later)
+            self.later.clear()
             while self.arrived:
                 self.sweep(REST_STEP_BLOCKS)
                 await asyncio.sleep(0)
@@ -235,18 +241,23 @@ class Resting:
         if not self.on:
             self.arrived.clear()
             return 0
-        arrived, entries, rest, add = self.arrived, self.index.entries, self.policy.rest, self.rows.add
+        arrived, entries, rest, add, busy = self.arrived, self.index.entries, self.policy.rest, self.rows.add, self.busy
         done = 0
         for _ in range(min(budget, len(arrived))):
             key = arrived.popleft()
             e = entries.get(key)
-            if e is None or not self._restable(e):
+            if e is None or not self._restable(e) or busy(key):
+                continue
+            location = plain(e.location)
+            if location is None:  # (its write still pending: looked at again at the next poll)
+                if type(e.location) is DiskSlot and e.location.job is not None:
+                    self.later.append(key)
                 continue
             refs = rest(key, e.parent)
             if refs is None:
                 continue
             del entries[key]
-            add(key, e.parent, e.child_keys, e.depth, e.location, e.last_access, refs)
+            add(key, e.parent, e.child_keys, e.depth, location, e.last_access, refs)
             done += 1
         self.rested += done
         if done:
@@ -264,9 +275,10 @@ class Resting:
 
     def _restable(self, e: Entry) -> bool:
         """The index's side of the state to rest: committed, in the tier, unpinned, nothing rare (no
-        estimate, copies, tokens or hits), a plain-int location, one child, in the same tier."""
+        estimate, copies, tokens or hits), one child, in the same tier (and, `sweep`, a location that is
+        a plain int or has one: tiers/disk_slot.py `plain`)."""
         return (e.tier == self.tier and e.last_access is not None and not e.pins and e.rare is None
-                and type(e.location) is int and e.tier_children == self._one_child and type(e.child_keys) is bytes)
+                and e.tier_children == self._one_child and type(e.child_keys) is bytes)
 
     # -- waking ---------------------------------------------------------------------------------------
     def holds(self, key: Key) -> bool:

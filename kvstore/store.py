@@ -129,7 +129,8 @@ class TieredStore:
         self._persisted_ns: set[str] = set()
         self._recovering: asyncio.Task | None = None
         # the disk tier's plain chain blocks kept as rows (kvstore/resting.py); `start` sweeps them when `rest`
-        self.resting = Resting(self.placement) if "disk" in self.tiers else None
+        self.resting = Resting(self.placement, busy=self.compactor and self.compactor.busy) if "disk" in self.tiers \
+            else None
         self.rest = rest and self.resting is not None and self.resting.on
         self._resting_task: asyncio.Task | None = None
         self.recovery = Recovery(self.index, self.placement, self.register_namespace)

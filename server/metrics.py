@@ -105,6 +105,13 @@ def daemon_families(stats: dict) -> Iterator:
                                   value=stalls["total_s"])
         yield GaugeMetricFamily("kvstore_event_loop_stall_longest_seconds", "The longest turn that held the event loop",
                                 value=stalls["longest_ms"] / 1e3)
+    resting = stats.get("resting")
+    if resting is not None:  # the disk tier's blocks at rest (kvstore/resting.py)
+        yield GaugeMetricFamily("kvstore_resting_blocks", "Disk blocks kept as rows of bytes (at rest)",
+                                value=resting["blocks"])
+        yield GaugeMetricFamily("kvstore_resting_bytes", "Bytes of the rows of the blocks at rest", value=resting["bytes"])
+        yield CounterMetricFamily("kvstore_resting_woken", "Blocks woken from rest (read or changed)",
+                                  value=resting["woken"])
     events = stats.get("events")
     if events is not None:  # KV events are on
         yield CounterMetricFamily("kvstore_events_published", "KV events published", value=events.get("events", 0))

@@ -32,7 +32,7 @@ def test_a_small_run_reports_each_figure_and_no_full_collection(capsys, tmp_path
     for key in ("loop_stalls", "recovering_loop_stalls"):  # the daemons' event-loop stalls (server/stalls.py)
         assert set(r[key]) == {"stalls", "total_s", "longest_ms", "recent"}, key
     # The recovered store's memory a block, part by part: its disk blocks' entries, keys and locations.
-    assert r["memory_parts_blocks"] > 0 and r["memory_parts"]["keys"] == 64.0
+    assert r["memory_parts_blocks"] > 0 and 100 < r["memory_parts"]["blocks at rest"] < 400  # (kvstore/resting.py)
     assert r["memory_parts"]["disk locations"] > 0 and r["memory_parts"]["total"] > 0
     verdicts = out[out.index("goals:") + 1 : -1]  # a line per goal, before the JSON
     assert len(verdicts) == 6 and all(v.startswith(("  [met]", "  [NOT met]", "  [not run]")) for v in verdicts)

@@ -281,3 +281,29 @@ def test_kv_events_and_listings_see_blocks_at_rest(stores):
     assert held == before and len(store.resting) == resting  # (read in place, not woken)
     keys = {e.key for e in store.iter_entries()}  # (wakes them all)
     assert {k for k, _ in held} == keys
+
+
+def test_a_daemon_rests_its_disk_blocks_and_serves_them(daemon_factory, tmp_path):
+    """Through a client: a daemon whose arena holds 64 blocks puts the disk's inner blocks to rest as they
+    arrive (its sweep), finds them (lookups read them in place), serves their bytes, reports them."""
+    from kvstore.client import KVClient
+    from tests.helpers import payload_for
+
+    d = daemon_factory("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", host_bytes="4MiB", disk=True)
+    ns_def = namespace("daemon-rest", 64 * 1024)
+    with KVClient(d.socket_path) as c:
+        ns = c.register(ns_def)
+        chains = [chain_hashes(s, 32) for s in range(8)]
+        for hs in chains:
+            assert c.put(ns, [(h, p, payload_for(h, ns_def.block_bytes)) for h, p in zip(hs, [None, *hs[:-1]])]) == 32
+        from tests.helpers import wait_for
+
+        assert wait_for(lambda: d.stats()["resting"]["blocks"] >= 150, 10), d.stats().get("resting")
+        resting = d.stats()["resting"]
+        assert [c.lookup(ns, hs).hits for hs in chains] == [32] * 8
+        assert d.stats()["resting"]["woken"] == resting["woken"]  # (lookups read them in place)
+        got = c.get(ns, chains[0][:16])
+        assert all(np.array_equal(x, payload_for(h, ns_def.block_bytes)) for h, x in zip(chains[0], got))
+        assert d.stats()["resting"]["woken"] > resting["woken"]
+    text = d.http("/metrics")[1].decode()
+    assert "kvstore_resting_blocks " in text and "kvstore_resting_woken_total " in text

@@ -55,6 +55,17 @@ def checksum_of(location: "int | DiskSlot") -> int | None:
     return location & _MASK64 if type(location) is int else location.checksum  # type: ignore[union-attr]
 
 
+def plain(location: object) -> int | None:
+    """A disk location as a plain int where it is one or has one (an exact `DiskSlot` whose write has
+    settled, with one extent): the two read the same (`extents_of`, `checksum_of`); else None."""
+    if type(location) is int:
+        return location
+    if type(location) is DiskSlot and location.known_checksum() is not None and location.job is None:
+        where = location._where
+        return where if type(where) is int else None
+    return None
+
+
 def codec_of(location: object, default: object = None) -> object:
     """The tag of the codec a disk location's bytes are encoded with (None: exact); `default` for a
     location of another tier (no codec)."""

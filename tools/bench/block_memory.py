@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     block = 4096
     folder = tempfile.mkdtemp(prefix="kvstore-block-memory-")
     host = HostArena(f"/dev/shm/kvstore-block-memory-{os.getpid()}", args.host_blocks * block, block, prefault=False)
-    store = TieredStore([host, DiskTier(folder, args.blocks * block, block)], policy=args.policy)
+    store = TieredStore([host, DiskTier(folder, args.blocks * block, block)], policy=args.policy, rest=False)
 
     async def fill() -> None:
         ns = store.register_namespace(Namespace("block-memory", "bf16", 1, 1, 128, 16, block))
