@@ -47,9 +47,14 @@ ROW = struct.Struct("<24s24s24sIQIQdB")
 KEY_BYTES = 24  # a store key: a namespace's tag and a block hash (kvstore/keys.py)
 ALIVE, HAS_PARENT = 1, 2
 CHUNK_BITS = 12  # rows per chunk: 2^12 (430 KB): the rows grow a chunk at a time, nothing is copied
-SHARD_BITS = 10  # the hash table is 2^10 tables, each grown on its own (a few ms at 10^7 rows, not seconds)
+# The hash table is 2^12 tables, each grown on its own (~2,500 rows at 10^7: a few ms, not seconds), each at
+# its own load (GROW_AT, 0.35-0.5 by the table's number): tables grown at one load would all grow within a
+# few thousand rests of each other, each time the rows double (at 10^7 rows one sweep's slice held the loop
+# 127 ms).
+SHARD_BITS = 12
+GROW_AT = (0.35, 0.5)
 MIN_SLOTS = 8
-REST_STEP_BLOCKS = 2048  # blocks a sweep looks at in one turn of the loop (~5 ms)
+REST_STEP_BLOCKS = 512  # blocks a sweep looks at in one turn of the loop (~2 ms)
 REST_POLL_S = 0.05  # how often the daemon's sweep looks for blocks that entered the tier
 COMPACT_ABOVE = 4  # a table is made again at its size once it takes 4x what its entries need
 DICT_SLOT_BYTES = 40  # what a dictionary's entry needs (24 B of entry, its index, the load factor)
@@ -71,6 +76,8 @@ class RestingRows:
         self.count = 0
         self._tables = [array("i", bytes(4 * MIN_SLOTS)) for _ in range(1 << SHARD_BITS)]  # row + 1, 0: empty
         self._used = [0] * (1 << SHARD_BITS)
+        lo, hi = GROW_AT
+        self._grow_at = [lo + (hi - lo) * ((s * 0x9E3779B1) & 0xFFFF) / 0xFFFF for s in range(1 << SHARD_BITS)]
 
     def __len__(self) -> int:
         return self.count
@@ -150,7 +157,7 @@ class RestingRows:
     def _insert(self, h: int, row: int) -> None:
         s = h & _SHARD_MASK
         table = self._tables[s]
-        if 2 * (self._used[s] + 1) > len(table):
+        if self._used[s] + 1 > self._grow_at[s] * len(table):
             table = self._tables[s] = self._grown(table)
         mask = len(table) - 1
         i = (h >> SHARD_BITS) & mask
