@@ -23,9 +23,10 @@ from kvstore.tiers.host import ArenaRefused, HostArena
 
 log = logging.getLogger(__name__)
 
-# What the daemon's memory holds of a block it indexes (its entry, key, location, policy record and table
-# slots: bench_scale.py measures 409-598 B a block at 10^6-10^7 blocks, the policies' history included),
-# and the share of the host's memory the disk tier's blocks may take by default (`[disk] max_blocks`).
+# What the daemon's memory holds of a block it indexes, at most (bench_scale.py: 183 B a block at 10^7 and 355
+# at 10^6 with the disk's blocks at rest, kvstore/resting.py, 409-598 as objects; a restarted daemon 373 at
+# 10^7 and 482 at 10^6 while it recovers), and the share of the host's memory the disk tier's blocks may
+# take by default (`[disk] max_blocks`).
 INDEX_BYTES_PER_BLOCK = 600
 INDEX_MEMORY_SHARE = 0.25
 

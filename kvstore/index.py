@@ -81,6 +81,10 @@ class BlockIndex:
             return self.resting is not None and self.resting.holds(key)
         return e.committed
 
+    def holds(self, key: Key) -> bool:
+        """`key` is indexed (committed or reserved, at rest or not); wakes nothing."""
+        return key in self.entries or (self.resting is not None and self.resting.holds(key))
+
     def peek(self, key: Key) -> Entry | None:
         """`key`'s entry, or for a resting block an equal one the index does not hold (it stays at rest)."""
         return self.entries.get(key) or (self.resting.peek(key) if self.resting is not None else None)

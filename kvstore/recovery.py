@@ -208,7 +208,7 @@ class Recovery:
             chain: list[tuple] = []  # the records to adopt, the request's block first
             k: Key | None = key
             seen: set = set()
-            while k is not None and index.get(k) is None:
+            while k is not None and not index.holds(k):  # (a block at rest is indexed: not woken here)
                 # (not one given back meanwhile, a cycle of parents, a chain past the walk's bound, or a
                 # block a faster tier holds)
                 if k in r.early or k in seen or len(chain) >= EARLY_WALK_BLOCKS \

@@ -129,8 +129,7 @@ class TieredStore:
         self._persisted_ns: set[str] = set()
         self._recovering: asyncio.Task | None = None
         # the disk tier's plain chain blocks kept as rows (kvstore/resting.py); `start` sweeps them when `rest`
-        self.resting = Resting(self.placement, busy=self.compactor and self.compactor.busy) if "disk" in self.tiers \
-            else None
+        self.resting = Resting(self.placement, busy=self.compactor and self.compactor.busy) if self.disk is not None else None
         self.rest = rest and self.resting is not None and self.resting.on
         self._resting_task: asyncio.Task | None = None
         self.recovery = Recovery(self.index, self.placement, self.register_namespace)
@@ -196,12 +195,13 @@ class TieredStore:
         self._adopt_recovered(ns_id, hashes)
         tiers: list[str] = []
         get, tag, resting = self.index.entries.get, ns_tag(ns_id), self.index.resting
+        row_of = resting.rows.find if resting is not None and len(resting) else None
         for h in hashes:
             e = get(tag + h)
             if e is None:  # (a block at rest is read where it rests, not woken: kvstore/resting.py)
-                if resting is None or not resting.holds(tag + h):
+                if row_of is None or row_of(tag + h) < 0:
                     break
-                tiers.append(resting.tier)
+                tiers.append(resting.tier)  # type: ignore[union-attr]
             elif e.last_access is None:  # (`committed`, inline: a lookup's per-block step)
                 break
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import numpy as np
@@ -307,3 +308,12 @@ def test_a_daemon_rests_its_disk_blocks_and_serves_them(daemon_factory, tmp_path
         assert d.stats()["resting"]["woken"] > resting["woken"]
     text = d.http("/metrics")[1].decode()
     assert "kvstore_resting_blocks " in text and "kvstore_resting_woken_total " in text
+
+
+def test_the_resting_benchmark_reports_each_cost(capsys):
+    from kvstore.tools.bench.bench_resting import main
+
+    assert main(["--blocks", str(61 * 512), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["rested"] > 20_000 and row["woken"] > 5_000 and row["held"] > 10_000
+    assert all(row[k] > 0 for k in ("sweep_us", "wake_us", "holds_us")) and 105 < row["row_bytes"] < 200
