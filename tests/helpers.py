@@ -79,6 +79,21 @@ def payload_bytes(h: bytes, nbytes: int) -> bytes:
     return payload_for(h, nbytes).tobytes()
 
 
+def put_one_by_one(store, ns_id: str, hashes: Sequence[bytes], nbytes: int, parent: bytes | None = None,
+                   owner: str = "w") -> int:
+    """A chain put into a `TieredStore` one block per reserve and commit (a tiny host tier evicts on each),
+    each block's `payload_bytes` written; how many were stored."""
+    stored, prev = 0, parent
+    for h in hashes:
+        (e,) = store.reserve(ns_id, [(h, prev)], owner)
+        prev = h
+        if e is not None:
+            store.host.write(e.location, payload_bytes(h, nbytes))
+            store.commit(ns_id, [h], owner)
+            stored += 1
+    return stored
+
+
 def hold_scans(monkeypatch, scan_class: type) -> threading.Event:
     """Make each record scan of `scan_class` (tiers/record_scan.py) wait until the returned event is set
     (at most 30 s): a test's store serves while a tier's records are being read."""

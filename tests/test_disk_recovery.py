@@ -18,7 +18,7 @@ import kvstore.tiers.record_scan as record_scan
 from kvstore.keys import ROOT_HASH, block_key, key_hash
 from kvstore.store import TieredStore
 from kvstore.tiers.disk_slot import extents_of
-from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes, poll
+from tests.helpers import chain_hashes, hold_scans, namespace, payload_bytes, poll, put_one_by_one
 
 BLOCK = PAGE = 64 * 1024
 NS = namespace("bg", BLOCK, dtype="bf16")
@@ -39,15 +39,7 @@ def open_store(store_factory):
 
 
 def put(store: TieredStore, hashes: list[bytes], parent: bytes | None = None) -> int:
-    stored, prev = 0, parent
-    for h in hashes:
-        (e,) = store.reserve(NS.id, [(h, prev)], "w")
-        prev = h
-        if e is not None:
-            store.host.write(e.location, payload_bytes(h, BLOCK))
-            store.commit(NS.id, [h], "w")
-            stored += 1
-    return stored
+    return put_one_by_one(store, NS.id, hashes, BLOCK, parent)
 
 
 def read(store: TieredStore, hashes: list[bytes]) -> list[bytes | None]:

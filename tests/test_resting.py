@@ -16,7 +16,7 @@ from kvstore.resting import RestingRows
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostArena
-from tests.helpers import chain_hashes, namespace, payload_bytes
+from tests.helpers import chain_hashes, namespace, payload_bytes, payload_for, put_one_by_one, wait_for
 
 BLOCK = 4096
 NS = namespace("rest", BLOCK, dtype="bf16")
@@ -56,16 +56,7 @@ def stores(tmp_path):
 
 
 def put(store: TieredStore, hashes: list[bytes], parent: bytes | None = None) -> int:
-    """A chain one block per reserve and commit (a tiny host tier evicts on each), its bytes written."""
-    stored, prev = 0, parent
-    for h in hashes:
-        (e,) = store.reserve(NS.id, [(h, prev)], "w")
-        prev = h
-        if e is not None:
-            store.host.write(e.location, payload_bytes(h, BLOCK))
-            store.commit(NS.id, [h], "w")
-            stored += 1
-    return stored
+    return put_one_by_one(store, NS.id, hashes, BLOCK, parent)
 
 
 def get(store: TieredStore, hashes: list[bytes], prefix: bool = True) -> list[bytes | None]:
@@ -288,7 +279,6 @@ def test_a_daemon_rests_its_disk_blocks_and_serves_them(daemon_factory, tmp_path
     """Through a client: a daemon whose arena holds 64 blocks puts the disk's inner blocks to rest as they
     arrive (its sweep), finds them (lookups read them in place), serves their bytes, reports them."""
     from kvstore.client import KVClient
-    from tests.helpers import payload_for
 
     d = daemon_factory("--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", host_bytes="4MiB", disk=True)
     ns_def = namespace("daemon-rest", 64 * 1024)
@@ -297,8 +287,6 @@ def test_a_daemon_rests_its_disk_blocks_and_serves_them(daemon_factory, tmp_path
         chains = [chain_hashes(s, 32) for s in range(8)]
         for hs in chains:
             assert c.put(ns, [(h, p, payload_for(h, ns_def.block_bytes)) for h, p in zip(hs, [None, *hs[:-1]])]) == 32
-        from tests.helpers import wait_for
-
         assert wait_for(lambda: d.stats()["resting"]["blocks"] >= 150, 10), d.stats().get("resting")
         resting = d.stats()["resting"]
         assert [c.lookup(ns, hs).hits for hs in chains] == [32] * 8
