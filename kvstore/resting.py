@@ -297,20 +297,27 @@ class Resting:
         if not self.rows.count:
             return None
         row = self.rows.find(key)
-        if row < 0:
-            return None
+        return None if row < 0 else self._wake_row(key, row)
+
+    def _wake_row(self, key: Key, row: int) -> Entry:
+        """`key`'s entry and policy record again, from its `row`, which goes."""
         _, parent, child, depth, location, last_access, refs = self.rows.take(row)
         entries = self.index.entries
         if parent is not None and (pe := entries.get(parent)) is not None:
             parent = pe.key  # (the key objects the index holds already)
         if (ce := entries.get(child)) is not None:
             child = ce.key
-        e = entries[key] = Entry(key, parent, _DEPTHS.setdefault(depth, depth), self.tier, location,
-                                 tier_children=self._one_child, child_keys=child, last_access=last_access)
+        e = entries[key] = self._made(key, parent, child, _DEPTHS.setdefault(depth, depth), location, last_access)
         self.policy.restore(key, parent, refs)
         self.arrived.append(key)  # (it may rest again, if nothing changes it)
         self.woken += 1
         return e
+
+    def _made(self, key: Key, parent: Key | None, child: Key, depth: int, location: int,
+              last_access: float) -> Entry:
+        """The entry of a resting block, from its row's fields."""
+        return Entry(key, parent, depth, self.tier, location, tier_children=self._one_child, child_keys=child,
+                     last_access=last_access)
 
     def _wake_record(self, key: Key) -> object | None:
         return None if self.wake(key) is None else True
@@ -322,10 +329,11 @@ class Resting:
 
     def wake_all(self) -> int:
         """Wake every resting block (a check, `iter_entries`: what walks every entry); how many."""
-        keys = self.keys()
-        for key in keys:
-            self.wake(key)
-        return len(keys)
+        rows = list(self.rows.rows())
+        key_at = self.rows._key_at
+        for row in rows:
+            self._wake_row(key_at(row), row)
+        return len(rows)
 
     def peek(self, key: Key) -> Entry | None:
         """An entry equal to the one `key` would wake as, not held by the index (the KV events' resync,
@@ -334,9 +342,7 @@ class Resting:
         return None if row < 0 else self._entry(row)
 
     def _entry(self, row: int) -> Entry:
-        key, parent, child, depth, location, last_access, _ = self.rows.read(row)
-        return Entry(key, parent, depth, self.tier, location, tier_children=self._one_child, child_keys=child,
-                     last_access=last_access)
+        return self._made(*self.rows.read(row)[:6])
 
     def root_keys(self) -> list[Key]:
         """The keys of the resting blocks without a parent."""

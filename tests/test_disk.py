@@ -19,7 +19,7 @@ import pytest
 
 from kvstore.store import TieredStore
 from kvstore.keys import Namespace, block_key, key_hash
-from tests.helpers import chain_hashes, namespace, payload_bytes, poll
+from tests.helpers import chain_hashes, namespace, payload_bytes, poll, put_one_by_one
 from kvstore.tiers.disk import DATA_FILE, DiskTier
 from kvstore.tiers.disk_slot import checksum_of, extents_of
 from kvstore.tiers.disk_alloc import PageAllocator
@@ -59,17 +59,7 @@ class Harness:
 
     def put(self, hashes, parent=None, owner="w") -> int:
         """Put a chain one block per reserve/commit (a batch cannot exceed the tiny host tier)."""
-        store = self.store
-        ns_id = store.register_namespace(NS)
-        stored, prev = 0, parent
-        for h in hashes:
-            (e,) = store.reserve(ns_id, [(h, prev)], owner)
-            prev = h
-            if e is not None:
-                store.host.write(e.location, payload_bytes(h, BLOCK))
-                store.commit(ns_id, [h], owner)
-                stored += 1
-        return stored
+        return put_one_by_one(self.store, self.store.register_namespace(NS), hashes, BLOCK, parent, owner)
 
     def spill(self, *chains) -> None:
         """Put `chains`, then filler chains until every block of `chains` is on disk."""
