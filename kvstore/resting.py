@@ -27,7 +27,6 @@ A policy without `rest` (every one but the default) keeps its blocks as objects:
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import sys
 from array import array
@@ -54,8 +53,6 @@ CHUNK_BITS = 12  # rows per chunk: 2^12 (430 KB): the rows grow a chunk at a tim
 SHARD_BITS = 12
 GROW_AT = (0.35, 0.5)
 MIN_SLOTS = 8
-REST_STEP_BLOCKS = 512  # blocks a sweep looks at in one turn of the loop (~2 ms)
-REST_POLL_S = 0.05  # how often the daemon's sweep looks for blocks that entered the tier
 COMPACT_ABOVE = 4  # a table is made again at its size once it takes 4x what its entries need
 DICT_SLOT_BYTES = 40  # what a dictionary's entry needs (24 B of entry, its index, the load factor)
 _MASK64 = (1 << 64) - 1
@@ -230,20 +227,14 @@ class Resting:
         return {"blocks": self.rows.count, "bytes": self.rows.nbytes, "rested": self.rested, "woken": self.woken,
                 "to_look_at": len(self.arrived) + len(self.later)}
 
-    async def run(self) -> None:
-        """The daemon's sweep: every REST_POLL_S, slices of REST_STEP_BLOCKS until nothing is left to look
-        at. It goes on while a recovery adopts (what it adopts rests as it goes: the memory of the objects
-        it frees is what the next blocks adopted take)."""
-        while True:
-            await asyncio.sleep(REST_POLL_S)
-            self.arrived.extend(self.later)
-            self.later.clear()
-            while self.arrived:
-                self.sweep(REST_STEP_BLOCKS)
-                await asyncio.sleep(0)
+    def requeue(self) -> None:
+        """The blocks whose write was still pending at their turn are looked at again (kvstore/background.py
+        calls it every REST_POLL_S)."""
+        self.arrived.extend(self.later)
+        self.later.clear()
 
     # -- to rest --------------------------------------------------------------------------------------
-    def sweep(self, budget: int = REST_STEP_BLOCKS) -> int:
+    def sweep(self, budget: int) -> int:
         """Look at up to `budget` of the blocks noted; put those in the state to rest; how many rested."""
         if not self.on:
             self.arrived.clear()

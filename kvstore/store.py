@@ -56,6 +56,7 @@ from kvstore.keys import ROOT_HASH, Namespace, block_key, note_block_bytes, ns_t
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
+from kvstore.background import Background
 from kvstore.resting import Resting
 from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, store_stats
@@ -66,8 +67,6 @@ from kvstore.tiers.base import Tier
 __all__ = ["TieredStore"]
 
 RECOVER_BEFORE_SERVING_BLOCKS = 4096  # `start` recovers tiers that kept at most this many records before it serves
-RECOVERY_STEP_BLOCKS = 250  # records a step of a background recovery adopts (~3-5 ms of the loop)
-RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 
 
 class TieredStore:
@@ -127,11 +126,10 @@ class TieredStore:
             self.compactor = Compactor(self.placement, self.index)
             self.placement.stored_exact = self.compactor.add
         self._persisted_ns: set[str] = set()
-        self._recovering: asyncio.Task | None = None
         # the disk tier's plain chain blocks kept as rows (kvstore/resting.py); `start` sweeps them when `rest`
         self.resting = Resting(self.placement, busy=self.compactor and self.compactor.busy) if self.disk is not None else None
         self.rest = rest and self.resting is not None and self.resting.on
-        self._resting_task: asyncio.Task | None = None
+        self._background: asyncio.Task | None = None  # the recovery and the sweep, in slices (kvstore/background.py)
         self.recovery = Recovery(self.index, self.placement, self.register_namespace)
         if not recover_in_background:
             self.recovery.finish()
@@ -510,26 +508,18 @@ class TieredStore:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        """Start background work on the running loop: remote publishing, and the recovery of a tier
-        that reads its records in the background (a step of RECOVERY_STEP_BLOCKS per turn)."""
+        """Start background work on the running loop: remote publishing, and in slices between requests
+        (kvstore/background.py) the recovery of a tier that reads its records in the background and the
+        sweep of the blocks to rest."""
         if self.sharing is not None:
             self.sharing.start()
         if self.recovery.num_records <= RECOVER_BEFORE_SERVING_BLOCKS:  # (a few milliseconds)
             self.recovery.finish()
-        if self.recovery.active:
-            self._recovering = asyncio.get_running_loop().create_task(self._recover())
+        if self.recovery.active or self.rest:
+            work = Background(self.recovery, self.resting if self.rest else None, self.chain)
+            self._background = asyncio.get_running_loop().create_task(work.run())
         if self.compactor is not None:
             self.compactor.kick()  # (blocks a recovery handed it before the loop ran)
-        if self.rest:
-            self._resting_task = asyncio.get_running_loop().create_task(self.resting.run())  # type: ignore[union-attr]
-
-    async def _recover(self) -> None:
-        while True:
-            for tier in self.chain:  # the loop is busy: the kept blocks' checksums wait (for CHECK_LAG_S at most)
-                tier.busy()
-            if not self.recovery.step(RECOVERY_STEP_BLOCKS):
-                return
-            await asyncio.sleep(RECOVERY_SCAN_POLL_S if self.recovery.scanning else 0)
 
     def wait_recovered(self) -> None:
         """Finish the recovery now (waiting for a tier's scan of its records)."""
@@ -539,9 +529,8 @@ class TieredStore:
         """Stop background work: what is queued for the remote tier is published (bounded), a gpu
         demotion in flight finishes; a recovery in progress stops where it is (what it did not adopt
         stays in the tier's index for the next start)."""
-        for task in (self._recovering, self._resting_task):
-            if task is not None:
-                task.cancel()
+        if self._background is not None:
+            self._background.cancel()
         if self.demoter is not None:
             await self.demoter.stop()
         if self.compactor is not None:

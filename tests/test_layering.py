@@ -29,7 +29,7 @@ LAYERS = {
     "tokens": 1, "protocol": 1, "config": 2,
     "block_events": 3, "compression": 3, "entry": 4, "index": 5, "placement": 6, "recovery_rows": 6,
     "codec_loops": 0, "codec_fast": 0, "codec": 1, "codec_profile": 2, "codec_triton": 2, "gpu_decode": 3,
-    "sharing": 7, "waits": 7, "recovery": 7, "gpu_demoter": 7, "compaction": 7, "resting": 7,
+    "sharing": 7, "waits": 7, "recovery": 7, "gpu_demoter": 7, "compaction": 7, "resting": 7, "background": 8,
     "promotion": 8, "store_check": 9, "clearing": 9, "store": 10, "chain": 11,
     "transports": 3, "client": 4,  # the client side
 }

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.background import RECOVERY_STEP_BLOCKS, Background
 from kvstore.keys import block_key, key_hash
 from kvstore.resting import RestingRows
 from kvstore.store import TieredStore
@@ -208,9 +209,10 @@ def test_a_policy_without_rest_keeps_every_block(stores):
 
 
 def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
-    """A store reopened over a kept disk adopts its blocks in the background; sweeps between its steps put
-    them to rest as they come (parents once their child arrives): at the end the same hits as a store
-    recovered without resting, and a clean check."""
+    """A store reopened over a kept disk adopts its blocks in the background; the loop's background slices
+    put what each step adopted to rest before the next step adopts more (parents once their child arrives),
+    so the blocks held as objects stay a step's worth: at the end the same hits as a store recovered without
+    resting, and a clean check."""
     folder = tmp_path / "disk"
     first = open_store(folder, disk_blocks=512)
     chains = [chain_hashes(c, 24) for c in range(12)]
@@ -225,15 +227,17 @@ def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
                             clock=Ticking(), recover_in_background=True)
         try:
             store.register_namespace(NS)
-            most = 0
-            while store.recovery.step(40):
-                if sweeping:
-                    store.resting.sweep(10**6)
-                    most = max(most, len(store.resting))
-            if sweeping:
-                store.resting.sweep(10**6)
-                disk = store.stats()["tiers"]["disk"]["blocks"]  # (every inner block of its chains rests)
+            work = Background(store.recovery, store.resting if sweeping else None, store.chain)
+            most = objects = 0
+            while store.recovery.active:  # (a slice past its end at once: one step, then a sweep of what it brought)
+                work.slice(0.0)
+                most, objects = max(most, len(store.resting)), max(objects, len(store.index.entries))
+            disk = store.stats()["tiers"]["disk"]["blocks"]
+            if sweeping:  # (every inner block of its chains rests; never more than a step's worth as objects)
                 assert most > 50 and len(store.resting) == disk - len(chains) > 150, (most, len(store.resting), disk)
+                assert objects < RECOVERY_STEP_BLOCKS + 2 * len(chains) + 16, objects
+            else:
+                assert objects == disk > 150
             got[sweeping] = [store.lookup(NS.id, hs) for hs in chains]
             assert sum(r.hits for r in got[sweeping]) > 150
             assert get(store, chains[3][:12]) == [payload_bytes(h, BLOCK) for h in chains[3][:12]]
