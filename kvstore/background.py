@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from kvstore.resting import Resting
     from kvstore.tiers.base import Tier
 
-SLICE_S = 0.002  # the most of one turn of the loop the background work takes (a step or sweep may run past it)
-RECOVERY_STEP_BLOCKS = 64  # records a recovery's step adopts (~1 ms)
-REST_STEP_BLOCKS = 256  # blocks a sweep looks at in one go (~1 ms)
+SLICE_S = 0.001  # the most of one turn of the loop the background work takes (a step or sweep may run past it)
+RECOVERY_STEP_BLOCKS = 32  # records a recovery's step adopts (~0.5 ms)
+REST_STEP_BLOCKS = 128  # blocks a sweep looks at in one go (~0.5 ms)
 RECOVERY_SCAN_POLL_S = 0.01  # how often a recovery waiting for a tier's scan looks again
 REST_POLL_S = 0.05  # how often the sweep looks for blocks that entered the tier, when nothing else is to do
 
