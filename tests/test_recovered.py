@@ -14,9 +14,10 @@ from kvstore.tiers.recovered import Recovered
 
 hashes = st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES)
 records = st.lists(
-    st.tuples(hashes,
+    st.tuples(st.one_of(hashes, st.binary(max_size=30)),  # (a key of another length: kept apart)
               st.one_of(st.none(), st.just(b""), st.just(ROOT_HASH), hashes, st.binary(min_size=1, max_size=8)),
-              st.integers(0, 1 << 40), st.one_of(st.integers(0, 1 << 100), st.lists(st.integers(0, 9), max_size=3)),
+              st.integers(0, 1 << 40),
+              st.one_of(st.integers(0, 1 << 160), st.integers(-9, 1 << 200), st.lists(st.integers(0, 9), max_size=3)),
               st.one_of(st.none(), st.floats(0, 1)), st.floats(0, 2e9)),
     max_size=60, unique_by=lambda r: r[0])
 
@@ -34,19 +35,24 @@ def expected(b: RecoveredBlock) -> RecoveredBlock:
 @given(records, st.data())
 def test_rows_give_back_each_record_and_find_each_key(rows, data):
     blocks = as_blocks(rows)
-    got = Recovered.of(blocks)
+    got = Recovered(key_objects=data.draw(st.booleans()))  # (the keys as a column, or as the objects appended)
+    for b in blocks:
+        got.append(b)
     assert len(got) == len(blocks)
     assert list(got) == [expected(b) for b in blocks]
     finder = got.finder()
     for i, b in enumerate(blocks):
         assert finder.find(b.key) == i
-        assert got.locations[i] is b.location  # (the object itself: the index keeps it)
+        assert got.locations[i] == b.location and type(got.locations[i]) is type(b.location)
     held = {b.key for b in blocks}
     other = data.draw(hashes.map(lambda h: b"T" * TAG_BYTES + h).filter(lambda k: k not in held))
     assert finder.find(other) == -1
     keys = [b.key for b in blocks] + [other]
     found = finder.find_many(np.array([hash(k) for k in keys], np.int64))
     assert found.tolist() == list(range(len(blocks))) + [-1]
+    assert got.keys.match(found, keys).tolist() == [True] * len(blocks) + [False]
+    if blocks:  # (a row that holds another key: no match)
+        assert got.keys.match(np.array([0, -1]), [other, blocks[0].key]).tolist() == [False, False]
     picked = data.draw(st.lists(st.integers(0, max(len(blocks) - 1, 0)), max_size=len(blocks), unique=True)
                        if blocks else st.just([]))
     taken = got.take(picked)

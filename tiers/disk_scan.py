@@ -85,7 +85,7 @@ class DiskScan(RecordScan[ScanResult]):
         if self._max_blocks is not None and len(kept) > self._max_blocks:  # (the tier's cap was lowered)
             kept = newest(kept, self._max_blocks, found.taken, found.bad, pb)
         kept.finder()  # (its sort, here: NumPy lets the event loop run meanwhile)
-        encoded = [loc for loc in kept.locations if type(loc) is not int and codec_of(loc) is not None]
+        encoded = [loc for loc in kept.locations.odd.values() if codec_of(loc) is not None]  # (a plain int: exact)
         pages = PageAllocator(self.num_pages, pb, np.flatnonzero(found.taken), label="disk")
         return ScanResult(kept, found.bad, found.taken, time.monotonic() - t0, encoded, pages)
 

@@ -62,7 +62,7 @@ class HostScan(RecordScan[HostScanResult]):
         page_bytes, capacity_bytes, parse = self.page_bytes, self.capacity_bytes, self.parse
         with self._env.begin(db=self._db) as txn:
             found = self._read(txn, capacity_bytes // page_bytes, parse)
-        blocks, recorded, unverified, unchecked = Recovered(), {}, {}, {}
+        blocks, recorded, unverified, unchecked = Recovered(key_objects=True), {}, {}, {}  # (`recorded`'s keys)
         now = time.monotonic()
         for fields, rec, rkey in found.kept:
             key = fields[0]
