@@ -195,9 +195,9 @@ class TieredStore:
         get, tag, resting = self.index.entries.get, ns_tag(ns_id), self.index.resting
         row_of = resting.rows.find if resting is not None and len(resting) else None
         for h in hashes:
-            e = get(tag + h)
+            e = get(key := tag + h)
             if e is None:  # (a block at rest is read where it rests, not woken: kvstore/resting.py)
-                if row_of is None or row_of(tag + h) < 0:
+                if row_of is None or row_of(key) < 0:
                     break
                 tiers.append(resting.tier)  # type: ignore[union-attr]
             elif e.last_access is None:  # (`committed`, inline: a lookup's per-block step)
