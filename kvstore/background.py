@@ -14,6 +14,7 @@ same turn, before the next step adopts more: the objects they were are what the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from kvstore.recovery import Recovery
     from kvstore.resting import Resting
     from kvstore.tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 SLICE_S = 0.001  # the most of one turn of the loop the background work takes (a step or sweep may run past it)
 RECOVERY_STEP_BLOCKS = 32  # records a recovery's step adopts (~0.5 ms)
@@ -35,7 +38,6 @@ class Background:
 
     def __init__(self, recovery: "Recovery", resting: "Resting | None", chain: Sequence["Tier"]) -> None:
         self.recovery, self.resting, self.chain = recovery, resting, chain
-        self.slices = 0
 
     async def run(self) -> None:
         polled = time.monotonic()
@@ -43,7 +45,12 @@ class Background:
             if self.resting is not None and time.monotonic() - polled >= REST_POLL_S:
                 self.resting.requeue()  # (blocks whose write was pending at their turn)
                 polled = time.monotonic()
-            if self.slice(time.perf_counter() + SLICE_S):
+            try:
+                more = self.slice(time.perf_counter() + SLICE_S)
+            except Exception:  # (a fault of the store's own: said at once, not when the task is collected)
+                log.exception("the background work (recovery, blocks to rest) stopped")
+                raise
+            if more:
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(RECOVERY_SCAN_POLL_S if self.recovery.active else REST_POLL_S)
@@ -51,7 +58,6 @@ class Background:
     def slice(self, end: float) -> bool:
         """Work until `end` (perf_counter) or until nothing is left to do now; whether work is left."""
         recovery, resting = self.recovery, self.resting
-        self.slices += 1
         if recovery.active:
             for tier in self.chain:  # the loop is busy: the kept blocks' checksums wait (for CHECK_LAG_S at most)
                 tier.busy()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 import numpy as np
@@ -246,6 +247,50 @@ def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
             store.close(persist=False)
             host.close()
     assert got[True] == got[False]
+
+
+def test_a_fault_in_the_background_work_is_logged_at_once_and_the_store_goes_on(tmp_path, monkeypatch, caplog):
+    """A step of a recovery that raises (a fault of the store's own) ends the background work with a log line
+    at once, not when its task is collected; the loop and the store go on serving what was adopted."""
+    folder = tmp_path / "disk"
+    first = open_store(folder, disk_blocks=512)
+    chains = [chain_hashes(c, 24) for c in range(12)]
+    for hs in chains:
+        put(first, hs)
+    first.close()
+    first.host.close()
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 16 * BLOCK, BLOCK)
+    store = TieredStore([host, DiskTier(str(folder), 512 * BLOCK, page_bytes=BLOCK)], policy="attention",
+                        clock=Ticking(), recover_in_background=True)
+    step, steps = store.recovery.step, []
+
+    def failing(budget: int) -> bool:
+        steps.append(budget)
+        if len(steps) == 3:
+            raise RuntimeError("a broken record")
+        return step(budget)
+
+    monkeypatch.setattr(store.recovery, "step", failing)
+
+    async def serve() -> int:
+        task = asyncio.get_running_loop().create_task(Background(store.recovery, store.resting, store.chain).run())
+        served = 0
+        while not task.done():  # (a request's turns meanwhile)
+            await asyncio.sleep(0)
+            served += 1
+        with pytest.raises(RuntimeError, match="a broken record"):
+            await task
+        return served
+
+    try:
+        store.register_namespace(NS)
+        with caplog.at_level(logging.ERROR, logger="kvstore.background"):
+            assert asyncio.run(serve()) >= 1
+        assert len(steps) == 3 and "the background work (recovery, blocks to rest) stopped" in caplog.text
+        assert get(store, chains[0][:4]) == [payload_bytes(h, BLOCK) for h in chains[0][:4]]  # (adopted on demand)
+    finally:
+        store.close(persist=False)
+        host.close()
 
 
 def test_kv_events_and_listings_see_blocks_at_rest(stores):
