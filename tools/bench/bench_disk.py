@@ -62,6 +62,11 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostArena
 
 
+def _figure(gbps: float) -> float:
+    """A rate to four significant digits (a small run on a busy machine is well under 0.001 GB/s, not 0)."""
+    return float(f"{gbps:.4g}")
+
+
 def dd(args: list[str], nbytes: int) -> float:
     t0 = time.perf_counter()
     subprocess.run(["dd", *args, "status=none"], check=True)
@@ -184,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         "page_bytes": page,
         "blocks": n,
         "repeat": args.repeat,
-        "write_gbps": round(med["write"], 3),
-        "read_gbps": round(med["read"], 3),
-        "dd_write_gbps": round(med["dd_write"], 3),
-        "dd_read_gbps": round(med["dd_read"], 3),
+        "write_gbps": _figure(med["write"]),
+        "read_gbps": _figure(med["read"]),
+        "dd_write_gbps": _figure(med["dd_write"]),
+        "dd_read_gbps": _figure(med["dd_read"]),
         "write_vs_dd": round(statistics.median(w / d for w, d in zip(runs["write"], runs["dd_write"])), 3),
         "read_vs_dd": round(statistics.median(r / d for r, d in zip(runs["read"], runs["dd_read"])), 3),
-        "runs_gbps": {k: [round(x, 3) for x in v] for k, v in runs.items()},
+        "runs_gbps": {k: [_figure(x) for x in v] for k, v in runs.items()},
         **info,
     }
     if args.compression:
