@@ -209,11 +209,8 @@ def test_a_policy_without_rest_keeps_every_block(stores):
     assert "resting" not in store.stats() and store.check() == []
 
 
-def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
-    """A store reopened over a kept disk adopts its blocks in the background; the loop's background slices
-    put what each step adopted to rest before the next step adopts more (parents once their child arrives),
-    so the blocks held as objects stay a step's worth: at the end the same hits as a store recovered without
-    resting, and a clean check."""
+def kept_disk(tmp_path) -> tuple:
+    """A disk tier left by a store that wrote 12 chains of 24 blocks: its folder, the chains."""
     folder = tmp_path / "disk"
     first = open_store(folder, disk_blocks=512)
     chains = [chain_hashes(c, 24) for c in range(12)]
@@ -221,11 +218,25 @@ def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
         put(first, hs)
     first.close()
     first.host.close()
+    return folder, chains
+
+
+def reopened(folder) -> tuple[HostArena, TieredStore]:
+    """A store over the disk tier kept in `folder` (a new arena), recovering in the background."""
+    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 16 * BLOCK, BLOCK)
+    return host, TieredStore([host, DiskTier(str(folder), 512 * BLOCK, page_bytes=BLOCK)], policy="attention",
+                             clock=Ticking(), recover_in_background=True)
+
+
+def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
+    """A store reopened over a kept disk adopts its blocks in the background; the loop's background slices
+    put what each step adopted to rest before the next step adopts more (parents once their child arrives),
+    so the blocks held as objects stay a step's worth: at the end the same hits as a store recovered without
+    resting, and a clean check."""
+    folder, chains = kept_disk(tmp_path)
     got = {}
     for sweeping in (True, False):
-        host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 16 * BLOCK, BLOCK)
-        store = TieredStore([host, DiskTier(str(folder), 512 * BLOCK, page_bytes=BLOCK)], policy="attention",
-                            clock=Ticking(), recover_in_background=True)
+        host, store = reopened(folder)
         try:
             store.register_namespace(NS)
             work = Background(store.recovery, store.resting if sweeping else None, store.chain)
@@ -252,16 +263,8 @@ def test_a_restart_rests_what_it_adopts_as_it_goes(tmp_path):
 def test_a_fault_in_the_background_work_is_logged_at_once_and_the_store_goes_on(tmp_path, monkeypatch, caplog):
     """A step of a recovery that raises (a fault of the store's own) ends the background work with a log line
     at once, not when its task is collected; the loop and the store go on serving what was adopted."""
-    folder = tmp_path / "disk"
-    first = open_store(folder, disk_blocks=512)
-    chains = [chain_hashes(c, 24) for c in range(12)]
-    for hs in chains:
-        put(first, hs)
-    first.close()
-    first.host.close()
-    host = HostArena(f"/dev/shm/kvstore-test-{uuid.uuid4().hex}", 16 * BLOCK, BLOCK)
-    store = TieredStore([host, DiskTier(str(folder), 512 * BLOCK, page_bytes=BLOCK)], policy="attention",
-                        clock=Ticking(), recover_in_background=True)
+    folder, chains = kept_disk(tmp_path)
+    host, store = reopened(folder)
     step, steps = store.recovery.step, []
 
     def failing(budget: int) -> bool:
