@@ -7,7 +7,7 @@ requests sent to rest, again while time is left), then lets the requests in.
 
 Two tasks, one for each, took a turn each: a request waited for both (a recovery's step of 250 records and
 a sweep of 512 blocks, ~8 ms at 10^6 blocks), and a client looking up every 10 ms fell seconds behind
-(docs/benchmarks.md, "Blocks at rest"). In one slice, the blocks a step adopted are put to rest in the
+(docs/benchmarks.md, "A restart's work in slices"). In one slice, the blocks a step adopted are put to rest in the
 same turn, before the next step adopts more: the objects they were are what the next step's take.
 """
 

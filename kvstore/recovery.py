@@ -42,8 +42,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from itertools import compress
 from contextlib import ExitStack
+from itertools import compress
 from typing import Callable, Iterable
 
 import numpy as np

@@ -43,6 +43,7 @@ import asyncio
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
+from kvstore.background import Background
 from kvstore.clearing import ALL_AT_ONCE, at_once, clear_steps, remove_steps
 from kvstore.compaction import Compactor
 from kvstore.compression import Compression
@@ -56,7 +57,6 @@ from kvstore.keys import ROOT_HASH, Namespace, block_key, note_block_bytes, ns_t
 from kvstore.placement import Placement
 from kvstore.promotion import PRESENT_MISS, Promoter
 from kvstore.recovery import Recovery
-from kvstore.background import Background
 from kvstore.resting import Resting
 from kvstore.sharing import RemoteSharing, SharingOptions
 from kvstore.store_check import check, describe_blocks, store_stats
