@@ -515,9 +515,13 @@ def goals(rows: list[dict]) -> list[str]:
     vs = [r["lookups_vs_mooncake"] for r in rows if "lookups_vs_mooncake" in r]
     out.append(line(min(vs) >= 1.2 if vs else None, "lookups >= 1.2x mooncake_master's: "
                     + (", ".join(f"{v:.2f}x" for v in vs) if vs else "no mooncake_master in this run")))
-    out.append(line(top["read_us_per_block"] <= 4, f"reads <= 4 us a block {at}: {top['read_us_per_block']:.2f} us"))
-    out.append(line(top["write_full_us_per_block"] <= 8, f"full-tier writes <= 8 us a block {at}: "
-                     f"{top['write_full_us_per_block']:.1f} us (each also evicts from the disk tier below)"))
+    parts = ("the default policy's bookkeeping and the store core, per block in Python: bench_control_plane.py's goal "
+             "lines split them against LRU in one run")
+    read, write, disk = top["read_us_per_block"], top["write_full_us_per_block"], top.get("write_full_disk") or {}
+    out.append(line(read <= 4, f"reads <= 4 us a block {at}: {read:.2f} us" + ("" if read <= 4 else f" ({parts})")))
+    out.append(line(write <= 8, f"full-tier writes <= 8 us a block {at}: {write:.1f} us" + ("" if write <= 8 else
+                    f" (each also demotes a block into the disk tier and evicts one from it: {disk.get('writes', 0):,} "
+                    f"disk writes and {disk.get('fsyncs', 0):,} fsyncs in these rounds; the rest is {parts})")))
     slowest = max(r["restart_s"] for r in rows)
     out.append(line(slowest < 1, f"restart (stop to serving) < 1 s at every size: {slowest:.3f} s at most"))
     return out
