@@ -112,6 +112,7 @@ SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
 NS = Namespace("bench-scale", "bf16", 1, 1, 128, 16, BLOCK_BYTES)
 LOOKUP = 32  # blocks per lookup
 SAMPLE_CHAINS = 256  # chains whose hashes are kept for the lookups and the restart's check
+SEGMENT_KEYS = 1 << 19  # keys a mooncake_master segment takes here (its allocator refused the 2^20-th: "insufficient space")
 
 
 def chain_hashes(seed: int, c: int, length: int) -> list[bytes]:
@@ -310,8 +311,9 @@ def reads(client: KVClient, ns: str, chains: list[list[bytes]], batch: int, roun
 
 
 def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], tmp: str, ns: str):
-    """A mooncake_master holding n keys (the blocks' names), and the sample chains' keys; (None, None,
-    why) where Mooncake cannot load."""
+    """A mooncake_master holding n keys (the blocks' names) in segments of at most SEGMENT_KEYS, one client
+    a segment (the first one puts and looks up), and the sample chains' keys: (master, clients, keys, "");
+    (None, None, None, why) where Mooncake cannot load or take them."""
     try:
         from kvstore.tiers.remote import RemoteUnavailable, load_mooncake, master_binary
 
@@ -322,13 +324,22 @@ def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], 
     from kvstore.tools.harness.remote_env import Master
 
     master = Master(log_path=os.path.join(tmp, "master.log")).start()
-    store = mc.MooncakeDistributedStore()
-    segment = max(64 << 20, n * 128)
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", f"127.0.0.1:{master.port}")
-    if rc != 0:
+    stores: list = []
+
+    def failed(why: str) -> tuple:
+        for s in stores:
+            s.close()
         master.kill()
-        return None, None, None, f"Mooncake setup failed (code {rc})"
-    value = b"\0" * 64
+        return None, None, None, why
+
+    per = -(-n // (-(-n // SEGMENT_KEYS)))  # (the keys spread evenly over the segments)
+    for _ in range(-(-n // SEGMENT_KEYS)):
+        stores.append(mc.MooncakeDistributedStore())
+        rc = stores[-1].setup("127.0.0.1", "P2PHANDSHAKE", max(64 << 20, per * 128), 16 << 20, "tcp", "",
+                              f"127.0.0.1:{master.port}")
+        if rc != 0:
+            return failed(f"Mooncake setup failed (code {rc})")
+    store, value = stores[0], b"\0" * 64
     keys_of = lambda c: [f"kvstore/v1/{ns}/{h.hex()}" for h in chain_hashes(seed, c, lengths[c])]  # noqa: E731
     for c in range(len(lengths)):
         keys = keys_of(c)
@@ -336,10 +347,8 @@ def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], 
             part = keys[i : i + 512]
             rcs = store.put_batch(part, [value] * len(part))
             if rcs != 0 and (not isinstance(rcs, list) or any(rcs)):
-                store.close()
-                master.kill()
-                return None, None, None, "Mooncake put_batch failed"
-    return master, store, [keys_of(c) for c in sample_ids], ""
+                return failed("Mooncake put_batch failed")
+    return master, stores, [keys_of(c) for c in sample_ids], ""
 
 
 def disk_recovery(folder: str, disk_blocks: int, policy: str) -> dict:
@@ -401,16 +410,16 @@ def run_size(tmp: str, n: int, args: argparse.Namespace) -> dict:
             row["rss_bytes_per_block"] = round((rss_anon(d.proc.pid) - rss0) / n, 1)
             row["staging_held_bytes"] = st["tiers"]["disk"].get("staging_held_bytes", 0)  # in that RSS, not per block
             samples = [chain_hashes(1, c, lengths[c]) for c in sample_ids]
-            master = mc_store = None
+            master = mc_stores = None
             mc_keys = None
             if args.mooncake:
-                master, mc_store, mc_keys, why = mooncake_with(n, 1, lengths, sample_ids, folder, ns)
+                master, mc_stores, mc_keys, why = mooncake_with(n, 1, lengths, sample_ids, folder, ns)
                 if why:
                     row["mooncake_skipped"] = why
             try:
-                row.update(lookups(client, ns, samples, args.lookups, mc_store, mc_keys))
+                row.update(lookups(client, ns, samples, args.lookups, mc_stores[0] if mc_stores else None, mc_keys))
             finally:
-                if mc_store is not None:
+                for mc_store in mc_stores or ():
                     mc_store.close()
                 if master is not None:
                     master.kill()
