@@ -332,8 +332,9 @@ def mooncake_with(n: int, seed: int, lengths: list[int], sample_ids: list[int], 
         master.kill()
         return None, None, None, why
 
-    per = -(-n // (-(-n // SEGMENT_KEYS)))  # (the keys spread evenly over the segments)
-    for _ in range(-(-n // SEGMENT_KEYS)):
+    segments = -(-n // SEGMENT_KEYS)
+    per = -(-n // segments)  # (the keys spread evenly over the segments)
+    for _ in range(segments):
         stores.append(mc.MooncakeDistributedStore())
         rc = stores[-1].setup("127.0.0.1", "P2PHANDSHAKE", max(64 << 20, per * 128), 16 << 20, "tcp", "",
                               f"127.0.0.1:{master.port}")
