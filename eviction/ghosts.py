@@ -32,8 +32,6 @@ index.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import mmap
 import struct
@@ -48,7 +46,9 @@ MAPPED_FROM = 64 << 10  # an array of this many bytes or more is a mapping of it
 # (`Ghosts._compact`): ~256 a put, so all have moved after 1/128 of the puts the new log has room for.
 MOVE_STEP = 16_384
 MOVE_EVERY = 64
-MADV_POPULATE_WRITE = 23  # (Linux's; Python's mmap module names it from 3.12 on)
+# The moves write the new table's slots at random, and a first write to each of its pages (64 MB for 2^22
+# ghosts) made the first step 25-33 ms: first its pages are faulted in, FAULT_STEP bytes a put.
+FAULT_STEP = 1 << 20
 
 # The most ghosts a table holds whatever its tier's size: 16 x a tier of 10^7 blocks would be 1.6 x 10^8
 # ghosts, ~10 GB of history for one tier. 2^22 ghosts are ~250 MB (50-85 B each, above) and cover the last
@@ -109,7 +109,7 @@ class Ghosts:
         if self._old is not None:  # (a ghost not moved yet: in the arrays being compacted)
             q = self._probe_old(h)
             if q >= 0:
-                _, _, live_o, _, val_o, _, _ = self._old
+                live_o, val_o = self._old[2], self._old[4]
                 live_o[q] = 0
                 self._n -= 1
                 return val_o[q] if self.width == 1 else self._record.unpack_from(val_o, q * self._record.size)
@@ -181,33 +181,32 @@ class Ghosts:
     def trim(self, limit: float) -> None:
         """Forget the oldest ghosts until at most `limit` are left."""
         live, head, n = self._find_in[2], self._head, self._n
-        old = self._old
-        if old is None:
-            while n > limit:
-                if live[head]:
-                    live[head] = 0
+        while n > limit:
+            old = self._old
+            if old is not None and head == old[6]:  # the oldest is one a compaction kept and has not moved
+                if self._forget_unmoved():
                     n -= 1
-                head += 1
-        else:  # the oldest are the ghosts a compaction kept: those not moved yet are in its arrays
-            live_o, order, moved = old[2], old[5], old[6]
-            while n > limit:
-                if moved <= head < len(order):
-                    q = int(order[head])
-                    if live_o[q]:
-                        live_o[q] = 0
-                        n -= 1
-                elif live[head]:
-                    live[head] = 0
-                    n -= 1
-                head += 1
+                    head += 1  # (the place kept for it stays empty)
+                continue
+            if live[head]:
+                live[head] = 0
+                n -= 1
+            head += 1
         self._head, self._n = head, n
 
     # -- compaction: the live ghosts into fresh arrays, moved a step at a time when they are many ----------
     def _moved_put(self, limit: float | None) -> None:
         """The rest of a put while a compaction's ghosts move: `trim(limit)`, and a step of the move
-        every MOVE_EVERY puts."""
+        every MOVE_EVERY puts, once the new table's pages are in (FAULT_STEP bytes of them a put)."""
         if limit is not None and self._n > limit:
             self.trim(limit)
+        old = self._old
+        if old is None:  # (the trim forgot the last kept ghosts not moved)
+            return
+        slots = self._find_in[0]
+        if old[8] < slots.nbytes:
+            old[8] = _fault_in(slots, old[8], FAULT_STEP)
+            return
         self._puts += 1
         if self._puts >= MOVE_EVERY:
             self._puts = 0
@@ -219,29 +218,69 @@ class Ghosts:
         return self._probe(h, self._old[:4])[1] - 1  # type: ignore[index]
 
     def _migrate(self, count: int) -> None:
-        """Move the next `count` ghosts the compaction kept (those still live) to their places in the
-        new arrays, and into the new table; the old arrays go once all have moved."""
+        """Move the next `count` live ghosts the compaction kept, oldest first, to the next places in the
+        new arrays, and into the new table; the old arrays go once all have moved. The old log is scanned
+        as they move (from `old[5]`), so a compaction makes no list of them."""
         old = self._old
         assert old is not None
-        _, fp_o, live_o, _, val_o, order, moved = old
-        end = min(moved + count, len(order))
-        qs = order[moved:end]
-        alive = np.frombuffer(live_o, np.uint8)[qs] != 0
-        qs = qs[alive]
-        ps = np.arange(moved, end, dtype=np.int64)[alive]
-        slots, fp, live, mask = self._find_in
-        w = self.width
-        fps = np.frombuffer(fp_o, np.int64)[qs]
-        np.frombuffer(fp, np.int64)[ps] = fps
-        np.frombuffer(self._val, np.float64).reshape(-1, w)[ps] = np.frombuffer(val_o, np.float64).reshape(-1, w)[qs]
-        np.frombuffer(live, np.uint8)[ps] = 1
-        np.frombuffer(live_o, np.uint8)[qs] = 0  # (moved: the old table no longer answers for them)
-        _place(np.frombuffer(slots, np.int32), fps & mask, ps, mask)
-        old[6] = end
-        if end == len(order):  # all moved: the old arrays are unmapped off the loop (~70 ms for 300 MB)
-            self._old = None
-            threading.Thread(target=_unmap, args=(old[:3] + old[4:5],), name="kvstore-ghosts-unmap",
-                             daemon=True).start()
+        _, fp_o, live_o, _, val_o, q, moved, end, _ = old
+        live_a = np.frombuffer(live_o, np.uint8)
+        parts, got = [], 0
+        while got < count and q < end:
+            stop = min(q + 2 * (count - got), end)  # (two thirds of a log's positions are live, or more)
+            idx = np.flatnonzero(live_a[q:stop])
+            if len(idx) > count - got:
+                idx = idx[: count - got]
+                stop = q + int(idx[-1]) + 1
+            parts.append(idx + q)
+            got += len(idx)
+            q = stop
+        if got:
+            qs = np.concatenate(parts)
+            ps = np.arange(moved, moved + got, dtype=np.int64)
+            slots, fp, live, mask = self._find_in
+            w = self.width
+            fps = np.frombuffer(fp_o, np.int64)[qs]
+            np.frombuffer(fp, np.int64)[ps] = fps
+            np.frombuffer(self._val, np.float64).reshape(-1, w)[ps] = \
+                np.frombuffer(val_o, np.float64).reshape(-1, w)[qs]
+            np.frombuffer(live, np.uint8)[ps] = 1
+            live_a[qs] = 0  # (moved: the old table no longer answers for them)
+            _place(np.frombuffer(slots, np.int32), fps & mask, ps, mask)
+        old[5], old[6] = q, moved + got
+        if q == end:
+            self._moved_all()
+
+    def _forget_unmoved(self) -> bool:
+        """Forget the oldest ghost the compaction kept and has not moved (`trim` meets it): its place in
+        the new arrays is passed over. False if none is left (the old arrays go)."""
+        old = self._old
+        live_o, q, end = old[2], old[5], old[7]
+        if q < end and not live_o[q]:  # (popped before it moved: the next live one, a span at a time)
+            live_a = np.frombuffer(live_o, np.uint8)
+            while q < end:
+                stop = min(q + 4096, end)
+                i = int(live_a[q:stop].argmax())
+                if live_a[q + i]:
+                    q += i
+                    break
+                q = stop
+        if q == end:
+            old[5] = end
+            self._moved_all()
+            return False
+        live_o[q] = 0
+        old[5], old[6] = q + 1, old[6] + 1
+        if q + 1 == end:
+            self._moved_all()
+        return True
+
+    def _moved_all(self) -> None:
+        """Every kept ghost has moved (or was forgotten): the old arrays are unmapped off the loop (~70 ms
+        for 300 MB)."""
+        old, self._old = self._old, None
+        threading.Thread(target=_unmap, args=(old[:3] + old[4:5],), name="kvstore-ghosts-unmap",
+                         daemon=True).start()
 
     def _probe(self, h: int, find_in: tuple | list | None = None) -> tuple[int, int]:
         """(slot, its entry) of the live ghost with fingerprint `h`; else (the first free slot of its
@@ -260,26 +299,26 @@ class Ghosts:
         MIN_FREE more). Past MOVE_STEP of them they are not moved at once (a table of 2^22 ghosts took
         0.5 s, with the daemon's loop stopped): their places are kept at the start of the new log and
         they move MOVE_STEP at a time, every MOVE_EVERY puts (`_migrate`), while the old arrays answer
-        for those not moved yet. They have all moved long before the new log's free positions are used."""
+        for those not moved yet. They have all moved long before the new log's free positions are used.
+        Nothing here is as long as the log: listing the kept ghosts' positions (two arrays of 8 B a ghost,
+        on fresh pages) held the loop 110-380 ms at 2^22; `_migrate` finds them in the old log as they move."""
         if self._old is not None:  # (the last compaction's ghosts, all moved first)
-            self._migrate(len(self._old[5]))
+            self._migrate(self._old[7] - self._old[5])
         _, fp, live, _ = self._find_in
         head, tail = self._head, self._tail
-        kept = np.frombuffer(live, np.uint8)[head:tail].astype(bool)
+        kept = np.frombuffer(live, np.bool_)[head:tail]  # (live bytes are 0 or 1)
         n = int(np.count_nonzero(kept))
         if n <= MOVE_STEP:
             fps = np.frombuffer(fp, np.int64)[head:tail][kept]
             vals = np.frombuffer(self._val, np.float64).reshape(-1, self.width)[head:tail][kept]
             self._layout(n + max(n // 2, MIN_FREE), fps, vals)
             return
-        old = [*self._find_in, self._val, np.flatnonzero(kept) + head, 0]  # (its order: oldest first)
+        # The old arrays, where the next to move is (from `head`), how many have their places, the old log's
+        # end, and how many bytes of the new table are faulted in (`_moved_put`).
+        old = [*self._find_in, self._val, head, 0, tail, 0]
         self._layout(n + max(n // 2, MIN_FREE), np.zeros(0, np.int64), np.zeros((0, self.width)))
         self._tail = self._n = n  # (positions 0..n-1: the kept ghosts' places, filled as they move)
         self._old, self._puts = old, 0
-        # The new table's pages are faulted in off the loop: the moves write its slots at random, and a
-        # first write to each of its pages (64 MB for 2^22 ghosts) was ~40 ms of the first steps.
-        threading.Thread(target=_populate, args=(self._find_in[0],), name="kvstore-ghosts-populate",
-                         daemon=True).start()
 
     def _layout(self, positions: int, fps: np.ndarray, vals: np.ndarray) -> None:
         """Fresh arrays of `positions` holding the ghosts `fps`/`vals` first, and their table. Each large
@@ -313,21 +352,12 @@ def _place(table: np.ndarray, want: np.ndarray, positions: np.ndarray, mask: int
         want[waiting] = (want[waiting] + 1) & mask
 
 
-def _populate(view: memoryview) -> None:
-    """Fault in the pages of the mapping under `view` (MADV_POPULATE_WRITE, Linux 5.14+; elsewhere a
-    no-op), in a thread of its own: ctypes calls do not hold the GIL, and populating changes no byte."""
-    if not isinstance(view.obj, mmap.mmap):
-        return
-    try:
-        arr = np.frombuffer(view, np.uint8)
-        _libc().madvise(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes), MADV_POPULATE_WRITE)
-    except (OSError, AttributeError, ValueError):
-        pass
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+def _fault_in(view: memoryview, start: int, step: int) -> int:
+    """Write every page of `view`'s bytes from `start` on, `step` bytes of them, with the byte it holds
+    (faulting each in, changing none); where it stopped."""
+    pages = np.frombuffer(view, np.uint8)[start : start + step : mmap.PAGESIZE]
+    pages |= 0
+    return min(start + step, view.nbytes)
 
 
 def _unmap(views: list) -> None:

@@ -88,6 +88,35 @@ def test_a_large_compaction_moves_its_ghosts_in_steps_and_each_comes_back(monkey
     assert len(g) == len(model) and all(g.pop(k) == v for k, v in model.items()) and len(g) == 0
 
 
+@pytest.mark.parametrize("returned", ["all but the newest three", "every one"])
+def test_trims_that_reach_ghosts_not_moved_yet_forget_them_where_they_are(monkeypatch, returned):
+    """A compaction lists none of its ghosts: they are found in its old log as they move, and a trim
+    that reaches the oldest not moved yet forgets it there (passing over those returned meanwhile, and
+    letting the old arrays go once none is left): the order stays an OrderedDict's."""
+    import kvstore.eviction.ghosts as ghosts
+
+    monkeypatch.setattr(ghosts, "MIN_FREE", 64)
+    monkeypatch.setattr(ghosts, "MOVE_STEP", 100)
+    monkeypatch.setattr(ghosts, "MOVE_EVERY", 10**9)  # (no puts move them: only trims and compactions)
+    g, model, i = Ghosts(), OrderedDict(), 0
+    while g._old is None:
+        g.put(i, float(i))
+        model[i] = float(i)
+        i += 1
+    kept = list(model)  # (none has moved yet: all are in the old log)
+    for k in kept[:-3] if returned == "all but the newest three" else kept:
+        assert g.pop(k) == model.pop(k)
+    for k in range(i, i + 50):  # new ghosts after the kept ones
+        g.put(k, float(k))
+        model[k] = float(k)
+    while model:
+        key = next(iter(model))
+        g.trim(len(model) - 1)
+        model.popitem(last=False)
+        assert key not in g and len(g) == len(model) and all(k in g for k in model)
+    assert g._old is None
+
+
 def test_a_wide_ghost_comes_back_exactly_and_a_wrong_width_changes_nothing():
     g = Ghosts(4)
     values = (0.1, -1e-300, math.inf, -0.0)
