@@ -225,18 +225,9 @@ class Ghosts:
         assert old is not None
         _, fp_o, live_o, _, val_o, q, moved, end, _ = old
         live_a = np.frombuffer(live_o, np.uint8)
-        parts, got = [], 0
-        while got < count and q < end:
-            stop = min(q + 2 * (count - got), end)  # (two thirds of a log's positions are live, or more)
-            idx = np.flatnonzero(live_a[q:stop])
-            if len(idx) > count - got:
-                idx = idx[: count - got]
-                stop = q + int(idx[-1]) + 1
-            parts.append(idx + q)
-            got += len(idx)
-            q = stop
+        qs, q = _live_from(live_a, q, end, count)
+        got = len(qs)
         if got:
-            qs = np.concatenate(parts)
             ps = np.arange(moved, moved + got, dtype=np.int64)
             slots, fp, live, mask = self._find_in
             w = self.width
@@ -255,23 +246,14 @@ class Ghosts:
         """Forget the oldest ghost the compaction kept and has not moved (`trim` meets it): its place in
         the new arrays is passed over. False if none is left (the old arrays go)."""
         old = self._old
-        live_o, q, end = old[2], old[5], old[7]
-        if q < end and not live_o[q]:  # (popped before it moved: the next live one, a span at a time)
-            live_a = np.frombuffer(live_o, np.uint8)
-            while q < end:
-                stop = min(q + 4096, end)
-                i = int(live_a[q:stop].argmax())
-                if live_a[q + i]:
-                    q += i
-                    break
-                q = stop
-        if q == end:
-            old[5] = end
+        live_o, end = old[2], old[7]
+        qs, q = _live_from(np.frombuffer(live_o, np.uint8), old[5], end, 1)  # (past those popped before they moved)
+        if not len(qs):
             self._moved_all()
             return False
-        live_o[q] = 0
-        old[5], old[6] = q + 1, old[6] + 1
-        if q + 1 == end:
+        live_o[int(qs[0])] = 0
+        old[5], old[6] = q, old[6] + 1
+        if q == end:
             self._moved_all()
         return True
 
@@ -350,6 +332,22 @@ def _place(table: np.ndarray, want: np.ndarray, positions: np.ndarray, mask: int
         table[at[free]] = positions[waiting[free]] + 1
         waiting = waiting[table[at] != positions[waiting] + 1]
         want[waiting] = (want[waiting] + 1) & mask
+
+
+def _live_from(live: np.ndarray, q: int, end: int, count: int) -> tuple[np.ndarray, int]:
+    """The positions of the next `count` live ghosts from `q` on (fewer where `end` comes first), and where
+    the scan stopped: past the last one found, or at `end`."""
+    parts, got = [], 0
+    while got < count and q < end:
+        stop = min(q + max(2 * (count - got), 4096), end)  # (two thirds of a log's positions are live, or more)
+        idx = np.flatnonzero(live[q:stop])
+        if len(idx) > count - got:
+            idx = idx[: count - got]
+            stop = q + int(idx[-1]) + 1
+        parts.append(idx + q)
+        got += len(idx)
+        q = stop
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), q
 
 
 def _fault_in(view: memoryview, start: int, step: int) -> int:
